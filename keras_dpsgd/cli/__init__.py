@@ -1,0 +1,51 @@
+"""The ``keras-dpsgd`` command line.
+
+Each subcommand lives in its own module of this package and exposes
+``register(subparsers)``, which adds a parser whose ``func(args)`` runs it and
+returns a dict (printed as one JSON object under ``--json``) or None.
+Bad input raises ``ValueError``: printed as one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# Modules of this package that define subcommands, in help order.
+_SUBCOMMAND_MODULES = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-dpsgd",
+        description="Differentially private training for tf_keras: accounting, planning, training.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(f"keras_dpsgd.cli.{name}").register(subparsers)
+    return parser
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.func(args)
+    except ValueError as err:
+        print(f"keras-dpsgd {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    if getattr(args, "json", False) and result is not None:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
