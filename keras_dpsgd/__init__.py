@@ -21,6 +21,7 @@ _LAZY = {
     "DPAdamOptimizer": "keras_dpsgd.optimizer",
     "make_dp_optimizer": "keras_dpsgd.optimizer",
     # data sampling and callbacks
+    "PoissonLots": "keras_dpsgd.sampling",
     # pca
     # tools
 }

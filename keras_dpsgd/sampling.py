@@ -1,0 +1,374 @@
+"""Poisson-sampled lots for ``model.fit``: the sampling the accountant assumes.
+
+Poisson sampling versus shuffling
+---------------------------------
+The moments/RDP accountant of Abadi et al. (2016, Section 3.1) amplifies
+privacy by sub-sampling: at every step each of the N examples enters the lot
+*independently* with probability q = L/N, so the lot size is random
+(Binomial(N, q), possibly 0) and whether one example was used says nothing
+about the others. The usual Keras input pipeline instead shuffles the data and
+cuts it into fixed-size batches of B examples: every example is used exactly
+once per epoch, batches within an epoch are disjoint, and the batch size is
+fixed. That is a different mechanism, and the Poisson ε reported for it is not
+a proven bound (Chua et al. 2024, "How private are DP-SGD implementations?",
+show real gaps). TF Privacy reports the Poisson ε for shuffled batches anyway;
+here the honest path is the easy one: :class:`PoissonLots` draws real Poisson
+lots, and the ledger (:mod:`keras_dpsgd.ledger`) warns when it has to assume
+Poisson sampling for data it did not sample.
+
+Fixed shapes
+------------
+A Poisson lot has a random size, so each lot is padded to a fixed physical size
+with examples of ``sample_weight`` 0 (zeros, so finite). A weight-0 example has
+per-example loss 0 and gradient 0: it adds nothing to the clipped sum, and the
+optimizer divides the noised sum by the *expected* lot size L (Abadi et al.
+2016, Algorithm 1, with the normalization of their Section 3.1), never by the
+padded or the realized size. The padded size (``max_lot_size``) is the
+Binomial(N, q) quantile with tail probability ``overflow_probability``
+(default 1e-9, about mean + 6 standard deviations). A lot larger than that
+(an overflow) is never truncated: it is emitted in a bigger bucket (the next
+multiple of the physical batch size), which costs at most one retrace, and is
+counted in :attr:`PoissonLots.overflow_count`. Large lots can be split into
+``gradient_accumulation_steps`` physical batches of ``physical_batch_size``
+rows each (use the same number in the optimizer's
+``gradient_accumulation_steps``).
+
+Secrecy of the sampling
+-----------------------
+Amplification by sub-sampling holds only while the lots stay secret. With
+``seed=None`` (the default) the generator draws its seed from the operating
+system. A fixed ``seed`` is for tests and reproducible experiments; anyone who
+knows it knows every lot, which voids the amplification.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import tensorflow as tf
+from scipy import stats
+
+_LOG = logging.getLogger("keras_dpsgd")
+
+
+def _leaves(structure: Any) -> list:
+    return tf.nest.flatten(structure)
+
+
+def _as_numpy_structure(structure: Any, name: str) -> Any:
+    if structure is None:
+        raise ValueError(f"{name} must be an array or a nested structure of arrays, got None")
+    return tf.nest.map_structure(np.asarray, structure)
+
+
+def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability: float) -> int:
+    """Smallest k with P(Binomial(N, q) > k) <= overflow_probability."""
+    if sampling_rate >= 1.0:
+        return num_examples
+    k = int(stats.binom.isf(overflow_probability, num_examples, sampling_rate))
+    return int(min(num_examples, max(1, k)))
+
+
+class PoissonLots:
+    """Lots drawn by Poisson sampling, as a ``tf.data.Dataset`` for ``fit``.
+
+    Every step draws a fresh, independent Poisson sample of the examples: each
+    example is in the lot with probability q, independently of the other
+    examples and of the other steps (Abadi et al. 2016, Algorithm 1, "Take a
+    random sample L_t with sampling probability L/N"). Lots may be empty; no
+    example is repeated within a lot; none is dropped (see the module
+    docstring on overflow).
+
+    Usage::
+
+        lots = PoissonLots(x_train, y_train, expected_lot_size=256)
+        optimizer = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                   gradient_accumulation_steps=lots.gradient_accumulation_steps)
+        lots.configure(optimizer)  # sets expected_lot_size = qN and sampling_rate = q
+        model.compile(optimizer=optimizer, loss=...)
+        model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=...)
+
+    The dataset yields ``(x, y, sample_weight)`` physical batches whose batch
+    dimension is ``None`` in the element spec (so ``train_step`` is traced
+    once); padded rows are zeros with ``sample_weight`` 0.
+
+    Args:
+      x: inputs, an array or a nested structure (dict/list/tuple) of arrays
+        sharing the first dimension N.
+      y: targets, same convention as `x`.
+      sampling_rate: q in (0, 1]. Exactly one of `sampling_rate` and
+        `expected_lot_size` must be given.
+      expected_lot_size: L = qN, in (0, N].
+      sample_weight: optional per-example weights of shape (N,), >= 0, passed
+        through for the sampled examples (padding gets weight 0).
+      physical_batch_size: rows per physical batch; None for one physical
+        batch per lot (of `max_lot_size` rows). Otherwise each lot is split
+        into `gradient_accumulation_steps` = ceil(capacity / physical_batch_size)
+        physical batches.
+      max_lot_size: the lot capacity; None for the Binomial(N, q) quantile
+        with tail `overflow_probability`.
+      overflow_probability: per-step probability that a lot exceeds the
+        default capacity, in (0, 1).
+      seed: None (default: entropy from the operating system) or an integer
+        for reproducible sampling (see "Secrecy of the sampling").
+
+    Raises:
+      ValueError: on invalid arguments (the message names the argument).
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        sampling_rate: Optional[float] = None,
+        expected_lot_size: Optional[float] = None,
+        sample_weight: Any = None,
+        physical_batch_size: Optional[int] = None,
+        max_lot_size: Optional[int] = None,
+        overflow_probability: float = 1e-9,
+        seed: Optional[int] = None,
+    ):
+        self._x = _as_numpy_structure(x, "x")
+        self._y = _as_numpy_structure(y, "y")
+        sizes = {leaf.shape[0] if leaf.ndim else None for leaf in _leaves(self._x) + _leaves(self._y)}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(f"x and y must be arrays sharing their first dimension, got sizes {sorted(map(str, sizes))}")
+        n = int(sizes.pop())
+        if n < 1:
+            raise ValueError(f"x must hold at least 1 example, got {n}")
+        self._n = n
+        if sample_weight is None:
+            self._weights = None
+        else:
+            w = np.asarray(sample_weight, dtype=np.float32)
+            if w.shape != (n,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+                raise ValueError(
+                    f"sample_weight must be finite, >= 0 and of shape ({n},), got shape {w.shape}"
+                )
+            self._weights = w
+        if (sampling_rate is None) == (expected_lot_size is None):
+            raise ValueError(
+                "exactly one of sampling_rate and expected_lot_size must be given, got "
+                f"sampling_rate={sampling_rate!r}, expected_lot_size={expected_lot_size!r}"
+            )
+        if sampling_rate is not None:
+            q = float(sampling_rate)
+            if not 0.0 < q <= 1.0:
+                raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+        else:
+            lot = float(expected_lot_size)
+            if not 0.0 < lot <= n:
+                raise ValueError(f"expected_lot_size must be in (0, {n}], got {expected_lot_size!r}")
+            q = lot / n
+        self._q = q
+        if not 0.0 < float(overflow_probability) < 1.0:
+            raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
+        if max_lot_size is None:
+            capacity = _lot_capacity(n, q, float(overflow_probability))
+        else:
+            if isinstance(max_lot_size, bool) or int(max_lot_size) != max_lot_size or not 1 <= max_lot_size <= n:
+                raise ValueError(f"max_lot_size must be an integer in [1, {n}], got {max_lot_size!r}")
+            capacity = int(max_lot_size)
+        if physical_batch_size is None:
+            self._physical = capacity
+            self._accum = 1
+        else:
+            if (
+                isinstance(physical_batch_size, bool)
+                or int(physical_batch_size) != physical_batch_size
+                or physical_batch_size < 1
+            ):
+                raise ValueError(f"physical_batch_size must be an integer >= 1, got {physical_batch_size!r}")
+            self._physical = int(physical_batch_size)
+            self._accum = max(1, math.ceil(capacity / self._physical))
+        self._capacity = self._physical * self._accum
+        if seed is not None and (isinstance(seed, bool) or int(seed) != seed):
+            raise ValueError(f"seed must be None or an integer, got {seed!r}")
+        # One generator for the life of the object: a second iteration of the
+        # dataset continues the stream instead of replaying the same lots.
+        self._rng = np.random.default_rng(seed)
+        self.overflow_count = 0
+
+    # ---------------------------------------------------------------- facts
+    @property
+    def num_examples(self) -> int:
+        """N, the number of examples."""
+        return self._n
+
+    @property
+    def sampling_rate(self) -> float:
+        """q, the probability that an example is in a given lot."""
+        return self._q
+
+    @property
+    def expected_lot_size(self) -> float:
+        """L = qN, the expected lot size (the optimizer's normalizer)."""
+        return self._q * self._n
+
+    @property
+    def physical_batch_size(self) -> int:
+        """Rows per physical batch (without overflow)."""
+        return self._physical
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Physical batches per lot; use it as the optimizer's gradient_accumulation_steps."""
+        return self._accum
+
+    @property
+    def max_lot_size(self) -> int:
+        """Lot capacity before overflow: physical_batch_size * gradient_accumulation_steps."""
+        return self._capacity
+
+    @property
+    def lots_per_epoch(self) -> int:
+        """ceil(1/q): lots per "epoch" (N/L examples on average)."""
+        return max(1, math.ceil(1.0 / self._q - 1e-9))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Physical batches per epoch, for ``fit(steps_per_epoch=...)``."""
+        return self.lots_per_epoch * self._accum
+
+    # ------------------------------------------------------------- sampling
+    def sample_indices(self) -> np.ndarray:
+        """Draws one lot: the indices of the selected examples, in random order.
+
+        Each example is selected independently with probability q (so the
+        size is Binomial(N, q)); the indices are distinct.
+        """
+        selected = np.flatnonzero(self._rng.random(self._n) < self._q)
+        return self._rng.permutation(selected)
+
+    def _physical_rows(self, lot_size: int) -> int:
+        if lot_size <= self._capacity:
+            return self._physical
+        # Overflow: a bigger bucket (a multiple of the physical batch size),
+        # never a truncated lot.
+        self.overflow_count += 1
+        if self.overflow_count == 1:
+            _LOG.warning(
+                "PoissonLots: a lot of %d examples exceeded the capacity %d; it is emitted in a "
+                "bigger padded batch (no example is dropped; this may retrace train_step once).",
+                lot_size,
+                self._capacity,
+            )
+        per_batch = math.ceil(lot_size / self._accum)
+        return math.ceil(per_batch / self._physical) * self._physical
+
+    def _gather(self, indices: np.ndarray, rows: int) -> tuple:
+        def take(a):
+            out = np.zeros((rows,) + a.shape[1:], dtype=a.dtype)
+            out[: len(indices)] = a[indices]
+            return out
+
+        x = tf.nest.map_structure(take, self._x)
+        y = tf.nest.map_structure(take, self._y)
+        w = np.zeros((rows,), dtype=np.float32)
+        w[: len(indices)] = 1.0 if self._weights is None else self._weights[indices]
+        return x, y, w
+
+    def lots(self, num_lots: Optional[int] = None) -> Iterator[tuple]:
+        """Yields padded physical batches ``(x, y, sample_weight)``.
+
+        Each lot yields `gradient_accumulation_steps` physical batches.
+
+        Args:
+          num_lots: number of lots to draw; None for an endless stream.
+        """
+        if num_lots is not None and (int(num_lots) != num_lots or num_lots < 0):
+            raise ValueError(f"num_lots must be None or an integer >= 0, got {num_lots!r}")
+        drawn = 0
+        while num_lots is None or drawn < num_lots:
+            indices = self.sample_indices()
+            rows = self._physical_rows(len(indices))
+            x, y, w = self._gather(indices, rows * self._accum)
+            for b in range(self._accum):
+                part = slice(b * rows, (b + 1) * rows)
+                yield (
+                    tf.nest.map_structure(lambda a: a[part], x),
+                    tf.nest.map_structure(lambda a: a[part], y),
+                    w[part],
+                )
+            drawn += 1
+
+    def element_spec(self) -> tuple:
+        """The ``tf.data`` element spec (batch dimension None)."""
+
+        def spec(a):
+            return tf.TensorSpec(shape=(None,) + a.shape[1:], dtype=tf.as_dtype(a.dtype))
+
+        return (
+            tf.nest.map_structure(spec, self._x),
+            tf.nest.map_structure(spec, self._y),
+            tf.TensorSpec(shape=(None,), dtype=tf.float32),
+        )
+
+    def dataset(self, num_lots: Optional[int] = None) -> tf.data.Dataset:
+        """An endless (or `num_lots`-long) ``tf.data.Dataset`` of physical batches.
+
+        Use with ``fit(dataset, steps_per_epoch=self.steps_per_epoch)``.
+        """
+        return tf.data.Dataset.from_generator(
+            lambda: self.lots(num_lots), output_signature=self.element_spec()
+        ).prefetch(2)
+
+    def configure(self, optimizer: Any) -> Any:
+        """Tells a DP optimizer how its lots are drawn; returns it.
+
+        Sets ``optimizer.expected_lot_size = qN`` (the normalizer of the noised
+        sum) and ``optimizer.sampling_rate = q`` (for the accountant).
+
+        Raises:
+          ValueError: if the optimizer's gradient_accumulation_steps differs
+            from this sampler's.
+        """
+        accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+        if accum != self._accum:
+            raise ValueError(
+                f"optimizer.gradient_accumulation_steps must be {self._accum} (physical batches per "
+                f"lot of this PoissonLots), got {accum}"
+            )
+        optimizer.expected_lot_size = self.expected_lot_size
+        optimizer.sampling_rate = self._q
+        return optimizer
+
+    @classmethod
+    def from_dataset(cls, dataset: tf.data.Dataset, **kwargs) -> "PoissonLots":
+        """Builds Poisson lots from an *unbatched* finite ``tf.data.Dataset``.
+
+        Poisson sampling needs random access to every example, so the dataset
+        (elements ``(x, y)`` or ``(x, y, sample_weight)``, one example each) is
+        read once into memory. Its size N is counted while reading.
+
+        Args:
+          dataset: a finite dataset of single examples.
+          **kwargs: the keyword arguments of :class:`PoissonLots`.
+
+        Raises:
+          ValueError: if the dataset is infinite or its elements are not
+            ``(x, y)`` / ``(x, y, sample_weight)`` tuples.
+        """
+        if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+            raise ValueError("dataset must be finite to be Poisson-sampled, got an infinite dataset")
+        spec = dataset.element_spec
+        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
+            raise ValueError(f"dataset elements must be (x, y) or (x, y, sample_weight), got {spec}")
+        columns = None
+        for element in dataset.as_numpy_iterator():
+            if columns is None:
+                columns = [[] for _ in element]
+            for col, part in zip(columns, element):
+                col.append(part)
+        if columns is None:
+            raise ValueError("dataset must hold at least 1 example, got an empty dataset")
+        stacked = [tf.nest.map_structure(lambda *a: np.stack(a), *col) for col in columns]
+        if len(stacked) == 3:
+            if "sample_weight" in kwargs:
+                raise ValueError("sample_weight given twice: in the dataset and as an argument")
+            kwargs["sample_weight"] = stacked[2]
+        return cls(stacked[0], stacked[1], **kwargs)
