@@ -1,5 +1,19 @@
-"""The privacy accountant: pure numpy/scipy, importable without TensorFlow."""
+"""The privacy accountant: pure numpy/scipy, importable without TensorFlow.
 
+Events (:mod:`events`) record every access to the data; accountants
+(:mod:`accountants`) compose them and convert to (ε, δ); :mod:`planning` turns
+a budget into a noise multiplier, a number of steps or a lot-size table.
+"""
+
+from keras_dpsgd.accounting.accountants import (
+    ACCOUNTANTS,
+    MomentsAccountant,
+    PldAccountant,
+    PrivacyAccountant,
+    RdpAccountant,
+    make_accountant,
+)
+from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
     ComposedEvent,
     GaussianEvent,
@@ -9,13 +23,55 @@ from keras_dpsgd.accounting.events import (
     event_from_dict,
     flatten_events,
 )
+from keras_dpsgd.accounting.planning import (
+    batch_table,
+    calibrate_noise_multiplier,
+    check_delta,
+    compute_epsilon,
+    compute_epsilon_and_order,
+    compute_noise_multiplier,
+    default_delta,
+    effective_noise_multiplier,
+    max_steps_within_budget,
+    steps_for_epochs,
+)
+from keras_dpsgd.accounting.rdp import (
+    DEFAULT_ORDERS,
+    MOMENTS_ORDERS,
+    TF_PRIVACY_LEGACY_ORDERS,
+    rdp_gaussian,
+    rdp_poisson_subsampled_gaussian,
+)
 
 __all__ = [
+    "ACCOUNTANTS",
     "ComposedEvent",
+    "DEFAULT_ORDERS",
     "GaussianEvent",
+    "MOMENTS_ORDERS",
+    "MomentsAccountant",
+    "PldAccountant",
     "PoissonSampledGaussianEvent",
+    "PrivacyAccountant",
     "PrivacyEvent",
     "PrivacyLedger",
+    "RdpAccountant",
+    "TF_PRIVACY_LEGACY_ORDERS",
+    "batch_table",
+    "calibrate_noise_multiplier",
+    "check_delta",
+    "compute_epsilon",
+    "compute_epsilon_and_order",
+    "compute_noise_multiplier",
+    "default_delta",
+    "delta_from_rdp",
+    "effective_noise_multiplier",
+    "epsilon_from_rdp",
     "event_from_dict",
     "flatten_events",
+    "make_accountant",
+    "max_steps_within_budget",
+    "rdp_gaussian",
+    "rdp_poisson_subsampled_gaussian",
+    "steps_for_epochs",
 ]
