@@ -1,0 +1,236 @@
+"""Accounting and planning subcommands: ``epsilon``, ``noise``, ``batch-table``.
+
+Steps = ceil(E·N/B) and sampling rate q = B/N (Poisson sampling of lots of
+expected size B, as in Abadi et al. 2016). δ defaults to 1/N^1.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd.accounting import planning
+from keras_dpsgd.accounting.accountants import ACCOUNTANTS
+from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
+from keras_dpsgd.cli import add_json_flag
+
+_ACCOUNTANT_HELP = (
+    "rdp: RDP with the tight conversion (default); moments: Abadi et al. 2016 (integer orders <= 32, "
+    "classic conversion); pld: privacy loss distributions (needs dp_accounting: pip install keras-dpsgd[pld])"
+)
+
+
+def register(subparsers) -> None:
+    eps = subparsers.add_parser("epsilon", help="ε of a DP-SGD run", description="ε spent by a DP-SGD run.")
+    _add_data_args(eps, batch=True)
+    eps.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0")
+    _add_common_args(eps)
+    eps.set_defaults(func=run_epsilon)
+
+    noise = subparsers.add_parser(
+        "noise", help="noise multiplier for a target ε", description="Smallest σ that keeps a run within (ε, δ)."
+    )
+    noise.add_argument("--target-epsilon", type=float, required=True, metavar="X", help="target ε > 0")
+    _add_data_args(noise, batch=True)
+    _add_common_args(noise)
+    noise.set_defaults(func=run_noise)
+
+    table = subparsers.add_parser(
+        "batch-table",
+        help="noise per example versus lot size",
+        description="For each lot size L: the smallest σ spending (ε, δ) in E epochs, and σ/L "
+        "(Three Tools paper).",
+    )
+    table.add_argument("--target-epsilon", type=float, required=True, metavar="X", help="target ε > 0")
+    _add_data_args(table, batch=False)
+    table.add_argument(
+        "--lot-sizes",
+        nargs="+",
+        metavar="L",
+        help="lot sizes, space- or comma-separated (default: powers of two from 16 to N)",
+    )
+    table.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
+    _add_common_args(table)
+    table.set_defaults(func=run_batch_table)
+
+
+def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
+    parser.add_argument("--num-examples", type=int, required=True, metavar="N", help="training set size N")
+    if batch:
+        parser.add_argument("--batch-size", type=int, required=True, metavar="B", help="expected lot size B <= N")
+    parser.add_argument("--epochs", type=float, required=True, metavar="E", help="number of epochs (may be fractional)")
+
+
+def _add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1) (default 1/N^1.1)")
+    parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp", help=_ACCOUNTANT_HELP)
+    add_json_flag(parser)
+
+
+def _delta(args) -> float:
+    if args.delta is None:
+        return planning.default_delta(args.num_examples)
+    delta = V.check_delta(args.delta)
+    if args.num_examples >= 1 and delta >= 1.0 / args.num_examples:
+        print(
+            f"warning: delta {delta:g} >= 1/N = {1.0 / args.num_examples:.3g}: such a guarantee allows "
+            "publishing an example in the clear",
+            file=sys.stderr,
+        )
+    return delta
+
+
+def _context(args) -> dict:
+    steps = planning.steps_for_epochs(args.num_examples, args.batch_size, args.epochs)
+    return {
+        "num_examples": args.num_examples,
+        "batch_size": args.batch_size,
+        "epochs": args.epochs,
+        "steps": steps,
+        "sampling_rate": args.batch_size / args.num_examples,
+        "delta": _delta(args),
+        "accountant": args.accountant,
+    }
+
+
+def _epsilon_and_order(event, delta: float, accountant: str):
+    try:
+        return planning.compute_epsilon_and_order(event, delta, accountant=accountant)
+    except ImportError as err:
+        raise ValueError(str(err)) from err
+
+
+def run_epsilon(args) -> dict:
+    ctx = _context(args)
+    sigma = V.check_noise_multiplier(args.noise_multiplier)
+    event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
+    eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
+    result = {"epsilon": eps, "order": order, "noise_multiplier": sigma, **ctx}
+    if not args.json:
+        print(
+            f"ε = {eps:.6g} at δ = {ctx['delta']:.3g}{_order_text(order)}, accountant {args.accountant}\n"
+            f"  {ctx['steps']} steps, sampling rate q = {ctx['sampling_rate']:.6g}, noise multiplier σ = {sigma:g}"
+        )
+    return result
+
+
+def run_noise(args) -> dict:
+    ctx = _context(args)
+    target = V.check_epsilon(args.target_epsilon)
+    try:
+        sigma = planning.compute_noise_multiplier(
+            target_epsilon=target,
+            target_delta=ctx["delta"],
+            sampling_rate=ctx["sampling_rate"],
+            steps=ctx["steps"],
+            accountant=args.accountant,
+        )
+    except ImportError as err:
+        raise ValueError(str(err)) from err
+    event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
+    eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
+    result = {"noise_multiplier": sigma, "target_epsilon": target, "epsilon": eps, "order": order, **ctx}
+    if not args.json:
+        print(
+            f"noise multiplier σ = {sigma:.6g} (ε = {eps:.6g} <= {target:g} at δ = {ctx['delta']:.3g}"
+            f"{_order_text(order)}, accountant {args.accountant})\n"
+            f"  {ctx['steps']} steps, sampling rate q = {ctx['sampling_rate']:.6g}"
+        )
+    return result
+
+
+def _lot_sizes(tokens, num_examples: int) -> list[int]:
+    if not tokens:
+        if num_examples < 1:
+            raise ValueError(f"num_examples must be an integer >= 1, got {num_examples}")
+        sizes, lot = [], 16
+        while lot <= num_examples:
+            sizes.append(lot)
+            lot *= 2
+        return sizes or [num_examples]
+    sizes = []
+    for token in tokens:
+        for part in token.split(","):
+            if not part.strip():
+                continue
+            try:
+                sizes.append(int(part))
+            except ValueError:
+                raise ValueError(f"lot sizes must be integers in [1, num_examples], got {part!r}") from None
+    for lot in sizes:
+        if not 1 <= lot <= num_examples:
+            raise ValueError(f"lot sizes must be integers in [1, num_examples = {num_examples}], got {lot}")
+    return sizes
+
+
+def run_batch_table(args) -> dict:
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from matplotlib import pyplot as plt
+        except ImportError:
+            raise ValueError("--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)") from None
+    sizes = _lot_sizes(args.lot_sizes, args.num_examples)
+    delta = _delta(args)
+    target = V.check_epsilon(args.target_epsilon)
+    try:
+        rows = planning.batch_table(
+            num_examples=args.num_examples,
+            epochs=args.epochs,
+            target_epsilon=target,
+            target_delta=delta,
+            lot_sizes=sizes,
+            accountant=args.accountant,
+        )
+    except ImportError as err:
+        raise ValueError(str(err)) from err
+    result = {
+        "rows": rows,
+        "num_examples": args.num_examples,
+        "epochs": args.epochs,
+        "target_epsilon": target,
+        "delta": delta,
+        "accountant": args.accountant,
+    }
+    if args.plot:
+        _plot(plt, rows, result, args.plot)
+        result["plot"] = args.plot
+    if not args.json:
+        print(f"ε = {target:g}, δ = {delta:.3g}, N = {args.num_examples}, {args.epochs:g} epochs, accountant {args.accountant}")
+        print(f"{'lot size':>9} {'q':>10} {'steps':>9} {'σ':>10} {'σ / lot':>11}")
+        for r in rows:
+            print(
+                f"{r['lot_size']:>9} {r['sampling_rate']:>10.4g} {r['steps']:>9} "
+                f"{r['noise_multiplier']:>10.4g} {r['noise_per_example']:>11.4g}"
+            )
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return result
+
+
+def _plot(plt, rows: list[dict], meta: dict, path: str) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["lot_size"] for r in rows], [r["noise_per_example"] for r in rows], marker="o")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("lot size L")
+    ax.set_ylabel("noise per example σ / L")
+    ax.set_title(
+        f"ε = {meta['target_epsilon']:g}, δ = {meta['delta']:.2g}, N = {meta['num_examples']}, "
+        f"{meta['epochs']:g} epochs"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as err:
+        raise ValueError(f"cannot write plot {path!r}: {err}") from None
+    finally:
+        plt.close(fig)
+
+
+def _order_text(order) -> str:
+    return f" (RDP order α = {order:g})" if order is not None else ""
