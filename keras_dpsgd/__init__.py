@@ -35,6 +35,7 @@ _LAZY = {
     # data sampling and callbacks
     "PoissonLots": "keras_dpsgd.sampling",
     # pca
+    "DPPCA": "keras_dpsgd.pca",
     # tools
 }
 
