@@ -34,6 +34,11 @@ _LAZY = {
     "make_dp_optimizer": "keras_dpsgd.optimizer",
     # data sampling and callbacks
     "PoissonLots": "keras_dpsgd.sampling",
+    "PrivacyLogger": "keras_dpsgd.callbacks",
+    "WithinLimit": "keras_dpsgd.callbacks",
+    "model_privacy_ledger": "keras_dpsgd.ledger",
+    "model_epsilon": "keras_dpsgd.ledger",
+    "steps_remaining": "keras_dpsgd.ledger",
     # pca
     "DPPCA": "keras_dpsgd.pca",
     # tools

@@ -1,0 +1,218 @@
+"""Keras callbacks that report and bound the privacy spent by DP-SGD training.
+
+* :class:`PrivacyLogger` writes ``epsilon`` and ``delta`` into the epoch logs,
+  so they show in the progress bar, in ``History`` and in the TensorBoard
+  callback (list it *before* ``TensorBoard`` in ``callbacks=``; Keras appends
+  its own progress bar and ``History`` after the user's callbacks).
+* :class:`WithinLimit` stops training as soon as the next step would take ε
+  above the target: Abadi et al. (2016)'s ``while within_limit`` loop. It
+  counts every event in the model's ledger (e.g. DP-PCA) and stops mid-epoch.
+
+Both read the model's ledger (:func:`keras_dpsgd.ledger.model_privacy_ledger`),
+which is checkpointed with the optimizer, so a resumed run continues ε.
+ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.sampling`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import tf_keras as keras
+
+from keras_dpsgd.ledger import (
+    is_dp_optimizer,
+    model_epsilon,
+    resolve_num_examples,
+    resolve_sampling_rate,
+    steps_remaining,
+    sync_ledger_state,
+)
+
+
+class _PrivacyCallback(keras.callbacks.Callback):
+    def __init__(self, target_delta, num_examples, batch_size, accountant):
+        super().__init__()
+        self.target_delta = target_delta
+        self.num_examples = num_examples
+        self.batch_size = batch_size
+        self.accountant = accountant
+
+    def _optimizer(self):
+        optimizer = getattr(self.model, "optimizer", None)
+        if not is_dp_optimizer(optimizer):
+            raise ValueError(
+                f"{type(self).__name__} needs a keras_dpsgd DP optimizer (one with noised_steps), got "
+                f"{type(optimizer).__name__}"
+            )
+        return optimizer
+
+    def _epsilon(self) -> tuple[float, float]:
+        return model_epsilon(
+            self.model,
+            target_delta=self.target_delta,
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            accountant=self.accountant,
+        )
+
+
+class PrivacyLogger(_PrivacyCallback):
+    """Writes the privacy spent so far, ``epsilon`` and ``delta``, into the epoch logs.
+
+    ε is computed by the accountant over the model's whole ledger (every
+    DP-SGD step since the start, resumed runs included, plus layer events
+    such as DP-PCA) for δ = `target_delta`.
+
+    Args:
+      target_delta: δ; default 1/N^1.1 (Three Tools paper), announced once.
+        δ >= 1/N is refused.
+      num_examples: N; needed when the optimizer is not configured by
+        ``PoissonLots.configure`` (which tells N through q and L).
+      batch_size: the ``batch_size`` given to fit, used only when the
+        optimizer's sampling_rate is unknown (then q = B/N, and a warning says
+        that ε assumes Poisson sampling).
+      accountant: "rdp" (default), "moments" or "pld".
+    """
+
+    def __init__(
+        self,
+        target_delta: Optional[float] = None,
+        *,
+        num_examples: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        accountant: str = "rdp",
+    ):
+        super().__init__(target_delta, num_examples, batch_size, accountant)
+        self.epsilon: Optional[float] = None
+        self.delta: Optional[float] = None
+
+    def on_train_begin(self, logs=None):
+        self._optimizer()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epsilon, self.delta = self._epsilon()
+        if logs is not None:
+            logs["epsilon"] = self.epsilon
+            logs["delta"] = self.delta
+
+
+class WithinLimit(_PrivacyCallback):
+    """Stops training before the step that would take ε above `target_epsilon`.
+
+    Before training and after every batch it asks the accountant how many
+    more steps fit in the budget given everything already in the model's
+    ledger; training stops as soon as the next step would not fit, so the
+    final ε <= target_epsilon while one more step would exceed it (Abadi et
+    al. 2016, Algorithm 1 run "while within_limit"). If no step fits at the
+    start, fit takes no step at all. It stops mid-epoch.
+
+    With ``steps_per_execution`` = s > 1 Keras runs s batches between
+    callbacks, so training stops when fewer than ceil(s / k) noised steps
+    remain (k = gradient accumulation steps): the budget still holds, but a
+    few affordable steps may be left unused.
+
+    Args:
+      target_epsilon: the budget ε > 0.
+      target_delta: δ; default 1/N^1.1, announced once. δ >= 1/N is refused.
+      num_examples, batch_size, accountant: as for :class:`PrivacyLogger`.
+      verbose: print a line when training is stopped.
+
+    Attributes:
+      stopped: True once this callback stopped a fit.
+      remaining: steps still within the budget after the last check.
+    """
+
+    def __init__(
+        self,
+        target_epsilon: float,
+        target_delta: Optional[float] = None,
+        *,
+        num_examples: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        accountant: str = "rdp",
+        verbose: int = 1,
+    ):
+        super().__init__(target_delta, num_examples, batch_size, accountant)
+        eps = float(target_epsilon)
+        if not eps > 0 or math.isnan(eps):
+            raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
+        self.target_epsilon = eps
+        self.verbose = verbose
+        self.stopped = False
+        self.remaining: Optional[int] = None
+        self._restore_train_function = None
+
+    # ---------------------------------------------------------- bookkeeping
+    def _current_params(self, optimizer) -> tuple[float, float]:
+        n = resolve_num_examples(optimizer, self.num_examples)
+        q = resolve_sampling_rate(optimizer, num_examples=n, batch_size=self.batch_size)
+        return q, float(optimizer.effective_noise_multiplier)
+
+    def _recompute_budget(self, optimizer) -> None:
+        self._params = self._current_params(optimizer)
+        self._budget = steps_remaining(
+            self.model,
+            target_epsilon=self.target_epsilon,
+            target_delta=self.target_delta,
+            num_examples=self.num_examples,
+            batch_size=self.batch_size,
+            accountant=self.accountant,
+        )
+        self._budget_start = int(optimizer.noised_steps.numpy())
+        self.remaining = self._budget
+
+    def _steps_needed_per_call(self, optimizer) -> int:
+        spe = getattr(self.model, "_steps_per_execution", None)
+        spe = int(spe.numpy()) if spe is not None else 1
+        accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+        return max(1, math.ceil(spe / accum))
+
+    def _stop(self) -> None:
+        self.model.stop_training = True
+        self.stopped = True
+        if self.verbose:
+            eps, delta = self._epsilon()
+            print(
+                f"WithinLimit: stopping training at epsilon = {eps:.4g} (delta = {delta:.3g}); one more "
+                f"step would exceed the target epsilon = {self.target_epsilon:g}."
+            )
+
+    # ------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None):
+        optimizer = self._optimizer()
+        self.stopped = False
+        self._recompute_budget(optimizer)
+        if self._budget < self._steps_needed_per_call(optimizer):
+            # Keras runs the first batch even if stop_training is set here:
+            # swap in a no-op step for that one call (restored right after).
+            original = self.model.train_function
+            model = self.model
+
+            def _skip_step(iterator):
+                return model.get_metrics_result()
+
+            self._restore_train_function = original
+            self.model.train_function = _skip_step
+            self._stop()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._restore_train_function is not None:
+            self.model.train_function = self._restore_train_function
+            self._restore_train_function = None
+            self.model.stop_training = True
+            return
+        optimizer = self.model.optimizer
+        q, sigma = self._current_params(optimizer)
+        data = sync_ledger_state(optimizer, q, sigma)
+        if (q, sigma) != self._params:
+            self._recompute_budget(optimizer)
+        else:
+            self.remaining = self._budget - (data["seen"] - self._budget_start)
+        if self.remaining < self._steps_needed_per_call(optimizer):
+            self._stop()
+
+    def on_train_end(self, logs=None):
+        if self._restore_train_function is not None:
+            self.model.train_function = self._restore_train_function
+            self._restore_train_function = None

@@ -1,0 +1,342 @@
+"""The privacy ledger of a training run: every access to the data, resumable.
+
+A model's ledger holds (1) the events of every layer that declares a
+``privacy_events`` property (e.g. DP-PCA), found recursively through nested
+models and layers, and (2) the DP-SGD steps of its optimizer, one
+:class:`PoissonSampledGaussianEvent` per segment of constant (q, σ_eff)
+(Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
+mechanism with sampling ratio q and noise multiplier σ).
+
+Resuming. The step count is the optimizer's ``noised_steps`` variable, and the
+closed segments (runs of steps with another q or σ) live in a string variable
+of a small ``tf.Module`` that this module attaches to the optimizer (attribute
+``_dpsgd_ledger_state``). Both are checkpointed with the optimizer, so
+``tf.train.Checkpoint``, ``ModelCheckpoint(save_weights_only=True)`` and
+``BackupAndRestore`` restore them, and resumed training continues ε from
+where it stopped, never from zero. (The state module is attached by the first
+call of :func:`model_privacy_ledger` or of a privacy callback; a checkpoint
+restored before that is applied when it is attached.)
+
+Changing q or σ during training is detected at each ledger read (every batch
+for the callbacks). Steps taken between the last read under the old values
+and the first read under the new ones cannot be attributed exactly; they are
+recorded with the worst case of both (larger q, smaller σ), which never
+under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
+
+Sampling. The accountant assumes Poisson sampling (:mod:`keras_dpsgd.sampling`
+explains the difference from shuffled fixed-size batches). When the optimizer
+does not know its sampling rate (it was not configured by
+``PoissonLots.configure``), q = batch_size · gradient_accumulation_steps / N is
+used and a warning says, once, that this ε assumes Poisson sampling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from keras_dpsgd.accounting import (
+    GaussianEvent,
+    PoissonSampledGaussianEvent,
+    PrivacyLedger,
+    check_delta,
+    compute_epsilon,
+    default_delta,
+    event_from_dict,
+    max_steps_within_budget,
+)
+
+_LOG = logging.getLogger("keras_dpsgd")
+_WARNED: set = set()
+_STATE_ATTR = "_dpsgd_ledger_state"
+DPSGD_LABEL = "dp-sgd"
+
+
+def _warn_once(key: Any, message: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        _LOG.warning(message, *args)
+
+
+class LedgerState(tf.Module):
+    """Checkpointable record of the optimizer's closed (q, σ) segments.
+
+    Holds one scalar string variable with JSON: the closed segments' events,
+    the open segment's (q, σ, first step) and the last step count read.
+    """
+
+    def __init__(self, name: str = "dpsgd_ledger_state"):
+        super().__init__(name=name)
+        with tf.init_scope():
+            self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
+
+    def read(self) -> dict:
+        raw = self.state.numpy().decode("utf-8")
+        return json.loads(raw) if raw else {"closed": [], "open": None, "seen": 0}
+
+    def write(self, data: dict) -> None:
+        self.state.assign(json.dumps(data, sort_keys=True))
+
+
+def ledger_state(optimizer: Any) -> LedgerState:
+    """The optimizer's :class:`LedgerState`, attached (and so checkpointed) on first use."""
+    state = getattr(optimizer, _STATE_ATTR, None)
+    if state is None:
+        state = LedgerState()
+        setattr(optimizer, _STATE_ATTR, state)
+    return state
+
+
+def is_dp_optimizer(optimizer: Any) -> bool:
+    """True if `optimizer` counts noised steps (a keras_dpsgd DP optimizer)."""
+    return optimizer is not None and hasattr(optimizer, "noised_steps")
+
+
+def noised_steps(optimizer: Any) -> int:
+    """The optimizer's count of noised steps (lots), as an int."""
+    return int(optimizer.noised_steps.numpy())
+
+
+def _int_arg(value: Any, name: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def resolve_num_examples(optimizer: Any, num_examples: Optional[int] = None) -> Optional[int]:
+    """N: `num_examples`, else expected_lot_size / sampling_rate of a configured optimizer."""
+    n = _int_arg(num_examples, "num_examples")
+    if n is not None:
+        return n
+    lot = getattr(optimizer, "expected_lot_size", None)
+    q = getattr(optimizer, "sampling_rate", None)
+    if lot is not None and q is not None:
+        return int(round(float(lot) / float(q)))
+    return None
+
+
+def resolve_sampling_rate(
+    optimizer: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
+) -> float:
+    """q of the optimizer's steps: its `sampling_rate`, else (B · accumulation) / N with a warning.
+
+    Raises:
+      ValueError: if q is unknown and num_examples or batch_size is missing.
+    """
+    q = getattr(optimizer, "sampling_rate", None)
+    if q is not None:
+        return float(q)
+    n = _int_arg(num_examples, "num_examples")
+    b = _int_arg(batch_size, "batch_size")
+    if n is None or b is None:
+        raise ValueError(
+            "the optimizer's sampling_rate is unknown: train on keras_dpsgd.PoissonLots and call "
+            "lots.configure(optimizer), or pass num_examples and batch_size (then Poisson sampling is "
+            f"assumed), got num_examples={num_examples!r}, batch_size={batch_size!r}"
+        )
+    accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+    q = min(1.0, b * accum / n)
+    _warn_once(
+        ("poisson-assumed", q),
+        "keras_dpsgd: the optimizer's sampling_rate is unknown, so epsilon is computed with "
+        "q = batch_size * gradient_accumulation_steps / N = %g, which ASSUMES POISSON SAMPLING. "
+        "Shuffled fixed-size batches (plain fit(x, y, batch_size=B)) are a different mechanism for "
+        "which this epsilon is not a proven bound; train on keras_dpsgd.PoissonLots for an honest one.",
+        q,
+    )
+    return q
+
+
+def _dpsgd_event(q: float, sigma: float, count: int, label: str = DPSGD_LABEL):
+    return PoissonSampledGaussianEvent(q, sigma, count=count, label=label)
+
+
+def sync_ledger_state(optimizer: Any, sampling_rate: float, noise_multiplier: float) -> dict:
+    """Reads the optimizer's step count, closes a segment if (q, σ) changed; returns the state."""
+    state = ledger_state(optimizer)
+    data = state.read()
+    steps = noised_steps(optimizer)
+    q, sigma = float(sampling_rate), float(noise_multiplier)
+    opened = data["open"]
+    changed = False
+    if opened is None:
+        # Nothing known about earlier steps: they ran with the current values.
+        data["open"] = {"q": q, "sigma": sigma, "start": 0}
+        changed = True
+    elif (opened["q"], opened["sigma"]) != (q, sigma) or steps < data["seen"]:
+        seen = data["seen"]
+        closed_count = max(0, seen - opened["start"])
+        if closed_count:
+            data["closed"].append(_dpsgd_event(opened["q"], opened["sigma"], closed_count).to_dict())
+        if steps > seen:
+            worst = _dpsgd_event(
+                max(q, opened["q"]), min(sigma, opened["sigma"]), steps - seen,
+                label=f"{DPSGD_LABEL} (q/sigma changed: worst case)",
+            )
+            data["closed"].append(worst.to_dict())
+        data["open"] = {"q": q, "sigma": sigma, "start": steps}
+        changed = True
+    if data["seen"] != steps or changed:
+        data["seen"] = steps
+        state.write(data)
+    return data
+
+
+def optimizer_events(
+    optimizer: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
+) -> list:
+    """The privacy events of the optimizer's training steps so far.
+
+    A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per
+    (q, σ_eff) segment). A non-private optimizer that has taken steps touched
+    the data without noise: recorded as a noiseless Gaussian event (ε = ∞).
+    """
+    if optimizer is None:
+        return []
+    if not is_dp_optimizer(optimizer):
+        iterations = int(optimizer.iterations.numpy()) if hasattr(optimizer, "iterations") else 0
+        if iterations:
+            return [GaussianEvent(0.0, count=iterations, label="non-private training")]
+        return []
+    q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
+    sigma = float(optimizer.effective_noise_multiplier)
+    data = sync_ledger_state(optimizer, q, sigma)
+    events = [event_from_dict(e) for e in data["closed"]]
+    opened = data["open"]
+    count = data["seen"] - opened["start"]
+    if count > 0:
+        events.append(_dpsgd_event(opened["q"], opened["sigma"], count))
+    return events
+
+
+def layer_events(model: Any) -> list:
+    """Events of every layer (recursively, the model included) with a `privacy_events` property."""
+    events, seen = [], set()
+    layers = model._flatten_layers(include_self=True, recursive=True) if hasattr(model, "_flatten_layers") else [model]
+    for layer in layers:
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        declared = getattr(layer, "privacy_events", None)
+        if declared:
+            events.extend(declared)
+    return events
+
+
+def model_privacy_ledger(
+    model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
+) -> PrivacyLedger:
+    """Every recorded access to the data by `model`: its layers' events, then its optimizer's steps.
+
+    Args:
+      model: a tf_keras model (compiled or not).
+      num_examples: N, needed only when the optimizer's sampling_rate is unknown.
+      batch_size: the physical batch size given to fit, idem (Poisson sampling is then assumed and
+        a warning says so once).
+
+    Returns:
+      A PrivacyLedger whose DP-SGD events carry the label "dp-sgd".
+
+    Raises:
+      ValueError: if the optimizer's sampling_rate is unknown and num_examples or batch_size is missing.
+    """
+    events = layer_events(model)
+    events.extend(
+        optimizer_events(getattr(model, "optimizer", None), num_examples=num_examples, batch_size=batch_size)
+    )
+    return PrivacyLedger(events)
+
+
+def resolve_delta(delta: Optional[float], num_examples: Optional[int]) -> float:
+    """δ, or the default 1/N^1.1 (announced once); refuses δ >= 1/N when N is known.
+
+    Raises:
+      ValueError: if δ is None and N unknown, or δ >= 1/N.
+    """
+    if delta is None:
+        if num_examples is None:
+            raise ValueError(
+                "target_delta is None and num_examples is unknown: give target_delta or num_examples "
+                "(the default delta is 1/num_examples**1.1)"
+            )
+        delta = default_delta(num_examples)
+        _warn_once(("delta", num_examples), "keras_dpsgd: delta = 1/N^1.1 = %.3g (N = %d).", delta, num_examples)
+        return delta
+    if num_examples is not None:
+        return check_delta(delta, num_examples)
+    return float(delta)
+
+
+def model_epsilon(
+    model: Any,
+    *,
+    target_delta: Optional[float] = None,
+    num_examples: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    accountant: str = "rdp",
+) -> tuple[float, float]:
+    """(ε, δ) spent so far by `model` (all its ledger events composed)."""
+    n = resolve_num_examples(getattr(model, "optimizer", None), num_examples)
+    delta = resolve_delta(target_delta, n)
+    ledger = model_privacy_ledger(model, num_examples=n, batch_size=batch_size)
+    if not ledger.events:
+        return 0.0, delta
+    return compute_epsilon(ledger, delta, accountant=accountant), delta
+
+
+def steps_remaining(
+    model_or_ledger: Any,
+    *,
+    target_epsilon: float,
+    target_delta: Optional[float] = None,
+    sampling_rate: Optional[float] = None,
+    noise_multiplier: Optional[float] = None,
+    num_examples: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    accountant: str = "rdp",
+) -> int:
+    """How many more DP-SGD steps keep ε <= target_epsilon (Abadi et al. 2016, "while within_limit").
+
+    Args:
+      model_or_ledger: a model (its ledger, q and σ_eff come from it and its optimizer) or a
+        PrivacyLedger (then `sampling_rate` and `noise_multiplier` are required).
+      target_epsilon: the budget ε.
+      target_delta: δ; default 1/N^1.1 (N from num_examples or the configured optimizer).
+      sampling_rate, noise_multiplier: q and σ of the future steps (override the optimizer's).
+      num_examples, batch_size: as for :func:`model_privacy_ledger`.
+      accountant: "rdp", "moments" or "pld".
+
+    Returns:
+      The largest k >= 0 with ε(ledger + k steps) <= target_epsilon.
+    """
+    if isinstance(model_or_ledger, PrivacyLedger):
+        if sampling_rate is None or noise_multiplier is None:
+            raise ValueError(
+                "sampling_rate and noise_multiplier are required with a PrivacyLedger, got "
+                f"sampling_rate={sampling_rate!r}, noise_multiplier={noise_multiplier!r}"
+            )
+        ledger, n = model_or_ledger, _int_arg(num_examples, "num_examples")
+    else:
+        optimizer = getattr(model_or_ledger, "optimizer", None)
+        if not is_dp_optimizer(optimizer):
+            raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+        n = resolve_num_examples(optimizer, num_examples)
+        ledger = model_privacy_ledger(model_or_ledger, num_examples=n, batch_size=batch_size)
+        if sampling_rate is None:
+            sampling_rate = resolve_sampling_rate(optimizer, num_examples=n, batch_size=batch_size)
+        if noise_multiplier is None:
+            noise_multiplier = float(optimizer.effective_noise_multiplier)
+    delta = resolve_delta(target_delta, n)
+    return max_steps_within_budget(
+        target_epsilon=target_epsilon,
+        target_delta=delta,
+        sampling_rate=sampling_rate,
+        noise_multiplier=noise_multiplier,
+        prior_events=ledger.events,
+        accountant=accountant,
+    )

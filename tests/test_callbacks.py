@@ -1,0 +1,162 @@
+"""Tests of PrivacyLogger and WithinLimit against the accountant's closed answers."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from keras_dpsgd.accounting import (
+    GaussianEvent,
+    PoissonSampledGaussianEvent,
+    compute_epsilon,
+    max_steps_within_budget,
+)
+from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
+
+
+class FakeDPOptimizer(keras.optimizers.SGD):
+    """SGD with the DP optimizer's ledger-facing attributes (contracts.md)."""
+
+    def __init__(self, noise_multiplier=1.0, sampling_rate=None, expected_lot_size=None):
+        super().__init__(learning_rate=0.01)
+        self.effective_noise_multiplier = noise_multiplier
+        self.sampling_rate = sampling_rate
+        self.expected_lot_size = expected_lot_size
+        self.gradient_accumulation_steps = 1
+        with tf.init_scope():
+            self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
+
+    def apply_gradients(self, grads_and_vars, **kwargs):
+        result = super().apply_gradients(grads_and_vars, **kwargs)
+        self.noised_steps.assign_add(1)
+        return result
+
+
+class EventLayer(keras.layers.Layer):
+    def __init__(self, events=(), **kwargs):
+        super().__init__(**kwargs)
+        self.privacy_events = tuple(events)
+
+    def call(self, x):
+        return x
+
+
+N, Q, SIGMA, DELTA = 200, 0.05, 1.5, 1e-5
+X = np.random.default_rng(0).normal(size=(N, 3)).astype(np.float32)
+Y = X[:, :1]
+
+
+def _model(sigma=SIGMA, q=Q, extra=None):
+    layers = [keras.Input((3,))] + ([extra] if extra is not None else []) + [keras.layers.Dense(1)]
+    model = keras.Sequential(layers)
+    model.compile(optimizer=FakeDPOptimizer(sigma, q, q * N), loss="mse")
+    return model
+
+
+def _fit(model, callbacks, epochs, steps_per_epoch=10):
+    return model.fit(X, Y, batch_size=10, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                     callbacks=callbacks, verbose=0)
+
+
+def _eps(steps, prior=()):
+    return compute_epsilon(list(prior) + [PoissonSampledGaussianEvent(Q, SIGMA, steps)], DELTA)
+
+
+def test_logger_epsilon_equals_the_accountant():
+    model = _model()
+    hist = _fit(model, [PrivacyLogger(DELTA)], epochs=3)
+    assert hist.history["delta"] == [DELTA] * 3
+    expected = [_eps(10 * (e + 1)) for e in range(3)]
+    np.testing.assert_allclose(hist.history["epsilon"], expected, rtol=1e-12)
+    assert expected[0] < expected[1] < expected[2]
+
+
+def test_logger_agrees_with_dp_accounting():
+    dp_accounting = pytest.importorskip("dp_accounting")
+    model = _model()
+    hist = _fit(model, [PrivacyLogger(DELTA)], epochs=1)
+    acc = dp_accounting.rdp.RdpAccountant()
+    acc.compose(dp_accounting.PoissonSampledDpEvent(Q, dp_accounting.GaussianDpEvent(SIGMA)), 10)
+    assert hist.history["epsilon"][0] == pytest.approx(acc.get_epsilon(DELTA), rel=0.02)
+
+
+def test_logger_shows_in_the_progress_bar(capsys):
+    model = _model()
+    model.fit(X, Y, batch_size=10, epochs=1, steps_per_epoch=2, callbacks=[PrivacyLogger(DELTA)], verbose=2)
+    assert "epsilon:" in capsys.readouterr().out
+
+
+def test_logger_default_delta_and_refusal(caplog):
+    model = _model()
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        hist = _fit(model, [PrivacyLogger()], epochs=1)
+    assert hist.history["delta"][0] == pytest.approx(N**-1.1)
+    with pytest.raises(ValueError, match="delta must be <"):
+        _fit(_model(), [PrivacyLogger(1.0 / N)], epochs=1)
+
+
+def test_logger_needs_a_dp_optimizer():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="DP optimizer"):
+        _fit(model, [PrivacyLogger(DELTA)], epochs=1)
+
+
+def _check_stopped_at_the_boundary(model, target, prior=()):
+    steps = int(model.optimizer.noised_steps.numpy())
+    assert _eps(steps, prior) <= target < _eps(steps + 1, prior)
+    return steps
+
+
+def test_within_limit_stops_mid_epoch_at_the_boundary():
+    target = 1.0
+    k = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA)
+    assert k % 10 != 0 and k < 50  # the stop falls inside an epoch
+    model = _model()
+    limit = WithinLimit(target, DELTA, verbose=0)
+    hist = _fit(model, [limit, PrivacyLogger(DELTA)], epochs=20)
+    assert _check_stopped_at_the_boundary(model, target) == k
+    assert limit.stopped and limit.remaining == 0
+    assert len(hist.history["loss"]) == k // 10 + 1
+    assert hist.history["epsilon"][-1] <= target
+
+
+def test_within_limit_counts_other_ledger_events():
+    pca = GaussianEvent(4.0, count=1, label="dp-pca")
+    target = 1.5
+    k = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA,
+                                prior_events=[pca])
+    k_alone = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q,
+                                      noise_multiplier=SIGMA)
+    assert 0 < k < k_alone
+    model = _model(extra=EventLayer([pca]))
+    _fit(model, [WithinLimit(target, DELTA, verbose=0)], epochs=50)
+    assert _check_stopped_at_the_boundary(model, target, [pca]) == k
+
+
+def test_within_limit_takes_no_step_when_the_budget_is_spent():
+    model = _model()
+    _fit(model, [WithinLimit(0.8, DELTA, verbose=0)], epochs=50)
+    spent = _check_stopped_at_the_boundary(model, 0.8)
+    limit = WithinLimit(0.8, DELTA, verbose=0)
+    hist = _fit(model, [limit], epochs=3)
+    assert limit.stopped and len(hist.history["loss"]) == 1
+    assert int(model.optimizer.noised_steps.numpy()) == spent
+    # The real train step is back: a larger budget trains again.
+    _fit(model, [WithinLimit(1.0, DELTA, verbose=0)], epochs=50)
+    assert _check_stopped_at_the_boundary(model, 1.0) > spent
+
+
+def test_within_limit_with_steps_per_execution_never_overshoots():
+    model = _model()
+    model.compile(optimizer=FakeDPOptimizer(SIGMA, Q, Q * N), loss="mse", steps_per_execution=4)
+    _fit(model, [WithinLimit(1.0, DELTA, verbose=0)], epochs=50)
+    steps = int(model.optimizer.noised_steps.numpy())
+    assert _eps(steps) <= 1.0 < _eps(steps + 4)
+
+
+def test_within_limit_validation():
+    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+        WithinLimit(0.0)
