@@ -1,0 +1,133 @@
+"""Per-example gradient backends for the DP-SGD sanitizer.
+
+A backend computes steps 1-3 of the sanitizer (Abadi et al. 2016, Algorithm 1:
+per-example gradients g_i, clipping, sum) in one call, so that a fast
+implementation may fuse them and never materialize every g_i:
+
+    summed[v] = Σ_i factors[i, v] · g_i[v]
+
+where ``factors = clip_factors(sq_norms)`` and ``sq_norms[i, v] = ||g_i[v]||²``
+(one column per trainable variable v). The result is *unnoised*; the sanitizer
+adds the noise and normalizes.
+
+Protocol (``PerExampleBackend``):
+
+* ``clipped_sum(loss, var_list, tape, clip_factors) -> (summed, sq_norms)``
+  with ``loss`` the per-example loss of shape [B] recorded on ``tape``,
+  ``summed`` a list of dense tensors shaped like ``var_list`` and ``sq_norms``
+  a float32 tensor [B, V].
+* An example whose factor is 0 contributes exactly 0 to ``summed``, even when
+  its gradient holds NaN or Inf (the sanitizer zeroes non-finite examples this
+  way; ``0 · NaN`` must not poison the lot).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Protocol, Sequence
+
+import tensorflow as tf
+
+ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
+
+BACKEND_NAMES = ("auto", "reference", "fast")
+_FAST_MODULE = "keras_dpsgd._fast"
+
+
+class PerExampleBackend(Protocol):
+    """What the sanitizer needs from a per-example gradient backend."""
+
+    def clipped_sum(
+        self,
+        loss: tf.Tensor,
+        var_list: Sequence[tf.Variable],
+        tape: tf.GradientTape,
+        clip_factors: ClipFactorsFn,
+    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Returns (Σ_i factors[i, v] g_i[v] for each v, sq_norms [B, V])."""
+
+
+def _sq_norm_per_example(jac: tf.Tensor) -> tf.Tensor:
+    """||g_i||² for each row i of a [B, ...] Jacobian block."""
+    flat = tf.reshape(jac, [tf.shape(jac)[0], -1])
+    return tf.reduce_sum(tf.square(flat), axis=1)
+
+
+class ReferenceBackend:
+    """Per-example gradients with ``GradientTape.jacobian`` (pfor).
+
+    Works for every layer that TensorFlow's pfor vectorizes (Dense, Conv,
+    Embedding, normalization, recurrent layers, ...) inside the ``tf.function``
+    Keras builds, under XLA and eagerly. It materializes every g_i
+    ([B, *variable.shape] per variable), so memory grows with B × parameters.
+    """
+
+    name = "reference"
+
+    def clipped_sum(
+        self,
+        loss: tf.Tensor,
+        var_list: Sequence[tf.Variable],
+        tape: tf.GradientTape,
+        clip_factors: ClipFactorsFn,
+    ) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Steps 1-3: per-example gradients, clip, sum.
+
+        Args:
+          loss: per-example loss, shape [B], recorded on `tape`.
+          var_list: the trainable variables (V of them).
+          tape: the tape that recorded the forward pass.
+          clip_factors: maps sq_norms [B, V] to factors [B, V].
+
+        Returns:
+          (summed, sq_norms): the clipped sums, one dense tensor per
+          variable, and the per-example squared norms [B, V].
+        """
+        jacobians = tape.jacobian(
+            loss,
+            list(var_list),
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            experimental_use_pfor=True,
+        )
+        jacobians = [tf.convert_to_tensor(j) for j in jacobians]
+        sq_norms = tf.stack(
+            [tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians], axis=1
+        )
+        factors = clip_factors(sq_norms)
+        summed = []
+        for v, jac in enumerate(jacobians):
+            f_v = tf.cast(factors[:, v], jac.dtype)
+            # 0 · NaN would be NaN: zeroed examples contribute exactly 0.
+            keep = tf.reshape(f_v > 0, [-1] + [1] * (jac.shape.rank - 1))
+            jac = tf.where(keep, jac, tf.zeros_like(jac))
+            summed.append(tf.tensordot(f_v, jac, axes=[[0], [0]]))
+        return summed, sq_norms
+
+
+def resolve_backend(name: str = "auto") -> PerExampleBackend:
+    """Returns the per-example gradient backend called `name`.
+
+    Args:
+      name: "auto" (the fast backend of ``keras_dpsgd._fast`` when that module
+        exists, else the reference one), "reference" or "fast".
+
+    Returns:
+      A backend instance.
+
+    Raises:
+      ValueError: if `name` is not one of the allowed names.
+      ModuleNotFoundError: for "fast" when ``keras_dpsgd._fast`` is missing.
+      Any error raised while importing an existing ``keras_dpsgd._fast``
+      propagates (a broken fast backend is never silently replaced).
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"per_example_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "reference":
+        return ReferenceBackend()
+    try:
+        module = importlib.import_module(_FAST_MODULE)
+    except ModuleNotFoundError as err:
+        if name == "auto" and err.name == _FAST_MODULE:
+            return ReferenceBackend()
+        raise
+    return module.FastBackend()

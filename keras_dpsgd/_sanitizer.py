@@ -1,0 +1,506 @@
+"""The DP-SGD sanitizer, shared by every private tf_keras optimizer.
+
+Abadi et al. 2016, Algorithm 1, for a lot L of examples:
+
+1. per-example gradients g_i = ∇θ ℓ(θ, x_i)                (the backend)
+2. clip: ḡ_i = g_i · min(1, C / ||g_i||)                    (``_clip_factors``)
+3. sum: Σ_i ḡ_i                                             (the backend)
+4. noise: Σ_i ḡ_i + N(0, σ²C² I)                            (``_add_noise``)
+5. normalize: divide by the expected lot size L             (``_normalize``)
+
+The descent rule that follows (SGD, momentum, Adam, ...) only sees the
+sanitized gradient: it is post-processing and costs no privacy.
+
+Per-layer clipping (Abadi et al. 2016, Sec 3.1; McMahan et al. 2018) clips
+each trainable variable v to its own bound C_v and adds N(0, σ_v² C_v²) to it.
+The step is one Gaussian mechanism with effective noise multiplier
+σ_eff = (Σ_v 1/σ_v²)^(-1/2): with V variables and one σ, σ_eff = σ/√V, which is
+what the accountant must be charged (``effective_noise_multiplier``).
+
+Non-finite gradients: an example whose per-example gradient holds NaN or Inf
+(or whose squared norm overflows float32) gets clip factor 0, so it adds
+nothing to the sum (this keeps each example's contribution within the
+sensitivity bound), and is counted in ``nonfinite_examples``.
+
+Regularization: the gradient of a data-independent term is added to the
+sanitized gradient without clipping or noise (post-processing). Two routes:
+the optimizer's ``weight_decay`` argument (decoupled weight decay), or passing
+``(per_example_loss, regularization_loss)`` to ``minimize``/``compute_gradients``
+with a persistent tape. tf_keras's own ``compile`` cannot add ``model.losses``
+to an unreduced loss (it raises "Shapes must be equal rank" in its
+compile_utils before the optimizer is called); activity regularizers and other
+``add_loss`` terms depend on the data and must go into the per-example loss.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Sequence
+
+import tensorflow as tf
+import tf_keras as keras
+
+from keras_dpsgd import _per_example
+
+_SCALAR_LOSS_MESSAGE = (
+    "{cls} needs the per-example loss (shape [batch_size]) but got a loss of shape {shape}: "
+    "it was reduced over the batch. Compile with an unreduced loss, e.g. "
+    "model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy("
+    "from_logits=True, reduction=\"none\")) or reduction=keras.losses.Reduction.NONE "
+    "(string losses such as loss=\"mse\" are reduced)."
+)
+
+
+def _check_positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
+    return float(value)
+
+
+def _check_noise(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be >= 0 and finite, got {value!r}")
+    return float(value)
+
+
+def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, float]:
+    """Validates a flat (float), per-variable (list) or by-name (dict) bound."""
+    if isinstance(l2_norm_clip, dict):
+        if not l2_norm_clip:
+            raise ValueError("l2_norm_clip must not be an empty dict")
+        return {str(k): _check_positive(f"l2_norm_clip[{k!r}]", v) for k, v in l2_norm_clip.items()}
+    if isinstance(l2_norm_clip, (list, tuple)):
+        if not l2_norm_clip:
+            raise ValueError("l2_norm_clip must not be an empty list")
+        return [_check_positive(f"l2_norm_clip[{i}]", v) for i, v in enumerate(l2_norm_clip)]
+    return _check_positive("l2_norm_clip", l2_norm_clip)
+
+
+def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | list[float]:
+    """Validates σ: a float, or one per variable (per-layer clipping only)."""
+    if isinstance(noise_multiplier, (list, tuple)):
+        if isinstance(l2_norm_clip, float):
+            raise ValueError(
+                "noise_multiplier must be a single number with flat clipping (a float "
+                f"l2_norm_clip), got a list {noise_multiplier!r}"
+            )
+        if len(noise_multiplier) != len(l2_norm_clip):
+            raise ValueError(
+                f"noise_multiplier must have one entry per clip bound ({len(l2_norm_clip)}), "
+                f"got {len(noise_multiplier)}"
+            )
+        return [_check_noise(f"noise_multiplier[{i}]", s) for i, s in enumerate(noise_multiplier)]
+    return _check_noise("noise_multiplier", noise_multiplier)
+
+
+def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
+    """σ_eff = (Σ_v 1/σ_v²)^(-1/2) of a per-variable Gaussian step (0 if any σ_v is 0)."""
+    if any(s == 0.0 for s in noise_multipliers):
+        return 0.0
+    return float(sum(1.0 / s**2 for s in noise_multipliers) ** -0.5)
+
+
+def _check_lot_size(value: Any) -> float | None:
+    return None if value is None else _check_positive("expected_lot_size", value)
+
+
+def _check_sampling_rate(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+        raise ValueError(f"sampling_rate must be in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
+    """One clip bound per trainable variable, in `var_list` order."""
+    num = len(var_list)
+    if isinstance(l2_norm_clip, float):
+        return [l2_norm_clip] * num
+    if isinstance(l2_norm_clip, list):
+        if len(l2_norm_clip) != num:
+            raise ValueError(
+                f"l2_norm_clip must have one bound per trainable variable ({num}: "
+                f"{[v.name for v in var_list]}), got {len(l2_norm_clip)}"
+            )
+        return list(l2_norm_clip)
+    names = [v.name for v in var_list]
+    keys = {}
+    for name in names:
+        short = name[:-2] if name.endswith(":0") else name
+        key = name if name in l2_norm_clip else short
+        if key not in l2_norm_clip:
+            raise ValueError(f"l2_norm_clip has no bound for trainable variable {short!r}; keys: {sorted(l2_norm_clip)}")
+        keys[key] = True
+    extra = sorted(set(l2_norm_clip) - set(keys))
+    if extra:
+        raise ValueError(f"l2_norm_clip names variables that are not trainable variables of the model: {extra}; variables: {names}")
+    return [l2_norm_clip[n] if n in l2_norm_clip else l2_norm_clip[n[:-2]] for n in names]
+
+
+def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | None:
+    """The tf_keras Model whose train step is calling `optimizer`, if any.
+
+    The optimizer API never receives the model, so the call stack is searched
+    for a ``self`` that is a Model compiled with this optimizer (Keras's
+    ``train_step`` calls ``self.optimizer.minimize``). Returns None in a custom
+    training loop outside a Model method.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, keras.Model) and getattr(obj, "optimizer", None) is optimizer:
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _mixes_examples(layer: Any) -> bool:
+    from tf_keras.src.layers.normalization import batch_normalization
+
+    return (
+        isinstance(layer, batch_normalization.BatchNormalizationBase)
+        or "BatchNorm" in type(layer).__name__
+        or bool(getattr(layer, "mixes_examples", False))
+    )
+
+
+def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable]) -> None:
+    """Raises ValueError if a layer mixes the examples of a batch in training.
+
+    With BatchNormalization one example changes every other example's output
+    (batch statistics), so per-example clipping no longer bounds its
+    influence. The model's layers are inspected (BatchNormalization and its
+    subclasses, any class named *BatchNorm*, any layer with a true
+    ``mixes_examples`` attribute); without a model (custom loop), the
+    variable names are checked for Keras's batch-normalization naming.
+    """
+    hint = (
+        "DP-SGD clips each example's gradient, which is meaningless when a layer mixes the "
+        "examples of a batch (batch statistics). Replace {what} with "
+        "keras.layers.GroupNormalization or keras.layers.LayerNormalization."
+    )
+    if model is not None:
+        for layer in model.submodules:
+            if isinstance(layer, keras.layers.Layer) and _mixes_examples(layer):
+                raise ValueError(hint.format(what=f"layer {layer.name!r} ({type(layer).__name__})"))
+        return
+    for var in var_list:
+        if "batch_normalization" in var.name or "batchnorm" in var.name.lower():
+            raise ValueError(hint.format(what=f"the layer owning variable {var.name!r}"))
+
+
+def per_example_loss(loss: tf.Tensor, tape: tf.GradientTape, cls_name: str) -> tf.Tensor:
+    """Checks the loss is per example and averages any non-batch axes to [B]."""
+    loss = tf.convert_to_tensor(loss)
+    if loss.shape.rank == 0:
+        raise ValueError(_SCALAR_LOSS_MESSAGE.format(cls=cls_name, shape=loss.shape))
+    if loss.shape.rank is None:
+        raise ValueError(f"{cls_name} needs a per-example loss of known rank, got shape {loss.shape}")
+    if loss.shape.rank > 1:
+        # Same weighting as SUM_OVER_BATCH_SIZE: mean over the B × T values.
+        with tape:
+            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
+    return loss
+
+
+def resolve_backend(name: str):
+    return _per_example.resolve_backend(name)
+
+
+class DPSanitizerMixin:
+    """DP-SGD sanitizer for a tf_keras (2.11+) optimizer; put before the optimizer class.
+
+    Subclasses call ``optimizer_cls.__init__`` first and then ``_init_dp``.
+    """
+
+    # ----------------------------------------------------------------- setup
+    def _init_dp(
+        self,
+        l2_norm_clip: Any,
+        noise_multiplier: Any,
+        gradient_accumulation_steps: int = 1,
+        expected_lot_size: float | None = None,
+        sampling_rate: float | None = None,
+        per_example_backend: str = "auto",
+        seed: int | None = None,
+    ) -> None:
+        self._l2_norm_clip = check_l2_norm_clip(l2_norm_clip)
+        self._noise_multiplier = check_noise_multiplier(noise_multiplier, self._l2_norm_clip)
+        k = gradient_accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
+        self.gradient_accumulation_steps = k
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be None or an integer, got {seed!r}")
+        self._seed = seed
+        self.per_example_backend = per_example_backend
+        self._backend = self._no_dependency(resolve_backend(per_example_backend))
+        self._sampling_rate = _check_sampling_rate(sampling_rate)
+        with tf.init_scope():
+            self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
+            self.nonfinite_examples = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+            # Mirrors expected_lot_size for the traced step (0 = unset). Not
+            # checkpointed: the Python attribute is the source of truth.
+            self._lot_size = self._no_dependency(tf.Variable(0.0, trainable=False, name="expected_lot_size"))
+            # Fresh OS entropy per process, never checkpointed: restoring a
+            # checkpoint twice must not replay the same noise.
+            if seed is None:
+                self._generator = self._no_dependency(tf.random.Generator.from_non_deterministic_state())
+        self._variables.extend([self.noised_steps, self.nonfinite_examples])
+        self.expected_lot_size = expected_lot_size
+        self._sanitized_grads = self._no_dependency([])
+
+    @property
+    def l2_norm_clip(self):
+        return self._l2_norm_clip
+
+    @property
+    def noise_multiplier(self):
+        return self._noise_multiplier
+
+    @property
+    def seed(self) -> int | None:
+        return self._seed
+
+    @property
+    def per_layer_clipping(self) -> bool:
+        return not isinstance(self._l2_norm_clip, float)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable).
+
+        Per-layer clipping with V variables and one σ gives σ/√V.
+        """
+        if not self.per_layer_clipping:
+            return self._noise_multiplier
+        sigmas = self._noise_multiplier
+        if isinstance(sigmas, float):
+            sigmas = [sigmas] * len(self._l2_norm_clip)
+        return effective_noise_multiplier(sigmas)
+
+    @property
+    def expected_lot_size(self) -> float | None:
+        return self._expected_lot_size
+
+    @expected_lot_size.setter
+    def expected_lot_size(self, value: float | None) -> None:
+        self._expected_lot_size = _check_lot_size(value)
+        self._lot_size.assign(0.0 if value is None else float(value))
+
+    @property
+    def sampling_rate(self) -> float | None:
+        return self._sampling_rate
+
+    @sampling_rate.setter
+    def sampling_rate(self, value: float | None) -> None:
+        self._sampling_rate = _check_sampling_rate(value)
+
+    def build(self, var_list):
+        if getattr(self, "_built", False):
+            return
+        super().build(var_list)
+        bounds = _resolve_bounds(self._l2_norm_clip, var_list)
+        sigmas = self._noise_multiplier
+        self._sigmas = self._no_dependency(
+            list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list)
+        )
+        self.clip_bounds = tf.Variable(bounds, dtype=tf.float32, trainable=False, name="clip_bounds")
+        self._variables.append(self.clip_bounds)
+        if self.gradient_accumulation_steps > 1:
+            self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in var_list]
+            self._accum_batches = self.add_variable([], tf.int64, name="dp_accumulated_batches")
+            self._accum_examples = self.add_variable([], tf.float32, name="dp_accumulated_examples")
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            l2_norm_clip=self._l2_norm_clip,
+            noise_multiplier=self._noise_multiplier,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            expected_lot_size=self._expected_lot_size,
+            sampling_rate=self._sampling_rate,
+            per_example_backend=self.per_example_backend,
+            seed=self._seed,
+        )
+        return config
+
+    # ------------------------------------------------------ sanitizer steps
+    def _clip_factors(self, sq_norms: tf.Tensor) -> tf.Tensor:
+        """Step 2, clip: factors[i, v] = min(1, C / ||g_i||) (flat) or min(1, C_v / ||g_i[v]||).
+
+        Non-finite examples get factor 0 in every column.
+        """
+        bounds = self.clip_bounds
+        if self.per_layer_clipping:
+            norms = tf.sqrt(sq_norms)
+            factors = tf.where(norms > bounds, bounds / norms, tf.ones_like(norms))
+        else:
+            bound = tf.reduce_max(bounds)
+            norms = tf.sqrt(tf.reduce_sum(sq_norms, axis=1, keepdims=True))
+            factors = tf.where(norms > bound, bound / norms, tf.ones_like(norms))
+            factors = tf.broadcast_to(factors, tf.shape(sq_norms))
+        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1, keepdims=True)
+        return tf.where(finite, factors, tf.zeros_like(factors))
+
+    def _clipped_sum(self, loss, var_list, tape):
+        """Steps 1-3 through the backend: Σ_i clip(g_i), plus the batch size."""
+        summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, self._clip_factors)
+        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1)
+        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64)))
+        self.on_per_example_sq_norms(sq_norms)
+        return summed, tf.cast(tf.shape(loss)[0], tf.float32)
+
+    def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
+        """Hook called once per batch inside the traced step with sq_norms [B, V].
+
+        Override (e.g. adaptive clipping's norm query) to observe per-example
+        squared norms; the clip bounds in force are ``self.clip_bounds``.
+        Whatever is derived from them is a release of its own that must be
+        noised and recorded by the accountant. Default: nothing.
+        """
+
+    def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Step 4, noise: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
+        if self.per_layer_clipping:
+            stds = tf.constant(self._sigmas, tf.float32) * self.clip_bounds
+        else:
+            stds = tf.constant(self._sigmas, tf.float32) * tf.reduce_max(self.clip_bounds)
+        noised = []
+        for v, s in enumerate(summed):
+            noise = self._standard_normal(tf.shape(s), s.dtype, v)
+            noised.append(s + tf.cast(stds[v], s.dtype) * noise)
+        return noised
+
+    def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
+        if self._seed is None:
+            return self._generator.normal(shape, dtype=dtype)
+        # Reproducible and resumable: a function of (seed, noised step, variable).
+        step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
+        seed = tf.random.experimental.stateless_fold_in(step_seed, index)
+        return tf.random.stateless_normal(shape, seed=seed, dtype=dtype)
+
+    def _normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
+        """Step 5, normalize: divide by expected_lot_size, else by the realized lot size."""
+        denominator = tf.where(self._lot_size > 0.0, self._lot_size, num_examples)
+        return [g / tf.cast(denominator, g.dtype) for g in noised]
+
+    # ------------------------------------------------------ optimizer API
+    def _prepare(self, loss, var_list, tape):
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies")
+        if callable(var_list):
+            var_list = var_list()
+        var_list = list(var_list)
+        if callable(loss):
+            tape = tape or tf.GradientTape()
+            with tape:
+                tape.watch(var_list)
+                loss = loss()
+        if tape is None:
+            raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
+        refuse_example_mixing(find_calling_model(self, max_depth=24), var_list)
+        regularization = None
+        if isinstance(loss, (tuple, list)):
+            if len(loss) != 2:
+                raise ValueError(f"loss must be a Tensor or a (per_example_loss, regularization_loss) pair, got {len(loss)} items")
+            loss, regularization = loss
+        loss = per_example_loss(loss, tape, type(self).__name__)
+        reg_grads = None
+        if regularization is not None:
+            if not getattr(tape, "_persistent", False):
+                raise ValueError(
+                    "a (per_example_loss, regularization_loss) pair needs tf.GradientTape(persistent=True): "
+                    "the regularization gradient and the per-example gradients are two tape queries"
+                )
+            reg_grads = tape.gradient(regularization, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+        return loss, var_list, tape, reg_grads
+
+    def _release(self, summed, num_examples, reg_grads):
+        """Steps 4-5 and the regularization gradient (no clip, no noise)."""
+        grads = self._normalize(self._add_noise(summed), num_examples)
+        self.noised_steps.assign_add(1)
+        if reg_grads is not None:
+            grads = [g + r for g, r in zip(grads, reg_grads)]
+        self._sanitized_grads.extend(grads)
+        return grads
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Sanitized gradients of a per-example `loss` (one noised step).
+
+        Args:
+          loss: per-example loss [B, ...] recorded on `tape`, a
+            (per_example_loss, regularization_loss) pair, or a callable.
+          var_list: trainable variables (or a callable returning them).
+          tape: the tf.GradientTape that recorded `loss`.
+
+        Returns:
+          A list of (sanitized gradient, variable) pairs.
+
+        Raises:
+          ValueError: scalar loss, example-mixing layers, or
+            gradient_accumulation_steps > 1 (use `minimize`).
+        """
+        if self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                "with gradient_accumulation_steps > 1 call minimize(loss, var_list, tape) "
+                "(Keras fit does): compute_gradients alone cannot accumulate a lot"
+            )
+        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
+        with tf.init_scope():
+            self.build(var_list)
+        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        return list(zip(self._release(summed, num_examples, reg_grads), var_list))
+
+    def minimize(self, loss, var_list, tape=None):
+        """One DP-SGD step, or one batch of a lot when accumulating."""
+        if self.gradient_accumulation_steps == 1:
+            self.apply_gradients(self.compute_gradients(loss, var_list, tape))
+            return
+        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
+        with tf.init_scope():
+            self.build(var_list)
+        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        for acc, s in zip(self._accumulators, summed):
+            acc.assign_add(s)
+        self._accum_examples.assign_add(num_examples)
+        self._accum_batches.assign_add(1)
+
+        def release_lot():
+            lot = [acc.read_value() for acc in self._accumulators]
+            grads = self._release(lot, self._accum_examples.read_value(), reg_grads)
+            self.apply_gradients(list(zip(grads, var_list)))
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self._accum_examples.assign(0.0)
+            self._accum_batches.assign(0)
+            return tf.constant(True)
+
+        tf.cond(
+            self._accum_batches >= self.gradient_accumulation_steps,
+            release_lot,
+            lambda: tf.constant(False),
+        )
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        """Applies gradients that came out of this optimizer's sanitizer only."""
+        grads_and_vars = list(grads_and_vars)
+        pending = self._sanitized_grads
+        for grad, _ in grads_and_vars:
+            if grad is not None and not any(grad is g for g in pending):
+                raise ValueError(
+                    f"{type(self).__name__}.apply_gradients got a gradient that did not come from its "
+                    "compute_gradients: applying it would be a non-private step. Call "
+                    "minimize(loss, var_list, tape) or apply the output of compute_gradients."
+                )
+        del pending[:]
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)

@@ -1,0 +1,157 @@
+"""Differentially private tf_keras optimizers (DP-SGD, Abadi et al. 2016).
+
+Usage: the only change from non-private Keras training is the optimizer and an
+unreduced (per-example) loss::
+
+    opt = keras_dpsgd.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+                                     learning_rate=0.1)
+    model.compile(optimizer=opt,
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True, reduction="none"))
+    model.fit(x, y, batch_size=256)
+
+Argument names follow TF Privacy's ``DPKerasSGDOptimizer``. The sanitizer
+(clip → sum → noise → normalize) lives in ``keras_dpsgd._sanitizer`` and is
+shared by every optimizer made private with :func:`make_dp_optimizer`: the
+descent rule only post-processes the sanitized gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tf_keras as keras
+
+from keras_dpsgd._sanitizer import DPSanitizerMixin
+
+__all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
+
+_DP_DOC = """
+    Privacy arguments (Abadi et al. 2016, Algorithm 1):
+      l2_norm_clip: C > 0 (float: flat clipping of the whole gradient), or one
+        bound per trainable variable (list in `model.trainable_variables`
+        order, kernel and bias separately), or a dict by variable name
+        (per-layer clipping).
+      noise_multiplier: σ >= 0; the noise on variable v is N(0, σ_v² C_v²).
+        With per-layer clipping it may be one σ per variable. The accountant
+        must be charged `effective_noise_multiplier` (σ/√V for V variables
+        clipped separately with one σ).
+      gradient_accumulation_steps: k >= 1 batches form one lot: clipped
+        gradients are summed over k batches, noise is added and the update
+        applied once per lot (`noised_steps` counts lots). An incomplete lot
+        at the end of training is not released.
+      expected_lot_size: divide the noised sum by this L (Poisson lots);
+        None divides by the realized number of examples in the lot.
+      sampling_rate: q, read by the accountant (not used by the step).
+      per_example_backend: "auto", "reference" or "fast".
+      seed: None (noise from OS entropy; never checkpointed, so a restored
+        checkpoint never replays noise) or an integer (noise is a function of
+        seed, noised step and variable: reproducible and resumable; keep the
+        seed secret, anyone who knows it can remove the noise).
+
+    The loss must be per example (`reduction="none"`); a scalar loss raises a
+    ValueError at the first step. Models with BatchNormalization are refused.
+    Regularization: see `keras_dpsgd._sanitizer` (weight_decay, or a
+    (per_example_loss, regularization_loss) pair with a persistent tape).
+"""
+
+_DP_CLASSES: dict[type, type] = {}
+
+
+def _register(cls: type) -> type:
+    return keras.saving.register_keras_serializable(package="keras_dpsgd", name=cls.__name__)(cls)
+
+
+@_register
+class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
+    __doc__ = "DP-SGD: the SGD (momentum, Nesterov) descent rule on sanitized gradients.\n" + _DP_DOC
+
+    def __init__(
+        self,
+        l2_norm_clip: float | list[float] | dict[str, float],
+        noise_multiplier: float | list[float],
+        learning_rate: Any = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        gradient_accumulation_steps: int = 1,
+        expected_lot_size: float | None = None,
+        sampling_rate: float | None = None,
+        per_example_backend: str = "auto",
+        seed: int | None = None,
+        name: str = "DPSGDOptimizer",
+        **kwargs: Any,
+    ):
+        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
+        self._init_dp(
+            l2_norm_clip,
+            noise_multiplier,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            expected_lot_size=expected_lot_size,
+            sampling_rate=sampling_rate,
+            per_example_backend=per_example_backend,
+            seed=seed,
+        )
+
+
+_DP_CLASSES[keras.optimizers.SGD] = DPSGDOptimizer
+
+
+def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
+    """Returns a private version of a tf_keras optimizer class.
+
+    The returned class takes `l2_norm_clip` and `noise_multiplier` first, the
+    DP keyword arguments of :class:`DPSGDOptimizer`, and every argument of
+    `optimizer_cls` as keywords. It is registered for serialization under
+    package "keras_dpsgd" (call this function before loading a model saved
+    with it). The same class is returned for the same `optimizer_cls`.
+
+    Args:
+      optimizer_cls: a subclass of `tf_keras.optimizers.Optimizer` (not a
+        legacy optimizer).
+      name: class name; default "DP<Name>Optimizer".
+
+    Raises:
+      ValueError: if `optimizer_cls` is not a tf_keras (2.11+) optimizer class.
+    """
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
+        raise ValueError(
+            "optimizer_cls must be a subclass of tf_keras.optimizers.Optimizer (legacy "
+            f"optimizers are not supported), got {optimizer_cls!r}"
+        )
+    if issubclass(optimizer_cls, DPSanitizerMixin):
+        raise ValueError(f"optimizer_cls is already private: {optimizer_cls.__name__}")
+    if optimizer_cls in _DP_CLASSES:
+        return _DP_CLASSES[optimizer_cls]
+    cls_name = name or f"DP{optimizer_cls.__name__}Optimizer"
+
+    def __init__(
+        self,
+        l2_norm_clip,
+        noise_multiplier,
+        *,
+        gradient_accumulation_steps=1,
+        expected_lot_size=None,
+        sampling_rate=None,
+        per_example_backend="auto",
+        seed=None,
+        **kwargs,
+    ):
+        kwargs.setdefault("name", cls_name)
+        optimizer_cls.__init__(self, **kwargs)
+        self._init_dp(
+            l2_norm_clip,
+            noise_multiplier,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            expected_lot_size=expected_lot_size,
+            sampling_rate=sampling_rate,
+            per_example_backend=per_example_backend,
+            seed=seed,
+        )
+
+    doc = f"Private {optimizer_cls.__name__}: its descent rule on sanitized gradients.\n" + _DP_DOC
+    cls = type(cls_name, (DPSanitizerMixin, optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+    _DP_CLASSES[optimizer_cls] = _register(cls)
+    return cls
+
+
+DPAdamOptimizer = make_dp_optimizer(keras.optimizers.Adam, name="DPAdamOptimizer")
