@@ -130,26 +130,45 @@ def _rdp_cached(q: float, sigma: float, orders: tuple[float, ...]) -> np.ndarray
 
 
 @functools.lru_cache(maxsize=16)
-def _int_tables(orders: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """log C(α, i) on an (orders × max_order+1) grid, -inf where i > α."""
-    alphas = np.asarray(orders, dtype=np.float64)[:, None]
-    i = np.arange(max(orders) + 1, dtype=np.float64)[None, :]
-    valid = i <= alphas
-    log_comb = np.where(
-        valid,
-        special.gammaln(alphas + 1.0) - special.gammaln(i + 1.0) - special.gammaln(np.maximum(alphas - i, 0.0) + 1.0),
-        -np.inf,
-    )
-    return log_comb, np.broadcast_to(i, log_comb.shape), np.broadcast_to(alphas, log_comb.shape)
+def _int_tables(orders: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per group of similar orders: (positions, log C(α, i) with -inf for i > α, i, α).
+
+    Orders are grouped so that a group's widest row is at most twice its
+    narrowest (or 64 terms), which keeps the term matrices small for grids
+    that mix 2..63 with 128..1024.
+    """
+    positions = sorted(range(len(orders)), key=lambda k: orders[k])
+    groups, current = [], []
+    for k in positions:
+        if current and orders[k] > max(64, 2 * orders[current[0]]):
+            groups.append(current)
+            current = []
+        current.append(k)
+    groups.append(current)
+    tables = []
+    for group in groups:
+        alphas = np.asarray([orders[k] for k in group], dtype=np.float64)[:, None]
+        i = np.arange(int(alphas.max()) + 1, dtype=np.float64)[None, :]
+        valid = i <= alphas
+        log_comb = np.where(
+            valid,
+            special.gammaln(alphas + 1.0) - special.gammaln(i + 1.0) - special.gammaln(np.maximum(alphas - i, 0.0) + 1.0),
+            -np.inf,
+        )
+        tables.append((np.asarray(group), log_comb, np.broadcast_to(i, log_comb.shape), np.broadcast_to(alphas, log_comb.shape)))
+    return tables
 
 
 def _log_a_int(q: float, sigma: float, orders: tuple[int, ...]) -> np.ndarray:
     """log A_α for integer α: exact log-space binomial sum (MTZ 2019 Sec 3.2)."""
-    log_comb, i, alphas = _int_tables(orders)
-    with np.errstate(invalid="ignore"):
-        terms = log_comb + i * math.log(q) + (alphas - i) * math.log1p(-q) + (i * i - i) / (2.0 * sigma * sigma)
-    terms = np.where(np.isfinite(log_comb), terms, -np.inf)
-    return special.logsumexp(terms, axis=1)
+    out = np.empty(len(orders))
+    log_q, log_1mq, two_s2 = math.log(q), math.log1p(-q), 2.0 * sigma * sigma
+    for group, log_comb, i, alphas in _int_tables(orders):
+        with np.errstate(invalid="ignore"):
+            terms = log_comb + i * log_q + (alphas - i) * log_1mq + (i * i - i) / two_s2
+        terms = np.where(np.isfinite(log_comb), terms, -np.inf)
+        out[group] = special.logsumexp(terms, axis=1)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
