@@ -131,3 +131,15 @@ def test_accounting_imports_without_tensorflow():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_public_names_resolve():
+    import keras_dpsgd
+    import keras_dpsgd.accounting as accounting
+
+    for name in accounting.__all__:
+        assert getattr(accounting, name) is not None
+    for name in ["RdpAccountant", "MomentsAccountant", "PldAccountant", "compute_epsilon", "compute_epsilon_and_order",
+                 "compute_noise_multiplier", "calibrate_noise_multiplier", "max_steps_within_budget", "batch_table",
+                 "default_delta", "check_delta", "effective_noise_multiplier"]:
+        assert getattr(keras_dpsgd, name) is getattr(accounting, name)

@@ -1,7 +1,9 @@
 """Accounting and planning subcommands: ``epsilon``, ``noise``, ``batch-table``.
 
 Steps = ceil(E·N/B) and sampling rate q = B/N (Poisson sampling of lots of
-expected size B, as in Abadi et al. 2016). δ defaults to 1/N^1.1.
+expected size B, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
+is accepted with a warning on stderr. With σ = 0 the JSON output holds
+``"epsilon": Infinity`` (Python's json extension) and ``"order": null``.
 """
 
 from __future__ import annotations
