@@ -1,0 +1,55 @@
+"""The three tools of "Three Tools for Practical Differential Privacy" (van der Veen et al. 2018).
+
+1. :mod:`~keras_dpsgd.tools.memorization`: the memorization test (random noise
+   with random labels, with and without DP; and the real-task comparison).
+2. :mod:`~keras_dpsgd.tools.adaptive_clipping`: gradient-aware adaptive
+   per-layer clipping, its composed accounting and calibration.
+3. :mod:`~keras_dpsgd.tools.large_lots`: large lots with a linearly scaled
+   learning rate and gradient accumulation.
+
+Names are imported lazily: the pure-Python parts (large lots, the adaptive
+clipping arithmetic) do not import TensorFlow.
+"""
+
+import importlib
+
+_LAZY = {
+    # memorization test
+    "memorization_test": "keras_dpsgd.tools.memorization",
+    "real_task_test": "keras_dpsgd.tools.memorization",
+    "DPSettings": "keras_dpsgd.tools.memorization",
+    "MemorizationReport": "keras_dpsgd.tools.memorization",
+    "mlp_builder": "keras_dpsgd.tools.memorization",
+    "convnet_builder": "keras_dpsgd.tools.memorization",
+    "clopper_pearson_lower": "keras_dpsgd.tools._stats",
+    "binomial_p_value": "keras_dpsgd.tools._stats",
+    # adaptive clipping
+    "composed_noise_multiplier": "keras_dpsgd.tools.adaptive_clipping",
+    "adaptive_clipping_event": "keras_dpsgd.tools.adaptive_clipping",
+    "calibrate_adaptive_noise_multiplier": "keras_dpsgd.tools.adaptive_clipping",
+    "AdaptiveClippingMixin": "keras_dpsgd.tools._adaptive_tf",
+    "AdaptiveDPSGDOptimizer": "keras_dpsgd.tools._adaptive_tf",
+    "make_adaptive_optimizer": "keras_dpsgd.tools._adaptive_tf",
+    "initial_clip_bounds": "keras_dpsgd.tools._adaptive_tf",
+    "ClipBoundsLogger": "keras_dpsgd.tools._adaptive_tf",
+    # large lots
+    "scale_learning_rate": "keras_dpsgd.tools.large_lots",
+    "plan_gradient_accumulation": "keras_dpsgd.tools.large_lots",
+    "large_lot_table": "keras_dpsgd.tools.large_lots",
+    "plot_noise_per_example": "keras_dpsgd.tools.large_lots",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keras_dpsgd.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
