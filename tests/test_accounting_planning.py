@@ -219,3 +219,15 @@ def test_batch_table_validation(kwargs, match):
 def test_max_steps_validation():
     with pytest.raises(ValueError, match=r"noise_multiplier must be >= 0, got -1"):
         max_steps_within_budget(target_epsilon=1.0, target_delta=1e-5, sampling_rate=0.1, noise_multiplier=-1)
+
+
+@pytest.mark.parametrize("n,b,target", [(60000, 256, 3.0), (1000, 30, 2.0), (999, 333, 5.0)])
+def test_max_epochs_within_budget(n, b, target):
+    from keras_dpsgd.accounting import max_epochs_within_budget
+
+    epochs = max_epochs_within_budget(
+        num_examples=n, batch_size=b, target_epsilon=target, target_delta=1e-5, noise_multiplier=1.1
+    )
+    k = max_steps_within_budget(target_epsilon=target, target_delta=1e-5, sampling_rate=b / n, noise_multiplier=1.1)
+    assert epochs > 0 and steps_for_epochs(n, b, epochs) == k
+    assert epochs == pytest.approx(k * b / n, rel=1e-12)

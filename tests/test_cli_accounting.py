@@ -152,3 +152,14 @@ def test_argparse_errors_exit_2(capsys, argv):
 def test_zero_noise_reports_infinity(capsys):
     result = _json(capsys, EPS_ARGS[:6] + ["0"] + EPS_ARGS[7:])
     assert result["epsilon"] == math.inf and result["order"] is None
+
+
+def test_epsilon_with_budget_reports_max_steps_and_epochs(capsys):
+    from keras_dpsgd.accounting import compute_epsilon, max_steps_within_budget, steps_for_epochs
+
+    result = _json(capsys, EPS_ARGS + ["--delta", "1e-5", "--target-epsilon", "1.0"])
+    k = max_steps_within_budget(target_epsilon=1.0, target_delta=1e-5, sampling_rate=150 / 60000, noise_multiplier=1.3)
+    assert result["max_steps"] == k and result["target_epsilon"] == 1.0
+    assert steps_for_epochs(60000, 150, result["max_epochs"]) == k
+    assert compute_epsilon(PoissonSampledGaussianEvent(150 / 60000, 1.3, k), 1e-5) <= 1.0
+    assert main(EPS_ARGS + ["--target-epsilon", "0"]) == 2

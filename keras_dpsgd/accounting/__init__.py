@@ -32,6 +32,8 @@ from keras_dpsgd.accounting.planning import (
     compute_noise_multiplier,
     default_delta,
     effective_noise_multiplier,
+    max_epochs_from_steps,
+    max_epochs_within_budget,
     max_steps_within_budget,
     steps_for_epochs,
 )
@@ -70,6 +72,8 @@ __all__ = [
     "event_from_dict",
     "flatten_events",
     "make_accountant",
+    "max_epochs_from_steps",
+    "max_epochs_within_budget",
     "max_steps_within_budget",
     "rdp_gaussian",
     "rdp_poisson_subsampled_gaussian",

@@ -224,6 +224,45 @@ def max_steps_within_budget(
     return _largest_k(pld_eps, target_epsilon, hint=max(1, k_rdp))
 
 
+def max_epochs_within_budget(
+    *,
+    num_examples: int,
+    batch_size: int,
+    target_epsilon: float,
+    target_delta: float,
+    noise_multiplier: float,
+    accountant: str = "rdp",
+) -> float:
+    """Largest number of epochs E (a multiple of B/N) whose ceil(E·N/B) steps fit in (ε, δ).
+
+    E = k·B/N with k = :func:`max_steps_within_budget` at q = B/N, so that
+    ceil(E·N/B) = k steps (0.0 if not even one step fits).
+    """
+    n = V.check_positive_int(num_examples, "num_examples")
+    b = V.check_positive_int(batch_size, "batch_size")
+    if b > n:
+        raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
+    k = max_steps_within_budget(
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sampling_rate=b / n,
+        noise_multiplier=noise_multiplier,
+        accountant=accountant,
+    )
+    return max_epochs_from_steps(n, b, k)
+
+
+def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> float:
+    """Largest float E with ceil(E·N/B) <= steps (E = steps·B/N, stepped down if rounding went up)."""
+    n = V.check_positive_int(num_examples, "num_examples")
+    b = V.check_positive_int(batch_size, "batch_size")
+    k = V.check_nonnegative_int(steps, "steps")
+    epochs = float(Fraction(k * b, n))
+    while epochs > 0 and steps_for_epochs(n, b, epochs) > k:  # float rounded up: step down
+        epochs = float(np.nextafter(epochs, 0.0))
+    return epochs
+
+
 def steps_for_epochs(num_examples: int, batch_size: int, epochs: float) -> int:
     """ceil(epochs · N / B), exact for decimal `epochs` (no float round-up surprises)."""
     n = V.check_positive_int(num_examples, "num_examples")

@@ -27,6 +27,13 @@ def register(subparsers) -> None:
     eps = subparsers.add_parser("epsilon", help="ε of a DP-SGD run", description="ε spent by a DP-SGD run.")
     _add_data_args(eps, batch=True)
     eps.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0")
+    eps.add_argument(
+        "--target-epsilon",
+        type=float,
+        default=None,
+        metavar="X",
+        help="also report the largest number of steps and epochs at this σ within (X, δ)",
+    )
     _add_common_args(eps)
     eps.set_defaults(func=run_epsilon)
 
@@ -109,11 +116,33 @@ def run_epsilon(args) -> dict:
     event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
     eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
     result = {"epsilon": eps, "order": order, "noise_multiplier": sigma, **ctx}
+    if args.target_epsilon is not None:
+        target = V.check_epsilon(args.target_epsilon)
+        try:
+            max_steps = planning.max_steps_within_budget(
+                target_epsilon=target,
+                target_delta=ctx["delta"],
+                sampling_rate=ctx["sampling_rate"],
+                noise_multiplier=sigma,
+                accountant=args.accountant,
+            )
+        except ImportError as err:
+            raise ValueError(str(err)) from err
+        result.update(
+            target_epsilon=target,
+            max_steps=max_steps,
+            max_epochs=planning.max_epochs_from_steps(args.num_examples, args.batch_size, max_steps),
+        )
     if not args.json:
         print(
             f"ε = {eps:.6g} at δ = {ctx['delta']:.3g}{_order_text(order)}, accountant {args.accountant}\n"
             f"  {ctx['steps']} steps, sampling rate q = {ctx['sampling_rate']:.6g}, noise multiplier σ = {sigma:g}"
         )
+        if "max_steps" in result:
+            print(
+                f"  budget ε = {result['target_epsilon']:g} allows at most {result['max_steps']} steps "
+                f"({result['max_epochs']:.6g} epochs) at this σ"
+            )
     return result
 
 
