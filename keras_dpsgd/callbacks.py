@@ -16,7 +16,7 @@ which is checkpointed with the optimizer, so a resumed run continues ε.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Iterable, Optional
 
 import tf_keras as keras
 
@@ -31,11 +31,12 @@ from keras_dpsgd.ledger import (
 
 
 class _PrivacyCallback(keras.callbacks.Callback):
-    def __init__(self, target_delta, num_examples, batch_size, accountant):
+    def __init__(self, target_delta, num_examples, batch_size, extra_events, accountant):
         super().__init__()
         self.target_delta = target_delta
         self.num_examples = num_examples
         self.batch_size = batch_size
+        self.extra_events = tuple(extra_events)
         self.accountant = accountant
 
     def _optimizer(self):
@@ -53,6 +54,7 @@ class _PrivacyCallback(keras.callbacks.Callback):
             target_delta=self.target_delta,
             num_examples=self.num_examples,
             batch_size=self.batch_size,
+            extra_events=self.extra_events,
             accountant=self.accountant,
         )
 
@@ -72,6 +74,9 @@ class PrivacyLogger(_PrivacyCallback):
       batch_size: the ``batch_size`` given to fit, used only when the
         optimizer's sampling_rate is unknown (then q = B/N, and a warning says
         that ε assumes Poisson sampling).
+      extra_events: privacy events of data accesses outside the model (e.g.
+        a DP-PCA layer applied to the data before fit); layers inside the
+        model are found on their own.
       accountant: "rdp" (default), "moments" or "pld".
     """
 
@@ -81,9 +86,10 @@ class PrivacyLogger(_PrivacyCallback):
         *,
         num_examples: Optional[int] = None,
         batch_size: Optional[int] = None,
+        extra_events: Iterable = (),
         accountant: str = "rdp",
     ):
-        super().__init__(target_delta, num_examples, batch_size, accountant)
+        super().__init__(target_delta, num_examples, batch_size, extra_events, accountant)
         self.epsilon: Optional[float] = None
         self.delta: Optional[float] = None
 
@@ -115,7 +121,7 @@ class WithinLimit(_PrivacyCallback):
     Args:
       target_epsilon: the budget ε > 0.
       target_delta: δ; default 1/N^1.1, announced once. δ >= 1/N is refused.
-      num_examples, batch_size, accountant: as for :class:`PrivacyLogger`.
+      num_examples, batch_size, extra_events, accountant: as for :class:`PrivacyLogger`.
       verbose: print a line when training is stopped.
 
     Attributes:
@@ -130,10 +136,11 @@ class WithinLimit(_PrivacyCallback):
         *,
         num_examples: Optional[int] = None,
         batch_size: Optional[int] = None,
+        extra_events: Iterable = (),
         accountant: str = "rdp",
         verbose: int = 1,
     ):
-        super().__init__(target_delta, num_examples, batch_size, accountant)
+        super().__init__(target_delta, num_examples, batch_size, extra_events, accountant)
         eps = float(target_epsilon)
         if not eps > 0 or math.isnan(eps):
             raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
@@ -157,6 +164,7 @@ class WithinLimit(_PrivacyCallback):
             target_delta=self.target_delta,
             num_examples=self.num_examples,
             batch_size=self.batch_size,
+            extra_events=self.extra_events,
             accountant=self.accountant,
         )
         self._budget_start = int(optimizer.noised_steps.numpy())

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import tensorflow as tf
 
@@ -229,12 +229,18 @@ def layer_events(model: Any) -> list:
 
 
 def model_privacy_ledger(
-    model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
+    model: Any,
+    *,
+    num_examples: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    extra_events: Iterable = (),
 ) -> PrivacyLedger:
     """Every recorded access to the data by `model`: its layers' events, then its optimizer's steps.
 
     Args:
       model: a tf_keras model (compiled or not).
+      extra_events: events of data accesses outside the model (e.g. a DP-PCA
+        layer applied to the data before fit), placed first.
       num_examples: N, needed only when the optimizer's sampling_rate is unknown.
       batch_size: the physical batch size given to fit, idem (Poisson sampling is then assumed and
         a warning says so once).
@@ -245,7 +251,7 @@ def model_privacy_ledger(
     Raises:
       ValueError: if the optimizer's sampling_rate is unknown and num_examples or batch_size is missing.
     """
-    events = layer_events(model)
+    events = list(extra_events) + layer_events(model)
     events.extend(
         optimizer_events(getattr(model, "optimizer", None), num_examples=num_examples, batch_size=batch_size)
     )
@@ -278,12 +284,16 @@ def model_epsilon(
     target_delta: Optional[float] = None,
     num_examples: Optional[int] = None,
     batch_size: Optional[int] = None,
+    extra_events: Iterable = (),
     accountant: str = "rdp",
 ) -> tuple[float, float]:
-    """(ε, δ) spent so far by `model` (all its ledger events composed)."""
+    """(ε, δ) spent so far by `model` (all its ledger events composed).
+
+    Arguments as for :func:`model_privacy_ledger` and :func:`resolve_delta`.
+    """
     n = resolve_num_examples(getattr(model, "optimizer", None), num_examples)
     delta = resolve_delta(target_delta, n)
-    ledger = model_privacy_ledger(model, num_examples=n, batch_size=batch_size)
+    ledger = model_privacy_ledger(model, num_examples=n, batch_size=batch_size, extra_events=extra_events)
     if not ledger.events:
         return 0.0, delta
     return compute_epsilon(ledger, delta, accountant=accountant), delta
@@ -298,6 +308,7 @@ def steps_remaining(
     noise_multiplier: Optional[float] = None,
     num_examples: Optional[int] = None,
     batch_size: Optional[int] = None,
+    extra_events: Iterable = (),
     accountant: str = "rdp",
 ) -> int:
     """How many more DP-SGD steps keep ε <= target_epsilon (Abadi et al. 2016, "while within_limit").
@@ -308,7 +319,8 @@ def steps_remaining(
       target_epsilon: the budget ε.
       target_delta: δ; default 1/N^1.1 (N from num_examples or the configured optimizer).
       sampling_rate, noise_multiplier: q and σ of the future steps (override the optimizer's).
-      num_examples, batch_size: as for :func:`model_privacy_ledger`.
+      num_examples, batch_size, extra_events: as for :func:`model_privacy_ledger` (extra_events
+        are added to a given PrivacyLedger too).
       accountant: "rdp", "moments" or "pld".
 
     Returns:
@@ -320,13 +332,16 @@ def steps_remaining(
                 "sampling_rate and noise_multiplier are required with a PrivacyLedger, got "
                 f"sampling_rate={sampling_rate!r}, noise_multiplier={noise_multiplier!r}"
             )
-        ledger, n = model_or_ledger, _int_arg(num_examples, "num_examples")
+        ledger = PrivacyLedger(list(extra_events) + list(model_or_ledger.events))
+        n = _int_arg(num_examples, "num_examples")
     else:
         optimizer = getattr(model_or_ledger, "optimizer", None)
         if not is_dp_optimizer(optimizer):
             raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
         n = resolve_num_examples(optimizer, num_examples)
-        ledger = model_privacy_ledger(model_or_ledger, num_examples=n, batch_size=batch_size)
+        ledger = model_privacy_ledger(
+            model_or_ledger, num_examples=n, batch_size=batch_size, extra_events=extra_events
+        )
         if sampling_rate is None:
             sampling_rate = resolve_sampling_rate(optimizer, num_examples=n, batch_size=batch_size)
         if noise_multiplier is None:

@@ -160,3 +160,23 @@ def test_within_limit_with_steps_per_execution_never_overshoots():
 def test_within_limit_validation():
     with pytest.raises(ValueError, match="target_epsilon must be > 0"):
         WithinLimit(0.0)
+
+
+def test_within_limit_counts_a_real_dppca_layer_and_extra_events():
+    from keras_dpsgd.pca import DPPCA
+
+    pca = DPPCA(2, noise_multiplier=6.0)
+    pca.adapt(X)
+    outside = GaussianEvent(8.0, count=1, label="outside the model")
+    prior = [outside] + list(pca.privacy_events)
+    assert len(prior) == 2
+    target = 1.6
+    k = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA,
+                                prior_events=prior)
+    assert 0 < k < 50
+    model = keras.Sequential([keras.Input((3,)), pca, keras.layers.Dense(1)])
+    model.compile(optimizer=FakeDPOptimizer(SIGMA, Q, Q * N), loss="mse")
+    hist = _fit(model, [WithinLimit(target, DELTA, extra_events=[outside], verbose=0),
+                        PrivacyLogger(DELTA, extra_events=[outside])], epochs=50)
+    assert _check_stopped_at_the_boundary(model, target, prior) == k
+    assert hist.history["epsilon"][-1] == pytest.approx(_eps(k, prior), rel=1e-12)
