@@ -189,3 +189,10 @@ def test_anchor_tf_privacy_tutorial_classic_conversion():
 def test_bad_orders(orders):
     with pytest.raises(ValueError, match="orders must be"):
         rdp_poisson_subsampled_gaussian(0.1, 1.0, orders)
+
+
+@pytest.mark.parametrize("q,sigma", [(0.01, 1.0), (0.3, 2.5)])
+def test_custom_unsorted_orders_match_dp_accounting(q, sigma):
+    orders = [300.0, 2.0, 1.5, 1000.0, 7.0, 2.25, 100.0, 65.0, 3.0, 200.0]
+    mine = rdp_poisson_subsampled_gaussian(q, sigma, orders)
+    np.testing.assert_allclose(mine, _oracle_rdp(q, sigma, orders), rtol=1e-6)
