@@ -191,7 +191,10 @@ class DPPCA(_PreprocessingLayer):
       seed: None (default) draws fresh OS entropy at each adapt. An integer
         makes adapt reproducible: the k-th adapt of any layer with this seed
         samples and draws the same noise, so never reuse a seed for releases
-        on overlapping data that are meant to compose independently.
+        on overlapping data that are meant to compose independently, and keep
+        it secret (whoever knows it knows the noise). For that reason the seed
+        is not part of `get_config` and is never saved with a model: a
+        reloaded layer adapts with OS entropy.
       **kwargs: Keras layer arguments (`name`, `dtype`, ...).
 
     Raises:
@@ -266,6 +269,13 @@ class DPPCA(_PreprocessingLayer):
         """Marks the layer adapted iff its weights record at least one adapt."""
         if self.built:
             self._is_adapted = int(self.adapt_count.numpy()) > 0
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        # The cached adapt tf.function captures the accumulators, which are
+        # deliberately not saved: keep it out of SavedModel too.
+        children = super()._trackable_children(save_type, **kwargs)
+        children.pop("_adapt_function", None)
+        return children
 
     def load_own_variables(self, store):
         super().load_own_variables(store)
@@ -379,6 +389,5 @@ class DPPCA(_PreprocessingLayer):
             "noise_multiplier": self.noise_multiplier,
             "sampling_rate": self.sampling_rate,
             "normalize_inputs": self.normalize_inputs,
-            "seed": self.seed,
-        })
+        })  # not the seed: it determines the noise (see the class docstring)
         return config
