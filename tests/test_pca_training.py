@@ -6,7 +6,8 @@ import tf_keras as keras
 from sklearn.datasets import load_digits
 
 from keras_dpsgd import DPPCA, DPSGDOptimizer
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, PrivacyLedger, compute_epsilon
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import model_privacy_ledger
 
 
 def test_dppca_then_dense_trains_with_dpsgd_on_digits():
@@ -24,7 +25,8 @@ def test_dppca_then_dense_trains_with_dpsgd_on_digits():
         keras.Input((8, 8)), pca, keras.layers.Dense(10, activation="softmax")])
     batch_size, epochs, clip, sigma = 50, 8, 1.0, 0.8
     model.compile(
-        optimizer=DPSGDOptimizer(clip, sigma, learning_rate=1.5, seed=1),
+        optimizer=DPSGDOptimizer(
+            clip, sigma, learning_rate=1.5, sampling_rate=batch_size / len(x_train), seed=1),
         loss=keras.losses.SparseCategoricalCrossentropy(reduction="none"),
         metrics=["accuracy"],
     )
@@ -33,9 +35,12 @@ def test_dppca_then_dense_trains_with_dpsgd_on_digits():
     after = model.evaluate(x_test, y_test, verbose=0)[1]
     assert before < 0.4 and after > 0.75  # ≈ 0.9 on this split; chance is 0.1
 
-    # the projection is frozen during training; the PCA release is part of the budget
+    # the projection is frozen during training; the ε of the run includes the PCA release
     assert pca.trainable_weights == [] and len(pca.privacy_events) == 1
     steps = epochs * len(x_train) // batch_size
     sgd = PoissonSampledGaussianEvent(batch_size / len(x_train), sigma, count=steps, label="dp-sgd")
-    ledger = PrivacyLedger([*pca.privacy_events, sgd])
-    assert compute_epsilon(ledger, 1e-5) > compute_epsilon(sgd, 1e-5)
+    ledger = model_privacy_ledger(model)
+    assert ledger.events == (*pca.privacy_events, sgd)
+    eps = compute_epsilon(ledger, 1e-5)
+    assert eps == compute_epsilon([*pca.privacy_events, sgd], 1e-5)
+    assert eps > compute_epsilon(sgd, 1e-5)
