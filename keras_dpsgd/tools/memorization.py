@@ -214,6 +214,20 @@ def _dp_epsilon(optimizer, sampling_rate: float, delta: float) -> tuple[float | 
     return float(compute_epsilon([event], delta)), sigma, count
 
 
+def _require_accounting(factory):
+    """Real data: refuse, before training, a DP optimizer whose steps cannot be accounted."""
+
+    def make(lots):
+        opt = factory(lots)
+        if getattr(opt, "noised_steps", None) is None or getattr(opt, "effective_noise_multiplier", None) is None:
+            raise ValueError("real-task mode needs a DP optimizer exposing noised_steps and "
+                             "effective_noise_multiplier, so that its epsilon is accounted; got "
+                             f"{type(opt).__name__}")
+        return opt
+
+    return make
+
+
 def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonprivate_batch_size,
               nonprivate_learning_rate, dp_optimizer_factory, nonprivate_optimizer_factory, loss,
               confidence, delta, seed, verbose):
@@ -231,13 +245,15 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     delta = default_delta(n) if delta is None else float(delta)
     # Noise mode: labels are balanced, so a prediction independent of the labels is right on at most
     # max_k count_k examples in expectation (= N/K when K divides N); real mode: nominal 1/K.
-    chance = (np.bincount(train[1], minlength=num_classes).max() / n) if mode == "noise" else 1.0 / num_classes
+    chance = float(np.bincount(train[1], minlength=num_classes).max() / n) if mode == "noise" else 1.0 / num_classes
     rng = np.random.default_rng(seed)
     make_loss = loss or (lambda reduction: keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=reduction))
     nonpriv_factory = nonprivate_optimizer_factory or (lambda: keras.optimizers.Adam(nonprivate_learning_rate))
     child = None if seed is None else int(rng.integers(2**31 - 1))
     dp_factory = dp_optimizer_factory or (lambda lots: _default_dp_optimizer(dp, lots, child))
+    if mode == "real":
+        dp_factory = _require_accounting(dp_factory)
     common = dict(epochs=int(epochs), chance=chance, confidence=confidence, test=test, verbose=verbose,
                   rng=rng, seeded=seed is not None)
     nonpriv, _, _ = train_run("non-private", build_model, lambda _: nonpriv_factory(), make_loss("auto"), train,
@@ -245,12 +261,9 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     dpres, _, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train, batch_size=dp.batch_size,
                                  poisson=True, physical_batch_size=dp.physical_batch_size, **common)
     dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_opt, dp.batch_size / n, delta)
-    if mode == "real" and dpres.epsilon is None:
-        raise ValueError("real-task mode needs a DP optimizer exposing noised_steps and "
-                         "effective_noise_multiplier, so that its epsilon is accounted")
     nonpriv.epsilon = float("inf")
-    np_mem = nonpriv.train_lower_bound[-1] > chance
-    dp_mem = dpres.train_lower_bound[-1] > chance
+    np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
+    dp_mem = bool(dpres.train_lower_bound[-1] > chance)
     if mode == "noise":
         if dp_mem:
             verdict = (f"FAIL: the DP model memorizes random labels (train accuracy {dpres.train_accuracy[-1]:.3f}, "
