@@ -24,14 +24,24 @@ Protocol (``PerExampleBackend``):
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Callable, Protocol, Sequence
 
 import tensorflow as tf
+import tf_keras as keras
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 
 BACKEND_NAMES = ("auto", "reference", "fast")
 _FAST_MODULE = "keras_dpsgd._fast"
+
+_SCALAR_LOSS_MESSAGE = (
+    "{cls} needs the per-example loss (shape [batch_size]) but got a loss of shape {shape}: "
+    "it was reduced over the batch. Compile with an unreduced loss, e.g. "
+    "model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy("
+    "from_logits=True, reduction=\"none\")) or reduction=keras.losses.Reduction.NONE "
+    "(string losses such as loss=\"mse\" are reduced)."
+)
 
 
 class PerExampleBackend(Protocol):
@@ -131,3 +141,72 @@ def resolve_backend(name: str = "auto") -> PerExampleBackend:
             return ReferenceBackend()
         raise
     return module.FastBackend()
+
+
+# ------------------------------------------- preconditions of per-example gradients
+def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | None:
+    """The tf_keras Model whose train step is calling `optimizer`, if any.
+
+    The optimizer API never receives the model, so the call stack is searched
+    for a ``self`` that is a Model compiled with this optimizer (Keras's
+    ``train_step`` calls ``self.optimizer.minimize``). Returns None in a custom
+    training loop outside a Model method.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, keras.Model) and getattr(obj, "optimizer", None) is optimizer:
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def _mixes_examples(layer: Any) -> bool:
+    from tf_keras.src.layers.normalization import batch_normalization
+
+    return (
+        isinstance(layer, batch_normalization.BatchNormalizationBase)
+        or "BatchNorm" in type(layer).__name__
+        or bool(getattr(layer, "mixes_examples", False))
+    )
+
+
+def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable]) -> None:
+    """Raises ValueError if a layer mixes the examples of a batch in training.
+
+    With BatchNormalization one example changes every other example's output
+    (batch statistics), so per-example clipping no longer bounds its
+    influence. The model's layers are inspected (BatchNormalization and its
+    subclasses, any class named *BatchNorm*, any layer with a true
+    ``mixes_examples`` attribute); without a model (custom loop), the
+    variable names are checked for Keras's batch-normalization naming.
+    """
+    hint = (
+        "DP-SGD clips each example's gradient, which is meaningless when a layer mixes the "
+        "examples of a batch (batch statistics). Replace {what} with "
+        "keras.layers.GroupNormalization or keras.layers.LayerNormalization."
+    )
+    if model is not None:
+        for layer in model.submodules:
+            if isinstance(layer, keras.layers.Layer) and _mixes_examples(layer):
+                raise ValueError(hint.format(what=f"layer {layer.name!r} ({type(layer).__name__})"))
+        return
+    for var in var_list:
+        if "batch_normalization" in var.name or "batchnorm" in var.name.lower():
+            raise ValueError(hint.format(what=f"the layer owning variable {var.name!r}"))
+
+
+def per_example_loss(loss: tf.Tensor, tape: tf.GradientTape, cls_name: str) -> tf.Tensor:
+    """Checks the loss is per example and averages any non-batch axes to [B]."""
+    loss = tf.convert_to_tensor(loss)
+    if loss.shape.rank == 0:
+        raise ValueError(_SCALAR_LOSS_MESSAGE.format(cls=cls_name, shape=loss.shape))
+    if loss.shape.rank is None:
+        raise ValueError(f"{cls_name} needs a per-example loss of known rank, got shape {loss.shape}")
+    if loss.shape.rank > 1:
+        # Same weighting as SUM_OVER_BATCH_SIZE: mean over the B × T values.
+        with tape:
+            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
+    return loss
