@@ -102,9 +102,14 @@ def _as_adapt_data(data):
 def _batch_shape(data) -> tf.TensorShape:
     """(None, d1, ...) of a dataset of batches or of an array of examples."""
     if isinstance(data, tf.data.Dataset):
-        return tf.TensorShape(data.element_spec.shape)
+        shape = tf.TensorShape(data.element_spec.shape)
+        if shape.rank is not None and shape.rank < 2:
+            raise ValueError(
+                f"DPPCA.adapt dataset elements must be batches (batch, d1, ...), got {shape}: "
+                "use dataset.batch(...)")
+        return shape
     shape = tf.TensorShape(data.shape)
-    if shape.rank is None or shape.rank < 2:
+    if shape.rank is not None and shape.rank < 2:
         raise ValueError(f"DPPCA.adapt data must have shape (num_examples, d1, ...), got {shape}")
     return tf.TensorShape([None]).concatenate(shape[1:])
 
@@ -161,7 +166,7 @@ class DPPCA(_PreprocessingLayer):
     2. Flatten each example to a row a ∈ R^d and scale it to ‖a‖₂ = 1 (zero
        rows stay zero).
     3. Accumulate AᵀA = Σ a aᵀ over batches (streaming: the N×d matrix is
-       never formed; arrays, generators and `tf.data` all work).
+       never formed; arrays, tensors and `tf.data` datasets all work).
     4. Release AᵀA + E with E symmetric, E_ij = E_ji ~ N(0, σ²) for i <= j.
     5. Keep the eigenvectors of the k largest eigenvalues as the (d, k)
        projection (a non-trainable weight).
@@ -281,6 +286,16 @@ class DPPCA(_PreprocessingLayer):
         super().load_own_variables(store)
         self.finalize_state()
 
+    def _record_mechanism(self) -> None:
+        """Stores (q, σ) in the weights the events are read from (and saved with)."""
+        recorded = (float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()))
+        if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
+            raise ValueError(
+                f"this DPPCA layer's earlier adapts used (sampling_rate, noise_multiplier) = {recorded}, "
+                f"got {(self.sampling_rate, self.noise_multiplier)}: use a new layer")
+        self.adapt_sampling_rate.assign(self.sampling_rate)
+        self.adapt_noise_multiplier.assign(self.noise_multiplier)
+
     @property
     def privacy_events(self) -> tuple:
         """One event per completed `adapt` (empty before the first one)."""
@@ -301,9 +316,9 @@ class DPPCA(_PreprocessingLayer):
         """Fits the private projection to `data` (one DP-PCA release).
 
         Args:
-          data: examples only (no labels): a numpy array, tensor, generator or
-            `tf.data.Dataset` of batches of shape (batch, d1, ...). Every
-            example must appear at most once.
+          data: examples only (no labels): a numpy array or tensor of shape
+            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches
+            of shape (batch, d1, ...). Every example must appear at most once.
           batch_size: rows per accumulation step for array inputs. Defaults
             to 1024, not Keras' usual 32: a d×d update per 32 rows is slow.
             Do not set it for datasets (they are already batched).
@@ -314,7 +329,9 @@ class DPPCA(_PreprocessingLayer):
 
         Raises:
           TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
-          ValueError: for data of the wrong shape, non-finite data or no data.
+          ValueError: for data of the wrong shape or non-finite data, or if the
+            layer's recorded adapts used another (q, σ) (weights loaded from a
+            different layer): their events could not be told apart.
         """
         if ledger is not None and not isinstance(ledger, PrivacyLedger):
             raise TypeError(f"ledger must be a PrivacyLedger or None, got {type(ledger).__name__}")
@@ -323,11 +340,12 @@ class DPPCA(_PreprocessingLayer):
             batch_size = DEFAULT_ADAPT_BATCH_SIZE
         if not self.built:
             self.build(_batch_shape(data))
+        self._record_mechanism()
         try:
             super().adapt(data, batch_size=batch_size, steps=steps)
             projection = _release(
                 self._acc.gram.numpy(), self.n_components,
-                float(self.adapt_noise_multiplier.numpy()), self._noise_rng)
+                self.noise_multiplier, self._noise_rng)
         finally:
             if self.built:  # the exact AᵀA is not kept once released (or abandoned)
                 self._acc.gram.assign(tf.zeros(self._acc.gram.shape, tf.float64))

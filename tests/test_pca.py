@@ -131,8 +131,8 @@ def test_poisson_sampling_counts_and_masks(captured):
     n, q, adapts = 300, 0.3, 20
     eye = np.eye(n, dtype=np.float32)  # AᵀA = diag(inclusion mask)
     masks = []
-    for seed in range(adapts):
-        layer = DPPCA(1, 0.0, sampling_rate=q, seed=seed)
+    layer = DPPCA(1, 0.0, sampling_rate=q, seed=0)
+    for _ in range(adapts):  # each adapt of a seeded layer draws a fresh sample
         layer.adapt(eye, batch_size=30)
         mask = np.diag(captured[-1])
         np.testing.assert_array_equal(np.unique(mask), [0.0, 1.0])
@@ -220,5 +220,10 @@ def test_shape_and_usage_errors():
         DPPCA(2, 1.0).adapt(ds)
     with pytest.raises(TypeError, match="ledger must be a PrivacyLedger"):
         DPPCA(2, 1.0).adapt(x, ledger=[])
+    with pytest.raises(ValueError, match=r"use dataset.batch"):
+        DPPCA(1, 1.0).adapt(tf.data.Dataset.from_tensor_slices(np.ones((4, 6), np.float32)))
+    layer.adapt_noise_multiplier.assign(0.5)  # e.g. weights of another layer
+    with pytest.raises(ValueError, match=r"earlier adapts used .*\(1.0, 0.5\), got \(1.0, 1.0\)"):
+        layer.adapt(x)
     with pytest.raises(ValueError, match="must be finite"):
         DPPCA(2, 0.0).adapt(np.full((4, 6), np.nan, np.float32))
