@@ -1,0 +1,11 @@
+"""Fast per-example clipping (ghost norms and book-keeping) for DP-SGD in tf_keras.
+
+``FastBackend`` implements the per-example backend protocol of ``keras_dpsgd._per_example``:
+``clipped_sum(loss, var_list, tape, clip_factors) -> (summed, sq_norms)``. It gives the same
+numbers as the per-example jacobian (reference) path, without materializing per-example
+gradients for the layers that carry most parameters. See ``_backend`` for the algorithm.
+"""
+
+from keras_dpsgd._fast._backend import FastBackend
+
+__all__ = ["FastBackend"]

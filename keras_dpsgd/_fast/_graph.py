@@ -1,0 +1,334 @@
+"""Finding how each trainable variable enters the per-example loss of a traced train step.
+
+Inside the ``FuncGraph`` of the train step, every variable is a captured resource handle. We
+follow it through ``ReadVariableOp`` and value-preserving ops (Identity, Cast, reshapes) to the
+ops that *use* it, keeping only ops from which the loss is reachable (gradient flows only along
+those). A variable is handled by the fast path only if *every* use is one of the known ops below
+and its activation side depends on the input data; otherwise it falls back to per-example
+jacobians (never to anything weaker).
+
+Assumption, as in every ghost-clipping implementation: activations that feed a handled op are
+batch-major, i.e. their axis 0 indexes the examples of the batch in order, possibly repeated
+contiguously (``[B·T, D]`` from ``tf.tensordot`` on ``[B, T, D]``). All built-in tf_keras
+layers satisfy it; the loss itself must be per-example (row ``i`` depends on example ``i`` only),
+which DP-SGD requires anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+from keras_dpsgd._fast import _uses
+
+# Ops whose output is the variable's value, reshaped or cast (same elements, same order).
+_TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
+# Ops that read only metadata (no gradient flows through them).
+_NO_GRADIENT = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+# Ops whose outputs are not data even when they have no data inputs.
+_NOT_DATA_SOURCES = frozenset({"Const", "ReadVariableOp", "ResourceGather", "VarHandleOp"})
+
+MakeUse = Callable[[tf.Tensor, tf.Tensor], object]
+
+
+@dataclasses.dataclass
+class Site:
+    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use."""
+
+    y: tf.Tensor
+    make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse
+
+
+def ancestors(loss: tf.Tensor) -> set:
+    """All ops from which ``loss`` is reachable along data edges."""
+    seen = {loss.op}
+    stack = [loss.op]
+    while stack:
+        op = stack.pop()
+        for t in op.inputs:
+            if t.op not in seen:
+                seen.add(t.op)
+                stack.append(t.op)
+    return seen
+
+
+def batch_major_ops(ops: set) -> dict:
+    """Data-dependent ops among ``ops`` -> whether their outputs are still batch-major.
+
+    Forward propagation from the data sources (graph inputs, iterator outputs), in creation
+    order (a topological order of a FuncGraph). An output stops being batch-major after an op
+    that reorders or mixes axis 0: a Transpose moving axis 0, a reverse or data gather along
+    axis 0, and SpaceToBatchND (dilated convolutions) until
+    the matching BatchToSpaceND. Ops fed by a non-batch-major tensor are not handled by the fast
+    path (their variables use per-example jacobians).
+
+    Reshapes keep the property in the sense that matters: the elements of each example stay
+    contiguous and in order, so ``group_rows`` can regroup rows [B·T, ...] into [B, T, ...]; a
+    leading size that is not a multiple of B makes that reshape fail loudly.
+    """
+    status = {}  # op -> (mixed, space_to_batch_depth)
+    for op in ops_in_order(ops):
+        data_inputs = [status[t.op] for t in op.inputs if t.op in status]
+        is_source = (
+            op.type not in _NOT_DATA_SOURCES
+            and all(t.dtype == tf.resource for t in op.inputs)
+            and any(t.dtype != tf.resource for t in op.outputs)
+        )
+        if (not data_inputs and not is_source) or op.type in _NO_GRADIENT:
+            continue  # Shapes are metadata, not rows of examples.
+        mixed = any(m for m, _ in data_inputs)
+        depth = max((d for _, d in data_inputs), default=0)
+        if op.type in ("SpaceToBatchND", "SpaceToBatch"):
+            depth += 1
+        elif op.type in ("BatchToSpaceND", "BatchToSpace"):
+            depth -= 1
+            mixed = mixed or depth < 0
+        elif _reorders_batch(op, status):
+            mixed = True
+        status[op] = (mixed, depth)
+    return {op: (not mixed and depth == 0) for op, (mixed, depth) in status.items()}
+
+
+def ops_in_order(ops: set) -> list:
+    """``ops`` in graph creation order."""
+    graph = next(iter(ops)).graph
+    return [op for op in graph.get_operations() if op in ops]
+
+
+def _reorders_batch(op, status) -> bool:
+    if op.type == "Transpose":
+        perm = tf.get_static_value(op.inputs[1])
+        return perm is None or int(perm[0]) != 0
+    if op.type == "ReverseV2":
+        axes = tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        return axes is None or rank is None or any(int(a) % rank == 0 for a in axes)
+    if op.type in ("GatherV2", "Gather", "ResourceGather"):
+        if op.inputs[0].op not in status:
+            return False  # A lookup in a table: the output follows the ids.
+        axis = tf.get_static_value(op.inputs[2]) if op.type == "GatherV2" else 0
+        return axis is None or int(axis) == 0
+    return False
+
+
+def internal_handles(graph, var) -> list:
+    """The placeholders standing for ``var``'s handle in ``graph`` (following nested captures)."""
+    handle = var.handle
+    if getattr(handle, "graph", None) is graph:
+        return [handle]
+    outer = getattr(graph, "outer_graph", None)
+    externals = [handle]
+    if outer is not None and hasattr(outer, "captures"):
+        externals += internal_handles(outer, var)
+    found = []
+    for external, internal in getattr(graph, "captures", ()):
+        if any(external is e for e in externals):
+            found.append(internal)
+    return found
+
+
+def _batch_major(t: tf.Tensor, static_batch) -> bool:
+    if t.shape.rank is None or t.shape.rank < 1:
+        return False
+    n = t.shape[0]
+    return n is None or static_batch is None or (static_batch > 0 and n % static_batch == 0)
+
+
+def group_rows(t: tf.Tensor, batch: tf.Tensor, rest: int) -> tf.Tensor:
+    """[N, *dims] with N = B·T (batch-major) and prod(dims) = rest -> [B, T, rest]."""
+    n = tf.shape(t)[0]
+    steps = n // tf.maximum(batch, 1)
+    return tf.reshape(t, tf.stack([batch, steps, rest]))
+
+
+def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
+    """All uses of the variable on the way to the loss, or None if one of them is unknown."""
+    sites = []
+    stack = list(handles)
+    while stack:
+        t = stack.pop()
+        for consumer in t.consumers():
+            if consumer not in ops:
+                continue
+            for index, inp in enumerate(consumer.inputs):
+                if inp is not t:
+                    continue
+                if t.dtype == tf.resource:
+                    if consumer.type == "ReadVariableOp":
+                        stack.append(consumer.outputs[0])
+                        continue
+                    site = _gather(consumer, index, var, clean, static_batch)
+                elif consumer.type in _TRANSPARENT and index == 0:
+                    stack.append(consumer.outputs[0])
+                    continue
+                elif consumer.type in _NO_GRADIENT:
+                    continue
+                else:
+                    handler = _HANDLERS.get(consumer.type)
+                    site = handler(consumer, index, t, var, clean, static_batch) if handler else None
+                if site is None:
+                    return None
+                sites.append(site)
+    return sites
+
+
+def _to_var_shape(p: tf.Tensor, var) -> tf.Tensor:
+    """[B, *w'.shape] -> [B, *var.shape] (w' is a reshape of the variable)."""
+    return tf.reshape(p, tf.concat([tf.shape(p)[:1], var.shape], axis=0))
+
+
+def _f32(t: tf.Tensor) -> tf.Tensor:
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def _matmul(op, index, w, var, clean, static_batch):
+    """y = a @ w (Dense on 2-D inputs; on [B, T, D] through tf.tensordot's reshape)."""
+    if index != 1 or op.get_attr("transpose_a"):
+        return None
+    a, y = op.inputs[0], op.outputs[0]
+    if not clean.get(a.op) or a.shape.rank != 2 or not _batch_major(a, static_batch):
+        return None
+    transposed = op.get_attr("transpose_b")
+    if w.shape.rank != 2:
+        return None
+    d, u = (int(w.shape[1]), int(w.shape[0])) if transposed else (int(w.shape[0]), int(w.shape[1]))
+
+    def make(g, batch):
+        a3, g3 = group_rows(_f32(a), batch, d), group_rows(_f32(g), batch, u)
+        return _uses.OuterUse(g3, a3) if transposed else _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _batch_matmul(op, index, w, var, clean, static_batch):
+    """y = x @ w with x of shape [B, ..., D] and a 2-D weight broadcast over the batch."""
+    if index != 1 or w.shape.rank != 2 or op.get_attr("adj_x"):
+        return None
+    x, y = op.inputs[0], op.outputs[0]
+    if not clean.get(x.op) or x.shape.rank is None or x.shape.rank < 3:
+        return None
+    if not _batch_major(x, static_batch):
+        return None
+    adjoint = op.get_attr("adj_y")
+    d = int(x.shape[-1])
+
+    def make(g, batch):
+        a3 = tf.reshape(_f32(x), tf.stack([batch, -1, d]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, int(g.shape[-1])]))
+        return _uses.OuterUse(g3, a3) if adjoint else _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _conv2d(op, index, w, var, clean, static_batch):
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims): per-example grads from im2col patches."""
+    if index != 1 or op.get_attr("data_format") != b"NHWC":
+        return None
+    padding = op.get_attr("padding").decode()
+    strides, rates = list(op.get_attr("strides")), list(op.get_attr("dilations"))
+    x, y = op.inputs[0], op.outputs[0]
+    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
+        return None
+    if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
+        return None
+    kh, kw, cin, cout = (int(s) for s in w.shape)
+    if x.shape[3] != cin or not clean.get(x.op) or not _batch_major(x, static_batch):
+        return None
+
+    def make(g, batch):
+        patches = tf.image.extract_patches(
+            _f32(x), sizes=[1, kh, kw, 1], strides=strides, rates=rates, padding=padding
+        )
+        a3 = tf.reshape(patches, tf.stack([batch, -1, kh * kw * cin]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, cout]))
+        return _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _index_site(ids, y, var, vocab_dim):
+    def make(g, batch):
+        ids2 = tf.reshape(ids, tf.stack([batch, -1]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, vocab_dim]))
+        return _uses.IndexUse(ids2, g3, int(var.shape[0]))
+
+    return Site(y, make)
+
+
+def _gather(op, index, var, clean, static_batch):
+    """ResourceGather on the handle: an Embedding lookup (rows of a [V, D] table)."""
+    if op.type != "ResourceGather" or index != 0 or op.get_attr("batch_dims") != 0:
+        return None
+    if var.shape.rank != 2:
+        return None
+    ids, y = op.inputs[1], op.outputs[0]
+    if not clean.get(ids.op) or not _batch_major(ids, static_batch):
+        return None
+    return _index_site(ids, y, var, int(var.shape[1]))
+
+
+def _gather_v2(op, index, w, var, clean, static_batch):
+    """GatherV2 on the variable's value along axis 0 (tf.gather(table, ids))."""
+    if index != 0 or op.get_attr("batch_dims") != 0 or w.shape.rank != 2:
+        return None
+    axis = tf.get_static_value(op.inputs[2])
+    ids, y = op.inputs[1], op.outputs[0]
+    if axis is None or int(axis) != 0 or not clean.get(ids.op):
+        return None
+    if not _batch_major(ids, static_batch) or var.shape.num_elements() != w.shape.num_elements():
+        return None
+    return _index_site(ids, y, var, int(w.shape[1]))
+
+
+def _elementwise(op, index, w, var, clean, static_batch):
+    """Bias adds and scales: y = x + w, x - w, w - x, x * w (LayerNormalization γ and β).
+
+    The per-example gradient is ∂ℓ_i/∂y (times x for a product) summed over the axes along which
+    ``w`` is broadcast, so it is materialized ([B, *w.shape], as small as the variable).
+    """
+    y = op.outputs[0]
+    other = op.inputs[1 - index]
+    if op.type == "BiasAdd":
+        if index != 1 or op.get_attr("data_format") != b"NHWC":
+            return None
+    y_rank, w_rank = y.shape.rank, w.shape.rank
+    if y_rank is None or w_rank is None or y_rank < 1 or w_rank > y_rank:
+        return None
+    if w_rank == y_rank and w.shape[0] != 1:
+        return None  # w is not broadcast over axis 0: y's rows are not examples.
+    if not clean.get(y.op) or not _batch_major(y, static_batch) or not w.shape.is_fully_defined():
+        return None
+    if op.type == "BiasAdd":
+        w_shape = [1] * (y_rank - 1) + [int(w.shape[0])]
+    else:
+        w_shape = [1] * (y_rank - w_rank) + [int(s) for s in w.shape]
+    axes = [k for k in range(1, y_rank) if w_shape[k] == 1]
+    sign = -1.0 if op.type == "Sub" and index == 1 else 1.0
+
+    def make(g, batch):
+        p = _f32(g) * _f32(other) if op.type == "Mul" else _f32(g)
+        if axes:
+            p = tf.reduce_sum(p, axis=axes, keepdims=True)
+        p = tf.reshape(p, tf.concat([tf.stack([batch, -1]), w_shape[1:]], axis=0))
+        p = tf.reduce_sum(p, axis=1)
+        if sign < 0:
+            p = -p
+        return _uses.DenseUse(_to_var_shape(p, var))
+
+    return Site(y, make)
+
+
+_HANDLERS = {
+    "MatMul": _matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Conv2D": _conv2d,
+    "GatherV2": _gather_v2,
+    "BiasAdd": _elementwise,
+    "Add": _elementwise,
+    "AddV2": _elementwise,
+    "Sub": _elementwise,
+    "Mul": _elementwise,
+}

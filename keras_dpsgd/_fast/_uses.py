@@ -1,0 +1,182 @@
+"""Per-example gradient *uses* of one variable: norms and clipped sums without materializing.
+
+A variable ``w`` enters the per-example loss through one or more *uses* (a MatMul, a Conv2D, a
+gather, a bias add, ...). Each use contributes a per-example gradient of one of three forms:
+
+* :class:`OuterUse`: ``grad_i = A_iᵀ G_i`` with ``A`` of shape [B, T, D] and ``G`` of shape
+  [B, T, U] (Dense on 2-D inputs has T = 1, sequence Dense has T = sequence length, Conv2D has
+  ``A`` = im2col patches and T = output positions). The matrix is in ``w``'s row-major layout.
+* :class:`IndexUse`: ``grad_i = Σ_t e_{id_it} g_itᵀ`` (an embedding lookup of ids [B, T]).
+* :class:`DenseUse`: the per-example gradient itself, ``P`` of shape [B, *w.shape].
+
+Uses of the same variable are summed *before* the norm (weight sharing), by concatenating along
+T when all uses have the same form, else by materializing every use. A :class:`Group` then gives
+the per-example squared norms and, once the clip factors ``c`` are known, the clipped sum
+``Σ_i c_i grad_i``:
+
+* Goodfellow (2015), "Efficient per-example gradient computations": for T = 1,
+  ``‖a_i g_iᵀ‖² = ‖a_i‖² ‖g_i‖²``.
+* Li et al. (2022), "Large language models can be strong differentially private learners",
+  ghost norm: ``‖A_iᵀ G_i‖²_F = Σ (A_i A_iᵀ) ∘ (G_i G_iᵀ)``, cheaper than materializing when
+  ``T (D + U) <= D U`` (Bu et al. 2023, "mixed ghost norm", choose per layer by shape).
+* Bu et al. (2023), "Differentially private optimization on large model at small cost"
+  (book-keeping): ``Σ_i c_i A_iᵀ G_i = (diag(c) A)ᵀ G`` in one matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class OuterUse:
+    """Per-example gradient ``A_iᵀ G_i`` (``a``: [B, T, D], ``g``: [B, T, U])."""
+
+    a: tf.Tensor
+    g: tf.Tensor
+
+
+@dataclasses.dataclass
+class IndexUse:
+    """Per-example gradient ``Σ_t onehot(ids_it) g_itᵀ`` (``ids``: [B, T], ``g``: [B, T, D])."""
+
+    ids: tf.Tensor
+    g: tf.Tensor
+    vocab: int
+
+
+@dataclasses.dataclass
+class DenseUse:
+    """Materialized per-example gradient ``p``: [B, *var.shape]."""
+
+    p: tf.Tensor
+
+
+def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf."""
+    shape = tf.concat([tf.shape(c), tf.ones([t.shape.rank - 1], tf.int32)], axis=0)
+    c = tf.reshape(c, shape)
+    return tf.where(c > 0, t * c, tf.zeros_like(t))
+
+
+def _ghost_preferred(t: int, d: int, u: int) -> bool:
+    """Mixed ghost norm rule: ghost costs B·T²·(D+U), materializing B·T·D·U (flops and memory)."""
+    return t * (d + u) <= d * u
+
+
+class OuterGroup:
+    """Sum of :class:`OuterUse` contributions (concatenated along T)."""
+
+    def __init__(self, uses: list[OuterUse], shape: tf.TensorShape):
+        self.a = tf.concat([u.a for u in uses], axis=1) if len(uses) > 1 else uses[0].a
+        self.g = tf.concat([u.g for u in uses], axis=1) if len(uses) > 1 else uses[0].g
+        self.shape = shape
+        self._materialized = None
+
+    def sq_norms(self) -> tf.Tensor:
+        a, g = self.a, self.g
+        t, d, u = a.shape[1], int(a.shape[2]), int(g.shape[2])
+        if t == 1:  # Goodfellow: rank-one per-example gradients.
+            return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(g), axis=[1, 2])
+        if t is not None:
+            if _ghost_preferred(t, d, u):
+                return _ghost_sq_norms(a, g)
+            self._materialized = tf.einsum("btd,btu->bdu", a, g)
+            return tf.reduce_sum(tf.square(self._materialized), axis=[1, 2])
+        dyn_t = tf.shape(a)[1]
+        return tf.cond(
+            dyn_t * (d + u) <= d * u,
+            lambda: _ghost_sq_norms(a, g),
+            lambda: tf.reduce_sum(tf.square(tf.einsum("btd,btu->bdu", a, g)), axis=[1, 2]),
+        )
+
+    def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
+        if self._materialized is not None:
+            p = tf.reduce_sum(_scale_rows(self._materialized, c), axis=0)
+            return tf.reshape(p, self.shape)
+        d, u = int(self.a.shape[2]), int(self.g.shape[2])
+        a = tf.reshape(_scale_rows(self.a, c), [-1, d])
+        g = tf.reshape(_scale_rows(self.g, tf.cast(c > 0, c.dtype)), [-1, u])
+        return tf.reshape(tf.matmul(a, g, transpose_a=True), self.shape)
+
+    def materialize(self) -> tf.Tensor:
+        p = tf.einsum("btd,btu->bdu", self.a, self.g)
+        return tf.reshape(p, tf.concat([tf.shape(p)[:1], self.shape], axis=0))
+
+
+def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """Li et al. (2022): ‖A_iᵀ G_i‖²_F = Σ_{t,s} (a_t·a_s)(g_t·g_s)."""
+    aa = tf.matmul(a, a, transpose_b=True)
+    gg = tf.matmul(g, g, transpose_b=True)
+    return tf.reduce_sum(aa * gg, axis=[1, 2])
+
+
+class IndexGroup:
+    """Sum of :class:`IndexUse` contributions (an embedding table looked up one or more times).
+
+    The per-example gradient has one row per *distinct* id of the example; rows of repeated ids
+    are summed first (``tf.unique`` over the keys ``i·V + id``), so the norm is exact.
+    """
+
+    def __init__(self, uses: list[IndexUse], shape: tf.TensorShape):
+        self.ids = tf.concat([u.ids for u in uses], axis=1) if len(uses) > 1 else uses[0].ids
+        self.g = tf.concat([u.g for u in uses], axis=1) if len(uses) > 1 else uses[0].g
+        self.vocab = uses[0].vocab
+        self.shape = shape
+
+    def sq_norms(self) -> tf.Tensor:
+        b = tf.shape(self.ids, out_type=tf.int64)[0]
+        ids = tf.cast(self.ids, tf.int64)
+        keys = tf.range(b)[:, None] * self.vocab + ids
+        unique_keys, idx = tf.unique(tf.reshape(keys, [-1]))
+        d = int(self.g.shape[2])
+        rows = tf.math.unsorted_segment_sum(
+            tf.reshape(self.g, [-1, d]), idx, tf.shape(unique_keys)[0]
+        )
+        row_sq = tf.reduce_sum(tf.square(rows), axis=1)
+        return tf.math.unsorted_segment_sum(row_sq, unique_keys // self.vocab, b)
+
+    def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
+        d = int(self.g.shape[2])
+        g = tf.reshape(_scale_rows(self.g, c), [-1, d])
+        return tf.math.unsorted_segment_sum(g, tf.reshape(self.ids, [-1]), self.vocab)
+
+    def materialize(self) -> tf.Tensor:
+        onehot = tf.one_hot(self.ids, self.vocab, dtype=self.g.dtype)
+        return tf.einsum("btv,btd->bvd", onehot, self.g)
+
+
+class DenseGroup:
+    """Materialized per-example gradients ``p``: [B, *shape]."""
+
+    def __init__(self, p: tf.Tensor):
+        self.p = p
+
+    def sq_norms(self) -> tf.Tensor:
+        rank = self.p.shape.rank
+        return tf.reduce_sum(tf.square(self.p), axis=list(range(1, rank)))
+
+    def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(_scale_rows(self.p, c), axis=0)
+
+
+def make_group(uses: list, shape: tf.TensorShape):
+    """Combines the uses of one variable into a group (weight sharing: sum before the norm)."""
+    if all(isinstance(u, OuterUse) for u in uses):
+        same = {(int(u.a.shape[2]), int(u.g.shape[2])) for u in uses}
+        if len(same) == 1:
+            return OuterGroup(uses, shape)
+    if all(isinstance(u, IndexUse) for u in uses):
+        return IndexGroup(uses, shape)
+    total = None
+    for use in uses:
+        if isinstance(use, OuterUse):
+            p = OuterGroup([use], shape).materialize()
+        elif isinstance(use, IndexUse):
+            p = IndexGroup([use], shape).materialize()
+        else:
+            p = use.p
+        total = p if total is None else total + p
+    return DenseGroup(total)

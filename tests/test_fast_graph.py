@@ -1,0 +1,151 @@
+"""Fast backend: weight sharing, fallbacks, padding, NaN rows, eager mode (vs loop and reference)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+from _fast_helpers import (
+    Wrap,
+    assert_same,
+    check,
+    data,
+    dense_mlp,
+    flat_factors,
+    loop_oracle,
+    per_example_loss,
+    rng,
+    run_traced,
+)
+
+from keras_dpsgd._fast import FastBackend
+
+L = keras.layers
+
+
+class ScaledSin(L.Layer):
+    """A layer using an op the fast path does not know (Sin of the weight): must fall back."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight("w", shape=(int(input_shape[-1]),), initializer="random_normal")
+
+    def call(self, x):
+        return x * tf.sin(self.w)
+
+
+class Reparam(L.Layer):
+    """Kernel reparametrized without data (2·w): the MatMul sees a data-free weight: fall back."""
+
+    def build(self, input_shape):
+        self.k = self.add_weight("k", shape=(int(input_shape[-1]), 3), initializer="random_normal")
+
+    def call(self, x):
+        return tf.matmul(x, 2.0 * self.k)
+
+
+class TiedTranspose(L.Layer):
+    """Uses one kernel twice, once transposed (y = tanh(x W) Wᵀ): weight sharing via MatMul."""
+
+    def build(self, input_shape):
+        self.k = self.add_weight("k", shape=(int(input_shape[-1]), 5), initializer="random_normal")
+
+    def call(self, x):
+        return tf.matmul(tf.tanh(tf.matmul(x, self.k)), self.k, transpose_b=True)
+
+
+def test_weight_sharing_same_layer_twice():
+    shared = L.Dense(5, activation="tanh")
+    inp = keras.Input((5,))
+    out = L.Dense(2)(shared(shared(inp)))
+    x, y = data((4, 5), (4, 2), seed=8)
+    check(keras.Model(inp, out), x, y)
+
+
+def test_weight_sharing_transposed_kernel():
+    x, y = data((4, 6), (4, 6), seed=9)
+    check(keras.Sequential([TiedTranspose()]), x, y)
+
+
+def test_shared_embedding_over_two_inputs():
+    emb = L.Embedding(7, 3)
+    a, b = keras.Input((4,), dtype="int32"), keras.Input((2,), dtype="int32")
+    merged = L.Concatenate(axis=1)([emb(a), emb(b)])
+    model = keras.Model([a, b], L.Dense(2)(L.Flatten()(merged)))
+    gen = rng(10)
+    xa = gen.integers(0, 7, size=(3, 6)).astype("int32")
+    y = gen.normal(size=(3, 2)).astype("float32")
+
+    check(Wrap(model, lambda m, x: m([x[:, :4], x[:, 4:]])), xa, y)
+
+
+def test_unknown_op_falls_back_for_that_variable_only():
+    x, y = data((4, 5), (4, 3), seed=12)
+    model = keras.Sequential([ScaledSin(), L.Dense(3)])
+    model(x[:1])
+    check(model, x, y, fallback=[model.layers[0].w])
+
+
+def test_data_free_reparametrization_falls_back():
+    x, y = data((4, 5), (4, 3), seed=13)
+    model = keras.Sequential([Reparam()])
+    model(x[:1])
+    check(model, x, y, fallback=[model.layers[0].k])
+
+
+def test_padded_examples_contribute_nothing():
+    x, y = data((5, 7), (5, 3), seed=14)
+    model = dense_mlp()
+    model(x[:1])
+    weights = np.array([1, 0, 1, 0, 1], np.float32)
+    factors = flat_factors(0.5)
+    summed, sq = run_traced(FastBackend(), model, x, y, factors, weights=weights)
+    assert np.all(sq[[1, 3]] == 0)
+    kept = run_traced(FastBackend(), model, x[[0, 2, 4]], y[[0, 2, 4]], factors)
+    for a, b in zip(summed, kept[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_factor_rows_with_nan_add_exactly_zero():
+    x, y = data((4, 7), (4, 3), seed=15)
+    x[2, 0] = np.nan
+    model = dense_mlp()
+    model(x[:1])
+
+    def zero_non_finite(sq):
+        ok = tf.math.is_finite(tf.reduce_sum(sq, axis=1, keepdims=True))
+        return tf.where(ok, tf.ones_like(sq), tf.zeros_like(sq))
+
+    summed, sq = run_traced(FastBackend(), model, x, y, zero_non_finite)
+    assert np.all(np.isfinite([np.sum(s) for s in summed]))
+    clean = run_traced(FastBackend(), model, x[[0, 1, 3]], y[[0, 1, 3]], zero_non_finite)
+    for a, b in zip(summed, clean[0]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unused_variable_has_zero_norm_and_sum():
+    inp = keras.Input((4,))
+    used = L.Dense(2)(inp)
+    unused = L.Dense(3)(inp)
+    model = keras.Model(inp, [used, unused])
+
+    wrapper = Wrap(model, lambda m, x: m(x)[0])
+    x, y = data((3, 4), (3, 2), seed=16)
+    summed, sq = check(wrapper, x, y)
+    assert np.all(sq[:, 2:] == 0) and all(np.all(s == 0) for s in summed[2:])
+
+
+def test_eager_mode_uses_the_reference_path():
+    x, y = data((3, 7), (3, 3), seed=17)
+    model = dense_mlp()
+    model(x[:1])
+    factors = flat_factors(0.3)
+    backend = FastBackend()
+    with tf.GradientTape() as tape:
+        loss = per_example_loss(model, x, y)
+    summed, sq = backend.clipped_sum(loss, model.trainable_variables, tape, factors)
+    assert len(backend.last_fallback) == 4
+    assert_same(([s.numpy() for s in summed], sq.numpy()), loop_oracle(model, x, y, factors))
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="var_list"):
+        FastBackend().clipped_sum(tf.zeros([2]), [], None, flat_factors(1.0))
