@@ -75,6 +75,14 @@ def test_zero_noise_streams_images_and_datasets_with_zero_rows(captured):
     assert not np.any(layer._acc.gram.numpy())
 
 
+def test_steps_limits_the_batches_read(captured):
+    x = np.random.default_rng(3).normal(size=(100, 5)).astype(np.float32)
+    layer = DPPCA(2, 0.0, seed=0)
+    layer.adapt(tf.data.Dataset.from_tensor_slices(x).batch(10), steps=3)
+    assert int(layer._acc.num_sampled.numpy()) == 30
+    np.testing.assert_allclose(captured[-1], _unit_rows(x[:30]).T @ _unit_rows(x[:30]), atol=1e-5)
+
+
 def test_normalize_inputs_projects_unit_rows():
     x = np.random.default_rng(2).normal(size=(50, 6)).astype(np.float32) * 7
     layer = DPPCA(2, 0.0, normalize_inputs=True, seed=0)
