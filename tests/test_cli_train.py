@@ -1,0 +1,142 @@
+"""Tests for ``keras-dpsgd train``: JSON output, honest ε, the budget, saving, tfds loading and errors."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from keras_dpsgd.accounting import (
+    PoissonSampledGaussianEvent,
+    PrivacyLedger,
+    compute_epsilon,
+    compute_noise_multiplier,
+    default_delta,
+)
+from keras_dpsgd.cli import main
+
+REQUIRED = {"dataset", "epsilon", "target_epsilon", "delta", "test_accuracy", "steps", "noise_multiplier",
+            "l2_norm_clip", "seconds"}
+
+
+def _run_json(capsys, *argv):
+    code = main(["train", "--json", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must be exactly one JSON object, got {out[:500]!r}"
+    return json.loads(lines[0]), err
+
+
+def test_digits_json_calibrated_sigma_is_honest(capsys):
+    result, err = _run_json(capsys, "--epochs", "2", "--seed", "3", "--target-epsilon", "2")
+    assert REQUIRED <= set(result)
+    assert result["dataset"] == "digits" and result["num_examples"] == 1347
+    assert result["delta"] == pytest.approx(default_delta(1347))
+    # Progress (with ε) went to stderr, not stdout.
+    assert "epsilon" in err
+    # 2 epochs of ceil(1347 / 256) = 6 lots, all taken: the calibrated σ fits them.
+    assert result["steps"] == result["planned_steps"] == 12
+    q = 256 / 1347
+    assert result["sampling_rate"] == pytest.approx(q)
+    expected_sigma = compute_noise_multiplier(target_epsilon=2.0, target_delta=result["delta"], sampling_rate=q,
+                                              steps=12)
+    assert result["noise_multiplier"] == pytest.approx(expected_sigma)
+    # ε recomputed independently from (q, σ, steps) matches and is within the target.
+    eps = compute_epsilon(PoissonSampledGaussianEvent(q, result["noise_multiplier"], 12), result["delta"])
+    assert result["epsilon"] == pytest.approx(eps, rel=1e-9)
+    assert result["epsilon"] <= 2.0 + 1e-9
+    # It learned something (chance is 0.1).
+    assert result["test_accuracy"] > 0.5
+
+
+def test_given_sigma_stops_within_budget(capsys):
+    result, _ = _run_json(capsys, "--epochs", "5", "--noise-multiplier", "1.2", "--target-epsilon", "2",
+                          "--lot-size", "128", "--learning-rate", "0.1")
+    assert result["noise_calibrated"] is False and result["noise_multiplier"] == 1.2
+    assert result["stopped_by_within_limit"] is True
+    assert result["planned_steps"] == 55 and 0 < result["steps"] < 55
+    q, delta = result["sampling_rate"], result["delta"]
+    eps_now = compute_epsilon(PoissonSampledGaussianEvent(q, 1.2, result["steps"]), delta)
+    eps_next = compute_epsilon(PoissonSampledGaussianEvent(q, 1.2, result["steps"] + 1), delta)
+    assert result["epsilon"] == pytest.approx(eps_now, rel=1e-9)
+    assert eps_now <= 2.0 < eps_next
+
+
+def test_save_writes_model_and_privacy_report(capsys, tmp_path):
+    import tf_keras as keras
+
+    from keras_dpsgd._datasets import load_digits
+
+    out = tmp_path / "run"
+    result, _ = _run_json(capsys, "--epochs", "1", "--save", str(out), "--delta", "1e-5")
+    assert result["saved_to"] == str(out)
+    with open(out / "privacy_report.json", encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["delta"] == 1e-5 and report["epsilon"] == result["epsilon"]
+    ledger = PrivacyLedger.from_dict(report["ledger"])
+    assert compute_epsilon(ledger, 1e-5) == pytest.approx(result["epsilon"], rel=1e-9)
+    assert report["settings"]["noise_multiplier"] == result["noise_multiplier"]
+    model = keras.models.load_model(out / "model.keras", compile=False)
+    data = load_digits()
+    acc = np.mean(np.argmax(model.predict(data.x_test, verbose=0), axis=-1) == data.y_test)
+    assert acc == pytest.approx(result["test_accuracy"])
+
+
+def test_text_output_has_summary(capsys):
+    code = main(["train", "--epochs", "1", "--lot-size", "512"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    assert "epsilon:" in out  # the progress bar shows ε
+    assert "test accuracy" in out and "planned steps" in out
+
+
+def test_tfds_dataset_through_mock_data(capsys):
+    tfds = pytest.importorskip("tensorflow_datasets")
+    with tfds.testing.mock_data(num_examples=64):
+        result, _ = _run_json(capsys, "--dataset", "mnist", "--epochs", "1", "--lot-size", "16",
+                              "--physical-batch-size", "8", "--delta", "1e-3")
+    assert result["dataset"] == "mnist" and result["num_examples"] == 64
+    assert result["steps"] == 4 and result["epsilon"] <= result["target_epsilon"]
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+
+
+def test_tfds_unavailable_is_one_line_error_exit_2(capsys, monkeypatch):
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Failed to resolve 'storage.googleapis.com'\n(second line)")
+
+    monkeypatch.setattr(tfds, "load", offline)
+    code = main(["train", "--dataset", "cifar10", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("keras-dpsgd train: error: cannot load dataset 'cifar10'")
+    assert "internet access" in lines[0] and "--dataset digits" in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--lot-size", "5000"], "lot_size must be in [1, N = 1347]"),
+        (["--delta", "0.001"], "delta"),
+        (["--momentum", "1.5"], "momentum must be in [0, 1)"),
+        (["--noise-multiplier", "-1"], "noise_multiplier must be"),
+    ],
+)
+def test_bad_input_exit_2(capsys, argv, fragment):
+    code = main(["train", "--epochs", "1", *argv])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_default_settings_are_the_documented_ones():
+    from keras_dpsgd.cli import build_parser
+
+    args = build_parser().parse_args(["train"])
+    assert (args.dataset, args.model, args.target_epsilon, args.lot_size, args.epochs) == ("digits", "mlp", 3.0, 256, 10)
+    assert args.delta is None and args.noise_multiplier is None and args.seed is None
+    assert math.isclose(args.learning_rate, 0.5) and math.isclose(args.l2_norm_clip, 1.0)
