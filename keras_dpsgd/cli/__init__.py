@@ -16,6 +16,7 @@ import sys
 # Modules of this package that define subcommands, in help order.
 _SUBCOMMAND_MODULES = [
     "accounting",
+    "train",
     "tools",
 ]
 
