@@ -63,7 +63,7 @@ def test_zero_noise_streams_images_and_datasets_with_zero_rows(captured):
     x[[0, 50, 202]] = 0.0  # zero rows stay zero and add nothing
     x[7] *= 1e30  # huge rows are normalized without overflow
     exact = _unit_rows(x).T @ _unit_rows(x)
-    for data in (x, tf.data.Dataset.from_tensor_slices(x).batch(17)):
+    for data in (x, tf.constant(x), tf.data.Dataset.from_tensor_slices(x).batch(17)):
         layer = DPPCA(5, 0.0, seed=2)
         layer.adapt(data)
         np.testing.assert_allclose(captured[-1], exact, atol=1e-4)
