@@ -149,9 +149,9 @@ def test_argparse_errors_exit_2(capsys, argv):
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_zero_noise_reports_infinity(capsys):
+def test_zero_noise_reports_infinity_as_strict_json(capsys):
     result = _json(capsys, EPS_ARGS[:6] + ["0"] + EPS_ARGS[7:])
-    assert result["epsilon"] == math.inf and result["order"] is None
+    assert result["epsilon"] == "inf" and result["order"] is None
 
 
 def test_epsilon_with_budget_reports_max_steps_and_epochs(capsys):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import sys
 
 # Modules of this package that define subcommands, in help order.
@@ -46,8 +47,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"keras-dpsgd {args.command}: error: {err}", file=sys.stderr)
         return 2
     if getattr(args, "json", False) and result is not None:
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps(_strict_json(result), sort_keys=True, allow_nan=False))
     return 0
+
+
+def _strict_json(value):
+    """Replaces non-finite floats (ε = ∞ when σ = 0) by the strings "inf"/"-inf"/"nan".
+
+    Strict JSON has no Infinity; a string keeps the value honest (null could be
+    misread as "no privacy cost") and parseable by every JSON reader.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":
