@@ -1,0 +1,85 @@
+"""The examples' --smoke runs (subprocesses, offline: tfds mock data), so the examples never rot."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+_RESULT = re.compile(r"test accuracy ([0-9.]+) at ε = ([0-9.e+-]+) \(δ = ([0-9.e+-]+)\), (\d+) DP-SGD steps")
+
+
+def _run(script, *argv, timeout=120):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--smoke", *argv],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    match = _RESULT.search(proc.stdout)
+    assert match, proc.stdout[-2000:]
+    acc, eps, delta, steps = float(match[1]), float(match[2]), float(match[3]), int(match[4])
+    return proc.stdout, acc, eps, delta, steps
+
+
+def _load_example(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mnist_smoke_counts_pca_and_steps():
+    from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
+
+    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium")
+    assert "epsilon:" in out  # ε printed as it trains
+    # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (σ = 16, all data) and the
+    # DP-SGD steps at σ_eff = 4 (the preset), q = 64/256.
+    assert steps == 8 and delta == 1e-3
+    expected = compute_epsilon([GaussianEvent(16.0), PoissonSampledGaussianEvent(0.25, 4.0, steps)], delta)
+    sgd_only = compute_epsilon(PoissonSampledGaussianEvent(0.25, 4.0, steps), delta)
+    assert eps == pytest.approx(expected, rel=1e-3) and eps > sgd_only
+    assert 0.0 <= acc <= 1.0
+
+
+def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
+    example = _load_example("cifar10_alexnet")
+    public = example.small_alexnet()
+    public_path = str(tmp_path / "public.keras")
+    public.save(public_path)
+    trained_path = str(tmp_path / "trained.keras")
+    out, acc, eps, delta, steps = _run("cifar10_alexnet.py", "--public-model", public_path,
+                                       "--save-model", trained_path)
+    assert "frozen public conv layers, 6 DP-trained variables" in out
+    assert steps == 4 and 0 < eps <= 8.0 and 0.0 <= acc <= 1.0
+    import tf_keras as keras
+
+    trained = keras.models.load_model(trained_path, compile=False)
+    for name in example.CONV_LAYERS:  # frozen: exactly the public weights
+        for got, want in zip(trained.get_layer(name).get_weights(), public.get_layer(name).get_weights()):
+            np.testing.assert_array_equal(got, want)
+    changed = [not np.array_equal(a, b) for a, b in
+               zip(trained.get_layer("dense1").get_weights(), public.get_layer("dense1").get_weights())]
+    assert all(changed)  # trained with DP-SGD
+
+
+def test_small_alexnet_architecture():
+    import tf_keras as keras
+
+    example = _load_example("cifar10_alexnet")
+    model = example.small_alexnet()
+    kinds = [type(layer).__name__ for layer in model.layers[1:]]
+    assert kinds == ["Conv2D", "MaxPooling2D", "LocalResponseNormalization", "Conv2D", "LocalResponseNormalization",
+                     "MaxPooling2D", "Flatten", "Dense", "Dense", "Dense"]
+    assert [model.get_layer(n).units for n in ("dense1", "dense2", "logits")] == [384, 192, 10]
+    assert all(model.get_layer(n).filters == 64 and model.get_layer(n).kernel_size == (5, 5) for n in ("conv1", "conv2"))
+    # LRN mixes channels of one example, never examples: example 0's output ignores example 1.
+    x = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
+    y = x.copy()
+    y[1] = 0.0
+    np.testing.assert_allclose(model(x)[0], model(y)[0], rtol=1e-5, atol=1e-6)
+    assert isinstance(model, keras.Model)
