@@ -55,14 +55,20 @@ def load_tfds(name: str = "cifar10", data_dir: str | None = None):
     import tensorflow_datasets as tfds
 
     try:
-        splits = tfds.load(name, split=["train", "test"], as_supervised=True, batch_size=-1, data_dir=data_dir)
-    except Exception as err:  # tfds raises several types when offline
+        splits = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir)
+    except Exception as err:  # tfds raises several types when offline or missing a download dependency
         raise RuntimeError(
             f"could not load the tensorflow-datasets set {name!r} ({type(err).__name__}: {err}). "
             f"Fix: run once with internet access so tfds can download it (or "
             f"`tfds build {name}` / copy a prepared data_dir and pass --data-dir); offline, "
             f"use the default small data (scikit-learn digits)."
         ) from err
-    (x_tr, y_tr), (x_te, y_te) = [tfds.as_numpy(s) for s in splits]
-    scale = lambda a: (a.astype(np.float32) / 255.0)  # noqa: E731
-    return (scale(x_tr), y_tr.astype(np.int64)), (scale(x_te), y_te.astype(np.int64))
+
+    def to_numpy(split):
+        xs, ys = [], []
+        for x, y in tfds.as_numpy(split.batch(4096)):
+            xs.append(x)
+            ys.append(y)
+        return np.concatenate(xs).astype(np.float32) / 255.0, np.concatenate(ys).astype(np.int64)
+
+    return to_numpy(splits[0]), to_numpy(splits[1])

@@ -198,20 +198,22 @@ def _default_dp_optimizer(dp: DPSettings, lots, seed: int | None):
     )
 
 
-def _dp_epsilon(optimizer, sampling_rate: float, delta: float) -> tuple[float | None, float | None, int | None]:
-    """ε of the DP run from the optimizer's own step counter and σ_eff (None if it reports none)."""
-    steps = getattr(optimizer, "noised_steps", None)
-    sigma = getattr(optimizer, "effective_noise_multiplier", None)
-    if steps is None or sigma is None:
-        return None, None, None
-    from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+def _dp_epsilon(model, optimizer, delta: float) -> tuple[float | None, float | None, int | None]:
+    """ε of the DP run from the model's privacy ledger (None if its optimizer counts no noised steps).
 
-    count = int(np.asarray(steps.numpy() if hasattr(steps, "numpy") else steps))
-    sigma = float(sigma)
-    if sigma == 0.0:
-        return float("inf"), sigma, count
-    event = PoissonSampledGaussianEvent(sampling_rate, sigma, count=count, label="memorization-test dp run")
-    return float(compute_epsilon([event], delta)), sigma, count
+    The ledger (:func:`keras_dpsgd.ledger.model_privacy_ledger`) charges the
+    optimizer's own step counter at its σ_eff (adaptive clipping's norm
+    queries included) and any layer with privacy events (e.g. DP-PCA).
+    """
+    from keras_dpsgd.ledger import is_dp_optimizer, model_privacy_ledger
+
+    if not is_dp_optimizer(optimizer) or getattr(optimizer, "effective_noise_multiplier", None) is None:
+        return None, None, None
+    from keras_dpsgd.accounting import compute_epsilon
+
+    ledger = model_privacy_ledger(model)
+    return (float(compute_epsilon(ledger, delta)), float(optimizer.effective_noise_multiplier),
+            int(optimizer.noised_steps.numpy()))
 
 
 def _require_accounting(factory):
@@ -258,9 +260,9 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
                   rng=rng, seeded=seed is not None)
     nonpriv, _, _ = train_run("non-private", build_model, lambda _: nonpriv_factory(), make_loss("auto"), train,
                               batch_size=nonprivate_batch_size, poisson=False, **common)
-    dpres, _, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train, batch_size=dp.batch_size,
+    dpres, dp_model, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train, batch_size=dp.batch_size,
                                  poisson=True, physical_batch_size=dp.physical_batch_size, **common)
-    dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_opt, dp.batch_size / n, delta)
+    dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_model, dp_opt, delta)
     nonpriv.epsilon = float("inf")
     np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
     dp_mem = bool(dpres.train_lower_bound[-1] > chance)
