@@ -41,7 +41,16 @@ _LAZY = {
     "steps_remaining": "keras_dpsgd.ledger",
     # pca
     "DPPCA": "keras_dpsgd.pca",
-    # tools
+    # tools (Three Tools for Practical Differential Privacy)
+    "memorization_test": "keras_dpsgd.tools",
+    "real_task_test": "keras_dpsgd.tools",
+    "AdaptiveDPSGDOptimizer": "keras_dpsgd.tools",
+    "make_adaptive_optimizer": "keras_dpsgd.tools",
+    "initial_clip_bounds": "keras_dpsgd.tools",
+    "ClipBoundsLogger": "keras_dpsgd.tools",
+    "calibrate_adaptive_noise_multiplier": "keras_dpsgd.tools",
+    "scale_learning_rate": "keras_dpsgd.tools",
+    "large_lot_table": "keras_dpsgd.tools",
 }
 
 __all__ = sorted(_LAZY) + ["accounting"]

@@ -201,3 +201,20 @@ def test_clip_bounds_logger_writes_logs_and_tensorboard(tmp_path):
     assert files
     tags = {v.tag for e in tf.compat.v1.train.summary_iterator(str(files[0])) for v in e.summary.value}
     assert key in tags
+
+
+def test_cli_adaptive_clipping_noise(capsys):
+    import json
+
+    from keras_dpsgd.cli import main
+
+    args = ["adaptive-clipping-noise", "--num-layers", "8", "--norm-noise-multiplier", "2.5", "--epsilon", "3",
+            "--delta", "1e-5", "--sampling-rate", "0.00256", "--steps", "2000", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["noise_multiplier"] == pytest.approx(ac.calibrate_adaptive_noise_multiplier(
+        num_layers=8, norm_noise_multiplier=2.5, target_epsilon=3.0, target_delta=1e-5, sampling_rate=0.00256,
+        steps=2000))
+    assert out["effective_noise_multiplier"] == pytest.approx((8 / out["noise_multiplier"] ** 2 + 8 / 6.25) ** -0.5)
+    assert main(args[:4] + ["0.1"] + args[5:]) == 2
+    assert "norm_noise_multiplier must be >" in capsys.readouterr().err
