@@ -188,6 +188,7 @@ def train(args) -> dict:
             validation_batch_size=1024, verbose=1 if not args.json else 2,
         )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)
+    steps = int(optimizer.noised_steps.numpy())
     result = {
         "dataset": data.name,
         "model": args.model,
@@ -197,9 +198,10 @@ def train(args) -> dict:
         "delta": float(delta),
         "accountant": args.accountant,
         "test_accuracy": _accuracy(model, data.x_test, data.y_test),
-        "steps": int(optimizer.noised_steps.numpy()),
+        "steps": steps,
         "planned_steps": planned,
-        "stopped_by_within_limit": bool(limit.stopped),
+        # True when the budget ran out before the planned steps (a given σ too small for them).
+        "stopped_by_within_limit": bool(limit.stopped) and steps < planned,
         "epochs": args.epochs,
         "lot_size": args.lot_size,
         "sampling_rate": lots.sampling_rate,
