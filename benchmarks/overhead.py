@@ -1,0 +1,250 @@
+"""DP-SGD overhead over non-private training: step time, peak memory, largest batch (one JSON object).
+
+Usage::
+
+    python benchmarks/overhead.py                      # timing, MLP and small AlexNet, fast + reference
+    python benchmarks/overhead.py --memory             # + peak memory, one fresh process per configuration
+    python benchmarks/overhead.py --max-batch --max-batch-limit 4096 --memory-budget-mib 8000
+
+What is measured:
+
+* ``step_time``: median wall time of one ``fit`` batch (Keras callback, ``on_train_batch_begin`` to
+  ``on_train_batch_end``), after a warm-up ``fit`` that traces the train function. Non-private,
+  fast-DP and reference-DP runs use the same model architecture and initial weights, the same batch
+  and the same process, and are interleaved in rounds so that load on a shared machine hits them
+  alike. Ratio = DP median / non-private median. Non-private: ``keras.optimizers.SGD`` with the mean
+  loss; DP: ``DPSGDOptimizer(l2_norm_clip=1, noise_multiplier=1.1)`` with the per-example loss.
+* ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
+  the peak resident set size (``ru_maxrss``) of a fresh process that imports TensorFlow, builds the
+  model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
+  training itself adds: activations, gradients, per-example buffers, graph). Ratio = DP delta /
+  non-private delta. RSS includes allocator caching, so it is an upper bound on live tensors.
+* ``max_batch`` (``--max-batch``): the largest batch ``B0·2^k`` (k >= 0, at most
+  ``--max-batch-limit``) whose measured peak (as above, delta) stays within ``--memory-budget-mib``.
+  A bounded doubling search, one process per probe; "limit" means it never exceeded the budget.
+
+Models (Abadi et al. 2016): MLP 784-1000-10 (ReLU) at B=256; small AlexNet on 32x32x3 at B=128:
+conv 5x5x64 (SAME, ReLU), max-pool 3/2, conv 5x5x64 (SAME, ReLU), max-pool 3/2, dense 384, 192, 10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MODES = ("nonprivate", "fast", "reference")
+DEFAULT_BATCH = {"mlp": 256, "alexnet": 128}
+
+
+def _keras():
+    import tf_keras as keras
+
+    return keras
+
+
+def build_model(name: str):
+    keras = _keras()
+    layers = keras.layers
+    if name == "mlp":
+        return keras.Sequential(
+            [keras.Input((784,)), layers.Dense(1000, activation="relu"), layers.Dense(10)]
+        )
+    if name == "alexnet":
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(64, 5, padding="same", activation="relu"),
+                layers.MaxPooling2D(3, 2),
+                layers.Conv2D(64, 5, padding="same", activation="relu"),
+                layers.MaxPooling2D(3, 2),
+                layers.Flatten(),
+                layers.Dense(384, activation="relu"),
+                layers.Dense(192, activation="relu"),
+                layers.Dense(10),
+            ]
+        )
+    raise ValueError(f"model must be one of ('mlp', 'alexnet'), got {name!r}")
+
+
+def make_data(name: str, batch: int, batches: int, seed: int = 0):
+    import numpy as np
+
+    gen = np.random.default_rng(seed)
+    shape = (784,) if name == "mlp" else (32, 32, 3)
+    x = gen.normal(size=(batch * batches, *shape)).astype("float32")
+    y = gen.integers(0, 10, size=(batch * batches,)).astype("int32")
+    return x, y
+
+
+def compile_model(model, mode: str):
+    keras = _keras()
+    if mode == "nonprivate":
+        opt = keras.optimizers.SGD(learning_rate=0.01)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    elif mode in ("fast", "reference"):
+        from keras_dpsgd import DPSGDOptimizer
+
+        opt = DPSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.01, per_example_backend=mode
+        )
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    model.compile(optimizer=opt, loss=loss)
+    return model
+
+
+class _BatchTimer:
+    """Keras callback recording the wall time of each training batch."""
+
+    def __new__(cls):
+        keras = _keras()
+
+        class Timer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times = []
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self._t = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.times.append(time.perf_counter() - self._t)
+
+        return Timer()
+
+
+def time_steps(model, x, y, batch: int, steps: int) -> list[float]:
+    timer = _BatchTimer()
+    model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False,
+              verbose=0, callbacks=[timer])
+    return timer.times
+
+
+def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: int, modes) -> dict:
+    """Interleaved rounds of (non-private, fast, reference) fits in this process."""
+    x, y = make_data(name, batch, max(steps, reference_steps))
+    weights = build_model(name).get_weights()
+    models = {}
+    for mode in modes:
+        model = compile_model(build_model(name), mode)
+        model.set_weights(weights)
+        time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
+        models[mode] = model
+    times = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode in modes:
+            n = reference_steps if mode == "reference" else steps
+            times[mode] += time_steps(models[mode], x, y, batch, n)
+    out = {"batch": batch}
+    base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
+    for mode, ts in times.items():
+        med = statistics.median(ts)
+        out[mode] = {"median_step_s": med, "mean_step_s": statistics.fmean(ts), "steps": len(ts)}
+        if base and mode != "nonprivate":
+            out[mode]["ratio"] = med / base
+    fast_model = models.get("fast")
+    if fast_model is not None:
+        backend = fast_model.optimizer._backend
+        out["fast"]["fallback_variables"] = list(getattr(backend, "last_fallback", []))
+    return out
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def child_memory(name: str, mode: str, batch: int, steps: int) -> dict:
+    """Runs in a fresh process: peak memory of training `steps` batches."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    model = compile_model(build_model(name), mode)
+    x, y = make_data(name, batch, steps)
+    before = _rss_mib()
+    if gpus:
+        tf.config.experimental.reset_memory_stats("GPU:0")
+    time_steps(model, x, y, batch, steps)
+    if gpus:
+        peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+        return {"what": "GPU peak bytes (MiB)", "peak_mib": peak, "delta_mib": peak}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"what": "process peak RSS (MiB)", "peak_mib": peak, "delta_mib": peak - before,
+            "rss_before_fit_mib": before}
+
+
+def spawn_memory(name: str, mode: str, batch: int, steps: int) -> dict:
+    cmd = [sys.executable, __file__, "--_child", name, mode, str(batch), str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"failed": True, "returncode": proc.returncode, "stderr_tail": proc.stderr[-300:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, steps: int) -> dict:
+    """Bounded doubling search for the largest batch whose training memory stays in budget."""
+    best, batch, probes = None, start, []
+    while batch <= limit:
+        mem = spawn_memory(name, mode, batch, steps)
+        ok = not mem.get("failed") and mem["delta_mib"] <= budget_mib
+        probes.append({"batch": batch, "ok": ok, "delta_mib": mem.get("delta_mib")})
+        if not ok:
+            break
+        best, batch = batch, batch * 2
+    return {"max_batch": best, "hit_limit": best is not None and best * 2 > limit, "probes": probes}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=["mlp", "alexnet"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--steps", type=int, default=10, help="timed batches per round (fast, non-private)")
+    parser.add_argument("--reference-steps", type=int, default=2, help="timed batches per round (reference)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--memory", action="store_true", help="peak memory, one process per configuration")
+    parser.add_argument("--memory-steps", type=int, default=3)
+    parser.add_argument("--max-batch", action="store_true", help="bounded doubling search of the largest batch")
+    parser.add_argument("--max-batch-limit", type=int, default=4096)
+    parser.add_argument("--memory-budget-mib", type=float, default=4096.0)
+    args = parser.parse_args(argv)
+    for flag in ("steps", "reference_steps", "rounds", "memory_steps", "max_batch_limit"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if "nonprivate" not in args.modes:
+        args.modes = ["nonprivate"] + args.modes
+    report = {"load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(), "results": {}}
+    for name in args.models:
+        batch = DEFAULT_BATCH[name]
+        res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes)
+        if args.memory:
+            mem = {m: spawn_memory(name, m, batch, args.memory_steps) for m in args.modes}
+            base = mem["nonprivate"].get("delta_mib")
+            for m in args.modes:
+                if m != "nonprivate" and base and not mem[m].get("failed"):
+                    mem[m]["ratio_delta"] = mem[m]["delta_mib"] / base
+            res["memory"] = mem
+        if args.max_batch:
+            res["max_batch"] = {
+                m: max_batch(name, m, batch, args.max_batch_limit, args.memory_budget_mib, 2)
+                for m in args.modes
+            }
+        report["results"][name] = res
+    report["load_average_end"] = os.getloadavg()
+    return report
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--_child":
+        _, _, model_name, mode_name, batch_s, steps_s = sys.argv
+        print(json.dumps(child_memory(model_name, mode_name, int(batch_s), int(steps_s))))
+    else:
+        print(json.dumps(main(), indent=1))
