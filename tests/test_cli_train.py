@@ -88,15 +88,16 @@ def test_text_output_has_summary(capsys):
     out, _ = capsys.readouterr()
     assert code == 0
     assert "epsilon:" in out  # the progress bar shows ε
-    assert "test accuracy" in out and "planned steps" in out
+    assert "test accuracy" in out and "planned steps" in out and "lr = 0.5," in out
 
 
 def test_tfds_dataset_through_mock_data(capsys):
     tfds = pytest.importorskip("tensorflow_datasets")
     with tfds.testing.mock_data(num_examples=64):
-        result, _ = _run_json(capsys, "--dataset", "mnist", "--epochs", "1", "--lot-size", "16",
+        result, _ = _run_json(capsys, "--dataset", "mnist", "--model", "cnn", "--epochs", "1", "--lot-size", "16",
                               "--physical-batch-size", "8", "--delta", "1e-3")
     assert result["dataset"] == "mnist" and result["num_examples"] == 64
+    assert result["model"] == "cnn" and result["learning_rate"] == 2.0
     assert result["steps"] == 4 and result["epsilon"] <= result["target_epsilon"]
     assert 0.0 <= result["test_accuracy"] <= 1.0
 
@@ -135,8 +136,10 @@ def test_bad_input_exit_2(capsys, argv, fragment):
 
 def test_default_settings_are_the_documented_ones():
     from keras_dpsgd.cli import build_parser
+    from keras_dpsgd.cli.train import DEFAULTS
 
     args = build_parser().parse_args(["train"])
     assert (args.dataset, args.model, args.target_epsilon, args.lot_size, args.epochs) == ("digits", "mlp", 3.0, 256, 10)
     assert args.delta is None and args.noise_multiplier is None and args.seed is None
-    assert math.isclose(args.learning_rate, 0.5) and math.isclose(args.l2_norm_clip, 1.0)
+    assert args.learning_rate is None and math.isclose(args.l2_norm_clip, 1.0)
+    assert DEFAULTS["learning_rate"] == {"mlp": 0.5, "cnn": 2.0}
