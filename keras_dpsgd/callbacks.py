@@ -188,20 +188,31 @@ class WithinLimit(_PrivacyCallback):
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
-        optimizer = self._optimizer()
+        self._optimizer()
         self.stopped = False
+        self._check_pending = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Recomputed at the first batch of each epoch, after every callback's
+        # on_train_begin (BackupAndRestore restores the ledger there).
+        self._check_pending = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._check_pending:
+            return
+        self._check_pending = False
+        optimizer = self._optimizer()
         self._recompute_budget(optimizer)
         if self._budget < self._steps_needed_per_call(optimizer):
-            # Keras runs the first batch even if stop_training is set here:
-            # swap in a no-op step for that one call (restored right after).
-            original = self.model.train_function
+            # Keras runs this batch even if stop_training is set now: swap in
+            # a no-op step for this one call (restored right after it).
             model = self.model
 
             def _skip_step(iterator):
                 return model.get_metrics_result()
 
-            self._restore_train_function = original
-            self.model.train_function = _skip_step
+            self._restore_train_function = model.train_function
+            model.train_function = _skip_step
             self._stop()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -212,7 +223,7 @@ class WithinLimit(_PrivacyCallback):
             return
         optimizer = self.model.optimizer
         q, sigma = self._current_params(optimizer)
-        data = sync_ledger_state(optimizer, q, sigma)
+        data = sync_ledger_state(self.model, q, sigma)
         if (q, sigma) != self._params:
             self._recompute_budget(optimizer)
         else:

@@ -7,18 +7,28 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 (Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
 mechanism with sampling ratio q and noise multiplier σ).
 
-Resuming. The step count is the optimizer's ``noised_steps`` variable, and the
-closed segments (runs of steps with another q or σ) live in a string variable
-of a small ``tf.Module`` that this module attaches to the optimizer (attribute
-``_dpsgd_ledger_state``). Both are checkpointed with the optimizer, so
-``tf.train.Checkpoint``, ``ModelCheckpoint(save_weights_only=True)`` and
-``BackupAndRestore`` restore them, and resumed training continues ε from
-where it stopped, never from zero. (The state module is attached by the first
-call of :func:`model_privacy_ledger` or of a privacy callback; a checkpoint
-restored before that is applied when it is attached.)
+Resuming. The step count is the optimizer's ``noised_steps`` variable; the
+segments (runs of steps with one (q, σ)) live in a string variable of a small
+``tf.Module`` that this module attaches, on first use, to the optimizer and to
+the model (attribute ``_dpsgd_ledger_state``). What each way of saving keeps:
+
+* ``tf.train.Checkpoint``, ``ModelCheckpoint(save_weights_only=True)``,
+  ``BackupAndRestore``: everything; resumed training continues ε.
+* SavedModel (``model.save(path)`` without ``.keras``, ``ModelCheckpoint``
+  with full models): tf_keras does not restore the optimizer's variables, so
+  ``noised_steps`` restarts at 0; the model's copy of the ledger carries the
+  history and the new counter is added on top of it.
+* ``.keras``: ``noised_steps`` is kept (it is an optimizer variable), the
+  segments are not; all steps are then charged at the current (q, σ). If q or
+  σ changed during the run, save with checkpoints instead.
+
+A checkpoint restored before the state is attached is applied when it is
+attached (deferred restoration). Steps taken after the last checkpoint of a
+killed run are not in the restored ledger: their results died with the
+process and are not part of the released model.
 
 Changing q or σ during training is detected at each ledger read (every batch
-for the callbacks). Steps taken between the last read under the old values
+with WithinLimit, every epoch with PrivacyLogger). Steps taken between the last read under the old values
 and the first read under the new ones cannot be attributed exactly; they are
 recorded with the worst case of both (larger q, smaller σ), which never
 under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
@@ -32,6 +42,7 @@ used and a warning says, once, that this ε assumes Poisson sampling.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from typing import Any, Iterable, Optional
@@ -62,10 +73,11 @@ def _warn_once(key: Any, message: str, *args) -> None:
 
 
 class LedgerState(tf.Module):
-    """Checkpointable record of the optimizer's closed (q, σ) segments.
+    """Checkpointable record of the DP-SGD segments of a run.
 
-    Holds one scalar string variable with JSON: the closed segments' events,
-    the open segment's (q, σ, first step) and the last step count read.
+    Holds one scalar string variable (``state``) with JSON: the closed
+    segments' events, the open segment's (q, σ, first step) and the last
+    step count read.
     """
 
     def __init__(self, name: str = "dpsgd_ledger_state"):
@@ -73,21 +85,42 @@ class LedgerState(tf.Module):
         with tf.init_scope():
             self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
 
-    def read(self) -> dict:
-        raw = self.state.numpy().decode("utf-8")
-        return json.loads(raw) if raw else {"closed": [], "open": None, "seen": 0}
 
-    def write(self, data: dict) -> None:
-        self.state.assign(json.dumps(data, sort_keys=True))
+def _read_state(holder: Any) -> dict:
+    raw = holder.state.numpy().decode("utf-8")
+    return json.loads(raw) if raw else {"closed": [], "open": None, "seen": 0}
 
 
-def ledger_state(optimizer: Any) -> LedgerState:
-    """The optimizer's :class:`LedgerState`, attached (and so checkpointed) on first use."""
-    state = getattr(optimizer, _STATE_ATTR, None)
-    if state is None:
-        state = LedgerState()
-        setattr(optimizer, _STATE_ATTR, state)
-    return state
+def _recorded_steps(data: dict) -> int:
+    opened = data["open"]
+    return sum(e["count"] for e in data["closed"]) + (data["seen"] - opened["start"] if opened else 0)
+
+
+def ledger_state_holders(model: Any, optimizer: Any) -> list:
+    """The state holders of a run, attached on first use to the optimizer and to the model.
+
+    Two copies because Keras saves them differently: checkpoints keep both,
+    a SavedModel keeps the model's (and loses the optimizer's variables), the
+    .keras format keeps the optimizer's noised_steps only.
+    """
+    holders = []
+    for owner in (optimizer, model):
+        if owner is None:
+            continue
+        holder = getattr(owner, _STATE_ATTR, None)
+        if holder is None:
+            holder = LedgerState()
+            setattr(owner, _STATE_ATTR, holder)  # also applies a pending (deferred) restore
+            # tf_keras optimizers cache their checkpoint children on the first
+            # save or restore; a holder attached after that must join the cache
+            # or it would silently be left out of later checkpoints.
+            cached = getattr(owner, "_coalesced_children", None)
+            if isinstance(cached, dict):
+                cached[_STATE_ATTR] = holder
+        if not isinstance(getattr(holder, "state", None), tf.Variable):
+            raise ValueError(f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'")
+        holders.append(holder)
+    return holders
 
 
 def is_dp_optimizer(optimizer: Any) -> bool:
@@ -156,46 +189,63 @@ def _dpsgd_event(q: float, sigma: float, count: int, label: str = DPSGD_LABEL):
     return PoissonSampledGaussianEvent(q, sigma, count=count, label=label)
 
 
-def sync_ledger_state(optimizer: Any, sampling_rate: float, noise_multiplier: float) -> dict:
-    """Reads the optimizer's step count, closes a segment if (q, σ) changed; returns the state."""
-    state = ledger_state(optimizer)
-    data = state.read()
+def sync_ledger_state(model: Any, sampling_rate: float, noise_multiplier: float) -> dict:
+    """Reads the optimizer's step count, closes a segment if (q, σ) changed; returns the state.
+
+    Of the two saved copies the one that recorded more steps wins (a lost
+    copy never lowers ε). The optimizer's step counter is new (its state was
+    not restored, e.g. from a SavedModel, or the model was compiled with a
+    new optimizer) when the optimizer's copy is empty while the model's
+    recorded steps, or when the counter is below the last value read: then
+    the recorded segment is closed and every step the counter shows is new.
+    """
+    optimizer = model.optimizer
+    holders = ledger_state_holders(model, optimizer)
+    states = [_read_state(h) for h in holders]
+    optimizer_copy_empty = not holders[0].state.numpy()
+    data = copy.deepcopy(max(states, key=_recorded_steps))
     steps = noised_steps(optimizer)
     q, sigma = float(sampling_rate), float(noise_multiplier)
     opened = data["open"]
-    changed = False
     if opened is None:
         # Nothing known about earlier steps: they ran with the current values.
         data["open"] = {"q": q, "sigma": sigma, "start": 0}
-        changed = True
-    elif (opened["q"], opened["sigma"]) != (q, sigma) or steps < data["seen"]:
+    else:
         seen = data["seen"]
-        closed_count = max(0, seen - opened["start"])
-        if closed_count:
-            data["closed"].append(_dpsgd_event(opened["q"], opened["sigma"], closed_count).to_dict())
-        if steps > seen:
-            worst = _dpsgd_event(
-                max(q, opened["q"]), min(sigma, opened["sigma"]), steps - seen,
-                label=f"{DPSGD_LABEL} (q/sigma changed: worst case)",
-            )
-            data["closed"].append(worst.to_dict())
-        data["open"] = {"q": q, "sigma": sigma, "start": steps}
-        changed = True
-    if data["seen"] != steps or changed:
-        data["seen"] = steps
-        state.write(data)
+        params_changed = (opened["q"], opened["sigma"]) != (q, sigma)
+        reset = steps < seen or (optimizer_copy_empty and _recorded_steps(data) > 0)
+        first_unread = 0 if reset else seen
+        if params_changed or reset:
+            closed_count = max(0, seen - opened["start"])
+            if closed_count:
+                data["closed"].append(_dpsgd_event(opened["q"], opened["sigma"], closed_count).to_dict())
+            start = first_unread
+            if params_changed and steps > first_unread:
+                worst = _dpsgd_event(
+                    max(q, opened["q"]), min(sigma, opened["sigma"]), steps - first_unread,
+                    label=f"{DPSGD_LABEL} (q/sigma changed: worst case)",
+                )
+                data["closed"].append(worst.to_dict())
+                start = steps
+            data["open"] = {"q": q, "sigma": sigma, "start": start}
+    data["seen"] = steps
+    encoded = json.dumps(data, sort_keys=True)
+    for holder, old in zip(holders, states):
+        if old != data:
+            holder.state.assign(encoded)
     return data
 
 
 def optimizer_events(
-    optimizer: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
+    model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
 ) -> list:
-    """The privacy events of the optimizer's training steps so far.
+    """The privacy events of the training steps of the model's optimizer so far.
 
     A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per
     (q, σ_eff) segment). A non-private optimizer that has taken steps touched
     the data without noise: recorded as a noiseless Gaussian event (ε = ∞).
     """
+    optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return []
     if not is_dp_optimizer(optimizer):
@@ -205,7 +255,7 @@ def optimizer_events(
         return []
     q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     sigma = float(optimizer.effective_noise_multiplier)
-    data = sync_ledger_state(optimizer, q, sigma)
+    data = sync_ledger_state(model, q, sigma)
     events = [event_from_dict(e) for e in data["closed"]]
     opened = data["open"]
     count = data["seen"] - opened["start"]
@@ -253,7 +303,7 @@ def model_privacy_ledger(
     """
     events = list(extra_events) + layer_events(model)
     events.extend(
-        optimizer_events(getattr(model, "optimizer", None), num_examples=num_examples, batch_size=batch_size)
+        optimizer_events(model, num_examples=num_examples, batch_size=batch_size)
     )
     return PrivacyLedger(events)
 

@@ -197,3 +197,29 @@ def test_restore_before_the_state_is_attached_is_deferred(tmp_path):
     model2 = _model(FakeDPOptimizer(1.5, sampling_rate=0.1))
     model2.load_weights(str(tmp_path / "w"))
     assert L.model_privacy_ledger(model2) == saved
+
+
+def test_a_new_optimizer_adds_to_the_history():
+    model = _model(FakeDPOptimizer(2.0, sampling_rate=0.1))
+    _train(model, 4)
+    L.model_privacy_ledger(model)
+    model.compile(optimizer=FakeDPOptimizer(1.0, sampling_rate=0.2), loss="mse")
+    _train(model, 4)  # the new counter reaches the old one: still new steps
+    events = L.model_privacy_ledger(model).events
+    assert events[0] == PoissonSampledGaussianEvent(0.1, 2.0, 4, "dp-sgd")
+    # The new steps were not observed at the change: charged at the worst of both (here the new values).
+    assert (events[1].sampling_rate, events[1].noise_multiplier, events[1].count) == (0.2, 1.0, 4)
+    assert len(events) == 2
+
+
+def test_state_attached_after_a_first_checkpoint_is_still_saved(tmp_path):
+    opt = FakeDPOptimizer(1.0, sampling_rate=0.1)
+    model = _model(opt)
+    _train(model, 2)
+    ckpt = tf.train.Checkpoint(model=model)
+    ckpt.save(str(tmp_path / "before"))  # the optimizer caches its checkpoint children here
+    L.model_privacy_ledger(model)  # attaches the state holders
+    path = ckpt.save(str(tmp_path / "after"))
+    keys = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    assert any(k.startswith("model/optimizer/_dpsgd_ledger_state/") for k in keys)
+    assert any(k.startswith("model/_dpsgd_ledger_state/") for k in keys)

@@ -104,3 +104,38 @@ def test_kill_and_resume_continues_the_ledger(tmp_path):
     model.fit(lots.dataset(), steps_per_epoch=2, epochs=1, verbose=0)
     events = model_privacy_ledger(model).events
     assert events == (PoissonSampledGaussianEvent(LOT / N, SIGMA, total + 2, "dp-sgd"),)
+
+
+def _dp_model():
+    import numpy as np
+    import tf_keras as keras
+
+    from keras_dpsgd import DPSGDOptimizer, PoissonLots
+
+    x = np.random.default_rng(2).normal(size=(N, 3)).astype(np.float32)
+    lots = PoissonLots(x, (x[:, :1] > 0).astype(np.float32), expected_lot_size=LOT)
+    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=opt, loss=keras.losses.BinaryCrossentropy(from_logits=True, reduction="none"))
+    return model, lots
+
+
+@pytest.mark.parametrize("filename", ["model.keras", "saved_model"])
+def test_full_model_save_and_load_continues_the_ledger(tmp_path, filename):
+    """.keras restores the optimizer's noised_steps; a SavedModel loses the optimizer's
+    variables, and the ledger copy kept on the model carries the count instead."""
+    import tf_keras as keras
+
+    from keras_dpsgd import PrivacyLogger, model_privacy_ledger
+
+    model, lots = _dp_model()
+    model.fit(lots.dataset(), steps_per_epoch=5, verbose=0, callbacks=[PrivacyLogger(DELTA)])
+    path = str(tmp_path / filename)
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    # As many new steps as before: a counter that restarted at 0 catches up with the recorded one.
+    hist = loaded.fit(lots.dataset(), steps_per_epoch=5, verbose=0, callbacks=[PrivacyLogger(DELTA)])
+    events = model_privacy_ledger(loaded).events
+    assert sum(e.count for e in events) == 10
+    assert {(e.sampling_rate, e.noise_multiplier, e.label) for e in events} == {(LOT / N, SIGMA, "dp-sgd")}
+    assert hist.history["epsilon"][-1] == pytest.approx(_expected_epsilon(10), rel=1e-12)
