@@ -34,7 +34,7 @@ def test_digits_json_calibrated_sigma_is_honest(capsys):
     assert result["dataset"] == "digits" and result["num_examples"] == 1347
     assert result["delta"] == pytest.approx(default_delta(1347))
     # Progress (with ε) went to stderr, not stdout.
-    assert "epsilon" in err
+    assert "epsilon" in err and "DP-SGD on digits (N = 1347)" in err
     # 2 epochs of ceil(1347 / 256) = 6 lots, all taken: the calibrated σ fits them.
     assert result["steps"] == result["planned_steps"] == 12
     q = 256 / 1347

@@ -179,16 +179,12 @@ def train(args) -> dict:
     )
     logger = PrivacyLogger(delta, accountant=args.accountant)
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
-    # Under --json stdout carries exactly one JSON object: progress goes to stderr.
-    redirect = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
-    with redirect:
-        if not args.json:
-            print(_plan_text(args, n, delta, lots, planned, sigma, calibrated))
-        model.fit(
-            lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
-            callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
-            validation_batch_size=1024, verbose=1 if not args.json else 2,
-        )
+    print(_plan_text(args, n, delta, lots, planned, sigma, calibrated))
+    model.fit(
+        lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
+        validation_batch_size=1024, verbose=2 if args.json else 1,
+    )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)
     steps = int(optimizer.noised_steps.numpy())
     result = {
@@ -249,6 +245,11 @@ def _save(directory: str, model, ledger, result: dict) -> str:
 
 
 def run(args) -> dict:
+    if args.json:
+        # stdout must carry exactly one JSON object: everything train prints (plan, progress,
+        # tfds messages) goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            return train(args)
     result = train(args)
     if not args.json:
         print(
