@@ -180,3 +180,34 @@ def test_within_limit_counts_a_real_dppca_layer_and_extra_events():
                         PrivacyLogger(DELTA, extra_events=[outside])], epochs=50)
     assert _check_stopped_at_the_boundary(model, target, prior) == k
     assert hist.history["epsilon"][-1] == pytest.approx(_eps(k, prior), rel=1e-12)
+
+
+def test_shuffled_batches_are_reported_with_a_poisson_warning(caplog):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=FakeDPOptimizer(SIGMA), loss="mse")  # sampling_rate unknown
+    with pytest.raises(ValueError, match="sampling_rate is unknown"):
+        _fit(model, [PrivacyLogger(DELTA)], epochs=1)
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        hist = _fit(model, [PrivacyLogger(DELTA, num_examples=N, batch_size=10)], epochs=2)
+    # q = B/N = 10/200 = Q: the same ε as real Poisson lots, but flagged as an assumption, once.
+    np.testing.assert_allclose(hist.history["epsilon"], [_eps(20), _eps(30)], rtol=1e-12)
+    assert sum("ASSUMES POISSON" in r.getMessage() for r in caplog.records) <= 1
+
+
+def test_callbacks_listed_after_the_logger_see_epsilon():
+    seen = []
+    probe = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(dict(logs)))
+    _fit(_model(), [PrivacyLogger(DELTA), probe], epochs=2)
+    assert [log["epsilon"] for log in seen] == [_eps(10), _eps(20)]
+    assert all(log["delta"] == DELTA for log in seen)
+
+
+def test_epsilon_reaches_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    model = _model()
+    _fit(model, [PrivacyLogger(DELTA), keras.callbacks.TensorBoard(str(tmp_path))], epochs=2)
+    tags = set()
+    for path in (tmp_path / "train").glob("events.out.tfevents.*"):
+        for record in tf.compat.v1.train.summary_iterator(str(path)):
+            tags.update(v.tag for v in record.summary.value)
+    assert {"epoch_epsilon", "epoch_delta"} <= tags

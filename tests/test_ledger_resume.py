@@ -10,8 +10,6 @@ import pytest
 
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
-pytest.importorskip("keras_dpsgd.optimizer")
-
 N, LOT, SIGMA, DELTA = 64, 8, 1.1, 1e-4
 
 WORKER = textwrap.dedent(
