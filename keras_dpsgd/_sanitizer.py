@@ -78,10 +78,11 @@ def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, flo
 def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | list[float]:
     """Validates σ: a float, or one per variable (per-layer clipping only)."""
     if isinstance(noise_multiplier, (list, tuple)):
-        if isinstance(l2_norm_clip, float):
+        if not isinstance(l2_norm_clip, list):
             raise ValueError(
-                "noise_multiplier must be a single number with flat clipping (a float "
-                f"l2_norm_clip), got a list {noise_multiplier!r}"
+                "noise_multiplier may be a list only with a list l2_norm_clip (one entry per "
+                f"trainable variable, same order); got noise_multiplier={noise_multiplier!r} "
+                f"with l2_norm_clip={l2_norm_clip!r}"
             )
         if len(noise_multiplier) != len(l2_norm_clip):
             raise ValueError(
@@ -352,6 +353,7 @@ class DPSanitizerMixin:
 
     def _release(self, summed, num_examples, reg_grads):
         """Steps 4-5 and the regularization gradient (no clip, no noise)."""
+        del self._sanitized_grads[:]
         grads = self._normalize(self._add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
         if reg_grads is not None:

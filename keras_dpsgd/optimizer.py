@@ -46,8 +46,17 @@ _DP_DOC = """
       per_example_backend: "auto", "reference" or "fast".
       seed: None (noise from OS entropy; never checkpointed, so a restored
         checkpoint never replays noise) or an integer (noise is a function of
-        seed, noised step and variable: reproducible and resumable; keep the
-        seed secret, anyone who knows it can remove the noise).
+        seed, noised step and variable: reproducible and resumable on the same
+        device and compilation mode, as XLA draws other numbers than the
+        non-XLA kernels; keep the seed secret, anyone who knows it can remove
+        the noise; a run resumed without its optimizer state, where
+        `noised_steps` restarts at 0, replays earlier noise).
+
+    Saving: `.keras`, h5 and `tf.train.Checkpoint` keep the optimizer state
+    (`noised_steps`, `clip_bounds`, `nonfinite_examples`, accumulators,
+    slots). tf_keras's SavedModel format restores only the configuration
+    (for every tf_keras optimizer): `noised_steps` restarts at 0 there, so
+    keep the privacy ledger elsewhere when resuming from a SavedModel.
 
     The loss must be per example (`reduction="none"`); a scalar loss raises a
     ValueError at the first step. Models with BatchNormalization are refused.

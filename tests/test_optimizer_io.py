@@ -59,15 +59,23 @@ def test_effective_noise_multiplier_per_variable_sigmas():
     assert DPSGDOptimizer([1.0, 1.0], [0.0, 3.0]).effective_noise_multiplier == 0.0
 
 
+def _eager_noise(seed, steps=1):
+    """The sanitized gradient of a zero per-example loss, eagerly: pure noise."""
+    variable = tf.Variable(tf.zeros([30]))
+    opt = DPSGDOptimizer(1.0, 1.0, seed=seed)
+    for _ in range(steps):
+        with tf.GradientTape() as tape:
+            loss = tf.zeros([3]) * tf.reduce_sum(variable)
+        ((grad, _),) = opt.compute_gradients(loss, [variable], tape)
+    return grad.numpy()
+
+
 def test_seed_reproducible_and_none_is_not():
-    a, _ = _noise_of_one_step(1.0, 1.0, seed=42)
-    b, _ = _noise_of_one_step(1.0, 1.0, seed=42)
-    c, _ = _noise_of_one_step(1.0, 1.0, seed=43)
-    d, _ = _noise_of_one_step(1.0, 1.0)
-    e, _ = _noise_of_one_step(1.0, 1.0)
-    np.testing.assert_array_equal(a[0], b[0])
-    assert not np.allclose(a[0], c[0])
-    assert not np.allclose(d[0], e[0])
+    np.testing.assert_array_equal(_eager_noise(42), _eager_noise(42))
+    assert not np.allclose(_eager_noise(42), _eager_noise(43))
+    # Each noised step draws fresh noise from the seed.
+    assert not np.allclose(_eager_noise(42), _eager_noise(42, steps=2))
+    assert not np.allclose(_eager_noise(None), _eager_noise(None))
 
 
 @pytest.mark.parametrize(
@@ -75,7 +83,8 @@ def test_seed_reproducible_and_none_is_not():
     [
         ({"l2_norm_clip": 0.0, "noise_multiplier": 1.0}, "l2_norm_clip must be > 0"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": -1.0}, "noise_multiplier must be >= 0"),
-        ({"l2_norm_clip": 1.0, "noise_multiplier": [1.0]}, "single number with flat clipping"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
+        ({"l2_norm_clip": {"a": 1.0}, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
         ({"l2_norm_clip": [1.0, 2.0], "noise_multiplier": [1.0]}, "one entry per clip bound"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "expected_lot_size": -2}, "expected_lot_size"),
