@@ -223,3 +223,18 @@ def test_cli_adaptive_clipping_noise(capsys):
     assert out["effective_noise_multiplier"] == pytest.approx((8 / out["noise_multiplier"] ** 2 + 8 / 6.25) ** -0.5)
     assert main(args[:4] + ["0.1"] + args[5:]) == 2
     assert "norm_noise_multiplier must be >" in capsys.readouterr().err
+
+
+def test_model_save_load_keeps_adaptive_optimizer_and_bounds(tmp_path):
+    x, y = _data(8)
+    model = _model()
+    opt = AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, 4.0, alpha=1.1, learning_rate=0.1, expected_lot_size=8.0)
+    model.compile(optimizer=opt, loss=LOSS)
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, AdaptiveDPSGDOptimizer)
+    assert loaded.optimizer.alpha == 1.1 and loaded.optimizer.norm_noise_multiplier == 4.0
+    np.testing.assert_allclose(loaded.optimizer.clip_bounds.numpy(), opt.clip_bounds.numpy())
+    assert int(loaded.optimizer.noised_steps.numpy()) == 2

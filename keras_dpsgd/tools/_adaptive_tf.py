@@ -93,9 +93,8 @@ class AdaptiveClippingMixin:
         if getattr(self, "_built", False):
             return
         super().build(var_list)
-        self._norm_sums = self._no_dependency(
-            tf.Variable(tf.zeros([len(var_list)], tf.float32), trainable=False, name="adaptive_norm_sums")
-        )
+        # An optimizer variable (checkpointed): a lot interrupted by a restart keeps its partial norm sums.
+        self._norm_sums = self.add_variable([len(var_list)], tf.float32, name="adaptive_norm_sums")
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Accumulates Σ_i min(‖g_i^v‖, β C_v) over the lot (non-finite examples count 0)."""
