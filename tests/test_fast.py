@@ -85,3 +85,23 @@ def test_gather_on_the_value_of_a_table():
     x = gen.integers(0, 5, size=(4, 3)).astype("int32")
     y = gen.normal(size=(4, 3, 3)).astype("float32")
     check(keras.Sequential([keras.Input((3,), dtype="int32"), ValueGather()]), x, y)
+
+
+@pytest.mark.parametrize(
+    "equation,output_shape,bias_axes",
+    [
+        ("abc,cd->abd", (None, 4), "d"),  # sequence dense as einsum
+        ("abc,cde->abde", (None, 2, 3), "de"),  # attention-style projection to heads
+        ("abc,bc->abc", (5, 3), None),  # weight indexed by a shared (non-batch) letter: materialized
+    ],
+)
+def test_einsum_dense(equation, output_shape, bias_axes):
+    x, y = data((4, 5, 3), (4, int(np.prod([5 if d is None else d for d in output_shape]))), seed=13)
+    model = keras.Sequential(
+        [
+            keras.Input((5, 3)),
+            keras.layers.EinsumDense(equation, output_shape=output_shape, bias_axes=bias_axes),
+            L.Flatten(),
+        ]
+    )
+    check(model, x, y)

@@ -149,3 +149,14 @@ def test_eager_mode_uses_the_reference_path():
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="var_list"):
         FastBackend().clipped_sum(tf.zeros([2]), [], None, flat_factors(1.0))
+
+
+def test_tiny_transformer_block_has_no_fallback():
+    tokens = keras.Input((6,), dtype="int32")
+    h = L.Embedding(9, 8)(tokens)
+    h = L.LayerNormalization()(h + L.MultiHeadAttention(num_heads=2, key_dim=4)(h, h))
+    out = L.Dense(2)(L.GlobalAveragePooling1D()(h))
+    gen = rng(20)
+    x = gen.integers(0, 9, size=(3, 6)).astype("int32")
+    y = gen.normal(size=(3, 2)).astype("float32")
+    check(keras.Model(tokens, out), x, y)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd._fast import _uses
@@ -320,7 +321,53 @@ def _elementwise(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+def _einsum(op, index, w, var, clean, static_batch):
+    """Two-operand einsum with the weight (EinsumDense, MultiHeadAttention projections).
+
+    With ``x`` the data operand, the batch letter leads ``x`` and ``y`` and is not in ``w``. When
+    ``w``'s letters split into a prefix contracted with ``x`` (D) and a suffix kept in ``y`` (U),
+    the use is an :class:`OuterUse` (A = x as [B, T, D], G = ∂L/∂y as [B, T, U], T = the other
+    letters shared by x and y); otherwise the per-example gradient is materialized by the einsum
+    ``x_sub,y_sub->b w_sub``.
+    """
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    if "..." in equation or len(op.inputs) != 2 or "->" not in equation:
+        return None
+    subs, y_sub = equation.split("->")
+    subs = subs.split(",")
+    x, x_sub, w_sub = op.inputs[1 - index], subs[1 - index], subs[index]
+    y = op.outputs[0]
+    if any(len(set(s)) != len(s) for s in (x_sub, w_sub, y_sub)) or not x_sub or not y_sub:
+        return None
+    b = x_sub[0]
+    if y_sub[0] != b or b in w_sub or not clean.get(x.op) or not _batch_major(x, static_batch):
+        return None
+    if any(c not in x_sub and c not in y_sub for c in w_sub) or not w.shape.is_fully_defined():
+        return None
+    dims = dict(zip(w_sub, (int(s) for s in w.shape)))
+    d_letters = [c for c in w_sub if c in x_sub and c not in y_sub]
+    u_letters = [c for c in w_sub if c in y_sub and c not in x_sub]
+    t_letters = [c for c in x_sub[1:] if c in y_sub and c not in w_sub]
+    outer = "".join(d_letters + u_letters) == w_sub
+
+    def make(g, batch):
+        xf, gf = _f32(x), _f32(g)
+        if not outer:
+            p = tf.einsum(f"{x_sub},{y_sub}->{b}{w_sub}", xf, gf)
+            return _uses.DenseUse(_to_var_shape(p, var))
+        a = tf.einsum(f"{x_sub}->{b}{''.join(t_letters + d_letters)}", xf)  # sums only_x letters
+        gt = tf.einsum(f"{y_sub}->{b}{''.join(t_letters + u_letters)}", gf)
+        d = int(np.prod([dims[c] for c in d_letters]))
+        u = int(np.prod([dims[c] for c in u_letters]))
+        return _uses.OuterUse(
+            tf.reshape(a, tf.stack([batch, -1, d])), tf.reshape(gt, tf.stack([batch, -1, u]))
+        )
+
+    return Site(y, make)
+
+
 _HANDLERS = {
+    "Einsum": _einsum,
     "MatMul": _matmul,
     "BatchMatMulV2": _batch_matmul,
     "BatchMatMulV3": _batch_matmul,
