@@ -149,6 +149,7 @@ class WithinLimit(_PrivacyCallback):
         self.stopped = False
         self.remaining: Optional[int] = None
         self._restore_train_function = None
+        self._params: Optional[tuple[float, float]] = None
 
     # ---------------------------------------------------------- bookkeeping
     def _current_params(self, optimizer) -> tuple[float, float]:
@@ -168,6 +169,8 @@ class WithinLimit(_PrivacyCallback):
             accountant=self.accountant,
         )
         self._budget_start = int(optimizer.noised_steps.numpy())
+        self._last_steps = self._budget_start
+        self._needed = self._steps_needed_per_call(optimizer)
         self.remaining = self._budget
 
     def _steps_needed_per_call(self, optimizer) -> int:
@@ -203,7 +206,7 @@ class WithinLimit(_PrivacyCallback):
         self._check_pending = False
         optimizer = self._optimizer()
         self._recompute_budget(optimizer)
-        if self._budget < self._steps_needed_per_call(optimizer):
+        if self._budget < self._needed:
             # Keras runs this batch even if stop_training is set now: swap in
             # a no-op step for this one call (restored right after it).
             model = self.model
@@ -222,14 +225,23 @@ class WithinLimit(_PrivacyCallback):
             self.model.stop_training = True
             return
         optimizer = self.model.optimizer
-        q, sigma = self._current_params(optimizer)
-        data = sync_ledger_state(self.model, q, sigma)
-        if (q, sigma) != self._params:
+        params = self._current_params(optimizer)
+        if params != self._params:
+            # Record the steps seen under the old (q, σ), then re-plan (the
+            # steps since then are charged at the worst case of both).
+            sync_ledger_state(self.model, *self._params, steps=self._last_steps)
             self._recompute_budget(optimizer)
         else:
-            self.remaining = self._budget - (data["seen"] - self._budget_start)
-        if self.remaining < self._steps_needed_per_call(optimizer):
+            self._last_steps = int(optimizer.noised_steps.numpy())
+            self.remaining = self._budget - (self._last_steps - self._budget_start)
+        if self.remaining < self._needed:
             self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keep the saved copy of the ledger current (counts come from
+        # noised_steps anyway; this narrows the window of a later (q, σ) change).
+        if self._params is not None:
+            sync_ledger_state(self.model, *self._params)
 
     def on_train_end(self, logs=None):
         if self._restore_train_function is not None:

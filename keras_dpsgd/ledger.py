@@ -189,8 +189,12 @@ def _dpsgd_event(q: float, sigma: float, count: int, label: str = DPSGD_LABEL):
     return PoissonSampledGaussianEvent(q, sigma, count=count, label=label)
 
 
-def sync_ledger_state(model: Any, sampling_rate: float, noise_multiplier: float) -> dict:
+def sync_ledger_state(
+    model: Any, sampling_rate: float, noise_multiplier: float, *, steps: Optional[int] = None
+) -> dict:
     """Reads the optimizer's step count, closes a segment if (q, σ) changed; returns the state.
+
+    `steps`: a step count read earlier under these (q, σ) (default: read now).
 
     Of the two saved copies the one that recorded more steps wins (a lost
     copy never lowers ε). The optimizer's step counter is new (its state was
@@ -204,7 +208,7 @@ def sync_ledger_state(model: Any, sampling_rate: float, noise_multiplier: float)
     states = [_read_state(h) for h in holders]
     optimizer_copy_empty = not holders[0].state.numpy()
     data = copy.deepcopy(max(states, key=_recorded_steps))
-    steps = noised_steps(optimizer)
+    steps = noised_steps(optimizer) if steps is None else int(steps)
     q, sigma = float(sampling_rate), float(noise_multiplier)
     opened = data["open"]
     if opened is None:

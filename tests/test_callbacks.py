@@ -211,3 +211,23 @@ def test_epsilon_reaches_tensorboard(tmp_path):
         for record in tf.compat.v1.train.summary_iterator(str(path)):
             tags.update(v.tag for v in record.summary.value)
     assert {"epoch_epsilon", "epoch_delta"} <= tags
+
+
+def test_within_limit_replans_when_sigma_changes_mid_training():
+    from keras_dpsgd.ledger import model_privacy_ledger
+
+    model = _model()
+    opt = model.optimizer
+
+    def lower_sigma(batch, logs):
+        if int(opt.noised_steps.numpy()) == 4:
+            opt.effective_noise_multiplier = 1.2
+
+    changer = keras.callbacks.LambdaCallback(on_train_batch_end=lower_sigma)
+    _fit(model, [changer, WithinLimit(1.2, DELTA, verbose=0)], epochs=50)
+    events = list(model_privacy_ledger(model).events)
+    steps = int(opt.noised_steps.numpy())
+    assert sum(e.count for e in events) == steps > 4
+    assert events[0] == PoissonSampledGaussianEvent(Q, SIGMA, 3, "dp-sgd")  # step 4 is charged at sigma 1.2
+    assert compute_epsilon(events, DELTA) <= 1.2
+    assert compute_epsilon(events + [PoissonSampledGaussianEvent(Q, 1.2, 1)], DELTA) > 1.2
