@@ -126,6 +126,8 @@ def test_real_task_mode_accounts_the_dp_run():
 def test_validation():
     with pytest.raises(ValueError, match="noise_multiplier"):
         DPSettings(noise_multiplier=-1)
+    with pytest.raises(ValueError, match="delta must be < 1/num_examples"):
+        memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=100, delta=0.05)
     with pytest.raises(ValueError, match="batch_size must be <="):
         memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=20,
                           dp=DPSettings(batch_size=64))

@@ -235,7 +235,7 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
               confidence, delta, seed, verbose):
     import tf_keras as keras
 
-    from keras_dpsgd.accounting import default_delta
+    from keras_dpsgd.accounting import check_delta, default_delta
 
     n = len(train[0])
     if dp.batch_size > n:
@@ -244,7 +244,7 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
         raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    delta = default_delta(n) if delta is None else float(delta)
+    delta = default_delta(n) if delta is None else check_delta(delta, n)
     # Noise mode: labels are balanced, so a prediction independent of the labels is right on at most
     # max_k count_k examples in expectation (= N/K when K divides N); real mode: nominal 1/K.
     chance = float(np.bincount(train[1], minlength=num_classes).max() / n) if mode == "noise" else 1.0 / num_classes
