@@ -1,7 +1,6 @@
 """End to end: DPPCA(k) → Dense → softmax trained with DP-SGD on scikit-learn's digits."""
 
 import numpy as np
-import pytest
 import tf_keras as keras
 from sklearn.datasets import load_digits
 
