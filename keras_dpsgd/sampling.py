@@ -72,6 +72,11 @@ def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability:
     return int(min(num_examples, max(1, k)))
 
 
+def _check_num_lots(num_lots: Optional[int]) -> None:
+    if num_lots is not None and (isinstance(num_lots, bool) or int(num_lots) != num_lots or num_lots < 0):
+        raise ValueError(f"num_lots must be None or an integer >= 0, got {num_lots!r}")
+
+
 class PoissonLots:
     """Lots drawn by Poisson sampling, as a ``tf.data.Dataset`` for ``fit``.
 
@@ -260,41 +265,46 @@ class PoissonLots:
         per_batch = math.ceil(lot_size / self._accum)
         return math.ceil(per_batch / self._physical) * self._physical
 
-    def _gather(self, indices: np.ndarray, rows: int) -> tuple:
-        def take(a):
-            out = np.zeros((rows,) + a.shape[1:], dtype=a.dtype)
-            out[: len(indices)] = a[indices]
-            return out
+    def _index_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
+        """Yields, per physical batch, (row indices, sample weights, number of real rows).
 
-        x = tf.nest.map_structure(take, self._x)
-        y = tf.nest.map_structure(take, self._y)
-        w = np.zeros((rows,), dtype=np.float32)
-        w[: len(indices)] = 1.0 if self._weights is None else self._weights[indices]
-        return x, y, w
+        Padded rows have index N (a row of zeros appended for gathering) and weight 0.
+        """
+        drawn = 0
+        while num_lots is None or drawn < num_lots:
+            indices = self.sample_indices()
+            n = len(indices)
+            rows = self._physical_rows(n)
+            idx = np.full((rows * self._accum,), self._n, dtype=np.int64)
+            idx[:n] = indices
+            w = np.zeros((rows * self._accum,), dtype=np.float32)
+            w[:n] = 1.0 if self._weights is None else self._weights[indices]
+            for b in range(self._accum):
+                part = slice(b * rows, (b + 1) * rows)
+                yield idx[part], w[part], np.int64(min(rows, max(0, n - b * rows)))
+            drawn += 1
 
     def lots(self, num_lots: Optional[int] = None) -> Iterator[tuple]:
-        """Yields padded physical batches ``(x, y, sample_weight)``.
+        """Yields padded physical batches ``(x, y, sample_weight)`` as numpy arrays.
 
-        Each lot yields `gradient_accumulation_steps` physical batches.
+        Each lot yields `gradient_accumulation_steps` physical batches; real
+        examples come first, then padding rows of zeros with weight 0.
 
         Args:
           num_lots: number of lots to draw; None for an endless stream.
         """
-        if num_lots is not None and (int(num_lots) != num_lots or num_lots < 0):
-            raise ValueError(f"num_lots must be None or an integer >= 0, got {num_lots!r}")
-        drawn = 0
-        while num_lots is None or drawn < num_lots:
-            indices = self.sample_indices()
-            rows = self._physical_rows(len(indices))
-            x, y, w = self._gather(indices, rows * self._accum)
-            for b in range(self._accum):
-                part = slice(b * rows, (b + 1) * rows)
-                yield (
-                    tf.nest.map_structure(lambda a: a[part], x),
-                    tf.nest.map_structure(lambda a: a[part], y),
-                    w[part],
-                )
-            drawn += 1
+        _check_num_lots(num_lots)
+        return self._numpy_batches(num_lots)
+
+    def _numpy_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
+        for idx, w, real in self._index_batches(num_lots):
+
+            def take(a, idx=idx, real=real):
+                out = np.zeros((len(idx),) + a.shape[1:], dtype=a.dtype)
+                out[:real] = a[idx[:real]]
+                return out
+
+            yield tf.nest.map_structure(take, self._x), tf.nest.map_structure(take, self._y), w
 
     def element_spec(self) -> tuple:
         """The ``tf.data`` element spec (batch dimension None)."""
@@ -311,11 +321,34 @@ class PoissonLots:
     def dataset(self, num_lots: Optional[int] = None) -> tf.data.Dataset:
         """An endless (or `num_lots`-long) ``tf.data.Dataset`` of physical batches.
 
-        Use with ``fit(dataset, steps_per_epoch=self.steps_per_epoch)``.
+        Only the lot indices are drawn in Python; the examples are gathered by
+        TensorFlow (the arrays are copied into tensors once). Use with
+        ``fit(dataset, steps_per_epoch=self.steps_per_epoch)``.
         """
-        return tf.data.Dataset.from_generator(
-            lambda: self.lots(num_lots), output_signature=self.element_spec()
-        ).prefetch(2)
+        _check_num_lots(num_lots)
+        def with_zero_row(a):  # row N: the (finite) padding example
+            return tf.convert_to_tensor(np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)]))
+
+        x = tf.nest.map_structure(with_zero_row, self._x)
+        y = tf.nest.map_structure(with_zero_row, self._y)
+        signature = (
+            tf.TensorSpec(shape=(None,), dtype=tf.int64),
+            tf.TensorSpec(shape=(None,), dtype=tf.float32),
+            tf.TensorSpec(shape=(), dtype=tf.int64),
+        )
+
+        def gather(idx, w, real):
+            del real  # padding rows point at the zero row
+            return (
+                tf.nest.map_structure(lambda a: tf.gather(a, idx), x),
+                tf.nest.map_structure(lambda a: tf.gather(a, idx), y),
+                w,
+            )
+
+        indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
+        return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(
+            tf.data.AUTOTUNE
+        )
 
     def configure(self, optimizer: Any) -> Any:
         """Tells a DP optimizer how its lots are drawn; returns it.

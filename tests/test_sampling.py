@@ -170,3 +170,25 @@ def test_validation(kwargs, match):
 def test_mismatched_sizes_are_refused():
     with pytest.raises(ValueError, match="first dimension"):
         PoissonLots(np.zeros((5, 2)), np.zeros(4), sampling_rate=0.5)
+
+
+def test_dataset_yields_the_same_batches_as_lots():
+    x, y = _data(40)
+    features = {"a": x, "b": np.stack([x[:, 0], -x[:, 0]], axis=1).astype(np.int32)}
+    expected = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).lots(6))
+    got = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).dataset(6))
+    assert len(got) == len(expected) == 6 * PoissonLots(x, y, sampling_rate=0.3, physical_batch_size=4).gradient_accumulation_steps
+    for (xe, ye, we), (xg, yg, wg) in zip(expected, got):
+        for key in ("a", "b"):
+            np.testing.assert_array_equal(xg[key].numpy(), xe[key])
+            assert xg[key].dtype == tf.as_dtype(xe[key].dtype)
+        np.testing.assert_array_equal(yg.numpy(), ye)
+        np.testing.assert_array_equal(wg.numpy(), we)
+
+
+def test_num_lots_is_validated():
+    sampler = PoissonLots(*_data(10), sampling_rate=0.5)
+    with pytest.raises(ValueError, match="num_lots"):
+        sampler.dataset(-1)
+    with pytest.raises(ValueError, match="num_lots"):
+        sampler.lots(1.5)
