@@ -29,7 +29,8 @@ def main(argv=None):
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lot-size", type=int, default=None)
     p.add_argument("--epsilon", type=float, default=3.0)
-    p.add_argument("--norm-noise-multiplier", type=float, default=2.5, help="sigma_l2 of each norm query")
+    p.add_argument("--norm-noise-multiplier", type=float, default=10.0,
+                   help="sigma_l2 of each norm query (the paper: 2.5, with a larger budget)")
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--beta", type=float, default=2.0)
     p.add_argument("--learning-rate", type=float, default=None)
@@ -57,8 +58,8 @@ def main(argv=None):
         (xtr, ytr), (xte, yte) = load_digits(rng)
         if args.smoke:
             xtr, ytr, xte, yte = xtr[:200], ytr[:200], xte[:100], yte[:100]
-        build = mlp_builder(xtr.shape[1:], 10, width=32 if args.smoke else 128, depth=1 if args.smoke else 2)
-        epochs, lot, lr = args.epochs or (2 if args.smoke else 20), args.lot_size or 64, args.learning_rate or 0.1
+        build = mlp_builder(xtr.shape[1:], 10, width=32, depth=1)
+        epochs, lot, lr = args.epochs or (2 if args.smoke else 20), args.lot_size or 128, args.learning_rate or 0.05
     n = len(xtr)
     delta = default_delta(n)
     model = build()

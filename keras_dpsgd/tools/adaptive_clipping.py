@@ -47,6 +47,14 @@ with σ_l2 = 2.5 keeps the budget is not exact; use
 :func:`calibrate_adaptive_noise_multiplier` to find the gradient σ that meets
 a target (ε, δ).
 
+Practical caveat (observed on small data): the bounds follow the real
+gradient norms, so when the gradient noise is large relative to the signal
+(small N, small lots, high learning rate) noise-driven weight growth raises
+the norms, which raises the bounds and hence the noise, and training can
+diverge (bounds blow up, then collapse to ``min_clip_bound``). Larger lots, a
+smaller learning rate or a smaller model avoid the feedback; watch the bounds
+with :class:`ClipBoundsLogger`.
+
 This module is pure Python; the TensorFlow parts live in
 :mod:`keras_dpsgd.tools._adaptive_tf` and are re-exported lazily.
 """
