@@ -60,8 +60,8 @@ def batch_major_ops(ops: set) -> dict:
 
     Forward propagation from the data sources (graph inputs, iterator outputs), in creation
     order (a topological order of a FuncGraph). An output stops being batch-major after an op
-    that reorders or mixes axis 0: a Transpose moving axis 0, a reverse or data gather along
-    axis 0, and SpaceToBatchND (dilated convolutions) until
+    that reorders or mixes axis 0: a Transpose moving axis 0, a reverse, reduction or data gather
+    along axis 0, and SpaceToBatchND (dilated convolutions) until
     the matching BatchToSpaceND. Ops fed by a non-batch-major tensor are not handled by the fast
     path (their variables use per-example jacobians).
 
@@ -98,14 +98,25 @@ def ops_in_order(ops: set) -> list:
     return [op for op in graph.get_operations() if op in ops]
 
 
+_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "Cumsum", "Cumprod", "ArgMax", "ArgMin"})
+
+
 def _reorders_batch(op, status) -> bool:
+    if op.type in _REDUCTIONS:  # Across examples (axis 0), or unknown axes.
+        axes = tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        if rank == 0:
+            return False
+        return axes is None or rank is None or any(int(a) % rank == 0 for a in np.ravel(axes))
     if op.type == "Transpose":
         perm = tf.get_static_value(op.inputs[1])
         return perm is None or int(perm[0]) != 0
     if op.type == "ReverseV2":
         axes = tf.get_static_value(op.inputs[1])
         rank = op.inputs[0].shape.rank
-        return axes is None or rank is None or any(int(a) % rank == 0 for a in axes)
+        if rank == 0:
+            return False
+        return axes is None or rank is None or any(int(a) % rank == 0 for a in np.ravel(axes))
     if op.type in ("GatherV2", "Gather", "ResourceGather"):
         if op.inputs[0].op not in status:
             return False  # A lookup in a table: the output follows the ids.
