@@ -238,3 +238,16 @@ def test_model_save_load_keeps_adaptive_optimizer_and_bounds(tmp_path):
     assert loaded.optimizer.alpha == 1.1 and loaded.optimizer.norm_noise_multiplier == 4.0
     np.testing.assert_allclose(loaded.optimizer.clip_bounds.numpy(), opt.clip_bounds.numpy())
     assert int(loaded.optimizer.noised_steps.numpy()) == 2
+
+
+def test_every_public_tools_name_resolves():
+    import keras_dpsgd
+    import keras_dpsgd.tools as tools
+
+    for name in tools.__all__:
+        assert getattr(tools, name) is not None
+    for name, module in keras_dpsgd._LAZY.items():
+        if module == "keras_dpsgd.tools":
+            assert getattr(keras_dpsgd, name) is getattr(tools, name)
+    assert keras_dpsgd.AdaptiveDPSGDOptimizer is AdaptiveDPSGDOptimizer
+    assert issubclass(AdaptiveDPSGDOptimizer, keras_dpsgd.DPSGDOptimizer)
