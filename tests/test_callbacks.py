@@ -231,3 +231,11 @@ def test_within_limit_replans_when_sigma_changes_mid_training():
     assert events[0] == PoissonSampledGaussianEvent(Q, SIGMA, 3, "dp-sgd")  # step 4 is charged at sigma 1.2
     assert compute_epsilon(events, DELTA) <= 1.2
     assert compute_epsilon(events + [PoissonSampledGaussianEvent(Q, 1.2, 1)], DELTA) > 1.2
+
+
+def test_within_limit_on_a_fresh_model_with_the_budget_already_spent():
+    model = _model()
+    spent = GaussianEvent(0.5, count=1, label="dp-pca")  # ε > 5 on its own
+    hist = _fit(model, [WithinLimit(1.0, DELTA, extra_events=[spent], verbose=0)], epochs=3)
+    assert int(model.optimizer.noised_steps.numpy()) == 0  # not a single step
+    assert hist.epoch == [0]
