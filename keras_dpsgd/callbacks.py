@@ -106,12 +106,16 @@ class PrivacyLogger(_PrivacyCallback):
 class WithinLimit(_PrivacyCallback):
     """Stops training before the step that would take ε above `target_epsilon`.
 
-    Before training and after every batch it asks the accountant how many
-    more steps fit in the budget given everything already in the model's
-    ledger; training stops as soon as the next step would not fit, so the
-    final ε <= target_epsilon while one more step would exceed it (Abadi et
-    al. 2016, Algorithm 1 run "while within_limit"). If no step fits at the
-    start, fit takes no step at all. It stops mid-epoch.
+    At the first batch of every epoch (after restores done in
+    ``on_train_begin``, e.g. by BackupAndRestore) and whenever q or σ_eff
+    changes, it asks the accountant how many more steps fit in the budget
+    given everything already in the model's ledger (:func:`steps_remaining`);
+    after every batch it counts the optimizer's noised steps against that.
+    Training stops as soon as the next step would not fit, so the final
+    ε <= target_epsilon while one more step would exceed it (Abadi et al.
+    2016, Algorithm 1 run "while within_limit"). It stops mid-epoch. If no
+    step fits at the start, fit takes no step at all (the first batch runs a
+    no-op in place of the train step).
 
     With ``steps_per_execution`` = s > 1 Keras runs s batches between
     callbacks, so training stops when fewer than ceil(s / k) noised steps
