@@ -85,6 +85,29 @@ def _split_to_numpy(tfds, split_ds) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(xs), np.concatenate(ys)
 
 
+# Where tfds downloads mnist, fashion_mnist and cifar10 from.
+_DOWNLOAD_HOSTS = ("storage.googleapis.com", "www.cs.toronto.edu")
+
+
+def _check_can_download(tfds, name: str, data_dir: Optional[str]) -> None:
+    """Fails at once, instead of after minutes of download retries, when offline.
+
+    Only when the data set is not prepared in `data_dir` and tfds would really
+    download (under ``tfds.testing.mock_data`` nothing is downloaded).
+    """
+    import socket
+
+    if tfds.builder(name, data_dir=data_dir).is_prepared():
+        return
+    if "mock" in getattr(tfds.core.DatasetBuilder.download_and_prepare, "__qualname__", ""):
+        return
+    for host in _DOWNLOAD_HOSTS:
+        try:
+            socket.getaddrinfo(host, 443)
+        except OSError as err:
+            raise OSError(f"no network: cannot resolve {host} ({err})") from None
+
+
 def load_tfds(name: str, *, data_dir: Optional[str] = None) -> Dataset:
     """Loads `name` ("mnist", "fashion_mnist", "cifar10") through tensorflow-datasets.
 
@@ -97,6 +120,7 @@ def load_tfds(name: str, *, data_dir: Optional[str] = None) -> Dataset:
     try:
         import tensorflow_datasets as tfds
 
+        _check_can_download(tfds, name, data_dir)
         train, test = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir)
         x_tr, y_tr = _split_to_numpy(tfds, train)
         x_te, y_te = _split_to_numpy(tfds, test)
