@@ -202,6 +202,13 @@ def test_clip_bounds_logger_writes_logs_and_tensorboard(tmp_path):
     assert len(hist.history[key]) == 2
     assert hist.history[key][-1] == pytest.approx(float(opt.clip_bounds.numpy()[0]))
     assert len(cb.history) == 2 and len(cb.history[0]) == 4
+    # The ledger charges the composed σ_eff (gradient releases and norm queries).
+    from keras_dpsgd.ledger import model_privacy_ledger
+
+    opt.sampling_rate = 0.5
+    (event,) = model_privacy_ledger(model).events
+    assert event.noise_multiplier == pytest.approx((4 / 1.0 + 4 / 25.0) ** -0.5)
+    assert event.count == 4 and event.sampling_rate == 0.5
     files = list(tmp_path.glob("events.out.tfevents*"))
     assert files
     tags = {v.tag for e in tf.compat.v1.train.summary_iterator(str(files[0])) for v in e.summary.value}
