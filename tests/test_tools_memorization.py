@@ -140,3 +140,11 @@ def test_cli_memorization_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "noise" and out["num_examples"] == 120 and out["verdict"]
     assert len(out["dp"]["train_accuracy"]) == 1
+
+
+def test_cli_memorization_real_mode_text(capsys):
+    code = main(["memorization-test", "--mode", "real", "--epochs", "1", "--width", "8", "--batch-size", "256",
+                 "--seed", "1"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "train-test gap" in out and "epsilon" in out and "Hyperparameter probes on real data cost privacy" in out
