@@ -27,8 +27,10 @@ padded or the realized size. The padded size (``max_lot_size``) is the
 Binomial(N, q) quantile with tail probability ``overflow_probability``
 (default 1e-9, about mean + 6 standard deviations). A lot larger than that
 (an overflow) is never truncated: it is emitted in a bigger bucket (the next
-multiple of the physical batch size), which costs at most one retrace, and is
-counted in :attr:`PoissonLots.overflow_count`. Large lots can be split into
+multiple of the physical batch size) and counted in
+:attr:`PoissonLots.overflow_count`. The dataset's batch dimension is ``None``,
+so Keras traces ``train_step`` once whatever the size (an XLA-compiled step
+compiles once more for an overflow bucket). Large lots can be split into
 ``gradient_accumulation_steps`` physical batches of ``physical_batch_size``
 rows each (use the same number in the optimizer's
 ``gradient_accumulation_steps``).
@@ -258,7 +260,7 @@ class PoissonLots:
         if self.overflow_count == 1:
             _LOG.warning(
                 "PoissonLots: a lot of %d examples exceeded the capacity %d; it is emitted in a "
-                "bigger padded batch (no example is dropped; this may retrace train_step once).",
+                "bigger padded batch (no example is dropped).",
                 lot_size,
                 self._capacity,
             )
