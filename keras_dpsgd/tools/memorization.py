@@ -247,7 +247,8 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     delta = default_delta(n) if delta is None else check_delta(delta, n)
     # Noise mode: labels are balanced, so a prediction independent of the labels is right on at most
     # max_k count_k examples in expectation (= N/K when K divides N); real mode: nominal 1/K.
-    chance = float(np.bincount(train[1], minlength=num_classes).max() / n) if mode == "noise" else 1.0 / num_classes
+    counts = np.bincount(train[1], minlength=num_classes)
+    chance = float(counts.max() / n) if mode == "noise" else 1.0 / num_classes
     rng = np.random.default_rng(seed)
     make_loss = loss or (lambda reduction: keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=reduction))
@@ -260,8 +261,9 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
                   rng=rng, seeded=seed is not None)
     nonpriv, _, _ = train_run("non-private", build_model, lambda _: nonpriv_factory(), make_loss("auto"), train,
                               batch_size=nonprivate_batch_size, poisson=False, **common)
-    dpres, dp_model, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train, batch_size=dp.batch_size,
-                                 poisson=True, physical_batch_size=dp.physical_batch_size, **common)
+    dpres, dp_model, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train,
+                                        batch_size=dp.batch_size, poisson=True,
+                                        physical_batch_size=dp.physical_batch_size, **common)
     dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_model, dp_opt, delta)
     nonpriv.epsilon = float("inf")
     np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
@@ -301,7 +303,7 @@ def memorization_test(
     num_classes: int,
     dp: DPSettings | None = None,
     num_examples: int = 1000,
-    epochs: int = 15,
+    epochs: int = 20,
     nonprivate_batch_size: int = 32,
     nonprivate_learning_rate: float = 0.003,
     confidence: float = 0.95,
@@ -361,7 +363,7 @@ def real_task_test(
     *,
     num_classes: int,
     dp: DPSettings | None = None,
-    epochs: int = 15,
+    epochs: int = 20,
     nonprivate_batch_size: int = 32,
     nonprivate_learning_rate: float = 0.003,
     confidence: float = 0.95,
