@@ -59,5 +59,5 @@ def test_tfds_loader_with_mock_data_and_offline_error(tmp_path, monkeypatch):
         raise OSError("no internet")
 
     monkeypatch.setattr(tfds, "load", offline)
-    with pytest.raises(RuntimeError, match="Fix: run once with internet access.*digits"):
+    with pytest.raises(ValueError, match="Fix: run once with internet access.*digits"):
         load_tfds("cifar10", data_dir=str(tmp_path))

@@ -46,29 +46,16 @@ def load_digits(rng: np.random.Generator, test_fraction: float = 0.25):
 
 
 def load_tfds(name: str = "cifar10", data_dir: str | None = None):
-    """Loads a tensorflow-datasets image classification set as numpy, scaled to [0, 1].
+    """Loads a tensorflow-datasets image set as ((x_train, y_train), (x_test, y_test)), x in [0, 1].
+
+    A thin adapter over :func:`keras_dpsgd._datasets.load_tfds` (the loader of
+    ``keras-dpsgd train``), so that both fail the same way offline.
 
     Raises:
-      RuntimeError: naming the fix, when the data set is not prepared and
+      ValueError: naming the fix, when the data set is not prepared and
         cannot be downloaded (offline).
     """
-    import tensorflow_datasets as tfds
+    from keras_dpsgd._datasets import load_tfds as _load_tfds
 
-    try:
-        splits = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir)
-    except Exception as err:  # tfds raises several types when offline or missing a download dependency
-        raise RuntimeError(
-            f"could not load the tensorflow-datasets set {name!r} ({type(err).__name__}: {err}). "
-            f"Fix: run once with internet access so tfds can download it (or "
-            f"`tfds build {name}` / copy a prepared data_dir and pass --data-dir); offline, "
-            f"use the default small data (scikit-learn digits)."
-        ) from err
-
-    def to_numpy(split):
-        xs, ys = [], []
-        for x, y in tfds.as_numpy(split.batch(4096)):
-            xs.append(x)
-            ys.append(y)
-        return np.concatenate(xs).astype(np.float32) / 255.0, np.concatenate(ys).astype(np.int64)
-
-    return to_numpy(splits[0]), to_numpy(splits[1])
+    data = _load_tfds(name, data_dir=data_dir)
+    return (data.x_train, data.y_train), (data.x_test, data.y_test)
