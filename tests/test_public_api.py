@@ -1,0 +1,34 @@
+"""The one public surface: every name in keras_dpsgd.__all__ imports (optax's habit)."""
+
+import subprocess
+import sys
+
+import keras_dpsgd
+
+
+def test_every_public_name_imports():
+    missing = [name for name in keras_dpsgd.__all__ if getattr(keras_dpsgd, name, None) is None]
+    assert missing == []
+
+
+def test_unknown_name_is_an_attribute_error():
+    try:
+        keras_dpsgd.NoSuchThing  # noqa: B018
+    except AttributeError as err:
+        assert "NoSuchThing" in str(err)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_top_level_import_does_not_import_tensorflow():
+    code = "import sys, keras_dpsgd, keras_dpsgd.accounting; print('tensorflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_help_lists_every_subcommand():
+    from keras_dpsgd.cli import build_parser
+
+    text = build_parser().format_help()
+    for command in ("epsilon", "noise", "batch-table", "train", "memorization-test"):
+        assert command in text
