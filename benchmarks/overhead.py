@@ -15,7 +15,7 @@ What is measured:
   alike. Ratio = DP median / non-private median. Non-private: ``keras.optimizers.SGD`` with the mean
   loss; DP: ``DPSGDOptimizer(l2_norm_clip=1, noise_multiplier=1.1)`` with the per-example loss.
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
-  the peak resident set size (``ru_maxrss``) of a fresh process that imports TensorFlow, builds the
+  the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
   training itself adds: activations, gradients, per-example buffers, graph). Ratio = DP delta /
   non-private delta. RSS includes allocator caching, so it is an upper bound on live tensors.
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -140,10 +139,12 @@ def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: 
         time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
         models[mode] = model
     times = {mode: [] for mode in modes}
-    for _ in range(rounds):
+    for r in range(rounds):
         for mode in modes:
             n = reference_steps if mode == "reference" else steps
             times[mode] += time_steps(models[mode], x, y, batch, n)
+            print(f"[overhead] {name} round {r} {mode}: median so far "
+                  f"{statistics.median(times[mode]):.4f} s", file=sys.stderr, flush=True)
     out = {"batch": batch}
     base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
     for mode, ts in times.items():
@@ -158,9 +159,17 @@ def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: 
     return out
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS: now, VmHWM: peak of this process image), MiB.
+
+    ``getrusage().ru_maxrss`` is not used: Linux carries it over from the parent across
+    fork/exec, so a child would report the benchmark parent's peak.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
 def child_memory(name: str, mode: str, batch: int, steps: int) -> dict:
@@ -170,14 +179,14 @@ def child_memory(name: str, mode: str, batch: int, steps: int) -> dict:
     gpus = tf.config.list_physical_devices("GPU")
     model = compile_model(build_model(name), mode)
     x, y = make_data(name, batch, steps)
-    before = _rss_mib()
+    before = _status_mib("VmRSS")
     if gpus:
         tf.config.experimental.reset_memory_stats("GPU:0")
     time_steps(model, x, y, batch, steps)
     if gpus:
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
         return {"what": "GPU peak bytes (MiB)", "peak_mib": peak, "delta_mib": peak}
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = _status_mib("VmHWM")
     return {"what": "process peak RSS (MiB)", "peak_mib": peak, "delta_mib": peak - before,
             "rss_before_fit_mib": before}
 
