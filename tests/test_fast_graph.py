@@ -160,3 +160,23 @@ def test_tiny_transformer_block_has_no_fallback():
     x = gen.integers(0, 9, size=(3, 6)).astype("int32")
     y = gen.normal(size=(3, 2)).astype("float32")
     check(keras.Model(tokens, out), x, y)
+
+
+class BatchMeanShift(L.Layer):
+    """Mixes examples (x minus the batch mean): layers after it must not use ghost norms."""
+
+    def call(self, x):
+        return x - tf.reduce_mean(x, axis=0, keepdims=True)
+
+
+def test_cross_example_mixing_sends_the_step_to_the_reference_path():
+    x, y = data((4, 5), (4, 2), seed=21)
+    model = keras.Sequential([keras.Input((5,)), L.Dense(3), BatchMeanShift(), L.Dense(2)])
+    model(x[:1])
+    backend = FastBackend()
+    got = run_traced(backend, model, x, y, flat_factors(1.0))
+    assert sorted(backend.last_fallback) == sorted(v.name for v in model.trainable_variables)
+    # Not a per-example loss, so no loop oracle: the jacobian path is the reference.
+    from keras_dpsgd._fast._backend import _reference_backend
+
+    assert_same(got, run_traced(_reference_backend(), model, x, y, flat_factors(1.0)))

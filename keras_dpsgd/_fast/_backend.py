@@ -10,6 +10,8 @@ Algorithm (one DP-SGD step, Abadi et al. 2016, Alg. 1, lines "compute gradient" 
    ∂ℓ_i/∂y).
 3. Per-example squared norms per variable from ghost norms (``_uses``); variables with an unknown
    use get exact per-example jacobians instead (``GradientTape.jacobian``).
+   If an op upstream of the loss reorders or mixes examples (see ``_graph.batch_major_ops``),
+   row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y: the whole step then uses the reference path.
 4. ``clip_factors(sq_norms)`` (flat or per-layer clipping, decided by the caller).
 5. Clipped sums ``Σ_i c_iv g_i[v]`` by book-keeping (Bu et al. 2023).
 
@@ -95,6 +97,23 @@ class FastBackend:
         tape,
         clip_factors: Callable[[tf.Tensor], tf.Tensor],
     ) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Steps 1-3 of the sanitizer (Abadi et al. 2016, Alg. 1): per-example norms, clip, sum.
+
+        Args:
+          loss: per-example loss, shape [B], recorded on `tape` (a graph tensor inside the traced
+            train step; an eager tensor sends the whole call to the reference path).
+          var_list: the trainable variables (V of them).
+          tape: the GradientTape that recorded `loss` (used for jacobian fallbacks only).
+          clip_factors: maps sq_norms [B, V] to factors [B, V].
+
+        Returns:
+          (summed, sq_norms): one dense tensor per variable, shaped like it, holding
+          Σ_i factors[i, v] · g_i[v] (rows with factor 0 add exactly 0, even if non-finite), and
+          the float32 per-example squared norms [B, V].
+
+        Raises:
+          ValueError: empty `var_list`, or `loss` not of rank 1.
+        """
         var_list = list(var_list)
         if not var_list:
             raise ValueError("var_list must hold at least one variable, got an empty list")
@@ -102,8 +121,11 @@ class FastBackend:
             self.last_fallback = [v.name for v in var_list]
             return _reference_backend().clipped_sum(loss, var_list, tape, clip_factors)
         if loss.shape.rank != 1:
-            raise ValueError(f"loss must be the per-example loss of shape [B], got shape {loss.shape}")
+            raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
         groups = self._groups(loss, var_list, tape)
+        if groups is None:  # The loss mixes examples: only the jacobian path is meaningful.
+            self.last_fallback = [v.name for v in var_list]
+            return _reference_backend().clipped_sum(loss, var_list, tape, clip_factors)
         batch = tf.shape(loss)[0]
         sq_norms = tf.stack(
             [g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1
@@ -120,6 +142,10 @@ class FastBackend:
     def _groups(self, loss, var_list, tape) -> list:
         ops = _graph.ancestors(loss)
         clean = _graph.batch_major_ops(ops)
+        if not clean.get(loss.op):
+            # Row i of ∂(Σℓ)/∂y is ∂ℓ_i/∂y only if ℓ_i depends on example i alone; an op that
+            # reorders or mixes examples upstream of the loss voids that.
+            return None
         static_batch = loss.shape[0]
         plans = []
         for var in var_list:

@@ -108,6 +108,12 @@ def _reorders_batch(op, status) -> bool:
         if rank == 0:
             return False
         return axes is None or rank is None or any(int(a) % rank == 0 for a in np.ravel(axes))
+    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3"):  # xᵀ·(...) contracts examples.
+        flag = "transpose_a" if op.type == "MatMul" else "adj_x"
+        return op.inputs[0].op in status and bool(op.get_attr(flag))
+    if op.type in ("ConcatV2", "Roll"):
+        axis = tf.get_static_value(op.inputs[-1] if op.type == "ConcatV2" else op.inputs[2])
+        return axis is None or 0 in np.ravel(axis)
     if op.type == "Transpose":
         perm = tf.get_static_value(op.inputs[1])
         return perm is None or int(perm[0]) != 0
