@@ -107,3 +107,15 @@ def test_cli_large_lots_text_and_bad_input(capsys):
     assert "delta must be < 1/num_examples" in capsys.readouterr().err
     assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
                  "--lot-sizes", "2000"]) == 2
+
+
+def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    code = main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
+                 "--lot-sizes", "50", "--plot", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "matplotlib" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -3,7 +3,8 @@
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds a parser whose ``func(args)`` runs it and
 returns a dict (printed as one JSON object under ``--json``) or None.
-Bad input raises ``ValueError``: printed as one line, exit code 2.
+Bad input raises ``ValueError`` (a missing optional extra ``ImportError``): printed as one
+line, exit code 2.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result = args.func(args)
-    except ValueError as err:
+    except (ValueError, ImportError) as err:  # ImportError: a missing optional extra, named in the message
         print(f"keras-dpsgd {args.command}: error: {err}", file=sys.stderr)
         return 2
     if getattr(args, "json", False) and result is not None:
