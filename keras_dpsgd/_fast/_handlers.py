@@ -1,0 +1,246 @@
+"""Per-op handlers: how one use of a variable turns ∂L/∂(op output) into a per-example use.
+
+Each handler gets the using op, the input index of the (reshaped/cast) variable value ``w``, the
+variable, the batch-major map of ``_graph.batch_major_ops`` and the static batch size, and returns
+a :class:`Site` or None (unknown or ambiguous use: the variable falls back to jacobians).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from keras_dpsgd._fast import _uses
+
+MakeUse = Callable[[tf.Tensor, tf.Tensor], object]
+
+
+@dataclasses.dataclass
+class Site:
+    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use."""
+
+    y: tf.Tensor
+    make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse
+
+
+def _batch_major(t: tf.Tensor, static_batch) -> bool:
+    if t.shape.rank is None or t.shape.rank < 1:
+        return False
+    n = t.shape[0]
+    return n is None or static_batch is None or (static_batch > 0 and n % static_batch == 0)
+
+
+def group_rows(t: tf.Tensor, batch: tf.Tensor, rest: int) -> tf.Tensor:
+    """[N, *dims] with N = B·T (batch-major) and prod(dims) = rest -> [B, T, rest]."""
+    n = tf.shape(t)[0]
+    steps = n // tf.maximum(batch, 1)
+    return tf.reshape(t, tf.stack([batch, steps, rest]))
+
+
+def _to_var_shape(p: tf.Tensor, var) -> tf.Tensor:
+    """[B, *w'.shape] -> [B, *var.shape] (w' is a reshape of the variable)."""
+    return tf.reshape(p, tf.concat([tf.shape(p)[:1], var.shape], axis=0))
+
+
+def _f32(t: tf.Tensor) -> tf.Tensor:
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def _matmul(op, index, w, var, clean, static_batch):
+    """y = a @ w (Dense on 2-D inputs; on [B, T, D] through tf.tensordot's reshape)."""
+    if index != 1 or op.get_attr("transpose_a"):
+        return None
+    a, y = op.inputs[0], op.outputs[0]
+    if not clean.get(a.op) or a.shape.rank != 2 or not _batch_major(a, static_batch):
+        return None
+    transposed = op.get_attr("transpose_b")
+    if w.shape.rank != 2:
+        return None
+    d, u = (int(w.shape[1]), int(w.shape[0])) if transposed else (int(w.shape[0]), int(w.shape[1]))
+
+    def make(g, batch):
+        a3, g3 = group_rows(_f32(a), batch, d), group_rows(_f32(g), batch, u)
+        return _uses.OuterUse(g3, a3) if transposed else _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _batch_matmul(op, index, w, var, clean, static_batch):
+    """y = x @ w with x of shape [B, ..., D] and a 2-D weight broadcast over the batch."""
+    if index != 1 or w.shape.rank != 2 or op.get_attr("adj_x"):
+        return None
+    x, y = op.inputs[0], op.outputs[0]
+    if not clean.get(x.op) or x.shape.rank is None or x.shape.rank < 3:
+        return None
+    if not _batch_major(x, static_batch):
+        return None
+    adjoint = op.get_attr("adj_y")
+    d = int(x.shape[-1])
+
+    def make(g, batch):
+        a3 = tf.reshape(_f32(x), tf.stack([batch, -1, d]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, int(g.shape[-1])]))
+        return _uses.OuterUse(g3, a3) if adjoint else _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _conv2d(op, index, w, var, clean, static_batch):
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims): per-example grads from im2col patches."""
+    if index != 1 or op.get_attr("data_format") != b"NHWC":
+        return None
+    padding = op.get_attr("padding").decode()
+    strides, rates = list(op.get_attr("strides")), list(op.get_attr("dilations"))
+    x, y = op.inputs[0], op.outputs[0]
+    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
+        return None
+    if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
+        return None
+    kh, kw, cin, cout = (int(s) for s in w.shape)
+    if x.shape[3] != cin or not clean.get(x.op) or not _batch_major(x, static_batch):
+        return None
+
+    def make(g, batch):
+        patches = tf.image.extract_patches(
+            _f32(x), sizes=[1, kh, kw, 1], strides=strides, rates=rates, padding=padding
+        )
+        a3 = tf.reshape(patches, tf.stack([batch, -1, kh * kw * cin]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, cout]))
+        return _uses.OuterUse(a3, g3)
+
+    return Site(y, make)
+
+
+def _index_site(ids, y, var, vocab_dim):
+    def make(g, batch):
+        ids2 = tf.reshape(ids, tf.stack([batch, -1]))
+        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, vocab_dim]))
+        return _uses.IndexUse(ids2, g3, int(var.shape[0]))
+
+    return Site(y, make)
+
+
+def gather_site(op, index, var, clean, static_batch):
+    """ResourceGather on the handle: an Embedding lookup (rows of a [V, D] table)."""
+    if op.type != "ResourceGather" or index != 0 or op.get_attr("batch_dims") != 0:
+        return None
+    if var.shape.rank != 2:
+        return None
+    ids, y = op.inputs[1], op.outputs[0]
+    if not clean.get(ids.op) or not _batch_major(ids, static_batch):
+        return None
+    return _index_site(ids, y, var, int(var.shape[1]))
+
+
+def _gather_v2(op, index, w, var, clean, static_batch):
+    """GatherV2 on the variable's value along axis 0 (tf.gather(table, ids))."""
+    if index != 0 or op.get_attr("batch_dims") != 0 or w.shape.rank != 2:
+        return None
+    axis = tf.get_static_value(op.inputs[2])
+    ids, y = op.inputs[1], op.outputs[0]
+    if axis is None or int(axis) != 0 or not clean.get(ids.op):
+        return None
+    if not _batch_major(ids, static_batch) or var.shape.num_elements() != w.shape.num_elements():
+        return None
+    return _index_site(ids, y, var, int(w.shape[1]))
+
+
+def _elementwise(op, index, w, var, clean, static_batch):
+    """Bias adds and scales: y = x + w, x - w, w - x, x * w (LayerNormalization γ and β).
+
+    The per-example gradient is ∂ℓ_i/∂y (times x for a product) summed over the axes along which
+    ``w`` is broadcast, so it is materialized ([B, *w.shape], as small as the variable).
+    """
+    y = op.outputs[0]
+    other = op.inputs[1 - index]
+    if op.type == "BiasAdd":
+        if index != 1 or op.get_attr("data_format") != b"NHWC":
+            return None
+    y_rank, w_rank = y.shape.rank, w.shape.rank
+    if y_rank is None or w_rank is None or y_rank < 1 or w_rank > y_rank:
+        return None
+    if w_rank == y_rank and w.shape[0] != 1:
+        return None  # w is not broadcast over axis 0: y's rows are not examples.
+    if not clean.get(y.op) or not _batch_major(y, static_batch) or not w.shape.is_fully_defined():
+        return None
+    if op.type == "BiasAdd":
+        w_shape = [1] * (y_rank - 1) + [int(w.shape[0])]
+    else:
+        w_shape = [1] * (y_rank - w_rank) + [int(s) for s in w.shape]
+    axes = [k for k in range(1, y_rank) if w_shape[k] == 1]
+    sign = -1.0 if op.type == "Sub" and index == 1 else 1.0
+
+    def make(g, batch):
+        p = _f32(g) * _f32(other) if op.type == "Mul" else _f32(g)
+        if axes:
+            p = tf.reduce_sum(p, axis=axes, keepdims=True)
+        p = tf.reshape(p, tf.concat([tf.stack([batch, -1]), w_shape[1:]], axis=0))
+        p = tf.reduce_sum(p, axis=1)
+        if sign < 0:
+            p = -p
+        return _uses.DenseUse(_to_var_shape(p, var))
+
+    return Site(y, make)
+
+
+def _einsum(op, index, w, var, clean, static_batch):
+    """Two-operand einsum with the weight (EinsumDense, MultiHeadAttention projections).
+
+    With ``x`` the data operand, the batch letter leads ``x`` and ``y`` and is not in ``w``. When
+    ``w``'s letters split into a prefix contracted with ``x`` (D) and a suffix kept in ``y`` (U),
+    the use is an :class:`OuterUse` (A = x as [B, T, D], G = ∂L/∂y as [B, T, U], T = the other
+    letters shared by x and y); otherwise the per-example gradient is materialized by the einsum
+    ``x_sub,y_sub->b w_sub``.
+    """
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    if "..." in equation or len(op.inputs) != 2 or "->" not in equation:
+        return None
+    subs, y_sub = equation.split("->")
+    subs = subs.split(",")
+    x, x_sub, w_sub = op.inputs[1 - index], subs[1 - index], subs[index]
+    y = op.outputs[0]
+    if any(len(set(s)) != len(s) for s in (x_sub, w_sub, y_sub)) or not x_sub or not y_sub:
+        return None
+    b = x_sub[0]
+    if y_sub[0] != b or b in w_sub or not clean.get(x.op) or not _batch_major(x, static_batch):
+        return None
+    if any(c not in x_sub and c not in y_sub for c in w_sub) or not w.shape.is_fully_defined():
+        return None
+    dims = dict(zip(w_sub, (int(s) for s in w.shape)))
+    d_letters = [c for c in w_sub if c in x_sub and c not in y_sub]
+    u_letters = [c for c in w_sub if c in y_sub and c not in x_sub]
+    t_letters = [c for c in x_sub[1:] if c in y_sub and c not in w_sub]
+    outer = "".join(d_letters + u_letters) == w_sub
+
+    def make(g, batch):
+        xf, gf = _f32(x), _f32(g)
+        if not outer:
+            p = tf.einsum(f"{x_sub},{y_sub}->{b}{w_sub}", xf, gf)
+            return _uses.DenseUse(_to_var_shape(p, var))
+        a = tf.einsum(f"{x_sub}->{b}{''.join(t_letters + d_letters)}", xf)  # sums only_x letters
+        gt = tf.einsum(f"{y_sub}->{b}{''.join(t_letters + u_letters)}", gf)
+        d = int(np.prod([dims[c] for c in d_letters]))
+        u = int(np.prod([dims[c] for c in u_letters]))
+        return _uses.OuterUse(
+            tf.reshape(a, tf.stack([batch, -1, d])), tf.reshape(gt, tf.stack([batch, -1, u]))
+        )
+
+    return Site(y, make)
+
+
+HANDLERS = {
+    "Einsum": _einsum,
+    "MatMul": _matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Conv2D": _conv2d,
+    "GatherV2": _gather_v2,
+    "BiasAdd": _elementwise,
+    "Add": _elementwise,
+    "AddV2": _elementwise,
+    "Sub": _elementwise,
+    "Mul": _elementwise,
+}
