@@ -30,13 +30,9 @@ from keras_dpsgd._fast import _graph, _uses
 
 
 def _reference_backend():
-    """The optimizer's reference backend, or this module's jacobian path if it is absent."""
-    try:
-        from keras_dpsgd._per_example import ReferenceBackend
-    except ModuleNotFoundError as err:
-        if err.name != "keras_dpsgd._per_example":
-            raise
-        return _JacobianBackend()
+    """The optimizer's reference backend (per-example jacobians of every variable)."""
+    from keras_dpsgd._per_example import ReferenceBackend
+
     return ReferenceBackend()
 
 
@@ -50,21 +46,6 @@ def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tap
         loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO
     )
     return [tf.cast(j, tf.float32) for j in jac]
-
-
-class _JacobianBackend:
-    """Per-example jacobians for every variable (used only if the reference module is absent)."""
-
-    def clipped_sum(self, loss, var_list, tape, clip_factors):
-        var_list = list(var_list)
-        groups = [_uses.DenseGroup(p) for p in per_example_jacobians(loss, var_list, tape)]
-        sq_norms = tf.stack([g.sq_norms() for g in groups], axis=1)
-        factors = tf.cast(clip_factors(sq_norms), tf.float32)
-        summed = [
-            tf.cast(g.clipped_sum(factors[:, v]), var.dtype)
-            for v, (g, var) in enumerate(zip(groups, var_list))
-        ]
-        return summed, sq_norms
 
 
 def _grad_for(y: tf.Tensor, grad) -> tf.Tensor:
