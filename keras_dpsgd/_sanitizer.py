@@ -427,7 +427,10 @@ class DPSanitizerMixin:
                 raise ValueError(
                     f"{type(self).__name__}.apply_gradients got a gradient that did not come from its "
                     "compute_gradients: applying it would be a non-private step. Call "
-                    "minimize(loss, var_list, tape) or apply the output of compute_gradients."
+                    "minimize(loss, var_list, tape) or apply the output of compute_gradients. "
+                    "(A LossScaleOptimizer, which compile adds under the 'mixed_float16' policy, "
+                    "rescales the sanitized gradients: loss scaling is not supported; use the "
+                    "'float32' or 'mixed_bfloat16' policy.)"
                 )
         del pending[:]
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
