@@ -173,6 +173,14 @@ class DPSanitizerMixin:
         with tf.init_scope():
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
             self.nonfinite_examples = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+            # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
+            # format saves optimizer variables but not the ledger's segments.
+            self.ledger_max_sampling_rate = tf.Variable(
+                0.0, dtype=tf.float64, trainable=False, name="ledger_max_sampling_rate"
+            )
+            self.ledger_min_noise_multiplier = tf.Variable(
+                math.inf, dtype=tf.float64, trainable=False, name="ledger_min_noise_multiplier"
+            )
             # Mirrors expected_lot_size for the traced step (0 = unset). Not
             # checkpointed: the Python attribute is the source of truth.
             self._lot_size = self._no_dependency(tf.Variable(0.0, trainable=False, name="expected_lot_size"))
@@ -180,7 +188,8 @@ class DPSanitizerMixin:
             # checkpoint twice must not replay the same noise.
             if seed is None:
                 self._generator = self._no_dependency(tf.random.Generator.from_non_deterministic_state())
-        self._variables.extend([self.noised_steps, self.nonfinite_examples])
+        self._ledger_bounds = self._no_dependency([self.ledger_max_sampling_rate, self.ledger_min_noise_multiplier])
+        self._variables.extend([self.noised_steps, self.nonfinite_examples, *self._ledger_bounds])
         self.expected_lot_size = expected_lot_size
         self._sanitized_grads = self._no_dependency([])
 
@@ -245,6 +254,29 @@ class DPSanitizerMixin:
             self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in var_list]
             self._accum_batches = self.add_variable([], tf.int64, name="dp_accumulated_batches")
             self._accum_examples = self.add_variable([], tf.float32, name="dp_accumulated_examples")
+
+    def _without_ledger_bounds(self, num_saved: int) -> list | None:
+        """The variables a file saved before the ledger bounds existed holds, or None."""
+        if num_saved != len(self._variables) - len(self._ledger_bounds):
+            return None
+        return [v for v in self._variables if all(v is not b for b in self._ledger_bounds)]
+
+    def load_own_variables(self, store):
+        """.keras loading; an older file (no ledger bounds) loads the rest, bounds stay unset."""
+        older = self._without_ledger_bounds(len(store.keys()))
+        if older is None:
+            return super().load_own_variables(store)
+        for i, variable in enumerate(older):
+            variable.assign(store[str(i)])
+
+    def set_weights(self, weights):
+        """h5 loading; older weights (no ledger bounds) load the rest, bounds stay unset."""
+        weights = list(weights)
+        older = self._without_ledger_bounds(len(weights))
+        if older is not None:
+            given = dict(zip(map(id, older), weights))
+            weights = [given.get(id(v), v.numpy()) for v in self._variables]
+        return super().set_weights(weights)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

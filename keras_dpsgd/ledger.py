@@ -18,9 +18,17 @@ the model (attribute ``_dpsgd_ledger_state``). What each way of saving keeps:
   with full models): tf_keras does not restore the optimizer's variables, so
   ``noised_steps`` restarts at 0; the model's copy of the ledger carries the
   history and the new counter is added on top of it.
-* ``.keras``: ``noised_steps`` is kept (it is an optimizer variable), the
-  segments are not; all steps are then charged at the current (q, σ). If q or
-  σ changed during the run, save with checkpoints instead.
+* ``.keras`` (and ``.h5``): the optimizer's variables are kept, the segments
+  are not. Besides ``noised_steps`` the optimizer keeps, as variables, the
+  worst case the ledger has charged so far: the largest q
+  (``ledger_max_sampling_rate``) and the smallest σ_eff
+  (``ledger_min_noise_multiplier``), updated at every ledger read. After such a
+  load every step taken so far is charged at (max q, min σ) over those and the
+  current values, which never under-reports ε (the sub-sampled Gaussian's ε
+  grows with q and shrinks with σ); a run that never changed (q, σ) gets
+  exactly the ε of a checkpointed run. Steps never seen by a ledger read
+  (no read before the save) are charged at the current (q, σ) as before. For
+  an exact ledger after changing q or σ, save with checkpoints.
 
 A checkpoint restored before the state is attached is applied when it is
 attached (deferred restoration). Steps taken after the last checkpoint of a
@@ -123,6 +131,35 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
     return holders
 
 
+def _bound_variables(optimizer: Any) -> Optional[tuple]:
+    """The optimizer's (largest q, smallest σ) variables, or None if it has none."""
+    q_max = getattr(optimizer, "ledger_max_sampling_rate", None)
+    sigma_min = getattr(optimizer, "ledger_min_noise_multiplier", None)
+    if isinstance(q_max, tf.Variable) and isinstance(sigma_min, tf.Variable):
+        return q_max, sigma_min
+    return None
+
+
+def _saved_worst_case(bounds: Optional[tuple], q: float, sigma: float) -> Optional[tuple]:
+    """(max q, min σ) over the saved bounds and (q, σ); None when nothing was saved."""
+    if bounds is None or float(bounds[0].numpy()) <= 0.0:
+        return None
+    return max(float(bounds[0].numpy()), q), min(float(bounds[1].numpy()), sigma)
+
+
+def _update_bounds(bounds: Optional[tuple], data: dict) -> None:
+    """Folds every segment of `data` (the open one too) into the saved worst case."""
+    if bounds is None:
+        return
+    pairs = [(e["sampling_rate"], e["noise_multiplier"]) for e in data["closed"] if "sampling_rate" in e]
+    pairs.append((data["open"]["q"], data["open"]["sigma"]))
+    q_max = max([float(bounds[0].numpy())] + [p[0] for p in pairs])
+    sigma_min = min([float(bounds[1].numpy())] + [p[1] for p in pairs])
+    for variable, value in zip(bounds, (q_max, sigma_min)):
+        if float(variable.numpy()) != value:
+            variable.assign(value)
+
+
 def is_dp_optimizer(optimizer: Any) -> bool:
     """True if `optimizer` counts noised steps (a keras_dpsgd DP optimizer)."""
     return optimizer is not None and hasattr(optimizer, "noised_steps")
@@ -202,6 +239,8 @@ def sync_ledger_state(
     new optimizer) when the optimizer's copy is empty while the model's
     recorded steps, or when the counter is below the last value read: then
     the recorded segment is closed and every step the counter shows is new.
+    When no segment was saved but the counter was (a ``.keras`` load), the
+    counted steps are charged at the optimizer's saved worst case.
     """
     optimizer = model.optimizer
     holders = ledger_state_holders(model, optimizer)
@@ -212,8 +251,15 @@ def sync_ledger_state(
     q, sigma = float(sampling_rate), float(noise_multiplier)
     opened = data["open"]
     if opened is None:
-        # Nothing known about earlier steps: they ran with the current values.
-        data["open"] = {"q": q, "sigma": sigma, "start": 0}
+        worst = _saved_worst_case(_bound_variables(optimizer), q, sigma) if steps > 0 else None
+        if worst is not None and worst != (q, sigma):
+            # Segments lost, counter and worst case kept (.keras): never under-report.
+            label = f"{DPSGD_LABEL} (segments not saved: worst case)"
+            data["closed"].append(_dpsgd_event(*worst, steps, label=label).to_dict())
+            data["open"] = {"q": q, "sigma": sigma, "start": steps}
+        else:
+            # Nothing known about earlier steps: they ran with the current values.
+            data["open"] = {"q": q, "sigma": sigma, "start": 0}
     else:
         seen = data["seen"]
         params_changed = (opened["q"], opened["sigma"]) != (q, sigma)
@@ -233,6 +279,7 @@ def sync_ledger_state(
                 start = steps
             data["open"] = {"q": q, "sigma": sigma, "start": start}
     data["seen"] = steps
+    _update_bounds(_bound_variables(optimizer), data)
     encoded = json.dumps(data, sort_keys=True)
     for holder, old in zip(holders, states):
         if old != data:
