@@ -237,7 +237,24 @@ class DPSanitizerMixin:
 
     @sampling_rate.setter
     def sampling_rate(self, value: float | None) -> None:
-        self._sampling_rate = _check_sampling_rate(value)
+        new = _check_sampling_rate(value)
+        if self._sampling_rate is not None and new != self._sampling_rate:
+            self._fold_into_ledger_bounds(self._sampling_rate)
+        self._sampling_rate = new
+
+    def _fold_into_ledger_bounds(self, sampling_rate: float) -> None:
+        """Steps already taken at `sampling_rate` stay charged at least at it.
+
+        The ledger (keras_dpsgd.ledger) charges steps it has not attributed to a
+        segment at the worst (largest q, smallest σ) in these bounds, so a
+        change of q before the ledger was ever read cannot under-report ε.
+        """
+        bounds = getattr(self, "_ledger_bounds", None)
+        if not bounds or int(self.noised_steps.numpy()) == 0:
+            return
+        q_max, sigma_min = bounds
+        q_max.assign(max(float(q_max.numpy()), sampling_rate))
+        sigma_min.assign(min(float(sigma_min.numpy()), self.effective_noise_multiplier))
 
     def build(self, var_list):
         if getattr(self, "_built", False):

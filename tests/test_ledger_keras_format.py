@@ -104,3 +104,17 @@ def test_file_saved_without_the_bounds_still_loads_its_counter(tmp_path, filenam
         np.testing.assert_array_equal(restored.numpy(), saved.numpy())
     assert float(loaded.optimizer.ledger_max_sampling_rate.numpy()) == 0.0
     assert model_privacy_ledger(loaded).events == (_event(LOT_2, K + M),)
+
+
+def test_sampling_rate_changed_before_any_ledger_read_is_never_under_reported():
+    """No callback, no ledger read: K steps at q1, then q2 < q1, M steps; ε >= the true two-segment ε."""
+    x, y = _data()
+    lots_1, lots_2 = PoissonLots(x, y, expected_lot_size=LOT_1), PoissonLots(x, y, expected_lot_size=LOT_2)
+    model = _model(lots_1)
+    model.fit(lots_1.dataset(), steps_per_epoch=K, verbose=0)
+    lots_2.configure(model.optimizer)
+    model.fit(lots_2.dataset(), steps_per_epoch=M, verbose=0)
+    events = model_privacy_ledger(model).events
+    true_eps = compute_epsilon([_event(LOT_1, K), _event(LOT_2, M)], DELTA)
+    assert compute_epsilon(events, DELTA) >= true_eps
+    assert sum(e.count for e in events) == K + M
