@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 
-from keras_dpsgd.cli import add_json_flag
+from keras_dpsgd.cli import add_json_flag, positive_float, positive_int
 
 # Shape and class count of the data sets the CLI knows (noise mode needs only these).
 _DATASETS = {"digits": ((8, 8, 1), 10), "cifar10": ((32, 32, 3), 10), "mnist": ((28, 28, 1), 10)}
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -47,18 +32,18 @@ def _register_memorization(subparsers) -> None:
                    help="data set whose shape/classes the noise mimics (real mode: the data set trained on)")
     p.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir (cifar10, mnist)")
     p.add_argument("--model", choices=["mlp", "conv"], default="mlp")
-    p.add_argument("--width", type=_positive_int, default=512, help="MLP hidden width")
-    p.add_argument("--num-examples", type=_positive_int, default=1000, help="noise examples (noise mode)")
-    p.add_argument("--epochs", type=_positive_int, default=20)
-    p.add_argument("--batch-size", type=_positive_int, default=64, help="expected DP lot size L")
-    p.add_argument("--physical-batch-size", type=_positive_int, default=None,
+    p.add_argument("--width", type=positive_int, default=512, help="MLP hidden width")
+    p.add_argument("--num-examples", type=positive_int, default=1000, help="noise examples (noise mode)")
+    p.add_argument("--epochs", type=positive_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=64, help="expected DP lot size L")
+    p.add_argument("--physical-batch-size", type=positive_int, default=None,
                    help="split lots into gradient-accumulation steps of this many rows")
-    p.add_argument("--l2-norm-clip", type=_positive_float, default=1.0)
+    p.add_argument("--l2-norm-clip", type=positive_float, default=1.0)
     p.add_argument("--noise-multiplier", type=float, default=1.1)
-    p.add_argument("--learning-rate", type=_positive_float, default=0.05, help="DP-SGD learning rate")
+    p.add_argument("--learning-rate", type=positive_float, default=0.05, help="DP-SGD learning rate")
     p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--nonprivate-learning-rate", type=_positive_float, default=0.003, help="Adam, non-private run")
-    p.add_argument("--nonprivate-batch-size", type=_positive_int, default=32)
+    p.add_argument("--nonprivate-learning-rate", type=positive_float, default=0.003, help="Adam, non-private run")
+    p.add_argument("--nonprivate-batch-size", type=positive_int, default=32)
     p.add_argument("--confidence", type=float, default=0.95)
     p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
     p.add_argument("--seed", type=int, default=None, help="for reproducible runs only (default: OS entropy)")
@@ -113,14 +98,14 @@ def _register_large_lots(subparsers) -> None:
             "plan for lots larger than memory."
         ),
     )
-    p.add_argument("--num-examples", type=_positive_int, required=True)
-    p.add_argument("--epochs", type=_positive_float, required=True)
-    p.add_argument("--epsilon", type=_positive_float, required=True)
+    p.add_argument("--num-examples", type=positive_int, required=True)
+    p.add_argument("--epochs", type=positive_float, required=True)
+    p.add_argument("--epsilon", type=positive_float, required=True)
     p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
-    p.add_argument("--lot-sizes", type=_positive_int, nargs="+", default=[128, 256, 512, 1024])
-    p.add_argument("--base-learning-rate", type=_positive_float, default=0.01)
-    p.add_argument("--base-lot-size", type=_positive_int, default=128)
-    p.add_argument("--max-batch-size", type=_positive_int, default=None, help="largest physical batch in memory")
+    p.add_argument("--lot-sizes", type=positive_int, nargs="+", default=[128, 256, 512, 1024])
+    p.add_argument("--base-learning-rate", type=positive_float, default=0.01)
+    p.add_argument("--base-lot-size", type=positive_int, default=128)
+    p.add_argument("--max-batch-size", type=positive_int, default=None, help="largest physical batch in memory")
     p.add_argument("--accountant", choices=["rdp", "moments", "pld"], default="rdp")
     p.add_argument("--plot", default=None, metavar="PATH", help="save the noise-per-example plot (matplotlib)")
     add_json_flag(p)
@@ -164,12 +149,12 @@ def _register_adaptive(subparsers) -> None:
             "1/sigma_l2^2)^(-1/2). Finds the per-layer gradient sigma that meets the target."
         ),
     )
-    p.add_argument("--num-layers", type=_positive_int, required=True, help="clipped variables (layers) V")
-    p.add_argument("--norm-noise-multiplier", type=_positive_float, required=True, help="sigma_l2 of norm queries")
-    p.add_argument("--epsilon", type=_positive_float, required=True)
+    p.add_argument("--num-layers", type=positive_int, required=True, help="clipped variables (layers) V")
+    p.add_argument("--norm-noise-multiplier", type=positive_float, required=True, help="sigma_l2 of norm queries")
+    p.add_argument("--epsilon", type=positive_float, required=True)
     p.add_argument("--delta", type=float, required=True)
-    p.add_argument("--sampling-rate", type=_positive_float, required=True)
-    p.add_argument("--steps", type=_positive_int, required=True)
+    p.add_argument("--sampling-rate", type=positive_float, required=True)
+    p.add_argument("--steps", type=positive_int, required=True)
     p.add_argument("--accountant", choices=["rdp", "moments", "pld"], default="rdp")
     add_json_flag(p)
     p.set_defaults(func=_adaptive)

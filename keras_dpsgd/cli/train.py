@@ -21,7 +21,6 @@ training lots without noise: they help the operator but are not covered by ε
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -29,7 +28,7 @@ import os
 import sys
 import time
 
-from keras_dpsgd.cli import add_json_flag
+from keras_dpsgd.cli import add_json_flag, positive_float, positive_int
 
 DEFAULTS = {
     "dataset": "digits",
@@ -42,20 +41,6 @@ DEFAULTS = {
     "learning_rate": {"mlp": 0.5, "cnn": 2.0},  # per model (tuned on digits at ε = 3)
     "momentum": 0.9,
 }
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
 
 
 def register(subparsers) -> None:
@@ -77,21 +62,21 @@ def register(subparsers) -> None:
                    "tensorflow-datasets on first use")
     p.add_argument("--data-dir", default=None, metavar="DIR", help="tensorflow-datasets data directory")
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
-    p.add_argument("--width", type=_positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
-    p.add_argument("--target-epsilon", type=_positive_float, default=d["target_epsilon"], metavar="X",
+    p.add_argument("--width", type=positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
+    p.add_argument("--target-epsilon", type=positive_float, default=d["target_epsilon"], metavar="X",
                    help="privacy budget ε (default %(default)s)")
     p.add_argument("--delta", type=float, default=None, metavar="D", help="δ < 1/N (default 1/N^1.1)")
-    p.add_argument("--lot-size", type=_positive_int, default=d["lot_size"], metavar="L",
+    p.add_argument("--lot-size", type=positive_int, default=d["lot_size"], metavar="L",
                    help="expected Poisson lot size L (default %(default)s)")
-    p.add_argument("--physical-batch-size", type=_positive_int, default=None, metavar="B",
+    p.add_argument("--physical-batch-size", type=positive_int, default=None, metavar="B",
                    help="split each lot into physical batches of B rows (gradient accumulation; saves memory)")
-    p.add_argument("--epochs", type=_positive_int, default=d["epochs"], metavar="E",
+    p.add_argument("--epochs", type=positive_int, default=d["epochs"], metavar="E",
                    help="epochs of ceil(N/L) lots each (default %(default)s)")
     p.add_argument("--noise-multiplier", type=float, default=None, metavar="S",
                    help="σ >= 0 (default: calibrated so that the planned steps spend the target ε)")
-    p.add_argument("--l2-norm-clip", type=_positive_float, default=d["l2_norm_clip"], metavar="C",
+    p.add_argument("--l2-norm-clip", type=positive_float, default=d["l2_norm_clip"], metavar="C",
                    help="per-example gradient norm bound C (default %(default)s)")
-    p.add_argument("--learning-rate", type=_positive_float, default=None, metavar="LR",
+    p.add_argument("--learning-rate", type=positive_float, default=None, metavar="LR",
                    help="SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)")
     p.add_argument("--momentum", type=float, default=d["momentum"], help="SGD momentum (default %(default)s)")
     p.add_argument("--accountant", choices=("rdp", "moments", "pld"), default="rdp",
