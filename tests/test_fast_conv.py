@@ -43,3 +43,58 @@ def test_conv1d_causal_and_pooling():
         ]
     )
     check(model, x, y, factors=per_layer_factors([0.5, 0.1, 0.5, 0.1, 1.0, 0.2]))
+
+
+@pytest.mark.parametrize("cin", [3, 32])  # column-stacked shifts / one matmul per kernel tap
+@pytest.mark.parametrize(
+    "strides, rates, padding, kernel",
+    [
+        ((1, 1), (1, 1), "SAME", (3, 3)),
+        ((2, 1), (1, 1), "SAME", (3, 2)),
+        ((2, 2), (1, 1), "VALID", (2, 3)),
+        ((1, 1), (2, 1), "SAME", (3, 3)),
+        ((1, 2), (1, 1), "SAME", (4, 4)),  # even kernel: TF pads less before than after
+    ],
+)
+def test_per_example_kernel_grads_match_one_example_loop(cin, strides, rates, padding, kernel):
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_dpsgd._fast import _conv
+
+    gen = np.random.default_rng(11)
+    x = tf.constant(gen.normal(size=(3, 7, 6, cin)), tf.float32)
+    w = tf.constant(gen.normal(size=(*kernel, cin, 5)), tf.float32)
+    s4, r4 = [1, *strides, 1], [1, *rates, 1]
+    y = tf.nn.conv2d(x, w, s4, padding, dilations=r4)
+    g = tf.constant(gen.normal(size=y.shape), tf.float32)
+    parts = _conv.per_example_kernel_grads(x, g, kernel, s4, r4, padding)
+    got = tf.concat([tf.reshape(q, [3, -1]) for q in parts], axis=1).numpy().reshape(3, *w.shape)
+    for i in range(3):  # Oracle: d/dw of <conv(x_i, w), g_i>, one example at a time.
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            # tf.nn.convolution: dilated convs through SpaceToBatchND (CPU has no dilated backprop).
+            out = tf.nn.convolution(x[i : i + 1], w, strides, padding, dilations=rates)
+            inner = tf.reduce_sum(out * g[i : i + 1])
+        np.testing.assert_allclose(got[i], tape.gradient(inner, w).numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_conv_many_channels_strided_and_shared():
+    """cin >= 32 takes the per-tap path; a layer applied twice sums its uses before the norm."""
+    x, y = data((3, 6, 6, 2), (3, 2), seed=12)
+    wide = L.Conv2D(32, 3, padding="same", activation="relu")
+    shared = L.Conv2D(32, 3, strides=2, padding="same")
+    inputs = keras.Input((6, 6, 2))
+    h = wide(inputs)
+    h = shared(shared(h))  # weight sharing: 6x6 -> 3x3 -> 2x2
+    out = L.Dense(2)(L.Flatten()(L.Conv2D(4, 2, padding="valid")(h)))
+    model = keras.Model(inputs, out)
+    check(model, x, y)
+    check(model, x, y, factors=per_layer_factors([0.3, 0.1, 0.2, 0.1, 0.3, 0.1, 1.0, 0.2]))
+
+
+def test_conv1d_many_channels():
+    x, y = data((2, 12, 32), (2, 2), seed=13)
+    model = keras.Sequential([L.Conv1D(6, 3, strides=2, padding="same"), L.Flatten(), L.Dense(2)])
+    model(x[:1])
+    check(model, x, y)

@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _uses
+from keras_dpsgd._fast import _conv, _uses
 
 MakeUse = Callable[[tf.Tensor, tf.Tensor], object]
 
@@ -23,7 +23,7 @@ class Site:
     """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use."""
 
     y: tf.Tensor
-    make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse
+    make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse | PiecesUse
 
 
 def _batch_major(t: tf.Tensor, static_batch) -> bool:
@@ -89,7 +89,11 @@ def _batch_matmul(op, index, w, var, clean, static_batch):
 
 
 def _conv2d(op, index, w, var, clean, static_batch):
-    """Conv2D (and Conv1D, which is Conv2D on ExpandDims): per-example grads from im2col patches."""
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
+
+    Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
+    else per-example kernel gradients from input slices (``_conv``).
+    """
     if index != 1 or op.get_attr("data_format") != b"NHWC":
         return None
     padding = op.get_attr("padding").decode()
@@ -102,6 +106,18 @@ def _conv2d(op, index, w, var, clean, static_batch):
     kh, kw, cin, cout = (int(s) for s in w.shape)
     if x.shape[3] != cin or not clean.get(x.op) or not _batch_major(x, static_batch):
         return None
+
+    d, t = kh * kw * cin, None
+    if _conv.geometry_known(x, y):
+        t = int(y.shape[1]) * int(y.shape[2])
+    if t is not None and not _uses.ghost_preferred(t, d, cout):
+        # Mixed ghost norm (Bu et al. 2023): materializing is cheaper for this shape; slices
+        # of the input give the per-example kernel gradients without im2col patches.
+        def make_dense(g, batch):
+            parts = _conv.per_example_kernel_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding)
+            return _uses.PiecesUse(parts)
+
+        return Site(y, make_dense)
 
     def make(g, batch):
         patches = tf.image.extract_patches(

@@ -1,0 +1,81 @@
+"""Per-example Conv2D kernel gradients without im2col patches.
+
+For an NHWC convolution ``y = conv(x, w)`` with a ``[kh, kw, cin, cout]`` kernel, the gradient of
+example ``i``'s loss with respect to the kernel tap ``(r, s)`` is
+
+    ∂ℓ_i/∂w[r, s] = Σ_t x_i[t·stride + (r, s)·rate]ᵀ g_i[t]          (a [cin, cout] matrix)
+
+where ``t`` runs over the output positions and ``g_i = ∂ℓ_i/∂y_i``. That is one small matmul per
+tap on a strided slice of the padded input (Rochette et al. 2019, "Efficient per-example gradient
+computations in convolutional neural networks", compute the same sums). Slicing avoids the
+``[B, T, kh·kw·cin]`` im2col tensor of ``tf.image.extract_patches``, which on CPU is slow and
+``kh·kw`` times the size of the input. Two layouts, chosen by shape (both exact):
+
+* many input channels (``cin >= 32``): channels-first slices, one batched matmul
+  ``[B, cin, T] @ [B, T, cout]`` per tap;
+* few input channels: the ``kw`` column shifts stacked once (``[B, Hp, Wo, kw, cin]``), then one
+  einsum per kernel row over ``[B, Ho, Wo, kw, cin]`` and ``g``.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# Below this many input channels, stacking the column shifts beats one matmul per tap (measured on
+# CPU with benchmarks/overhead.py's shapes: cin = 3 -> 39 vs 95 ms, cin = 64 -> 268 vs 127 ms).
+_MIN_CHANNELS_PER_TAP = 32
+
+
+def _pads(size: int, out: int, k: int, stride: int, rate: int, padding: str) -> tuple[int, int]:
+    """TensorFlow's (before, after) padding of one spatial axis."""
+    if padding == "VALID":
+        return 0, 0
+    total = max((out - 1) * stride + (k - 1) * rate + 1 - size, 0)
+    return total // 2, total - total // 2
+
+
+def _window(offset: int, out: int, stride: int) -> slice:
+    return slice(offset, offset + stride * (out - 1) + 1, stride)
+
+
+def geometry_known(x: tf.Tensor, y: tf.Tensor) -> bool:
+    """Whether the spatial sizes of input and output are static (needed to plan the slices)."""
+    return all(t.shape[k] is not None for t in (x, y) for k in (1, 2))
+
+
+def per_example_kernel_grads(
+    x: tf.Tensor, g: tf.Tensor, kernel: tuple[int, int], strides, rates, padding: str
+) -> list[tf.Tensor]:
+    """Per-example kernel gradients of an NHWC Conv2D, in pieces.
+
+    Returns ``kh·kw`` tensors [B, cin, cout] (one per tap) or ``kh`` tensors [B, kw, cin, cout]
+    (one per kernel row); per example, their flattenings concatenated in order are the
+    row-major flattening of the [kh, kw, cin, cout] gradient. They are not stacked: that would
+    copy the whole [B, kh, kw, cin, cout] tensor once more.
+
+    Args:
+      x: the convolution's input, [B, H, W, cin] (float32, static H and W).
+      g: ∂(Σ_i ℓ_i)/∂y, [B, Ho, Wo, cout] (float32, static Ho and Wo); row i is ∂ℓ_i/∂y_i.
+      kernel: (kh, kw).
+      strides, rates: the op's 4-element strides and dilations (NHWC).
+      padding: "SAME" or "VALID".
+    """
+    kh, kw = kernel
+    (_, h, w, cin), (_, ho, wo, cout) = x.shape.as_list(), g.shape.as_list()
+    sh, sw, rh, rw = strides[1], strides[2], rates[1], rates[2]
+    top, bottom = _pads(h, ho, kh, sh, rh, padding)
+    left, right = _pads(w, wo, kw, sw, rw, padding)
+    x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+    batch = tf.shape(x)[0]
+    rows = [_window(r * rh, ho, sh) for r in range(kh)]
+    cols = [_window(s * rw, wo, sw) for s in range(kw)]
+    if cin >= _MIN_CHANNELS_PER_TAP:
+        xt = tf.transpose(x, [0, 3, 1, 2])  # [B, cin, Hp, Wp]: each tap slice is one matmul operand.
+        g3 = tf.reshape(g, tf.stack([batch, ho * wo, cout]))
+        return [
+            tf.matmul(tf.reshape(xt[:, :, row, col], tf.stack([batch, cin, ho * wo])), g3)
+            for row in rows
+            for col in cols
+        ]
+    shifted = tf.stack([x[:, :, col, :] for col in cols], axis=3)  # [B, Hp, Wo, kw, cin]
+    return [tf.einsum("bhwkc,bhwo->bkco", shifted[:, row], g) for row in rows]
