@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
+from keras_dpsgd import _noise
 from keras_dpsgd._per_example import (
     find_calling_model,
     per_example_loss,
@@ -356,12 +357,14 @@ class DPSanitizerMixin:
         return noised
 
     def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
+        """N(0, 1) noise from ``keras_dpsgd._noise`` (tails to 11.6, not TF's clamp at 5.68)."""
         if self._seed is None:
-            return self._generator.normal(shape, dtype=dtype)
-        # Reproducible and resumable: a function of (seed, noised step, variable).
-        step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
-        seed = tf.random.experimental.stateless_fold_in(step_seed, index)
-        return tf.random.stateless_normal(shape, seed=seed, dtype=dtype)
+            seed = self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        else:
+            # Reproducible and resumable: a function of (seed, noised step, variable).
+            step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
+            seed = tf.random.experimental.stateless_fold_in(step_seed, index)
+        return _noise.standard_normal(shape, seed, dtype)
 
     def _normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
         """Step 5, normalize: divide by expected_lot_size, else by the realized lot size."""
