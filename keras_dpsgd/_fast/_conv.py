@@ -72,10 +72,24 @@ def per_example_kernel_grads(
     if cin >= _MIN_CHANNELS_PER_TAP:
         xt = tf.transpose(x, [0, 3, 1, 2])  # [B, cin, Hp, Wp]: each tap slice is one matmul operand.
         g3 = tf.reshape(g, tf.stack([batch, ho * wo, cout]))
-        return [
-            tf.matmul(tf.reshape(xt[:, :, row, col], tf.stack([batch, cin, ho * wo])), g3)
-            for row in rows
-            for col in cols
-        ]
+        return _chained(
+            lambda row, col: tf.matmul(
+                tf.reshape(xt[:, :, row, col], tf.stack([batch, cin, ho * wo])), g3
+            ),
+            [(row, col) for row in rows for col in cols],
+        )
     shifted = tf.stack([x[:, :, col, :] for col in cols], axis=3)  # [B, Hp, Wo, kw, cin]
-    return [tf.einsum("bhwkc,bhwo->bkco", shifted[:, row], g) for row in rows]
+    return _chained(lambda row: tf.einsum("bhwkc,bhwo->bkco", shifted[:, row], g), [(row,) for row in rows])
+
+
+def _chained(piece, args: list) -> list[tf.Tensor]:
+    """``[piece(*a) for a in args]``, each started after the previous one finished.
+
+    Without the chain the executor may cut every slice at once (kh·kw copies of the input alive
+    together); with it, one at a time. The matmuls themselves still use all intra-op threads.
+    """
+    out = []
+    for a in args:
+        with tf.control_dependencies(out[-1:]):
+            out.append(piece(*a))
+    return out
