@@ -37,27 +37,46 @@ def _unit(words: tf.Tensor) -> tf.Tensor:
     return (tf.cast(words, tf.float32) + 0.5) * _TWO_POW_MINUS_32
 
 
-def _refine(x0: tf.Tensor, u1: tf.Tensor, x2: tf.Tensor, x3: tf.Tensor) -> tf.Tensor:
-    """``u1`` with ``(x2 + (x3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``x0 == 0``."""
-    fine = (tf.cast(x2, tf.float32) + _unit(x3)) * _TWO_POW_MINUS_32**2
-    return tf.where(tf.equal(x0, 0), fine, u1)
-
-
-def _polar(u1: tf.Tensor, x1: tf.Tensor) -> tf.Tensor:
-    radius = tf.sqrt(-2.0 * tf.math.log(u1))
-    angle = (2.0 * math.pi) * _unit(x1)
-    return tf.stack([radius * tf.cos(angle), radius * tf.sin(angle)])
-
-
 def box_muller(x0: tf.Tensor, x1: tf.Tensor, x2: tf.Tensor | None = None, x3=None) -> tf.Tensor:
     """Two standard normals per pair of words: [2, P] from uint32 words ``x0``, ``x1`` ([P]).
 
     Where ``x0 == 0``, the words ``x2``, ``x3`` (same shape, if given) refine ``u1``.
     """
-    u1 = _unit(x0)
-    if x2 is not None:
-        u1 = _refine(x0, u1, x2, x3)
-    return _polar(u1, x1)
+    w0 = tf.cast(x0, tf.float32)
+    u1 = _refine(w0, x2, x3) if x2 is not None else _coarse(w0)
+    return tf.stack(_polar(u1, x1, tf.constant(1.0)))
+
+
+def _coarse(w0: tf.Tensor) -> tf.Tensor:
+    return (w0 + 0.5) * _TWO_POW_MINUS_32
+
+
+def _refine(w0: tf.Tensor, x2: tf.Tensor, x3: tf.Tensor) -> tf.Tensor:
+    """``u1``, with ``(x2 + (x3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``x0 == 0``."""
+    fine = (tf.cast(x2, tf.float32) + _unit(x3)) * _TWO_POW_MINUS_32**2
+    return tf.where(tf.equal(w0, 0.0), fine, _coarse(w0))
+
+
+def _polar(u1: tf.Tensor, x1: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``scale`` times the pair (r cos θ, r sin θ), r = sqrt(-2 ln u1), θ = 2π·x1·2⁻³²."""
+    radius = tf.sqrt(tf.math.log(u1) * (-2.0 * tf.square(scale)))
+    angle = tf.cast(x1, tf.float32) * (2.0 * math.pi * _TWO_POW_MINUS_32)
+    return radius * tf.cos(angle), radius * tf.sin(angle)
+
+
+def _scaled_normal(n: tf.Tensor, seed, scale: tf.Tensor) -> tf.Tensor:
+    """``scale`` · N(0, I_n), float32 [n]."""
+    pairs = (n + 1) // 2
+    words = _words(tf.stack([2, pairs]), seed)
+    x0, x1 = words[0], words[1]
+    w0 = tf.cast(x0, tf.float32)  # Exact 0.0 iff x0 == 0.
+
+    def refined():
+        extra = _words(tf.stack([2, pairs]), tf.random.experimental.stateless_fold_in(seed, 1))
+        return _refine(w0, extra[0], extra[1])
+
+    u1 = tf.cond(tf.reduce_min(w0) == 0.0, refined, lambda: _coarse(w0))
+    return tf.concat(_polar(u1, x1, scale), axis=0)[:n]
 
 
 def standard_normal(shape, seed, dtype=tf.float32) -> tf.Tensor:
@@ -69,16 +88,13 @@ def standard_normal(shape, seed, dtype=tf.float32) -> tf.Tensor:
     only in the rare draws (probability ~ P·2⁻³² for P pairs) that have a pair with ``x0 == 0``.
     """
     shape = tf.convert_to_tensor(shape, tf.int32)
-    n = tf.reduce_prod(shape)
-    pairs = (n + 1) // 2
-    words = _words(tf.stack([2, pairs]), seed)
-    x0, x1 = words[0], words[1]
-    u1 = _unit(x0)
-
-    def refined():
-        extra = _words(tf.stack([2, pairs]), tf.random.experimental.stateless_fold_in(seed, 1))
-        return _refine(x0, u1, extra[0], extra[1])
-
-    u1 = tf.cond(tf.reduce_min(x0) == 0, refined, lambda: u1)
-    z = tf.reshape(_polar(u1, x1), [-1])[:n]
+    z = _scaled_normal(tf.reduce_prod(shape), seed, tf.constant(1.0))
     return tf.cast(tf.reshape(z, shape), dtype)
+
+
+def add_gaussian(x: tf.Tensor, stddev, seed) -> tf.Tensor:
+    """``x + N(0, stddev² I)``: the noise of :func:`standard_normal` times ``stddev``, with the
+    scale folded into the radius (one pass fewer over ``x``'s size than ``x + stddev * z``)."""
+    scale = tf.cast(stddev, tf.float32)
+    z = _scaled_normal(tf.size(x), seed, scale)
+    return x + tf.cast(tf.reshape(z, tf.shape(x)), x.dtype)

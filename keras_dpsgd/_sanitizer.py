@@ -350,21 +350,19 @@ class DPSanitizerMixin:
             stds = tf.constant(self._sigmas, tf.float32) * self.clip_bounds
         else:
             stds = tf.constant(self._sigmas, tf.float32) * tf.reduce_max(self.clip_bounds)
-        noised = []
-        for v, s in enumerate(summed):
-            noise = self._standard_normal(tf.shape(s), s.dtype, v)
-            noised.append(s + tf.cast(stds[v], s.dtype) * noise)
-        return noised
+        return [_noise.add_gaussian(s, stds[v], self._noise_seed(v)) for v, s in enumerate(summed)]
+
+    def _noise_seed(self, index: int) -> tf.Tensor:
+        """The [2] int64 key of one draw of noise (``index``: which tensor of the step)."""
+        if self._seed is None:
+            return self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        # Reproducible and resumable: a function of (seed, noised step, variable).
+        step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
+        return tf.random.experimental.stateless_fold_in(step_seed, index)
 
     def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
         """N(0, 1) noise from ``keras_dpsgd._noise`` (tails to 11.6, not TF's clamp at 5.68)."""
-        if self._seed is None:
-            seed = self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        else:
-            # Reproducible and resumable: a function of (seed, noised step, variable).
-            step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
-            seed = tf.random.experimental.stateless_fold_in(step_seed, index)
-        return _noise.standard_normal(shape, seed, dtype)
+        return _noise.standard_normal(shape, self._noise_seed(index), dtype)
 
     def _normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
         """Step 5, normalize: divide by expected_lot_size, else by the realized lot size."""
