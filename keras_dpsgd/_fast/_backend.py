@@ -8,8 +8,10 @@ Algorithm (one DP-SGD step, Abadi et al. 2016, Alg. 1, lines "compute gradient" 
 2. One backward pass, ``tf.gradients(Σ_i ℓ_i, [outputs of those uses])``, gives every
    per-example output gradient ``g_i`` (the loss is per-example, so row ``i`` of ∂(Σℓ)/∂y is
    ∂ℓ_i/∂y).
-3. Per-example squared norms per variable from ghost norms (``_uses``); variables with an unknown
-   use get exact per-example jacobians instead (``GradientTape.jacobian``).
+3. Per-example squared norms per variable from ghost norms (``_uses``), or from per-example
+   gradients where the shape makes materializing cheaper (Conv2D kernels: one matmul per kernel tap
+   on slices of the input, ``_conv``); variables with an unknown use get exact per-example
+   jacobians instead (``GradientTape.jacobian``).
    If an op upstream of the loss reorders or mixes examples (see ``_graph.batch_major_ops``),
    row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y: the whole step then uses the reference path.
 4. ``clip_factors(sq_norms)`` (flat or per-layer clipping, decided by the caller).
