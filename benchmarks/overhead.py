@@ -5,6 +5,7 @@ Usage::
     python benchmarks/overhead.py                      # timing, MLP and small AlexNet, fast + reference
     python benchmarks/overhead.py --memory             # + peak memory, one fresh process per configuration
     python benchmarks/overhead.py --max-batch --max-batch-limit 4096 --memory-budget-mib 8000
+    python benchmarks/overhead.py --modes fast fast-clip-only   # how much of the overhead is the noise
 
 What is measured:
 
@@ -39,7 +40,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-MODES = ("nonprivate", "fast", "reference")
+MODES = ("nonprivate", "fast", "reference", "fast-clip-only")
 DEFAULT_BATCH = {"mlp": 256, "alexnet": 128}
 
 
@@ -88,11 +89,13 @@ def compile_model(model, mode: str):
     if mode == "nonprivate":
         opt = keras.optimizers.SGD(learning_rate=0.01)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    elif mode in ("fast", "reference"):
+    elif mode in ("fast", "reference", "fast-clip-only"):
         from keras_dpsgd import DPSGDOptimizer
 
+        sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         opt = DPSGDOptimizer(
-            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.01, per_example_backend=mode
+            l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.01,
+            per_example_backend=mode.split("-")[0],
         )
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     else:
@@ -215,7 +218,9 @@ def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, s
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=["mlp", "alexnet"])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=list(MODES),
+                        help="fast-clip-only: the fast backend with sigma = 0 (the cost of clipping "
+                        "alone, without the noise draw)")
     parser.add_argument("--steps", type=int, default=10, help="timed batches per round (fast, non-private)")
     parser.add_argument("--reference-steps", type=int, default=2, help="timed batches per round (reference)")
     parser.add_argument("--rounds", type=int, default=3)

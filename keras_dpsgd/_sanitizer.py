@@ -350,7 +350,10 @@ class DPSanitizerMixin:
             stds = tf.constant(self._sigmas, tf.float32) * self.clip_bounds
         else:
             stds = tf.constant(self._sigmas, tf.float32) * tf.reduce_max(self.clip_bounds)
-        return [_noise.add_gaussian(s, stds[v], self._noise_seed(v)) for v, s in enumerate(summed)]
+        return [
+            s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
+            for v, s in enumerate(summed)
+        ]
 
     def _noise_seed(self, index: int) -> tf.Tensor:
         """The [2] int64 key of one draw of noise (``index``: which tensor of the step)."""
