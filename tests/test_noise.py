@@ -82,3 +82,17 @@ def test_pairs_with_a_zero_word_are_refined(monkeypatch):
     radius = np.hypot(z[:5], z[5:])  # Pair i is (z[i], z[5 + i]).
     floor = math.sqrt(-2 * math.log(2.0**-32))  # u1 < 2^-32 after refinement
     assert np.all(radius[[0, 1, 3]] > floor) and np.all(radius[[2, 4]] < floor)
+
+
+def test_add_gaussian_scales_by_stddev():
+    x = tf.fill([300, 500], 2.0)
+    out = _noise.add_gaussian(x, tf.constant(3.0), tf.constant([1, 9], tf.int64)).numpy()
+    z = (out - 2.0) / 3.0
+    assert out.shape == (300, 500)
+    assert abs(z.mean()) < 5 / math.sqrt(z.size)
+    assert abs(z.var() - 1.0) < 5 * math.sqrt(2.0 / z.size)
+    assert scipy.stats.kstest(z.ravel(), "norm").pvalue > 1e-3
+    # Same key, same noise as standard_normal (the scale is folded into the radius).
+    same = _noise.standard_normal([300 * 500], tf.constant([1, 9], tf.int64)).numpy()
+    np.testing.assert_allclose(z.ravel(), same, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(_noise.add_gaussian(x, 0.0, tf.constant([1, 9], tf.int64)).numpy(), x.numpy())

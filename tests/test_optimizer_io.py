@@ -53,6 +53,32 @@ def test_noise_std_per_layer():
     assert opt.effective_noise_multiplier == pytest.approx(2.0 / np.sqrt(2))
 
 
+@pytest.mark.parametrize("seed", [None, 7])
+def test_noise_is_fresh_every_step_and_variable(seed):
+    """30 fit steps with zero gradients: the noise of every (step, variable) is an independent draw."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.layers.Dense(50, input_shape=(40,))])
+    opt = DPSGDOptimizer(1.0, 1.0, learning_rate=1.0, seed=seed)
+    model.compile(optimizer=opt, loss=_ZeroGradientLoss(reduction="none"))
+    snapshots = [np.concatenate([w.numpy().ravel() for w in model.trainable_variables])]
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_: snapshots.append(
+            np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
+        )
+    )
+    model.fit(np.ones((120, 40), "float32"), np.zeros(120), batch_size=4, shuffle=False, verbose=0,
+              callbacks=[record])
+    noise = -np.diff(np.array(snapshots), axis=0) * 4  # [30 steps, 2050]: N(0, 1) each
+    assert noise.shape == (30, 2050)
+    _check_std(noise, 1.0)
+    kernel, bias = noise[:, :2000], noise[:, 2000:]
+    corr = np.corrcoef(kernel)[np.triu_indices(30, 1)]  # 435 pairs of steps
+    assert np.abs(corr).max() < 5.0 / np.sqrt(2000)
+    # The bias is not a copy of (part of) the kernel's draw, in any step.
+    cross = [abs(np.corrcoef(bias[t], kernel[t, :50])[0, 1]) for t in range(30)]
+    assert max(cross) < 5.0 / np.sqrt(50)
+
+
 def test_effective_noise_multiplier_per_variable_sigmas():
     opt = DPSGDOptimizer([1.0, 1.0, 1.0], [1.0, 2.0, 2.0])
     assert opt.effective_noise_multiplier == pytest.approx((1 + 0.25 + 0.25) ** -0.5)
