@@ -34,7 +34,7 @@ def _words(shape, seed) -> tf.Tensor:
 
 def _unit(words: tf.Tensor) -> tf.Tensor:
     """(w + ½)·2⁻³² in float32: uniform on (0, 1]."""
-    return (tf.cast(words, tf.float32) + 0.5) * _TWO_POW_MINUS_32
+    return _coarse(tf.cast(words, tf.float32))
 
 
 def box_muller(x0: tf.Tensor, x1: tf.Tensor, x2: tf.Tensor | None = None, x3=None) -> tf.Tensor:
@@ -48,6 +48,7 @@ def box_muller(x0: tf.Tensor, x1: tf.Tensor, x2: tf.Tensor | None = None, x3=Non
 
 
 def _coarse(w0: tf.Tensor) -> tf.Tensor:
+    """:func:`_unit` of words already cast to float32 (``u1`` without refinement)."""
     return (w0 + 0.5) * _TWO_POW_MINUS_32
 
 

@@ -107,10 +107,8 @@ def _conv2d(op, index, w, var, clean, static_batch):
     if x.shape[3] != cin or not clean.get(x.op) or not _batch_major(x, static_batch):
         return None
 
-    d, t = kh * kw * cin, None
-    if _conv.geometry_known(x, y):
-        t = int(y.shape[1]) * int(y.shape[2])
-    if t is not None and not _uses.ghost_preferred(t, d, cout):
+    positions = int(y.shape[1]) * int(y.shape[2]) if _conv.geometry_known(x, y) else None
+    if positions is not None and not _uses.ghost_preferred(positions, kh * kw * cin, cout):
         # Mixed ghost norm (Bu et al. 2023): materializing is cheaper for this shape; slices
         # of the input give the per-example kernel gradients without im2col patches.
         def make_dense(g, batch):

@@ -72,22 +72,19 @@ def _row_shape(c: tf.Tensor, rank: int) -> tf.Tensor:
     return tf.concat([tf.shape(c), tf.ones([rank - 1], tf.int32)], axis=0)
 
 
-def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
-    """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf.
+def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """``t`` with the rows of ``c_i == 0`` set to exactly 0 (``t`` itself when there are none).
 
     Factors are 0 only for examples with a non-finite norm, so the masking ``tf.where`` (three
     passes over ``t``) runs only in steps that have one.
     """
-    c = tf.reshape(c, _row_shape(c, t.shape.rank))
-    return tf.cond(
-        tf.reduce_all(c > 0), lambda: t * c, lambda: tf.where(c > 0, t * c, tf.zeros_like(t))
-    )
-
-
-def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
-    """``t`` with the rows of ``c_i == 0`` set to exactly 0 (``t`` itself when there are none)."""
     keep = tf.reshape(c > 0, _row_shape(c, t.shape.rank))
     return tf.cond(tf.reduce_all(keep), lambda: t, lambda: tf.where(keep, t, tf.zeros_like(t)))
+
+
+def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
+    """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf."""
+    return _mask_rows(t * tf.reshape(c, _row_shape(c, t.shape.rank)), c)
 
 
 def _flat_rows(t: tf.Tensor) -> tf.Tensor:
