@@ -13,7 +13,7 @@ what matters), and an ε lower bound.
   model that did not see it).
 
 The ε lower bound: the threshold is chosen on one random half of the
-examples (the one that maximizes the point estimate of ε) and the rates are
+examples (the one whose bound is largest there) and the rates are
 counted on the other half, with Clopper–Pearson bounds
 (:func:`keras_dpsgd.audit.statistics.epsilon_lower_bound_from_counts`).
 **It is indicative, not a proof**: the bound is exact for independent
@@ -106,8 +106,10 @@ def _epsilon_bound(scores, member, delta, confidence, rng) -> float:
     best_t, best_eps = None, -1.0
     for t in np.unique(s1):
         pred = s1 >= t
-        eps = statistics.epsilon_from_rates(pred[m1].mean(), pred[~m1].mean(), delta)
-        eps = 1e9 if not np.isfinite(eps) else eps
+        eps = statistics.epsilon_lower_bound_from_counts(
+            int(pred[m1].sum()), int(m1.sum()), int(pred[~m1].sum()), int((~m1).sum()),
+            delta=delta, confidence=confidence,
+        )
         if eps > best_eps:
             best_t, best_eps = t, eps
     s2, m2 = scores[~half], member[~half]
