@@ -114,8 +114,8 @@ def test_bug_detection_noise_off_while_the_ledger_charges_sigma_1(digits):
 def test_soundness_dp_training(digits, target):
     """DP-SGD calibrated to ε = 1 and ε = 4 (δ = 1e-5): ε_emp <= ε over a few seeds."""
 
-    def sigma(lots):
-        return compute_noise_multiplier(target_epsilon=target, target_delta=DELTA,
+    def sigma(lots, delta):
+        return compute_noise_multiplier(target_epsilon=target, target_delta=delta,
                                         sampling_rate=lots.sampling_rate, steps=2 * lots.lots_per_epoch)
 
     for seed in (1, 2):

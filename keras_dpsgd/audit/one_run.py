@@ -82,7 +82,7 @@ def canary_audit(
     num_classes: int,
     canaries: int = 500,
     kind: str = "gradient",
-    noise_multiplier: float | Callable[[Any], float],
+    noise_multiplier: float | Callable[[Any, float], float],
     l2_norm_clip: float = 1.0,
     lot_size: int = 256,
     epochs: int = 10,
@@ -107,11 +107,13 @@ def canary_audit(
         "mislabeled" (input canaries; "mislabeled" takes its images from
         `held_out`).
       noise_multiplier: σ >= 0 (0: non-private, ε = ∞), or a function of the
-        run's `PoissonLots` returning σ (to calibrate to a target ε).
+        run's (`PoissonLots`, δ) returning σ (to calibrate to a target ε).
       optimizer_cls: a keras_dpsgd DP optimizer class taking (l2_norm_clip,
         noise_multiplier, learning_rate=, momentum=, seed=,
         gradient_accumulation_steps=); default DPSGDOptimizer.
-      delta: δ; default 1/N^1.1 (N: the training set, input canaries included).
+      delta: δ; default 1/N^1.1 with N the public size of the training set
+        (plus m/2 with input canaries: q, the normalizer and δ never depend
+        on the coins).
       seed: reproducible coins, lots, noise and initialization (tests); None:
         OS entropy.
 
@@ -144,19 +146,22 @@ def canary_audit(
         cx, cy = make_input_canaries(kind, int(canaries), input_shape=x.shape[1:], num_classes=num_classes,
                                      rng=rng, pool=held_out)
         x, y = np.concatenate([x, cx[included]]), np.concatenate([y, cy[included]])
-    n = len(x)
+    # The run's parameters must not depend on the coins: q, the normalizer and δ use the public size
+    # N + m/2 (the expected size with input canaries), not the realized one.
+    n = len(train[0]) + (int(canaries) // 2 if kind != "gradient" else 0)
     if not 1 <= lot_size <= n:
         raise ValueError(f"lot_size must be in [1, N = {n}], got {lot_size}")
     delta = default_delta(n) if delta is None else check_delta(delta, n)
     sub_seed = lambda: None if seed is None else int(rng.integers(2**31 - 1))  # noqa: E731
-    lots = PoissonLots(x, y, expected_lot_size=lot_size, seed=sub_seed())
-    sigma = float(noise_multiplier(lots) if callable(noise_multiplier) else noise_multiplier)
+    lots = PoissonLots(x, y, sampling_rate=min(1.0, lot_size / n), seed=sub_seed())
+    sigma = float(noise_multiplier(lots, delta) if callable(noise_multiplier) else noise_multiplier)
     cls = optimizer_cls or DPSGDOptimizer
     if kind == "gradient":
         cls = with_gradient_canaries(cls)
     optimizer = cls(l2_norm_clip, sigma, learning_rate=learning_rate, momentum=momentum, seed=sub_seed(),
                     gradient_accumulation_steps=lots.gradient_accumulation_steps)
     lots.configure(optimizer)
+    optimizer.expected_lot_size = float(lot_size)
     model = build_model()
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))

@@ -76,15 +76,12 @@ def _check(args) -> None:
 def _audit(args, data, noise_multiplier):
     """One audited run; `noise_multiplier` None: calibrated to the target as `train` does."""
     from keras_dpsgd import _models
-    from keras_dpsgd.accounting import default_delta
     from keras_dpsgd.audit.one_run import canary_audit
     from keras_dpsgd.cli import train as train_cli
 
-    def sigma(lots):
+    def sigma(lots, delta):
         args.noise_multiplier = noise_multiplier
-        n = lots.num_examples
-        delta = default_delta(n) if args.delta is None else args.delta
-        return train_cli._plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
+        return train_cli._plan(args, lots.num_examples, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
 
     return canary_audit(
         lambda: _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width),
