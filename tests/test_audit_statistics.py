@@ -84,15 +84,16 @@ def test_one_run_pure_dp_is_the_binomial_tail():
 @pytest.mark.parametrize("r", [10, 100, 1000])
 @pytest.mark.parametrize("confidence", [0.95, 0.99])
 def test_one_run_epsilon_all_guesses_correct_closed_form(r, confidence):
-    # δ = 0 and v = r: P = (e^ε/(1+e^ε))^r, so ε_emp = logit(β^(1/r)). The paper's Sec. 7
-    # discussion of perfect guessing ("the bound is limited by the number of guesses") is this curve.
+    # δ = 0 and v = r: Theorem 3.1 gives P = (e^ε/(1+e^ε))^r, so ε_emp = logit(β^(1/r)): the most
+    # that r guesses can ever prove. (No figure point of the paper itself is reproduced here: its
+    # text was not available offline when this was written.)
     beta = 1 - confidence
     expected = special.logit(beta ** (1 / r))
     assert S.one_run_epsilon(r, r, r, delta=0.0, confidence=confidence) == pytest.approx(expected, abs=1e-6)
 
 
-def test_one_run_epsilon_worked_numbers():
-    # Worked numbers of the closed form above (δ = 0, all r guesses right, 95%):
+def test_one_run_epsilon_closed_form_values():
+    # Values of the closed form above (δ = 0, all r guesses right, 95%):
     # r = 100 -> log(0.05^0.01 / (1 - 0.05^0.01)) = 3.4930...; r = 1000 -> 5.8091...
     assert S.one_run_epsilon(100, 100, 100, confidence=0.95) == pytest.approx(3.4930, abs=1e-3)
     assert S.one_run_epsilon(1000, 1000, 1000, confidence=0.95) == pytest.approx(5.8091, abs=1e-3)
