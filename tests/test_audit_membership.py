@@ -64,3 +64,9 @@ def test_bad_input_is_refused(overfit):
         membership_inference(model, members, non_members, confidence=1.5)
     with pytest.raises(ValueError, match="every"):
         MembershipInferenceCallback(members, non_members, every=0)
+
+
+def test_every_audit_name_imports():
+    import keras_dpsgd.audit as audit
+
+    assert [name for name in audit.__all__ if getattr(audit, name, None) is None] == []
