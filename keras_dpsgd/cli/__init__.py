@@ -20,6 +20,7 @@ _SUBCOMMAND_MODULES = [
     "accounting",
     "train",
     "tools",
+    "audit",
 ]
 
 

@@ -1,0 +1,161 @@
+"""``keras-dpsgd audit``: train with canaries, measure ε_emp, and check it against the reported ε.
+
+The privacy flags are those of ``keras-dpsgd train`` (the parser is built
+from its own, so the two cannot drift); ``--noise-multiplier 0`` trains
+without noise (ε = ∞). The run trains ONE model with m canaries, each
+included with probability 1/2, and turns the canaries' scores into a lower
+bound ε_emp (Steinke, Nasr, Jagielski 2023). ε_emp > ε is a bug.
+
+The audit run is a training run on the data: the ε it prints is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+
+from keras_dpsgd.cli import positive_int
+
+_KINDS = ("gradient", "ood", "mislabeled")
+_PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
+
+
+def _confidence(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def register(subparsers) -> None:
+    from keras_dpsgd.cli import train as train_cli
+
+    scratch = argparse.ArgumentParser(add_help=False).add_subparsers()
+    train_cli.register(scratch)
+    p = subparsers.add_parser(
+        "audit",
+        parents=[scratch.choices["train"]],
+        conflict_handler="resolve",
+        help="audit DP training empirically: one run with canaries gives a lower bound on ε",
+        description=(
+            "Train one model with canaries (each included with probability 1/2), compute the empirical lower "
+            "bound ε_emp on its privacy loss (Steinke, Nasr, Jagielski 2023) and compare it with the ε the "
+            "accountant reports: ε_emp > ε flags a bug. Privacy flags as for `keras-dpsgd train`; "
+            "--noise-multiplier 0 trains without noise. The audit is itself a training run on the data."
+        ),
+    )
+    p.add_argument("--canaries", type=positive_int, default=1000, metavar="M",
+                   help="number of canaries m >= 2 (default %(default)s)")
+    p.add_argument("--canary-kind", choices=_KINDS, default="gradient",
+                   help="gradient: Dirac canaries in the clipped sum (audits the step; default); ood: noise "
+                   "images with random labels; mislabeled: held-out images with wrong labels")
+    p.add_argument("--confidence", type=_confidence, default=0.95, metavar="C",
+                   help="confidence of ε_emp (default %(default)s)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also audit σ × (0.5, 1, 2, 4) and plot ε_emp against the reported ε")
+    p.add_argument("--save", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def _check(args) -> None:
+    from keras_dpsgd.cli import train as train_cli
+
+    if args.save is not None:
+        raise ValueError("--save is not supported by audit: an audit's model holds canaries and is not for release")
+    if args.physical_batch_size is not None:
+        raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
+    if args.canaries < 2:
+        raise ValueError(f"canaries must be an integer >= 2, got {args.canaries}")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ValueError(f"plot must be a file name ending in .png, got {args.plot!r}")
+    train_cli._check_args(args)
+
+
+def _audit(args, data, noise_multiplier):
+    """One audited run; `noise_multiplier` None: calibrated to the target as `train` does."""
+    from keras_dpsgd import _models
+    from keras_dpsgd.audit.one_run import canary_audit
+    from keras_dpsgd.cli import train as train_cli
+
+    def sigma(lots, delta):
+        args.noise_multiplier = noise_multiplier
+        return train_cli._plan(args, lots.num_examples, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
+
+    return canary_audit(
+        lambda: _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width),
+        (data.x_train, data.y_train), num_classes=data.num_classes, canaries=args.canaries,
+        kind=args.canary_kind, noise_multiplier=sigma, l2_norm_clip=args.l2_norm_clip, lot_size=args.lot_size,
+        epochs=args.epochs, learning_rate=args.learning_rate, momentum=args.momentum, delta=args.delta,
+        confidence=args.confidence, accountant=args.accountant, held_out=(data.x_test, data.y_test),
+        seed=args.seed, verbose=2 if args.json else 1,
+    )
+
+
+def audit(args) -> dict:
+    """Runs the audit described by parsed CLI arguments; returns the result dict."""
+    from keras_dpsgd import _datasets
+
+    _check(args)
+    given = args.noise_multiplier
+    data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    result = _audit(args, data, given)
+    out = result.to_dict()
+    if args.plot:
+        points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
+        base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
+        for scale in _PLOT_SCALES:
+            sigma = base * scale
+            if any(math.isclose(sigma, p[0]) for p in points):
+                continue
+            r = _audit(args, data, sigma)
+            points.append((r.noise_multiplier, r.epsilon, r.epsilon_lower_bound))
+        out["plot"] = _plot(args.plot, sorted(points), result)
+        out["plot_points"] = [{"noise_multiplier": s, "epsilon": e, "epsilon_lower_bound": lb}
+                              for s, e, lb in sorted(points)]
+    return out
+
+
+def _plot(path: str, points, result) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    finite = [(s, e, lb) for s, e, lb in points if math.isfinite(e)]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    top = max([e for _, e, _ in finite] + [lb for _, _, lb in points] + [1.0])
+    ax.plot([0, top], [0, top], "k--", lw=1, label="ε_emp = ε (above: a bug)")
+    ax.plot([e for _, e, _ in finite], [lb for _, e, lb in finite], "o-", label=f"ε_emp ({result.method})")
+    for s, e, lb in finite:
+        ax.annotate(f"σ={s:.2g}", (e, lb), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("reported ε (accountant)")
+    ax.set_ylabel(f"ε_emp at {result.confidence:.0%} confidence")
+    ax.set_title(f"One-run audit, {result.canaries} canaries, δ = {result.delta:.2g}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(args) -> dict:
+    if args.json:
+        with contextlib.redirect_stdout(sys.stderr):
+            return _select(audit(args))
+    out = audit(args)
+    print(
+        f"\nreported ε = {out['epsilon']:.4g}, empirical lower bound ε_emp = {out['epsilon_lower_bound']:.4g} "
+        f"at {out['confidence']:.0%} confidence (δ = {out['delta']:.3g}, {out['canaries']} canaries, "
+        f"{out['method']}, AUC {out['auc']:.3f}, {out['correct']} of {out['guesses']} guesses right, "
+        f"σ = {out['noise_multiplier']:.4g})\n{out['verdict']}"
+        + (f"\nplot written to {out['plot']}" if "plot" in out else "")
+    )
+    return _select(out)
+
+
+def _select(out: dict) -> dict:
+    keys = ("epsilon", "epsilon_lower_bound", "confidence", "canaries", "auc", "method", "delta", "verdict",
+            "violation", "noise_multiplier", "guesses", "correct", "steps", "plot", "plot_points")
+    return {k: out[k] for k in keys if k in out}
