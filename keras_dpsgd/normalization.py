@@ -114,6 +114,11 @@ def _data_fitted_state(layer) -> Optional[str]:
     return None
 
 
+def _declares_privacy_events(layer) -> bool:
+    """Whether `layer` accounts for its releases (without reading the property: it may run in a trace)."""
+    return hasattr(type(layer), "privacy_events") or "privacy_events" in vars(layer)
+
+
 def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
     """Raises ValueError if `model` holds a preprocessing layer fitted on data outside the ledger.
 
@@ -129,7 +134,7 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
     for layer in model.submodules:
         if not isinstance(layer, keras.layers.Layer) or getattr(layer, PUBLIC_ATTR, False):
             continue
-        if hasattr(layer, "privacy_events"):
+        if _declares_privacy_events(layer):
             continue
         state = _data_fitted_state(layer)
         if state is not None:
