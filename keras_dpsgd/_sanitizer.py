@@ -42,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _noise
+from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,
     per_example_loss,
@@ -399,6 +400,7 @@ class DPSanitizerMixin:
         if tape is None:
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
         refuse_example_mixing(find_calling_model(self, max_depth=24), var_list)
+        refuse_adapted_preprocessing(find_calling_model(self, max_depth=24))
         regularization = None
         if isinstance(loss, (tuple, list)):
             if len(loss) != 2:
