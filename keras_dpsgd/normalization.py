@@ -232,7 +232,9 @@ class DPNormalization(_PreprocessingLayer):
     them from domain knowledge: pixel range, plausible ages...): clipping to
     data-dependent bounds leaks outside the mechanism. σ = 0 is allowed and
     means no privacy (ε = ∞). Every example must appear at most once in
-    `data`; examples with a non-finite value make `adapt` fail.
+    `data`; examples with a non-finite value make `adapt` fail. After an
+    adapt, `last_release` holds the noisy (n, S, Q) it released (as private
+    as the mean and variance; not saved).
 
     Args:
       noise_multiplier: σ >= 0.
