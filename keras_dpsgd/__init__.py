@@ -41,6 +41,9 @@ _LAZY = {
     "steps_remaining": "keras_dpsgd.ledger",
     # pca
     "DPPCA": "keras_dpsgd.pca",
+    # normalization (DP moments; preprocessing fitted on data is refused unless marked public)
+    "DPNormalization": "keras_dpsgd.normalization",
+    "mark_public": "keras_dpsgd.normalization",
     # tools (Three Tools for Practical Differential Privacy)
     "memorization_test": "keras_dpsgd.tools",
     "real_task_test": "keras_dpsgd.tools",

@@ -35,11 +35,14 @@ compile_utils before the optimizer is called); activity regularizers and other
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _noise
+from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,
     per_example_loss,
@@ -47,8 +50,18 @@ from keras_dpsgd._per_example import (
     resolve_backend,
 )
 
+def _is_real(value: Any) -> bool:
+    """True for a real scalar (Python, numpy, ...: numbers.Real), False for bool and str."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_integer(value: Any) -> bool:
+    """True for an integer scalar (Python, numpy, ...: numbers.Integral), False for bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
@@ -56,7 +69,7 @@ def _check_positive(name: str, value: Any) -> float:
 
 
 def _check_noise(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_real(value):
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be >= 0 and finite, got {value!r}")
@@ -108,7 +121,7 @@ def _check_lot_size(value: Any) -> float | None:
 def _check_sampling_rate(value: Any) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value <= 1.0):
+    if not _is_real(value) or not (0.0 < value <= 1.0):
         raise ValueError(f"sampling_rate must be in (0, 1], got {value!r}")
     return float(value)
 
@@ -162,12 +175,12 @@ class DPSanitizerMixin:
         self._l2_norm_clip = self._no_dependency(check_l2_norm_clip(l2_norm_clip))
         self._noise_multiplier = self._no_dependency(check_noise_multiplier(noise_multiplier, self._l2_norm_clip))
         k = gradient_accumulation_steps
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        if not _is_integer(k) or k < 1:
             raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
-        self.gradient_accumulation_steps = k
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        self.gradient_accumulation_steps = int(k)
+        if seed is not None and not _is_integer(seed):
             raise ValueError(f"seed must be None or an integer, got {seed!r}")
-        self._seed = seed
+        self._seed = None if seed is None else int(seed)
         self.per_example_backend = per_example_backend
         self._backend = self._no_dependency(resolve_backend(per_example_backend))
         self._sampling_rate = _check_sampling_rate(sampling_rate)
@@ -387,6 +400,7 @@ class DPSanitizerMixin:
         if tape is None:
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
         refuse_example_mixing(find_calling_model(self, max_depth=24), var_list)
+        refuse_adapted_preprocessing(find_calling_model(self, max_depth=24))
         regularization = None
         if isinstance(loss, (tuple, list)):
             if len(loss) != 2:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -74,8 +75,18 @@ def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability:
     return int(min(num_examples, max(1, k)))
 
 
+def _is_integer(value: Any) -> bool:
+    """An integer scalar of any type (numbers.Integral: int, np.int64, ...), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value: Any) -> bool:
+    """A real scalar of any type (numbers.Real: float, np.float32, ...), not a bool or a str."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_num_lots(num_lots: Optional[int]) -> None:
-    if num_lots is not None and (isinstance(num_lots, bool) or int(num_lots) != num_lots or num_lots < 0):
+    if num_lots is not None and (not _is_integer(num_lots) or num_lots < 0):
         raise ValueError(f"num_lots must be None or an integer >= 0, got {num_lots!r}")
 
 
@@ -97,6 +108,11 @@ class PoissonLots:
         lots.configure(optimizer)  # sets expected_lot_size = qN and sampling_rate = q
         model.compile(optimizer=optimizer, loss=...)
         model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=...)
+        # or, one pass of lots_per_epoch fresh lots per epoch:
+        model.fit(lots.dataset(lots.lots_per_epoch), epochs=...)
+
+    ``fit(lots.dataset())`` without ``steps_per_epoch`` is refused by Keras
+    before training: the default dataset is endless (see :meth:`dataset`).
 
     The dataset yields ``(x, y, sample_weight)`` physical batches whose batch
     dimension is ``None`` in the element spec (so ``train_step`` is traced
@@ -163,41 +179,36 @@ class PoissonLots:
                 f"sampling_rate={sampling_rate!r}, expected_lot_size={expected_lot_size!r}"
             )
         if sampling_rate is not None:
-            q = float(sampling_rate)
-            if not 0.0 < q <= 1.0:
+            if not _is_real(sampling_rate) or not 0.0 < sampling_rate <= 1.0:
                 raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+            q = float(sampling_rate)
         else:
-            lot = float(expected_lot_size)
-            if not 0.0 < lot <= n:
+            if not _is_real(expected_lot_size) or not 0.0 < expected_lot_size <= n:
                 raise ValueError(f"expected_lot_size must be in (0, {n}], got {expected_lot_size!r}")
-            q = lot / n
+            q = float(expected_lot_size) / n
         self._q = q
-        if not 0.0 < float(overflow_probability) < 1.0:
+        if not _is_real(overflow_probability) or not 0.0 < overflow_probability < 1.0:
             raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
         if max_lot_size is None:
             capacity = _lot_capacity(n, q, float(overflow_probability))
         else:
-            if isinstance(max_lot_size, bool) or int(max_lot_size) != max_lot_size or not 1 <= max_lot_size <= n:
+            if not _is_integer(max_lot_size) or not 1 <= max_lot_size <= n:
                 raise ValueError(f"max_lot_size must be an integer in [1, {n}], got {max_lot_size!r}")
             capacity = int(max_lot_size)
         if physical_batch_size is None:
             self._physical = capacity
             self._accum = 1
         else:
-            if (
-                isinstance(physical_batch_size, bool)
-                or int(physical_batch_size) != physical_batch_size
-                or physical_batch_size < 1
-            ):
+            if not _is_integer(physical_batch_size) or physical_batch_size < 1:
                 raise ValueError(f"physical_batch_size must be an integer >= 1, got {physical_batch_size!r}")
             self._physical = int(physical_batch_size)
             self._accum = max(1, math.ceil(capacity / self._physical))
         self._capacity = self._physical * self._accum
-        if seed is not None and (isinstance(seed, bool) or int(seed) != seed):
-            raise ValueError(f"seed must be None or an integer, got {seed!r}")
+        if seed is not None and (not _is_integer(seed) or seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
         # One generator for the life of the object: a second iteration of the
         # dataset continues the stream instead of replaying the same lots.
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(None if seed is None else int(seed))
         self.overflow_count = 0
 
     # ---------------------------------------------------------------- facts
@@ -321,11 +332,25 @@ class PoissonLots:
         )
 
     def dataset(self, num_lots: Optional[int] = None) -> tf.data.Dataset:
-        """An endless (or `num_lots`-long) ``tf.data.Dataset`` of physical batches.
+        """A ``tf.data.Dataset`` of physical batches: endless, or `num_lots` lots long.
 
         Only the lot indices are drawn in Python; the examples are gathered by
-        TensorFlow (the arrays are copied into tensors once). Use with
-        ``fit(dataset, steps_per_epoch=self.steps_per_epoch)``.
+        TensorFlow (the arrays are copied into tensors once). Every iteration
+        of the dataset draws fresh lots (the sampler's generator continues).
+
+        The cardinality is declared, so that Keras knows where an epoch ends:
+
+        * ``num_lots=None`` (default): infinite. Pass ``steps_per_epoch``:
+          ``fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=E)``.
+          Without it Keras refuses the dataset before training (an endless
+          stream has no epochs).
+        * ``num_lots=k``: ``k * gradient_accumulation_steps`` physical batches.
+          ``fit(lots.dataset(lots.lots_per_epoch), epochs=E)`` needs no
+          ``steps_per_epoch``: each epoch is one pass of ``lots_per_epoch``
+          fresh lots.
+
+        Args:
+          num_lots: number of lots per pass; None for an endless stream.
         """
         _check_num_lots(num_lots)
         def with_zero_row(a):  # row N: the (finite) padding example
@@ -348,6 +373,8 @@ class PoissonLots:
             )
 
         indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
+        size = tf.data.INFINITE_CARDINALITY if num_lots is None else int(num_lots) * self._accum
+        indices = indices.apply(tf.data.experimental.assert_cardinality(size))
         return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(
             tf.data.AUTOTUNE
         )

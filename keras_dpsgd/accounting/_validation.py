@@ -7,6 +7,7 @@ import numbers
 
 
 def _as_float(name: str, value) -> float:
+    """Any real scalar (Python, numpy: numbers.Real) as a float; bool and str are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {value!r}")
     return float(value)
@@ -20,9 +21,12 @@ def check_sampling_rate(value, name: str = "sampling_rate") -> float:
 
 
 def check_noise_multiplier(value, name: str = "noise_multiplier") -> float:
+    """σ >= 0 and finite (σ = ∞ is no noise distribution anyone draws from)."""
     sigma = _as_float(name, value)
     if math.isnan(sigma) or sigma < 0.0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if math.isinf(sigma):
+        raise ValueError(f"{name} must be finite (>= 0), got {value!r}")
     return sigma
 
 

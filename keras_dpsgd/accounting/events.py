@@ -15,28 +15,21 @@ This module is pure Python: it must import without TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Iterable, Iterator, Union
+
+from keras_dpsgd.accounting import _validation as V
 
 
 def _check_sampling_rate(sampling_rate: float) -> float:
-    q = float(sampling_rate)
-    if not (0.0 < q <= 1.0) or math.isnan(q):
-        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-    return q
+    return V.check_sampling_rate(sampling_rate)
 
 
 def _check_noise_multiplier(noise_multiplier: float) -> float:
-    sigma = float(noise_multiplier)
-    if math.isnan(sigma) or sigma < 0.0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-    return sigma
+    return V.check_noise_multiplier(noise_multiplier)
 
 
 def _check_count(count: int) -> int:
-    if isinstance(count, bool) or int(count) != count or count < 0:
-        raise ValueError(f"count must be an integer >= 0, got {count!r}")
-    return int(count)
+    return V.check_nonnegative_int(count, "count")
 
 
 @dataclasses.dataclass(frozen=True)

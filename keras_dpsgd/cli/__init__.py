@@ -4,7 +4,9 @@ Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, which adds a parser whose ``func(args)`` runs it and
 returns a dict (printed as one JSON object under ``--json``) or None.
 Bad input raises ``ValueError`` (a missing optional extra ``ImportError``): printed as one
-line, exit code 2.
+line, exit code 2. A command that did its work but failed at the end (e.g. ``train --save``
+on a full disk) raises :class:`CommandFailed`: its result is still printed (``--json``),
+then its one-line error, exit code 1.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ _SUBCOMMAND_MODULES = [
     "tools",
     "audit",
 ]
+
+
+class CommandFailed(Exception):
+    """A command's work is done but its last step failed; `result` is still reported (exit 1)."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,14 +69,19 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    code, failure = 0, None
     try:
         result = args.func(args)
     except (ValueError, ImportError) as err:  # ImportError: a missing optional extra, named in the message
         print(f"keras-dpsgd {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except CommandFailed as failed:
+        result, code, failure = failed.result, 1, str(failed)
     if getattr(args, "json", False) and result is not None:
         print(json.dumps(_strict_json(result), sort_keys=True, allow_nan=False))
-    return 0
+    if code:
+        print(f"keras-dpsgd {args.command}: error: {failure}", file=sys.stderr)
+    return code
 
 
 def _strict_json(value):

@@ -2,14 +2,14 @@
 
 Steps = ceil(E·N/B) and sampling rate q = B/N (Poisson sampling of lots of
 expected size B, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
-is accepted with a warning on stderr. With σ = 0 the JSON output holds
-``"epsilon": Infinity`` (Python's json extension) and ``"order": null``.
+is refused (exit 2: such a guarantee allows publishing an example in the
+clear), and so is σ = ∞. With σ = 0 the JSON output holds ``"epsilon": "inf"``
+(strict JSON has no Infinity) and ``"order": null``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from keras_dpsgd.accounting import _validation as V
 from keras_dpsgd.accounting import planning
@@ -26,7 +26,7 @@ _ACCOUNTANT_HELP = (
 def register(subparsers) -> None:
     eps = subparsers.add_parser("epsilon", help="ε of a DP-SGD run", description="ε spent by a DP-SGD run.")
     _add_data_args(eps, batch=True)
-    eps.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0")
+    eps.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0, finite")
     eps.add_argument(
         "--target-epsilon",
         type=float,
@@ -72,22 +72,16 @@ def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1) (default 1/N^1.1)")
+    parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1/N) (default 1/N^1.1)")
     parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp", help=_ACCOUNTANT_HELP)
     add_json_flag(parser)
 
 
 def _delta(args) -> float:
+    """δ, default 1/N^1.1; δ >= 1/N is refused (it allows publishing an example in the clear)."""
     if args.delta is None:
         return planning.default_delta(args.num_examples)
-    delta = V.check_delta(args.delta)
-    if args.num_examples >= 1 and delta >= 1.0 / args.num_examples:
-        print(
-            f"warning: delta {delta:g} >= 1/N = {1.0 / args.num_examples:.3g}: such a guarantee allows "
-            "publishing an example in the clear",
-            file=sys.stderr,
-        )
-    return delta
+    return planning.check_delta(args.delta, args.num_examples)
 
 
 def _context(args) -> dict:

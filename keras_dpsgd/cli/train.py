@@ -26,9 +26,10 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
-from keras_dpsgd.cli import add_json_flag, positive_float, positive_int
+from keras_dpsgd.cli import CommandFailed, add_json_flag, positive_float, positive_int
 
 DEFAULTS = {
     "dataset": "digits",
@@ -85,7 +86,8 @@ def register(subparsers) -> None:
                    help="seed for initialization, sampling and noise (reproducible runs; default: OS entropy). "
                    "Whoever knows the seed knows the lots and the noise: keep it secret or the guarantee is void")
     p.add_argument("--save", default=None, metavar="DIR",
-                   help="write DIR/model.keras and DIR/privacy_report.json (ledger, ε, δ, settings)")
+                   help="write DIR/model.keras and DIR/privacy_report.json (ledger, ε, δ, settings); DIR is "
+                   "checked before training, the files are written atomically")
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -97,6 +99,8 @@ def _check_args(args) -> None:
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {args.noise_multiplier}")
     if not 0.0 <= args.momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {args.momentum}")
+    if args.save:
+        check_save_destination(args.save)
 
 
 def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float) -> tuple[int, float, bool]:
@@ -197,7 +201,10 @@ def train(args) -> dict:
         "seconds": time.perf_counter() - start,
     }
     if args.save:
-        result["saved_to"] = _save(args.save, model, model_privacy_ledger(model), result)
+        try:
+            result["saved_to"] = _save(args.save, model, model_privacy_ledger(model), result)
+        except OSError as err:  # after training: report the run anyway (see run)
+            result["save_error"] = f"cannot save to {args.save!r}: {err.strerror or err}; nothing was written"
     return result
 
 
@@ -211,10 +218,48 @@ def _plan_text(args, n, delta, lots, planned, sigma, calibrated) -> str:
     )
 
 
+SAVED_FILES = ("model.keras", "privacy_report.json")
+
+
+def check_save_destination(directory: str) -> None:
+    """Raises ValueError unless `directory` is (or can be created as) a writable directory.
+
+    Checked before training so that a run is not lost to a bad ``--save``: the
+    nearest existing path must be a directory in which a file can be created
+    (a real probe, since permission bits do not bind root), and the files to be
+    written must not exist as anything but regular files.
+    """
+    path = os.path.abspath(directory)
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = "is an existing file" if existing == path else f"is under {existing!r}, which is not a directory"
+        raise ValueError(f"--save {directory!r} {what}: give a directory")
+    for name in SAVED_FILES:
+        target = os.path.join(path, name)
+        if os.path.lexists(target) and not os.path.isfile(target):
+            raise ValueError(f"--save {directory!r}: {target!r} exists and is not a regular file")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".keras-dpsgd-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as err:
+        raise ValueError(f"--save {directory!r} is not writable: {err.strerror or err}") from None
+
+
 def _save(directory: str, model, ledger, result: dict) -> str:
+    """Writes DIR/model.keras and DIR/privacy_report.json atomically (both or neither).
+
+    Each file is written under a temporary name in DIR, then renamed over its
+    final name (os.replace, atomic on one file system); on an error the
+    temporary files are removed and earlier files of those names stay as they
+    were.
+
+    Raises:
+      OSError: if a file cannot be written (full disk, permissions).
+    """
     os.makedirs(directory, exist_ok=True)
-    model_path = os.path.join(directory, "model.keras")
-    model.save(model_path)
     report = {
         "epsilon": result["epsilon"],
         "delta": result["delta"],
@@ -224,19 +269,33 @@ def _save(directory: str, model, ledger, result: dict) -> str:
         "settings": {k: v for k, v in result.items() if k not in ("epsilon", "delta", "accountant")},
         "model": "model.keras",
     }
-    with open(os.path.join(directory, "privacy_report.json"), "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
+    temporary = {}
+    try:
+        for name in SAVED_FILES:  # tf_keras picks the .keras format by the suffix
+            suffix = ".keras" if name.endswith(".keras") else ".tmp"
+            fd, temporary[name] = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=suffix)
+            os.close(fd)
+        model.save(temporary["model.keras"])
+        with open(temporary["privacy_report.json"], "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, sort_keys=True)
+        for name in SAVED_FILES:
+            os.replace(temporary.pop(name), os.path.join(directory, name))
+    finally:
+        for leftover in temporary.values():
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
     return directory
 
 
 def run(args) -> dict:
+    """Trains; a failed ``--save`` still prints the result, then exits with code 1."""
     if args.json:
         # stdout must carry exactly one JSON object: everything train prints (plan, progress,
         # tfds messages) goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
-            return train(args)
-    result = train(args)
-    if not args.json:
+            result = train(args)
+    else:
+        result = train(args)
         print(
             f"\n{result['dataset']}: test accuracy {result['test_accuracy']:.4f} at ε = {result['epsilon']:.4g} "
             f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}\n"
@@ -244,4 +303,6 @@ def run(args) -> dict:
             f"C = {result['l2_norm_clip']:g}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
             + (f"\n  saved to {result['saved_to']}" if "saved_to" in result else "")
         )
+    if "save_error" in result:
+        raise CommandFailed(result["save_error"], result)
     return result

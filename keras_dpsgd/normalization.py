@@ -1,0 +1,543 @@
+"""Feature normalization without leaking the data: DPNormalization, and a refusal.
+
+A Keras ``Normalization`` layer adapted on the training data stores the exact
+per-feature mean and variance of that data in the model; so do
+``Discretization`` (bin boundaries), ``StringLookup``, ``IntegerLookup`` and
+``TextVectorization`` (vocabularies, document frequencies). Whoever gets the
+model gets those statistics, with no noise and outside the privacy ledger.
+
+* :func:`refuse_adapted_preprocessing` (called at the first DP step of a model)
+  refuses such a layer unless it is marked as fitted on public data
+  (:func:`mark_public`) or its state was given at construction
+  (``Normalization(mean=..., variance=...)``, ``StringLookup(vocabulary=...)``,
+  ``Discretization(bin_boundaries=...)``: public by construction, and saved
+  with the model). Layers that account for their own releases (a
+  ``privacy_events`` property: :class:`DPNormalization`, ``DPPCA``) pass.
+* :class:`DPNormalization` releases the per-feature mean and variance by the
+  Gaussian mechanism on clipped sums and records the release, like ``DPPCA``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+
+_PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
+
+NORMALIZATION_LABEL = "dp-normalization"
+DEFAULT_ADAPT_BATCH_SIZE = 1024
+PUBLIC_ATTR = "_keras_dpsgd_fitted_on_public_data"
+# The three released blocks (count, sum, sum of squares): each, divided by its
+# sensitivity, moves by at most 1 in ℓ2 norm, so the whole vector by sqrt(3).
+_NUM_BLOCKS = 3
+
+Bound = Union[float, Sequence[float]]
+
+
+# ----------------------------------------------------------------- the refusal
+def mark_public(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """Declares that `layer`'s adapted state was fitted on public data; returns the layer.
+
+    A DP optimizer then trains a model holding the layer (see
+    :func:`refuse_adapted_preprocessing`). The claim is yours to make: the
+    statistics are published with the model and are not in the privacy ledger.
+
+    The mark is an attribute of the layer object. It is not saved: Keras's
+    built-in layers have no config entry that could carry it, so mark the
+    layer again after loading a model (the refusal reminds you). To make the
+    public origin part of the saved model, build the layer from the public
+    statistics instead: ``Normalization(mean=..., variance=...)``,
+    ``StringLookup(vocabulary=...)``, ``Discretization(bin_boundaries=...)``.
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        raise TypeError(f"mark_public needs a tf_keras layer, got {type(layer).__name__}")
+    setattr(layer, PUBLIC_ATTR, True)
+    inner = getattr(layer, "_lookup_layer", None)  # TextVectorization's vocabulary
+    if isinstance(inner, keras.layers.Layer):
+        setattr(inner, PUBLIC_ATTR, True)
+    return layer
+
+
+def _eager(value) -> np.ndarray:
+    with tf.init_scope():  # the check may run while Keras traces train_step
+        return np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+
+
+def _normalization_state(layer) -> Optional[str]:
+    if layer.input_mean is not None or not layer.built:
+        return None  # built from given mean/variance (or nothing yet)
+    fitted = (
+        layer.is_adapted
+        or int(_eager(layer.count)) != 0
+        or np.any(_eager(layer.adapt_mean) != 0)
+        or np.any(_eager(layer.adapt_variance) != 1)
+    )
+    return "a mean and variance" if fitted else None
+
+
+def _lookup_state(layer) -> Optional[str]:
+    if getattr(layer, "_has_input_vocabulary", False):
+        return None  # vocabulary given at construction
+    with tf.init_scope():
+        fitted = layer.is_adapted or len(layer.get_vocabulary(include_special_tokens=False)) > 0
+    return "a vocabulary" if fitted else None
+
+
+def _discretization_state(layer) -> Optional[str]:
+    if layer.input_bin_boundaries is not None:
+        return None  # boundaries given at construction
+    fitted = layer.is_adapted or len(layer.bin_boundaries) > 0
+    return "bin boundaries" if fitted else None
+
+
+def _data_fitted_state(layer) -> Optional[str]:
+    """What state fitted on data `layer` holds ("a vocabulary", ...), or None."""
+    from tf_keras.src.layers.preprocessing import discretization, index_lookup, normalization, text_vectorization
+
+    if isinstance(layer, normalization.Normalization):
+        return _normalization_state(layer)
+    if isinstance(layer, index_lookup.IndexLookup):
+        return _lookup_state(layer)
+    if isinstance(layer, text_vectorization.TextVectorization):
+        return _lookup_state(layer._lookup_layer)
+    if isinstance(layer, discretization.Discretization):
+        return _discretization_state(layer)
+    if isinstance(layer, _PreprocessingLayer) and layer.is_adapted:
+        return "adapted state"
+    return None
+
+
+def _declares_privacy_events(layer) -> bool:
+    """Whether `layer` accounts for its releases (without reading the property: it may run in a trace)."""
+    return hasattr(type(layer), "privacy_events") or "privacy_events" in vars(layer)
+
+
+def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
+    """Raises ValueError if `model` holds a preprocessing layer fitted on data outside the ledger.
+
+    Checked: Normalization (mean, variance), StringLookup / IntegerLookup /
+    TextVectorization (vocabulary), Discretization (bin boundaries) and any
+    other adapted ``PreprocessingLayer``. A layer passes if its state was
+    given at construction, if it is marked with :func:`mark_public`, or if it
+    declares ``privacy_events`` (its releases are in the model's ledger).
+    Without a model (a custom loop outside a Model method) nothing is checked.
+    """
+    if model is None:
+        return
+    for layer in model.submodules:
+        if not isinstance(layer, keras.layers.Layer) or getattr(layer, PUBLIC_ATTR, False):
+            continue
+        if _declares_privacy_events(layer):
+            continue
+        state = _data_fitted_state(layer)
+        if state is not None:
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
+                "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
+                "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
+                "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
+                "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
+            )
+
+
+# ----------------------------------------------------------------- DPNormalization
+def _check_real(name: str, value, *, low: float, inclusive: bool) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r}")
+    ok = value >= low if inclusive else value > low
+    if not (math.isfinite(value) and ok):
+        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+    return float(value)
+
+
+def _check_bound(name: str, value) -> Union[float, list]:
+    array = np.asarray(value, dtype=np.float64) if not isinstance(value, (str, bool)) else None
+    if array is None or array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} must be a finite number or a 1-D sequence of them, got {value!r}")
+    return float(array) if array.ndim == 0 else array.tolist()
+
+
+def _check_clipping(lower, upper, l2_norm_clip):
+    if l2_norm_clip is not None:
+        if lower is not None or upper is not None:
+            raise ValueError("give either lower and upper, or l2_norm_clip, not both")
+        return None, None, _check_real("l2_norm_clip", l2_norm_clip, low=0.0, inclusive=False)
+    if lower is None or upper is None:
+        raise ValueError(
+            "DPNormalization needs public clipping bounds: lower and upper (per feature or scalars), "
+            f"or l2_norm_clip; got lower={lower!r}, upper={upper!r}")
+    lower, upper = _check_bound("lower", lower), _check_bound("upper", upper)
+    if np.size(lower) > 1 and np.size(upper) > 1 and np.size(lower) != np.size(upper):
+        raise ValueError(f"lower and upper must have the same length, got {np.size(lower)} and {np.size(upper)}")
+    if not np.all(np.asarray(lower) < np.asarray(upper)):
+        raise ValueError(f"lower must be < upper for every feature, got lower={lower}, upper={upper}")
+    return lower, upper, None
+
+
+class _Sums:
+    """Adapt-time exact sums (never saved, zeroed after the release)."""
+
+    def __init__(self, dim: int):
+        self.count = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
+        self.total = tf.Variable(tf.zeros((dim,), tf.float64), trainable=False)
+        self.squares = tf.Variable(tf.zeros((dim,), tf.float64), trainable=False)
+        self.nonfinite = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+        self.seed = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+        self.batch = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+
+    def reset(self, seed: int) -> None:
+        for v in (self.count, self.total, self.squares):
+            v.assign(tf.zeros_like(v))
+        self.nonfinite.assign(0)
+        self.seed.assign(seed)
+        self.batch.assign(0)
+
+
+@keras.saving.register_keras_serializable(package="keras_dpsgd")
+class DPNormalization(_PreprocessingLayer):
+    """Normalizes features with a differentially private mean and variance.
+
+    `adapt(data)` is one Gaussian mechanism:
+
+    1. Poisson-sample the examples: each is used independently with
+       probability q = `sampling_rate` (q = 1 uses all of them).
+    2. Flatten each example to x ∈ R^d (every non-batch position is a feature)
+       and clip it with public bounds, either per feature to
+       [`lower`, `upper`], centred: y = clip(x, lower, upper) − c with
+       c = (lower + upper)/2, so |y_j| <= r_j = (upper_j − lower_j)/2; or in ℓ2
+       norm: y = x · min(1, C/‖x‖₂) with C = `l2_norm_clip` (c = 0).
+    3. Release the count n = Σ 1, the sum S = Σ y and the sum of squares
+       Q = Σ y² (elementwise), each plus Gaussian noise of standard deviation
+       σ·√3·Δ, with the sensitivities (add/remove one example)
+       Δ_n = 1, Δ_S = ‖r‖₂ (C) and Δ_Q = ‖r²‖₂ (C²).
+    4. Post-process: mean = c + S/n̂ and variance = Q/n̂ − (S/n̂)² with
+       n̂ = max(n, 1), clamped to the clipped range ([−r, r] for S/n̂,
+       [0, r²] for the variance; C and C² in norm mode).
+
+    Privacy: one example moves (n, S/Δ_S, Q/Δ_Q) by at most √3 in ℓ2 norm
+    (each block by at most 1), and that vector gets noise σ·√3 per
+    coordinate: the Gaussian mechanism with noise multiplier σ. Each `adapt`
+    is one ``PoissonSampledGaussianEvent(q, σ, label="dp-normalization")``
+    (``GaussianEvent(σ)`` when q = 1), listed by `privacy_events` (collected by
+    ``keras_dpsgd.model_privacy_ledger``, so ``PrivacyLogger`` and
+    ``WithinLimit`` count it) and stored as weights, so a saved and reloaded
+    model still declares it. The bounds must not depend on the data (choose
+    them from domain knowledge: pixel range, plausible ages...): clipping to
+    data-dependent bounds leaks outside the mechanism. σ = 0 is allowed and
+    means no privacy (ε = ∞). Every example must appear at most once in
+    `data`; examples with a non-finite value make `adapt` fail. After an
+    adapt, `last_release` holds the noisy (n, S, Q) it released (as private
+    as the mean and variance; not saved).
+
+    Args:
+      noise_multiplier: σ >= 0.
+      lower, upper: public per-feature clipping range (scalars, or 1-D
+        sequences of length d); give both, or `l2_norm_clip`.
+      l2_norm_clip: C > 0, clip each example's flattened features to ℓ2 norm C.
+      sampling_rate: q in (0, 1], the Poisson sampling probability of adapt.
+      seed: None (default: OS entropy at each adapt) or an integer for
+        reproducible adapts (kept secret, never saved, as for ``DPPCA``).
+      **kwargs: Keras layer arguments (`name`, `dtype`, ...).
+
+    Raises:
+      ValueError/TypeError: for arguments out of range, inputs of the wrong
+        size, non-finite data, or calling the layer before `adapt`.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        *,
+        lower: Optional[Bound] = None,
+        upper: Optional[Bound] = None,
+        l2_norm_clip: Optional[float] = None,
+        sampling_rate: float = 1.0,
+        seed: Optional[int] = None,
+        **kwargs,
+    ):
+        self.noise_multiplier = _check_real("noise_multiplier", noise_multiplier, low=0.0, inclusive=True)
+        self.lower, self.upper, self.l2_norm_clip = _check_clipping(lower, upper, l2_norm_clip)
+        q = _check_real("sampling_rate", sampling_rate, low=0.0, inclusive=False)
+        if q > 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+        self.sampling_rate = q
+        if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral)
+                                 or seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        self.seed = None if seed is None else int(seed)
+        super().__init__(**kwargs)
+        self.input_dim: Optional[int] = None
+        self._sums: Optional[_Sums] = None
+        self._noise_rng: Optional[np.random.Generator] = None
+        self.last_release: Optional[dict] = None
+
+    # ---- the mechanism, in numpy (float64) -----------------------------------
+
+    def _radius(self) -> np.ndarray:
+        """r per feature (range mode) as a (d,) array."""
+        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
+        return (upper - lower) / 2.0
+
+    def _center(self) -> np.ndarray:
+        if self.l2_norm_clip is not None:
+            return np.zeros(self.input_dim)
+        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
+        return (upper + lower) / 2.0
+
+    @property
+    def sensitivities(self) -> dict:
+        """ℓ2 sensitivity of each released block: {"count": 1, "sum": Δ_S, "sum_of_squares": Δ_Q}."""
+        if self.input_dim is None:
+            raise ValueError("the sensitivities depend on d: build or adapt the layer first")
+        if self.l2_norm_clip is not None:
+            c = self.l2_norm_clip
+            return {"count": 1.0, "sum": c, "sum_of_squares": c * c}
+        r = self._radius()
+        return {"count": 1.0, "sum": float(np.linalg.norm(r)), "sum_of_squares": float(np.linalg.norm(r * r))}
+
+    @property
+    def noise_stddevs(self) -> dict:
+        """Noise standard deviation on each coordinate of each block: σ·√3·Δ."""
+        scale = self.noise_multiplier * math.sqrt(_NUM_BLOCKS)
+        return {block: scale * s for block, s in self.sensitivities.items()}
+
+    def _release(self, count: float, total: np.ndarray, squares: np.ndarray) -> tuple:
+        """Noisy (n, S, Q), then the post-processed (mean, variance)."""
+        std = self.noise_stddevs
+        rng = self._noise_rng
+        noisy_n = count + rng.normal(0.0, std["count"]) if std["count"] > 0 else count
+        noisy_s = total + (rng.normal(0.0, std["sum"], total.shape) if std["sum"] > 0 else 0.0)
+        noisy_q = squares + (rng.normal(0.0, std["sum_of_squares"], squares.shape) if std["sum_of_squares"] > 0 else 0.0)
+        self.last_release = {"count": float(noisy_n), "sum": noisy_s, "sum_of_squares": noisy_q}
+        n = max(float(noisy_n), 1.0)
+        limit = np.full(self.input_dim, self.l2_norm_clip) if self.l2_norm_clip is not None else self._radius()
+        mean_y = np.clip(noisy_s / n, -limit, limit)
+        variance = np.clip(noisy_q / n - mean_y**2, 0.0, limit**2)
+        return mean_y + self._center(), variance
+
+    # ---- state -------------------------------------------------------------
+
+    def build(self, input_shape):
+        shape = tf.TensorShape(input_shape)
+        if shape.rank is None or shape.rank < 2 or not shape[1:].is_fully_defined():
+            raise ValueError(f"DPNormalization inputs must have shape (batch, d1, ...) with known d1, ..., got {shape}")
+        dim = int(np.prod(shape[1:].as_list()))
+        for name in ("lower", "upper"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != dim:
+                raise ValueError(f"{name} must have one bound per feature (d = {dim}), got {len(value)}")
+        self.input_dim = dim
+        feature_shape = shape[1:]
+        self.mean = self.add_weight(name="mean", shape=feature_shape, dtype=tf.float32,
+                                    initializer="zeros", trainable=False)
+        self.variance = self.add_weight(name="variance", shape=feature_shape, dtype=tf.float32,
+                                        initializer="ones", trainable=False)
+        self.adapt_count = self.add_weight(name="adapt_count", shape=(), dtype=tf.int64,
+                                           initializer="zeros", trainable=False)
+        self.adapt_sampling_rate = self.add_weight(
+            name="adapt_sampling_rate", shape=(), dtype=tf.float64,
+            initializer=keras.initializers.Constant(self.sampling_rate), trainable=False)
+        self.adapt_noise_multiplier = self.add_weight(
+            name="adapt_noise_multiplier", shape=(), dtype=tf.float64,
+            initializer=keras.initializers.Constant(self.noise_multiplier), trainable=False)
+        self._sums = _Sums(dim)
+        super().build(input_shape)
+        self.reset_state()
+
+    def reset_state(self):
+        """Starts a new adapt: zero sums and fresh sampling/noise seeds."""
+        if not self.built:
+            return
+        with tf.init_scope():
+            if self.seed is None:
+                seq = np.random.SeedSequence()
+            else:  # the adapt index keeps later adapts (also after reloading) fresh
+                seq = np.random.SeedSequence(self.seed, spawn_key=(int(self.adapt_count.numpy()),))
+            sample_seq, noise_seq = seq.spawn(2)
+            self._sums.reset(int(sample_seq.generate_state(1, np.uint32)[0]))
+            self._noise_rng = np.random.default_rng(noise_seq)
+
+    def finalize_state(self):
+        """Marks the layer adapted iff its weights record at least one adapt."""
+        if self.built:
+            self._is_adapted = int(self.adapt_count.numpy()) > 0
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        children.pop("_adapt_function", None)  # it captures the unsaved exact sums
+        return children
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        self.finalize_state()
+
+    @property
+    def privacy_events(self) -> tuple:
+        """One event per completed `adapt` (empty before the first one)."""
+        if not self.built:
+            return ()
+        count = int(self.adapt_count.numpy())
+        q = float(self.adapt_sampling_rate.numpy())
+        sigma = float(self.adapt_noise_multiplier.numpy())
+        if q == 1.0:
+            event = GaussianEvent(sigma, count=1, label=NORMALIZATION_LABEL)
+        else:
+            event = PoissonSampledGaussianEvent(q, sigma, count=1, label=NORMALIZATION_LABEL)
+        return (event,) * count
+
+    def _record_mechanism(self) -> None:
+        recorded = (float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()))
+        if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
+            raise ValueError(
+                f"this DPNormalization layer's earlier adapts used (sampling_rate, noise_multiplier) = "
+                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer")
+        self.adapt_sampling_rate.assign(self.sampling_rate)
+        self.adapt_noise_multiplier.assign(self.noise_multiplier)
+
+    # ---- adapt -------------------------------------------------------------
+
+    def adapt(self, data, batch_size=None, steps=None, *, ledger: Optional[PrivacyLedger] = None):
+        """Releases the private mean and variance of `data` (one Gaussian mechanism).
+
+        Args:
+          data: examples only (no labels): an array or tensor of shape
+            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches.
+            Every example must appear at most once.
+          batch_size: rows per accumulation step for arrays (default 1024).
+          steps: number of batches to read (Keras `adapt` semantics).
+          ledger: optional `PrivacyLedger` that also receives the event (only
+            if it is not also filled from `privacy_events`, or it counts twice).
+
+        Raises:
+          TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
+          ValueError: for data of the wrong shape, non-finite data, or a layer
+            whose recorded adapts used another (q, σ).
+        """
+        if ledger is not None and not isinstance(ledger, PrivacyLedger):
+            raise TypeError(f"ledger must be a PrivacyLedger or None, got {type(ledger).__name__}")
+        data = _as_adapt_data(data)
+        if batch_size is None and not isinstance(data, tf.data.Dataset):
+            batch_size = DEFAULT_ADAPT_BATCH_SIZE
+        if not self.built:
+            self.build(_batch_shape(data))
+        self._record_mechanism()
+        sums = self._sums
+        try:
+            super().adapt(data, batch_size=batch_size, steps=steps)
+            if int(sums.nonfinite.numpy()) > 0:
+                raise ValueError("DPNormalization.adapt data must be finite, got NaN or infinite values")
+            mean, variance = self._release(float(sums.count.numpy()), sums.total.numpy(), sums.squares.numpy())
+        finally:
+            if self.built:  # the exact sums are not kept once released (or abandoned)
+                sums.reset(0)
+                self.finalize_state()
+        self.mean.assign(mean.reshape(self.mean.shape).astype(np.float32))
+        self.variance.assign(variance.reshape(self.variance.shape).astype(np.float32))
+        self.adapt_count.assign_add(1)
+        self.finalize_state()
+        if ledger is not None:
+            ledger.record(self.privacy_events[-1])
+
+    def update_state(self, data):
+        x = tf.cast(self._flatten(data), tf.float64)
+        sums = self._sums
+        if self.sampling_rate < 1.0:
+            u = tf.random.stateless_uniform(tf.shape(x)[:1], seed=tf.stack([sums.seed, sums.batch]), dtype=tf.float64)
+            x = tf.boolean_mask(x, u < self.sampling_rate)
+            sums.batch.assign_add(1)
+        finite = tf.reduce_all(tf.math.is_finite(x), axis=1)
+        sums.nonfinite.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64)))
+        y = self._clip(tf.where(finite[:, None], x, tf.zeros_like(x)))
+        sums.count.assign_add(tf.cast(tf.shape(y)[0], tf.float64))
+        sums.total.assign_add(tf.reduce_sum(y, axis=0))
+        sums.squares.assign_add(tf.reduce_sum(tf.square(y), axis=0))
+
+    def _clip(self, x: tf.Tensor) -> tf.Tensor:
+        """Step 2: y = clip(x, lower, upper) − c, or x · min(1, C/‖x‖)."""
+        if self.l2_norm_clip is not None:
+            norms = tf.norm(x, axis=1, keepdims=True)
+            scale = tf.math.divide_no_nan(tf.constant(self.l2_norm_clip, tf.float64), norms)
+            return x * tf.minimum(tf.constant(1.0, tf.float64), scale)
+        d = self.input_dim
+        lower = tf.constant(np.broadcast_to(np.asarray(self.lower, np.float64), (d,)))
+        upper = tf.constant(np.broadcast_to(np.asarray(self.upper, np.float64), (d,)))
+        return tf.clip_by_value(x, lower, upper) - (lower + upper) / 2.0
+
+    # ---- call --------------------------------------------------------------
+
+    def _flatten(self, inputs) -> tf.Tensor:
+        x = tf.convert_to_tensor(inputs)
+        if not x.dtype.is_floating:
+            x = tf.cast(x, self.compute_dtype)
+        if x.shape.rank is not None and x.shape.rank < 2:
+            raise ValueError(f"DPNormalization inputs must have shape (batch, d1, ...), got {x.shape}")
+        if x.shape.rank is not None and x.shape[1:].is_fully_defined():
+            dim = int(np.prod(x.shape[1:].as_list()))
+            if dim != self.input_dim:
+                raise ValueError(f"DPNormalization inputs must have d = {self.input_dim} features, got shape {x.shape}")
+        return tf.reshape(x, (-1, self.input_dim))
+
+    def call(self, inputs):
+        x = tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype)
+        if not self._is_adapted:
+            message = "DPNormalization must be adapted before it is called: call layer.adapt(data) first"
+            if tf.executing_eagerly():
+                raise ValueError(message)
+            check = tf.debugging.assert_positive(self.adapt_count, message=message)
+            with tf.control_dependencies([check]):
+                x = tf.identity(x)
+        mean = tf.cast(self.mean, x.dtype)
+        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), keras.backend.epsilon())
+        return (x - mean) / std
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "noise_multiplier": self.noise_multiplier,
+            "lower": self.lower,
+            "upper": self.upper,
+            "l2_norm_clip": self.l2_norm_clip,
+            "sampling_rate": self.sampling_rate,
+        })  # not the seed: it determines the noise
+        return config
+
+
+def _as_adapt_data(data):
+    """Checks adapt's `data` (features only) and converts lists to arrays."""
+    if isinstance(data, tf.data.Dataset):
+        if not isinstance(data.element_spec, tf.TensorSpec):
+            raise TypeError(
+                "DPNormalization.adapt data must hold features only, got dataset elements "
+                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)")
+        return data
+    if isinstance(data, (tuple, dict)):
+        raise TypeError(f"DPNormalization.adapt data must hold features only, got a {type(data).__name__}")
+    if isinstance(data, list):
+        data = np.asarray(data)
+    if not hasattr(data, "shape"):
+        raise TypeError(f"DPNormalization.adapt data must be an array, a tensor or a tf.data.Dataset, got "
+                        f"{type(data).__name__}")
+    return data
+
+
+def _batch_shape(data) -> tf.TensorShape:
+    """(None, d1, ...) of a dataset of batches or of an array of examples."""
+    if isinstance(data, tf.data.Dataset):
+        shape = tf.TensorShape(data.element_spec.shape)
+        if shape.rank is not None and shape.rank < 2:
+            raise ValueError(f"DPNormalization.adapt dataset elements must be batches (batch, d1, ...), got {shape}")
+        return shape
+    shape = tf.TensorShape(data.shape)
+    if shape.rank is not None and shape.rank < 2:
+        raise ValueError(f"DPNormalization.adapt data must have shape (num_examples, d1, ...), got {shape}")
+    return tf.TensorShape([None]).concatenate(shape[1:])
