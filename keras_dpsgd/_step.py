@@ -22,7 +22,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-__all__ = ["clip_groups", "finite_rows", "clip_factors", "noise_stddevs", "normalize"]
+__all__ = ["clip_groups", "finite_rows", "clip_factors", "noise_stddevs", "noise_key", "normalize"]
 
 
 def clip_groups(num_variables: int, per_layer: bool) -> list[int]:
@@ -73,6 +73,13 @@ def noise_stddevs(sigmas: Sequence[float], bounds: tf.Tensor, groups: Sequence[i
     """float32 [V]: the standard deviation σ_v · C_{groups[v]} of the noise on each variable."""
     bounds = tf.cast(bounds, tf.float32)
     return tf.constant(list(sigmas), tf.float32) * tf.gather(bounds, list(groups))
+
+
+def noise_key(seed: int, noised_steps: tf.Tensor, index: int) -> tf.Tensor:
+    """The [2] int64 key of the noise on tensor `index` of a seeded step: a function of
+    (seed, noised step, index), so reproducible and resumable."""
+    step_seed = tf.stack([tf.constant(seed % (2**63), tf.int64), tf.cast(noised_steps, tf.int64)])
+    return tf.random.experimental.stateless_fold_in(step_seed, index)
 
 
 def normalize(noised: Sequence[tf.Tensor], num_examples: tf.Tensor, expected_lot_size: tf.Tensor) -> list[tf.Tensor]:
