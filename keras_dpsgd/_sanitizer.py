@@ -361,8 +361,7 @@ class DPSanitizerMixin:
         if self._seed is None:
             return self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
         # Reproducible and resumable: a function of (seed, noised step, variable).
-        step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
-        return tf.random.experimental.stateless_fold_in(step_seed, index)
+        return _step.noise_key(self._seed, self.noised_steps.read_value(), index)
 
     def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
         """N(0, 1) noise from ``keras_dpsgd._noise`` (tails to 11.6, not TF's clamp at 5.68)."""
