@@ -218,3 +218,10 @@ def test_custom_train_step_with_sanitized_gradients():
         np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
     with pytest.raises(ValueError, match="sanitized_gradients"):
         k3.make_private(model)
+
+
+def test_jit_compiled_step_matches_loop():
+    model, x, y = _compiled(_conv, 0.3)
+    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
+    _assert_step(model, x, y, 0.3, per_layer=False)
+    assert model.jit_compile
