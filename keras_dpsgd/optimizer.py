@@ -127,6 +127,12 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
     Raises:
       ValueError: if `optimizer_cls` is not a tf_keras (2.11+) optimizer class.
     """
+    if isinstance(optimizer_cls, type) and optimizer_cls.__module__.startswith("keras."):
+        raise ValueError(
+            f"optimizer_cls {optimizer_cls.__name__} is a Keras 3 optimizer class (import keras); this "
+            "make_dp_optimizer is for tf_keras. Use keras_dpsgd.keras3.make_dp_optimizer (and "
+            "keras_dpsgd.keras3.make_private(model))."
+        )
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
         raise ValueError(
             "optimizer_cls must be a subclass of tf_keras.optimizers.Optimizer (legacy "

@@ -171,3 +171,24 @@ def test_per_layer_effective_noise_multiplier():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False, name="d")], name="net")
     by_name.build(model.trainable_variables)
     np.testing.assert_array_equal(by_name.clip_bounds.numpy(), [1.0])
+
+
+def test_poisson_lots_configure_and_fit_on_keras3():
+    x, y = _data(40)
+    lots = keras_dpsgd.PoissonLots(x, y, expected_lot_size=8, seed=0)
+    opt = lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0))
+    assert opt.sampling_rate == pytest.approx(0.2) and opt.expected_lot_size == pytest.approx(8.0)
+    model = k3.make_private(_mlp())
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=1, verbose=0)
+    assert int(opt.noised_steps.numpy()) == lots.steps_per_epoch
+    eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
+    event = PoissonSampledGaussianEvent(0.2, 1.0, count=lots.steps_per_epoch)
+    assert eps == pytest.approx(compute_epsilon(event, 1e-5), rel=1e-9)
+
+
+def test_explicit_submodules_and_the_tf_keras_factory_points_to_keras3():
+    assert keras_dpsgd.keras3.DPSGDOptimizer is k3.DPSGDOptimizer
+    assert keras_dpsgd.tf_keras.DPSGDOptimizer is tf_keras_optimizers.DPSGDOptimizer
+    with pytest.raises(ValueError, match=r"keras_dpsgd\.keras3\.make_dp_optimizer"):
+        tf_keras_optimizers.make_dp_optimizer(keras.optimizers.SGD)
