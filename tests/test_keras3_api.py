@@ -192,3 +192,16 @@ def test_explicit_submodules_and_the_tf_keras_factory_points_to_keras3():
     assert keras_dpsgd.tf_keras.DPSGDOptimizer is tf_keras_optimizers.DPSGDOptimizer
     with pytest.raises(ValueError, match=r"keras_dpsgd\.keras3\.make_dp_optimizer"):
         tf_keras_optimizers.make_dp_optimizer(keras.optimizers.SGD)
+
+
+def test_sanitize_refuses_other_variables_than_built():
+    import tensorflow as tf
+
+    model = _mlp()
+    opt = k3.DPSGDOptimizer(l2_norm_clip=[1.0, 1.0], noise_multiplier=1.0)
+    opt.build(model.trainable_variables)
+    x, y = _data()
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2, axis=1)
+    with pytest.raises(ValueError, match="same order"):
+        k3.sanitized_gradients(opt, loss, model.trainable_variables[::-1], tape)

@@ -225,3 +225,31 @@ def test_jit_compiled_step_matches_loop():
     model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
     _assert_step(model, x, y, 0.3, per_layer=False)
     assert model.jit_compile
+
+
+def _lstm(rng):
+    model = keras.Sequential([keras.Input((3, 2)), keras.layers.LSTM(4), keras.layers.Dense(3)])
+    return model, rng.normal(size=(4, 3, 2)).astype("float32")
+
+
+def test_lstm_clipped_step_matches_loop():
+    model, x, y = _compiled(_lstm, 0.3)
+    _assert_step(model, x, y, 0.3, per_layer=False)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = k3.make_private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)]))
+        model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.3, noise_multiplier=1.0), loss="mse")
+        x, y = np.ones((8, 2), "float32"), np.zeros((8, 3), "float32")
+        if policy == "mixed_float16":
+            with pytest.raises(ValueError, match="LossScaleOptimizer"):
+                model.fit(x, y, batch_size=4, verbose=0)
+            return
+        model.fit(x, y, batch_size=4, verbose=0)
+        assert int(model.optimizer.noised_steps.numpy()) == 2
+        assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -215,9 +215,17 @@ class DPKeras3Mixin:
           One gradient per variable; pass them to ``apply`` (and nothing else).
         """
         variables = list(variables)
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies yet")
         if not self.built:
             with tf.init_scope():
                 self.build(variables)
+        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+            raise ValueError(
+                "sanitize needs the variables the optimizer was built with, in the same order (the clip "
+                f"bounds are per variable): got {[getattr(v, 'path', v.name) for v in variables]}, built with "
+                f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
+            )
         tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
         groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
         bounds = self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
