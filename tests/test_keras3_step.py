@@ -253,3 +253,22 @@ def test_mixed_precision(policy):
         assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def test_logged_loss_and_metrics_are_those_of_keras():
+    """The step logs the compiled loss (and metrics) at the weights before the update, as Keras does."""
+    model, x, y = _compiled(_dense, 0.3)
+    model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["sparse_categorical_accuracy"])
+    expected = model.evaluate(x, y, batch_size=len(x), verbose=0, return_dict=True)
+    history = model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0).history
+    assert history["loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
+    assert history["sparse_categorical_accuracy"][0] == pytest.approx(expected["sparse_categorical_accuracy"])
+
+
+def test_all_zero_weights_lot_moves_nothing_without_noise():
+    """An empty Poisson lot (every padded example weighted 0) adds 0 before the noise."""
+    model, x, y = _compiled(_dense, 0.3, expected_lot_size=4.0)
+    before, after = one_sgd_step(model, x, y, LR, sample_weight=np.zeros(len(x), "float32"))
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(b, a)
+    assert int(model.optimizer.noised_steps.numpy()) == 1
