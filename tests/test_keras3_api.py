@@ -205,3 +205,18 @@ def test_sanitize_refuses_other_variables_than_built():
         loss = tf.reduce_mean((model(x) - y) ** 2, axis=1)
     with pytest.raises(ValueError, match="same order"):
         k3.sanitized_gradients(opt, loss, model.trainable_variables[::-1], tape)
+
+
+def test_changing_sampling_rate_never_lowers_epsilon():
+    """Steps taken at q = 0.5 stay charged at least at 0.5 after q changes (the ledger's bounds)."""
+    from keras_dpsgd.accounting import PrivacyLedger
+
+    model = k3.make_private(_mlp())
+    opt = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(*_data(), batch_size=4, verbose=0)
+    opt.sampling_rate = 0.05
+    model.fit(*_data(), batch_size=4, verbose=0)
+    eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
+    truth = PrivacyLedger([PoissonSampledGaussianEvent(0.5, 1.0, count=2), PoissonSampledGaussianEvent(0.05, 1.0, count=2)])
+    assert eps >= compute_epsilon(truth, 1e-5) * (1 - 1e-9)
