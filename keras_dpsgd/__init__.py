@@ -56,12 +56,14 @@ _LAZY = {
     "large_lot_table": "keras_dpsgd.tools",
 }
 
-__all__ = sorted(_LAZY) + ["accounting"]
+_SUBMODULES = ("accounting", "keras3", "tf_keras")
+
+__all__ = sorted(_LAZY) + list(_SUBMODULES)
 
 
 def __getattr__(name):
-    if name == "accounting":
-        return importlib.import_module("keras_dpsgd.accounting")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"keras_dpsgd.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'keras_dpsgd' has no attribute {name!r}")

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _noise
+from keras_dpsgd import _noise, _step
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,
@@ -323,28 +323,32 @@ class DPSanitizerMixin:
         return config
 
     # ------------------------------------------------------ sanitizer steps
-    def _clip_factors(self, sq_norms: tf.Tensor) -> tf.Tensor:
+    def _clip_groups(self) -> list[int]:
+        """The clipping group of each variable (``_step.clip_groups``): flat clipping is one group."""
+        return _step.clip_groups(len(self._sigmas), self.per_layer_clipping)
+
+    def _group_bounds(self) -> tf.Tensor:
+        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
+        return self.clip_bounds if self.per_layer_clipping else self.clip_bounds[:1]
+
+    def _clip_factors(self, sq_norms: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
         """Step 2, clip: factors[i, v] = min(1, C / ||g_i||) (flat) or min(1, C_v / ||g_i[v]||).
 
-        Non-finite examples get factor 0 in every column.
+        Non-finite examples get factor 0 in every column (``_step.clip_factors``).
         """
-        bounds = self.clip_bounds
-        if self.per_layer_clipping:
-            norms = tf.sqrt(sq_norms)
-            factors = tf.where(norms > bounds, bounds / norms, tf.ones_like(norms))
-        else:
-            bound = tf.reduce_max(bounds)
-            norms = tf.sqrt(tf.reduce_sum(sq_norms, axis=1, keepdims=True))
-            factors = tf.where(norms > bound, bound / norms, tf.ones_like(norms))
-            factors = tf.broadcast_to(factors, tf.shape(sq_norms))
-        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1, keepdims=True)
-        return tf.where(finite, factors, tf.zeros_like(factors))
+        return _step.clip_factors(sq_norms, self._group_bounds(), self._clip_groups(), finite)
 
     def _clipped_sum(self, loss, var_list, tape):
         """Steps 1-3 through the backend: Σ_i clip(g_i), plus the batch size."""
-        summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, self._clip_factors)
-        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1)
-        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64)))
+        finite = []  # The non-finite mask, computed once from the backend's sq_norms.
+
+        def factors(sq_norms):
+            finite.append(_step.finite_rows(sq_norms))
+            return self._clip_factors(sq_norms, finite[-1])
+
+        summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, factors)
+        nonfinite = tf.logical_not(finite[-1][:, 0])
+        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
         return summed, tf.cast(tf.shape(loss)[0], tf.float32)
 
@@ -359,10 +363,7 @@ class DPSanitizerMixin:
 
     def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """Step 4, noise: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
-        if self.per_layer_clipping:
-            stds = tf.constant(self._sigmas, tf.float32) * self.clip_bounds
-        else:
-            stds = tf.constant(self._sigmas, tf.float32) * tf.reduce_max(self.clip_bounds)
+        stds = _step.noise_stddevs(self._sigmas, self._group_bounds(), self._clip_groups())
         return [
             s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
             for v, s in enumerate(summed)
@@ -373,8 +374,7 @@ class DPSanitizerMixin:
         if self._seed is None:
             return self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
         # Reproducible and resumable: a function of (seed, noised step, variable).
-        step_seed = tf.stack([tf.constant(self._seed % (2**63), tf.int64), self.noised_steps.read_value()])
-        return tf.random.experimental.stateless_fold_in(step_seed, index)
+        return _step.noise_key(self._seed, self.noised_steps.read_value(), index)
 
     def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
         """N(0, 1) noise from ``keras_dpsgd._noise`` (tails to 11.6, not TF's clamp at 5.68)."""
@@ -382,8 +382,7 @@ class DPSanitizerMixin:
 
     def _normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
         """Step 5, normalize: divide by expected_lot_size, else by the realized lot size."""
-        denominator = tf.where(self._lot_size > 0.0, self._lot_size, num_examples)
-        return [g / tf.cast(denominator, g.dtype) for g in noised]
+        return _step.normalize(noised, num_examples, self._lot_size)
 
     # ------------------------------------------------------ optimizer API
     def _prepare(self, loss, var_list, tape):

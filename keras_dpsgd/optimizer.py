@@ -23,6 +23,7 @@ from typing import Any
 import tf_keras as keras
 
 from keras_dpsgd._sanitizer import DPSanitizerMixin
+from keras_dpsgd._tfp_compat import check_num_microbatches
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 
@@ -44,6 +45,8 @@ _DP_DOC = """
         None divides by the realized number of examples in the lot.
       sampling_rate: q, read by the accountant (not used by the step).
       per_example_backend: "auto", "reference" or "fast".
+      num_microbatches: None only (TF Privacy's default: per-example
+        clipping); any other value is refused (no microbatch clipping).
       seed: None (noise from OS entropy; never checkpointed, so a restored
         checkpoint never replays noise) or an integer (noise is a function of
         seed, noised step and variable: reproducible and resumable on the same
@@ -88,8 +91,10 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
         per_example_backend: str = "auto",
         seed: int | None = None,
         name: str = "DPSGDOptimizer",
+        num_microbatches: None = None,
         **kwargs: Any,
     ):
+        check_num_microbatches(num_microbatches)
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
         self._init_dp(
             l2_norm_clip,
@@ -122,6 +127,12 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
     Raises:
       ValueError: if `optimizer_cls` is not a tf_keras (2.11+) optimizer class.
     """
+    if isinstance(optimizer_cls, type) and optimizer_cls.__module__.startswith("keras."):
+        raise ValueError(
+            f"optimizer_cls {optimizer_cls.__name__} is a Keras 3 optimizer class (import keras); this "
+            "make_dp_optimizer is for tf_keras. Use keras_dpsgd.keras3.make_dp_optimizer (and "
+            "keras_dpsgd.keras3.make_private(model))."
+        )
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
         raise ValueError(
             "optimizer_cls must be a subclass of tf_keras.optimizers.Optimizer (legacy "
@@ -143,8 +154,10 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
         sampling_rate=None,
         per_example_backend="auto",
         seed=None,
+        num_microbatches=None,
         **kwargs,
     ):
+        check_num_microbatches(num_microbatches)
         kwargs.setdefault("name", cls_name)
         optimizer_cls.__init__(self, **kwargs)
         self._init_dp(

@@ -1,0 +1,34 @@
+"""keras_dpsgd for Keras 3 (``import keras``, TensorFlow backend).
+
+Usage: a DP optimizer and one call that gives the model the private train step::
+
+    model = keras_dpsgd.keras3.make_private(model)
+    model.compile(optimizer=keras_dpsgd.keras3.DPSGDOptimizer(
+                      l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=256)
+
+The loss may be given reduced or not (the private step takes it unreduced). A model with its own
+``train_step`` calls :func:`sanitized_gradients` instead.
+"""
+
+from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
+from keras_dpsgd.keras3._train_step import (
+    is_private,
+    make_private,
+    per_example_loss,
+    refuse_example_mixing,
+    sanitized_gradients,
+)
+
+__all__ = [
+    "DPAdamOptimizer",
+    "DPKeras3Mixin",
+    "DPSGDOptimizer",
+    "is_private",
+    "make_dp_optimizer",
+    "make_private",
+    "per_example_loss",
+    "refuse_example_mixing",
+    "sanitized_gradients",
+]

@@ -1,0 +1,349 @@
+"""Differentially private Keras 3 optimizers (TensorFlow backend): the DP settings and the sanitizer.
+
+Keras 3's train step hands an optimizer only batch-summed gradients, so the per-example step is
+on the model side (:func:`keras_dpsgd.keras3.make_private`); it calls
+:meth:`DPKeras3Mixin.sanitize`, which runs the same step math as the tf_keras sanitizer
+(``keras_dpsgd._step``) and the same per-example backends. ``apply`` accepts only gradients that
+came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but without the DP train
+step is refused at its first step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from keras_dpsgd import _noise, _step
+from keras_dpsgd._per_example import resolve_backend
+from keras_dpsgd._sanitizer import (
+    _check_lot_size,
+    _check_sampling_rate,
+    _resolve_bounds,
+    check_l2_norm_clip,
+    check_noise_multiplier,
+    effective_noise_multiplier,
+)
+from keras_dpsgd._tfp_compat import check_num_microbatches
+
+__all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
+
+NOT_PRIVATE_MESSAGE = (
+    "{cls}.apply got gradients that did not come from its sanitizer: on Keras 3 the model's train "
+    "step computes the private gradient, and this model's train step is not private (training on "
+    "would be a non-private step). Fix: model = keras_dpsgd.keras3.make_private(model) before fit "
+    "(a model with its own train_step calls keras_dpsgd.keras3.sanitized_gradients). "
+    "(Under the 'mixed_float16' policy compile wraps the optimizer in a LossScaleOptimizer, which "
+    "rescales the sanitized gradients: use 'float32' or 'mixed_bfloat16'.)"
+)
+
+
+@dataclasses.dataclass
+class _State:
+    """Python state kept out of Keras's and TensorFlow's tracking (never saved)."""
+
+    l2_norm_clip: Any
+    noise_multiplier: Any
+    backend: Any
+    generator: Any = None
+    lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
+    sigmas: list = dataclasses.field(default_factory=list)
+    pending: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Named:
+    name: str
+
+
+class DPKeras3Mixin:
+    """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
+
+    Subclasses call ``optimizer_cls.__init__`` first and then ``_init_dp``.
+    """
+
+    def _init_dp(
+        self,
+        l2_norm_clip: Any,
+        noise_multiplier: Any,
+        *,
+        expected_lot_size: float | None = None,
+        sampling_rate: float | None = None,
+        per_example_backend: str = "auto",
+        seed: int | None = None,
+        num_microbatches: None = None,
+    ) -> None:
+        check_num_microbatches(num_microbatches)
+        if self.gradient_accumulation_steps:
+            raise ValueError(
+                "gradient_accumulation_steps is not supported yet by keras_dpsgd's Keras 3 optimizers "
+                f"(got {self.gradient_accumulation_steps!r}): Keras 3 would average separately noised "
+                "batches, which is not one DP-SGD lot. Use a larger batch, or tf_keras's DP optimizers."
+            )
+        if self.loss_scale_factor is not None:
+            raise ValueError(
+                f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
+                "the DP train step does not scale the loss"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be None or an integer, got {seed!r}")
+        clip = check_l2_norm_clip(l2_norm_clip)
+        self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
+        self.per_example_backend = per_example_backend
+        self._seed = seed
+        self._sampling_rate = _check_sampling_rate(sampling_rate)
+        with tf.init_scope():
+            self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
+        self.expected_lot_size = expected_lot_size
+        self.noised_steps = self.add_variable((), initializer="zeros", dtype="int64", name="noised_steps")
+        self.nonfinite_examples = self.add_variable((), initializer="zeros", dtype="int64", name="nonfinite_examples")
+        # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
+        self._ledger_q_max = self.add_variable((), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate")
+        self._ledger_sigma_min = self.add_variable(
+            (), initializer=keras.initializers.Constant(math.inf), dtype="float64", name="ledger_min_noise_multiplier"
+        )
+        if seed is None:
+            # Fresh OS entropy per process, never checkpointed: a restore never replays noise.
+            with tf.init_scope():
+                self._dp.generator = tf.random.Generator.from_non_deterministic_state()
+
+    # ------------------------------------------------------------ settings
+    @property
+    def l2_norm_clip(self):
+        return self._dp.l2_norm_clip
+
+    @property
+    def noise_multiplier(self):
+        return self._dp.noise_multiplier
+
+    @property
+    def seed(self) -> int | None:
+        return self._seed
+
+    @property
+    def per_layer_clipping(self) -> bool:
+        return not isinstance(self._dp.l2_norm_clip, float)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable)."""
+        if not self.per_layer_clipping:
+            return self._dp.noise_multiplier
+        sigmas = self._dp.noise_multiplier
+        if isinstance(sigmas, float):
+            sigmas = [sigmas] * len(self._dp.l2_norm_clip)
+        return effective_noise_multiplier(sigmas)
+
+    @property
+    def expected_lot_size(self) -> float | None:
+        return self._expected_lot_size
+
+    @expected_lot_size.setter
+    def expected_lot_size(self, value: float | None) -> None:
+        self._expected_lot_size = _check_lot_size(value)
+        self._dp.lot.assign(0.0 if value is None else float(value))
+
+    @property
+    def sampling_rate(self) -> float | None:
+        return self._sampling_rate
+
+    @sampling_rate.setter
+    def sampling_rate(self, value: float | None) -> None:
+        new = _check_sampling_rate(value)
+        if self._sampling_rate is not None and new != self._sampling_rate and int(self.noised_steps.numpy()) > 0:
+            # Steps already taken at the old q stay charged at least at it (see keras_dpsgd.ledger).
+            self._ledger_q_max.assign(max(float(self._ledger_q_max.numpy()), self._sampling_rate))
+            self._ledger_sigma_min.assign(min(float(self._ledger_sigma_min.numpy()), self.effective_noise_multiplier))
+        self._sampling_rate = new
+
+    @property
+    def ledger_max_sampling_rate(self) -> tf.Variable:
+        return self._ledger_q_max.value
+
+    @property
+    def ledger_min_noise_multiplier(self) -> tf.Variable:
+        return self._ledger_sigma_min.value
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
+        bounds = _resolve_bounds(self._dp.l2_norm_clip, [_Named(getattr(v, "path", v.name)) for v in variables])
+        sigmas = self._dp.noise_multiplier
+        self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(variables)
+        self.clip_bounds = self.add_variable(
+            (len(bounds),), initializer=keras.initializers.Constant(bounds), dtype="float32", name="clip_bounds"
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            l2_norm_clip=self._dp.l2_norm_clip,
+            noise_multiplier=self._dp.noise_multiplier,
+            expected_lot_size=self._expected_lot_size,
+            sampling_rate=self._sampling_rate,
+            per_example_backend=self.per_example_backend,
+            seed=self._seed,
+        )
+        return config
+
+    # ----------------------------------------------------------- sanitizer
+    def sanitize(
+        self,
+        per_example_loss: tf.Tensor,
+        variables: Sequence[Any],
+        tape: tf.GradientTape,
+        regularization_grads: Sequence[tf.Tensor] | None = None,
+    ) -> list[tf.Tensor]:
+        """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1).
+
+        1-3. per-example gradients, clip, sum (the per-example backend, ``_step.clip_factors``);
+        4. noise N(0, σ_v² C_v²) (``_step.noise_stddevs``); 5. divide by L (``_step.normalize``);
+        then the regularization gradient, un-clipped and un-noised (post-processing).
+
+        Args:
+          per_example_loss: [B] loss recorded on `tape`.
+          variables: the Keras 3 trainable variables, in the order `apply` will get them.
+          tape: the tape that recorded the forward pass.
+          regularization_grads: gradients of a data-independent loss, or None.
+
+        Returns:
+          One gradient per variable; pass them to ``apply`` (and nothing else).
+        """
+        variables = list(variables)
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies yet")
+        if not self.built:
+            with tf.init_scope():
+                self.build(variables)
+        if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
+            raise ValueError(
+                "sanitize needs the variables the optimizer was built with, in the same order (the clip "
+                f"bounds are per variable): got {[getattr(v, 'path', v.name) for v in variables]}, built with "
+                f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
+            )
+        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
+        bounds = self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
+        finite = []
+
+        def factors(sq_norms):
+            finite.append(_step.finite_rows(sq_norms))
+            return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
+
+        summed, _ = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
+        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
+        stds = _step.noise_stddevs(self._dp.sigmas, bounds, groups)
+        noised = [
+            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
+            for v, s in enumerate(summed)
+        ]
+        num_examples = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+        grads = _step.normalize(noised, num_examples, self._dp.lot)
+        self.noised_steps.assign_add(1)
+        if regularization_grads is not None:
+            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization_grads)]
+        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
+        self._dp.pending[:] = grads
+        return grads
+
+    def _noise_key(self, index: int) -> tf.Tensor:
+        if self._seed is None:
+            return self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        return _step.noise_key(self._seed, self.noised_steps.value, index)
+
+    def apply(self, grads, trainable_variables=None):
+        """Applies the descent rule to gradients that came out of ``sanitize`` only."""
+        grads = list(grads)
+        pending = self._dp.pending
+        for grad in grads:
+            if grad is not None and not any(grad is g for g in pending):
+                raise ValueError(NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
+        del pending[:]
+        return super().apply(grads, trainable_variables)
+
+
+_DP_DOC = """
+    Privacy arguments (Abadi et al. 2016, Algorithm 1), as for the tf_keras classes:
+      l2_norm_clip: C > 0 (flat clipping), a list (one bound per trainable variable, in
+        `model.trainable_variables` order) or a dict by variable path/name (per-layer clipping).
+      noise_multiplier: σ >= 0 (one per variable allowed with per-layer clipping).
+      expected_lot_size: divide the noised sum by this L; None divides by the realized batch size.
+      sampling_rate: q, read by the accountant.
+      per_example_backend: "auto", "reference" or "fast".
+      seed: None (OS entropy, never checkpointed) or an integer (reproducible noise; keep it secret).
+      num_microbatches: None only (TF Privacy's default); any other value is refused.
+
+    The model's train step must be private: `keras_dpsgd.keras3.make_private(model)`. Without it
+    the first step raises. Not supported yet on Keras 3: gradient_accumulation_steps,
+    loss_scale_factor, mixed_float16 loss scaling.
+"""
+
+_DP_CLASSES: dict[type, type] = {}
+
+
+def _register(cls: type) -> type:
+    return keras.saving.register_keras_serializable(package="keras_dpsgd", name=cls.__name__)(cls)
+
+
+def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
+    """Returns a private version of a Keras 3 optimizer class (e.g. ``keras.optimizers.Adam``).
+
+    The class takes `l2_norm_clip` and `noise_multiplier` first, then the DP keywords and every
+    argument of `optimizer_cls` as keywords; it is registered for Keras serialization under
+    package "keras_dpsgd" (call this before loading a model saved with it). The same class is
+    returned for the same `optimizer_cls`.
+
+    Raises:
+      TypeError: if `optimizer_cls` is not a Keras 3 optimizer class (a tf_keras class belongs
+        to ``keras_dpsgd.optimizer.make_dp_optimizer``), or is private already.
+    """
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
+        raise TypeError(
+            "optimizer_cls must be a Keras 3 optimizer class (a subclass of keras.optimizers.Optimizer; "
+            "for tf_keras use keras_dpsgd.optimizer.make_dp_optimizer), "
+            f"got {optimizer_cls!r}"
+        )
+    if issubclass(optimizer_cls, DPKeras3Mixin):
+        raise TypeError(f"optimizer_cls is already private: {optimizer_cls.__name__}")
+    if optimizer_cls in _DP_CLASSES:
+        return _DP_CLASSES[optimizer_cls]
+    cls_name = name or f"DP{optimizer_cls.__name__}Optimizer"
+
+    def __init__(
+        self,
+        l2_norm_clip,
+        noise_multiplier,
+        *,
+        expected_lot_size=None,
+        sampling_rate=None,
+        per_example_backend="auto",
+        seed=None,
+        num_microbatches=None,
+        **kwargs,
+    ):
+        check_num_microbatches(num_microbatches)
+        kwargs.setdefault("name", cls_name)
+        optimizer_cls.__init__(self, **kwargs)
+        self._init_dp(
+            l2_norm_clip,
+            noise_multiplier,
+            expected_lot_size=expected_lot_size,
+            sampling_rate=sampling_rate,
+            per_example_backend=per_example_backend,
+            seed=seed,
+        )
+
+    doc = f"Private Keras 3 {optimizer_cls.__name__}: its descent rule on sanitized gradients.\n" + _DP_DOC
+    attrs = {"__init__": __init__, "__doc__": doc, "__module__": "keras_dpsgd.keras3"}
+    cls = type(cls_name, (DPKeras3Mixin, optimizer_cls), attrs)
+    _DP_CLASSES[optimizer_cls] = _register(cls)
+    return cls
+
+
+DPSGDOptimizer = make_dp_optimizer(keras.optimizers.SGD, name="DPSGDOptimizer")
+DPAdamOptimizer = make_dp_optimizer(keras.optimizers.Adam, name="DPAdamOptimizer")

@@ -1,0 +1,310 @@
+"""The private train step of a Keras 3 model (TensorFlow backend).
+
+Keras 3's ``train_step`` reduces the loss and hands the optimizer only the batch-summed gradient,
+so the per-example step is on the model side: :func:`make_private` gives a model a train step that
+
+1. runs the forward pass on a tape and takes the compiled loss *unreduced*: one loss per example;
+2. hands it to the DP optimizer's sanitizer (per-example clipped sums through the per-example
+   backend, noise, normalization: ``DPKeras3Mixin.sanitize``);
+3. adds the gradient of the weight regularizers (``kernel_regularizer`` ...), un-clipped and
+   un-noised: a function of the weights only, so post-processing;
+4. applies the optimizer's descent rule (``optimizer.apply``) and updates the metrics as Keras does.
+
+Compile alone cannot install this step: Keras 3 offers no supported hook that sees the
+per-example loss and the tape (``optimizer.scale_loss`` gets the reduced scalar, after sample
+weights, masks and ``model.losses`` were folded in), so :func:`make_private` is required and a DP
+optimizer refuses to apply gradients that did not come from its sanitizer.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+
+__all__ = ["make_private", "sanitized_gradients", "per_example_loss", "refuse_example_mixing"]
+
+_PRIVATE_ATTR = "_keras_dpsgd_private"
+
+_OWN_STEP_MESSAGE = (
+    "make_private cannot make {cls} private: it overrides {method}, which the private train step "
+    "would ignore. In your own train_step, compute the per-example loss (shape [batch]) on a "
+    "tf.GradientTape and call grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, "
+    "self.trainable_variables, tape); then self.optimizer.apply(grads, self.trainable_variables)."
+)
+
+
+def _mixes_examples(layer: Any) -> bool:
+    return isinstance(layer, keras.layers.BatchNormalization) or bool(getattr(layer, "mixes_examples", False))
+
+
+def refuse_example_mixing(model: keras.Model) -> None:
+    """Raises ValueError if a layer of `model` mixes the examples of a batch (by layer type).
+
+    With BatchNormalization one example changes every other example's output in training (batch
+    statistics), so clipping each example's gradient no longer bounds its influence. Refused:
+    ``keras.layers.BatchNormalization`` and its subclasses, and any layer whose
+    ``mixes_examples`` attribute is true.
+    """
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if _mixes_examples(layer):
+            raise ValueError(
+                "DP-SGD clips each example's gradient, which is meaningless when a layer mixes the "
+                f"examples of a batch (batch statistics). Replace layer {layer.name!r} "
+                f"({type(layer).__name__}) with keras.layers.GroupNormalization or "
+                "keras.layers.LayerNormalization."
+            )
+
+
+def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
+    if isinstance(optimizer, DPKeras3Mixin):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, DPKeras3Mixin):
+        raise ValueError(
+            "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
+            "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
+            "or 'mixed_bfloat16' policy"
+        )
+    raise ValueError(
+        "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
+        f"keras_dpsgd.keras3.DPSGDOptimizer), got {type(optimizer).__name__}: training on would not be "
+        "private. Compile with a DP optimizer."
+    )
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function as a Keras Loss with reduction None (Keras applies weights and casts)."""
+
+    def __init__(self, fn):
+        super().__init__(name=getattr(fn, "__name__", "loss"), reduction=None)
+        self._fn = fn
+
+    def call(self, y_true, y_pred):
+        return self._fn(y_true, y_pred)
+
+
+def _unreduced(identifier: Any) -> keras.losses.Loss:
+    """The compiled loss with reduction None (per-element values times the sample weights)."""
+    if isinstance(identifier, str) and identifier.lower() in ("crossentropy", "ce"):
+        raise ValueError(
+            f"loss={identifier!r} is resolved by Keras from the data; name the loss instead, e.g. "
+            "loss='sparse_categorical_crossentropy'"
+        )
+    loss = keras.losses.get(identifier)
+    if isinstance(loss, keras.losses.Loss):
+        config = dict(loss.get_config(), reduction=None)
+        try:
+            return type(loss).from_config(config)
+        except Exception as err:  # A custom Loss without a faithful config: refuse, never guess.
+            raise ValueError(
+                f"cannot rebuild the loss {type(loss).__name__} with reduction=None from its get_config() "
+                f"({err}); give the per-example loss as a function loss(y_true, y_pred) -> [batch]"
+            ) from err
+    if callable(loss):
+        return _FunctionLoss(loss)
+    raise ValueError(f"cannot interpret the compiled loss {identifier!r} as a per-example loss")
+
+
+def _single_output_loss(model: keras.Model) -> Any:
+    loss = getattr(model, "loss", None)
+    if loss is None:
+        raise ValueError("a private train step needs a compiled loss: model.compile(optimizer=..., loss=...)")
+    if isinstance(loss, (list, tuple, dict)):
+        if len(loss) != 1:
+            raise ValueError(
+                f"the private Keras 3 train step supports one loss (one output) for now, got {len(loss)}: "
+                "write a train_step that sums the per-example losses and calls "
+                "keras_dpsgd.keras3.sanitized_gradients"
+            )
+        loss = next(iter(loss.values())) if isinstance(loss, dict) else loss[0]
+    return loss
+
+
+def per_example_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any = None) -> tf.Tensor:
+    """The compiled loss of `model`, one value per example ([B]), weighted by `sample_weight`.
+
+    Non-batch axes (e.g. time steps) are averaged, the weighting of Keras's
+    "sum_over_batch_size" reduction; a float `loss_weights` multiplies the loss.
+
+    Raises:
+      ValueError: several outputs or losses, a mask on the output (its reduction is over the
+        whole batch), or a loss that cannot be taken unreduced.
+    """
+    if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y):
+        y_pred = _unwrap_one(y_pred, "output")
+        y = _unwrap_one(y, "target")
+    if getattr(y_pred, "_keras_mask", None) is not None:
+        raise ValueError(
+            "the model's output carries a Keras mask (e.g. Embedding(mask_zero=True)): Keras reduces a "
+            "masked loss over the whole batch, which is not a per-example loss; not supported yet"
+        )
+    loss_fn = _unreduced(_single_output_loss(model))
+    values = loss_fn(y, y_pred, sample_weight)
+    values = tf.convert_to_tensor(values)
+    if values.shape.rank == 0:
+        raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+    if values.shape.rank > 1:
+        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+    weights = _loss_weights(model)
+    if weights is not None:
+        values = values * tf.cast(weights, values.dtype)
+    return values
+
+
+def _unwrap_one(value: Any, what: str) -> Any:
+    flat = tf.nest.flatten(value)
+    if len(flat) != 1:
+        raise ValueError(
+            f"the private Keras 3 train step supports one {what} for now, got {len(flat)}: write a "
+            "train_step that sums the per-example losses and calls keras_dpsgd.keras3.sanitized_gradients"
+        )
+    return flat[0]
+
+
+def _loss_weights(model: keras.Model) -> float | None:
+    compiled = getattr(model, "_compile_loss", None)
+    weights = getattr(compiled, "_user_loss_weights", None)
+    if weights is None:
+        return None
+    if isinstance(weights, (list, tuple)) and len(weights) == 1:
+        weights = weights[0]
+    if isinstance(weights, dict) and len(weights) == 1:
+        weights = next(iter(weights.values()))
+    if isinstance(weights, bool) or not isinstance(weights, (int, float)):
+        raise ValueError(f"loss_weights must be one number for the private train step, got {weights!r}")
+    return float(weights)
+
+
+def weight_regularization(model: keras.Model) -> tf.Tensor | None:
+    """Σ of the weight regularizers (``variable.regularizer(variable)``): data-independent, or None."""
+    terms = [v.regularizer(v) for v in model.trainable_weights if getattr(v, "regularizer", None) is not None]
+    if not terms:
+        return None
+    return tf.add_n([tf.cast(tf.reduce_sum(t), tf.float32) for t in terms])
+
+
+def _refuse_data_losses(model: keras.Model, num_weight_terms: int) -> None:
+    """add_loss terms (e.g. activity regularizers) may depend on the data: refuse them."""
+    extra = len(model.losses) - num_weight_terms
+    if extra > 0:
+        raise ValueError(
+            f"the model added {extra} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
+            "depend on the data, so their gradient cannot be added without clipping and noise. Fold them "
+            "into the per-example loss in your own train_step (keras_dpsgd.keras3.sanitized_gradients), "
+            "or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
+        )
+
+
+def sanitized_gradients(
+    optimizer: Any,
+    per_example_loss: tf.Tensor,
+    variables: Sequence[Any],
+    tape: tf.GradientTape,
+    *,
+    regularization_loss: tf.Tensor | None = None,
+) -> list[tf.Tensor]:
+    """The DP-SGD gradients of one step, for a model's own ``train_step``.
+
+    Args:
+      optimizer: the model's keras_dpsgd Keras 3 DP optimizer.
+      per_example_loss: the loss of each example, shape [B] (other axes are averaged), recorded
+        on `tape`.
+      variables: the trainable variables (``self.trainable_variables``).
+      tape: the GradientTape that recorded the forward pass; persistent if
+        `regularization_loss` is given.
+      regularization_loss: a scalar that depends on the weights only (never on the data), added
+        un-clipped and un-noised; None for none.
+
+    Returns:
+      One gradient per variable, to pass to ``optimizer.apply(grads, variables)``.
+
+    Raises:
+      ValueError: a non-DP optimizer, a reduced (scalar) loss, or a regularization loss with a
+        non-persistent tape.
+    """
+    optimizer = _check_dp_optimizer(optimizer)
+    variables = list(variables)
+    loss = tf.convert_to_tensor(per_example_loss)
+    if loss.shape.rank == 0 or loss.shape.rank is None:
+        raise ValueError(
+            f"per_example_loss must have shape [batch_size], got {loss.shape}: it was reduced over the batch"
+        )
+    if loss.shape.rank > 1:
+        with tape:
+            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
+    reg_grads = None
+    if regularization_loss is not None:
+        if not getattr(tape, "_persistent", False):
+            raise ValueError(
+                "regularization_loss needs tf.GradientTape(persistent=True): the regularization gradient "
+                "and the per-example gradients are two tape queries"
+            )
+        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        reg_grads = tape.gradient(regularization_loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return optimizer.sanitize(loss, variables, tape, reg_grads)
+
+
+def _private_train_step(self: keras.Model, data: Any) -> dict:
+    """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    optimizer = _check_dp_optimizer(self.optimizer)
+    refuse_example_mixing(self)
+    variables = list(self.trainable_variables)
+    num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
+    with tf.GradientTape(persistent=num_weight_terms > 0) as tape:
+        y_pred = self(x, training=True)
+        losses = per_example_loss(self, y, y_pred, sample_weight)
+        _refuse_data_losses(self, num_weight_terms)
+        regularization = weight_regularization(self)
+    grads = sanitized_gradients(optimizer, losses, variables, tape, regularization_loss=regularization)
+    optimizer.apply(grads, variables)
+    total = tf.reduce_mean(losses)
+    if regularization is not None:
+        total = total + tf.cast(regularization, total.dtype)
+    batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+    self._loss_tracker.update_state(total, sample_weight=batch)
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def _overridden(model: keras.Model, method: str) -> bool:
+    return getattr(type(model), method) is not getattr(keras.Model, method)
+
+
+def make_private(model: keras.Model) -> keras.Model:
+    """Gives a Keras 3 model (Sequential, functional or subclassed) the private train step.
+
+    The DP settings stay on the optimizer: compile with a keras_dpsgd Keras 3 DP optimizer
+    (before or after this call) and a loss Keras can take unreduced (a name such as "mse", a
+    ``keras.losses.Loss`` object or a function). The model is changed in place (its instance's
+    ``train_step``; no Keras class is modified) and returned. Saved and reloaded models lose the
+    private step; their DP optimizer then refuses the first step until ``make_private`` is called
+    again.
+
+    Raises:
+      TypeError: `model` is not a Keras 3 model.
+      ValueError: the model overrides ``train_step`` or ``compute_loss`` (use
+        :func:`sanitized_gradients` in its own step), or has a BatchNormalization layer.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (tf_keras models need no "
+            "make_private: compile them with keras_dpsgd.optimizer's DP optimizers)"
+        )
+    for method in ("train_step", "compute_loss"):
+        if _overridden(model, method):
+            raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
+    refuse_example_mixing(model)
+    model.train_step = types.MethodType(_private_train_step, model)
+    setattr(model, _PRIVATE_ATTR, True)
+    model.train_function = None  # Rebuilt on the next fit with the private step.
+    return model
+
+
+def is_private(model: keras.Model) -> bool:
+    """True if :func:`make_private` gave `model` the private train step."""
+    return bool(getattr(model, _PRIVATE_ATTR, False))

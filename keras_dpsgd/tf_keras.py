@@ -1,0 +1,9 @@
+"""keras_dpsgd for tf_keras (Keras 2, ``import tf_keras``): the DP optimizers by explicit name.
+
+Code that names its Keras imports from here (``keras_dpsgd.tf_keras``) or from
+``keras_dpsgd.keras3``; the top-level ``keras_dpsgd.DPSGDOptimizer`` is the tf_keras class today.
+"""
+
+from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
+
+__all__ = ["DPAdamOptimizer", "DPSGDOptimizer", "make_dp_optimizer"]

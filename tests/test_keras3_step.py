@@ -1,0 +1,274 @@
+"""Keras 3: the private train step against a one-example-at-a-time loop (σ = 0), and its noise."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_dpsgd.keras3 as k3
+from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
+
+LR = 0.5
+
+
+class TwoDense(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(6, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def _dense(rng):
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]), rng.normal(
+        size=(7, 5)
+    ).astype("float32")
+
+
+def _conv(rng):
+    model = keras.Sequential(
+        [keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, activation="relu"), keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
+    return model, rng.normal(size=(5, 6, 6, 2)).astype("float32")
+
+
+def _embedding(rng):
+    inputs = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(10, 4)(inputs)
+    h = keras.layers.LayerNormalization()(h)
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+    return keras.Model(inputs, outputs), rng.integers(0, 10, size=(6, 4)).astype("int32")
+
+
+def _subclassed(rng):
+    model = TwoDense()
+    x = rng.normal(size=(5, 4)).astype("float32")
+    model(x[:1])
+    return model, x
+
+
+MODELS = {"dense": _dense, "conv2d": _conv, "embedding_layernorm": _embedding, "subclassed": _subclassed}
+
+
+def _compiled(factory, clip, backend="auto", noise=0.0, seed=0, **kwargs):
+    rng = np.random.default_rng(seed)
+    keras.utils.set_random_seed(seed)
+    model, x = factory(rng)
+    y = rng.integers(0, 3, size=len(x))
+    opt = k3.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=noise, learning_rate=LR, per_example_backend=backend, seed=1, **kwargs)
+    k3.make_private(model)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, x, y
+
+
+def _assert_step(model, x, y, clip, per_layer, sample_weight=None):
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    expected = loop_clipped_mean(model, x, y, loss_fn, clip, per_layer, sample_weight)
+    before, after = one_sgd_step(model, x, y, LR, sample_weight)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+    "name, backend", [(name, "fast") for name in sorted(MODELS)] + [("conv2d", "reference"), ("embedding_layernorm", "reference")]
+)
+def test_flat_clipped_step_matches_loop(name, backend):
+    model, x, y = _compiled(MODELS[name], 0.3, backend)
+    _assert_step(model, x, y, 0.3, per_layer=False)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_per_layer_clipped_step_matches_loop(name):
+    rng = np.random.default_rng(5)
+    model, _ = MODELS[name](np.random.default_rng(0))
+    clip = [float(c) for c in rng.uniform(0.05, 0.5, size=len(model.trainable_variables))]
+    model, x, y = _compiled(MODELS[name], clip)
+    _assert_step(model, x, y, clip, per_layer=True)
+
+
+def test_batch_size_one():
+    model, x, y = _compiled(_dense, 0.2)
+    _assert_step(model, x[:1], y[:1], 0.2, per_layer=False)
+
+
+def test_sample_weights_weight_the_per_example_loss():
+    model, x, y = _compiled(_dense, 0.3)
+    weights = np.linspace(0.0, 2.0, len(x)).astype("float32")
+    _assert_step(model, x, y, 0.3, per_layer=False, sample_weight=weights)
+
+
+def test_loss_by_name_and_function():
+    for loss in ("mse", keras.losses.mean_squared_error):
+        rng = np.random.default_rng(2)
+        model, x = _dense(rng)
+        y = rng.normal(size=(len(x), 3)).astype("float32")
+        model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.4, noise_multiplier=0.0, learning_rate=LR), loss=loss)
+        k3.make_private(model)
+        expected = loop_clipped_mean(model, x, y, keras.losses.mean_squared_error, 0.4)
+        before, after = one_sgd_step(model, x, y, LR)
+        for b, a, g in zip(before, after, expected):
+            np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
+def test_weight_regularization_is_added_unclipped():
+    rng = np.random.default_rng(3)
+    reg = keras.regularizers.L2(0.5)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, kernel_regularizer=reg)])
+    x = rng.normal(size=(6, 5)).astype("float32")
+    y = rng.integers(0, 3, size=6)
+    model.compile(
+        optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    k3.make_private(model)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    expected = loop_clipped_mean(model, x, y, loss_fn, 0.1)
+    expected[0] = expected[0] + 2 * 0.5 * model.trainable_variables[0].numpy()  # ∇ 0.5·||W||², no clip.
+    before, after = one_sgd_step(model, x, y, LR)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
+def test_add_loss_of_data_is_refused():
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.1))]
+    )
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    k3.make_private(model)
+    with pytest.raises(ValueError, match="add_loss"):
+        model.fit(np.zeros((4, 5)), np.zeros((4, 3)), verbose=0)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_noise_std_is_sigma_c_over_lot(per_layer):
+    """Zero gradients (targets = predictions): the update is N(0, (σC/L)²) per coordinate."""
+    sigma, clip, lot = 1.3, 0.7, 4.0
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((40,)), keras.layers.Dense(250, use_bias=False)])
+    x = np.random.default_rng(0).normal(size=(8, 40)).astype("float32")
+    y = model.predict(x, verbose=0)
+    bounds = [clip] if per_layer else clip
+    opt = k3.DPSGDOptimizer(l2_norm_clip=bounds, noise_multiplier=sigma, learning_rate=1.0, expected_lot_size=lot)
+    model.compile(optimizer=opt, loss="mse")
+    k3.make_private(model)
+    before, after = one_sgd_step(model, x, y, 1.0)
+    noise = (before[0] - after[0]).ravel()
+    expected = sigma * clip / lot
+    # 10,000 coordinates: the sample std is within 3% of σC/L with probability > 0.9999 (chi-square).
+    assert abs(noise.std() / expected - 1.0) < 0.03
+    assert abs(noise.mean()) < 4 * expected / np.sqrt(noise.size)
+    assert int(opt.noised_steps.numpy()) == 1
+
+
+def test_seeded_noise_is_reproducible_and_fresh_per_step():
+    def run():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, use_bias=False)])
+        x = np.ones((2, 3), "float32")
+        model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, seed=7), loss="mse")
+        k3.make_private(model)
+        y = model.predict(x, verbose=0)
+        first = one_sgd_step(model, x, y, 1.0)
+        second = one_sgd_step(model, x, y, 1.0)
+        return first[0][0] - first[1][0], second[0][0] - second[1][0]
+
+    a, b = run(), run()
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not np.allclose(a[0], a[1])
+
+
+def test_nonfinite_examples_are_zeroed_and_counted():
+    model, x, y = _compiled(_dense, 0.3)
+    x = x.copy()
+    x[2, 0] = np.nan
+    before, after = one_sgd_step(model, x, y, LR)
+    assert int(model.optimizer.nonfinite_examples.numpy()) == 1
+    assert all(np.all(np.isfinite(a)) for a in after)
+
+
+def test_custom_train_step_with_sanitized_gradients():
+    class Own(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
+            grads = k3.sanitized_gradients(self.optimizer, loss, self.trainable_variables, tape)
+            self.optimizer.apply(grads, self.trainable_variables)
+            return {"loss": tf.reduce_mean(loss)}
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(5, 4)).astype("float32")
+    y = rng.integers(0, 3, size=5)
+    model = Own()
+    model(x[:1])
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.2, noise_multiplier=0.0, learning_rate=LR))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    expected = loop_clipped_mean(model, x, y, loss_fn, 0.2)
+    before, after = one_sgd_step(model, x, y, LR)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    with pytest.raises(ValueError, match="sanitized_gradients"):
+        k3.make_private(model)
+
+
+def test_jit_compiled_step_matches_loop():
+    model, x, y = _compiled(_conv, 0.3)
+    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
+    _assert_step(model, x, y, 0.3, per_layer=False)
+    assert model.jit_compile
+
+
+def _lstm(rng):
+    model = keras.Sequential([keras.Input((3, 2)), keras.layers.LSTM(4), keras.layers.Dense(3)])
+    return model, rng.normal(size=(4, 3, 2)).astype("float32")
+
+
+def test_lstm_clipped_step_matches_loop():
+    model, x, y = _compiled(_lstm, 0.3)
+    _assert_step(model, x, y, 0.3, per_layer=False)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        model = k3.make_private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)]))
+        model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.3, noise_multiplier=1.0), loss="mse")
+        x, y = np.ones((8, 2), "float32"), np.zeros((8, 3), "float32")
+        if policy == "mixed_float16":
+            with pytest.raises(ValueError, match="LossScaleOptimizer"):
+                model.fit(x, y, batch_size=4, verbose=0)
+            return
+        model.fit(x, y, batch_size=4, verbose=0)
+        assert int(model.optimizer.noised_steps.numpy()) == 2
+        assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_logged_loss_and_metrics_are_those_of_keras():
+    """The step logs the compiled loss (and metrics) at the weights before the update, as Keras does."""
+    model, x, y = _compiled(_dense, 0.3)
+    model.compile(optimizer=model.optimizer, loss=model.loss, metrics=["sparse_categorical_accuracy"])
+    expected = model.evaluate(x, y, batch_size=len(x), verbose=0, return_dict=True)
+    history = model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0).history
+    assert history["loss"][0] == pytest.approx(expected["loss"], rel=1e-5)
+    assert history["sparse_categorical_accuracy"][0] == pytest.approx(expected["sparse_categorical_accuracy"])
+
+
+def test_all_zero_weights_lot_moves_nothing_without_noise():
+    """An empty Poisson lot (every padded example weighted 0) adds 0 before the noise."""
+    model, x, y = _compiled(_dense, 0.3, expected_lot_size=4.0)
+    before, after = one_sgd_step(model, x, y, LR, sample_weight=np.zeros(len(x), "float32"))
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(b, a)
+    assert int(model.optimizer.noised_steps.numpy()) == 1
