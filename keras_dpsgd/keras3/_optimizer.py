@@ -22,6 +22,7 @@ from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd._sanitizer import (
     _check_lot_size,
     _check_sampling_rate,
+    _is_integer,
     _resolve_bounds,
     check_l2_norm_clip,
     check_noise_multiplier,
@@ -88,12 +89,12 @@ class DPKeras3Mixin:
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
                 "the DP train step does not scale the loss"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        if seed is not None and not _is_integer(seed):
             raise ValueError(f"seed must be None or an integer, got {seed!r}")
         clip = check_l2_norm_clip(l2_norm_clip)
         self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
         self.per_example_backend = per_example_backend
-        self._seed = seed
+        self._seed = None if seed is None else int(seed)
         self._sampling_rate = _check_sampling_rate(sampling_rate)
         with tf.init_scope():
             self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
