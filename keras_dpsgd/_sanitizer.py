@@ -35,13 +35,12 @@ compile_utils before the optimizer is called); activity regularizers and other
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Sequence
 
-import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _noise, _step
+from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,
@@ -49,16 +48,6 @@ from keras_dpsgd._per_example import (
     refuse_example_mixing,
     resolve_backend,
 )
-
-def _is_real(value: Any) -> bool:
-    """True for a real scalar (Python, numpy, ...: numbers.Real), False for bool and str."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_integer(value: Any) -> bool:
-    """True for an integer scalar (Python, numpy, ...: numbers.Integral), False for bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
 
 def _check_positive(name: str, value: Any) -> float:
     if not _is_real(value):

@@ -20,14 +20,14 @@ model gets those statistics, with no noise and outside the privacy ledger.
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+from keras_dpsgd.accounting._validation import is_integer, is_real
 
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
@@ -149,7 +149,7 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
 
 # ----------------------------------------------------------------- DPNormalization
 def _check_real(name: str, value, *, low: float, inclusive: bool) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     ok = value >= low if inclusive else value > low
     if not (math.isfinite(value) and ok):
@@ -268,8 +268,7 @@ class DPNormalization(_PreprocessingLayer):
         if q > 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
         self.sampling_rate = q
-        if seed is not None and (isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral)
-                                 or seed < 0):
+        if seed is not None and (not is_integer(seed) or seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
         self.seed = None if seed is None else int(seed)
         super().__init__(**kwargs)

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import tensorflow as tf
 from scipy import stats
+
+from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 
 _LOG = logging.getLogger("keras_dpsgd")
 
@@ -73,16 +74,6 @@ def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability:
         return num_examples
     k = int(stats.binom.isf(overflow_probability, num_examples, sampling_rate))
     return int(min(num_examples, max(1, k)))
-
-
-def _is_integer(value: Any) -> bool:
-    """An integer scalar of any type (numbers.Integral: int, np.int64, ...), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def _is_real(value: Any) -> bool:
-    """A real scalar of any type (numbers.Real: float, np.float32, ...), not a bool or a str."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _check_num_lots(num_lots: Optional[int]) -> None:

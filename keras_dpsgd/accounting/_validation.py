@@ -6,9 +6,19 @@ import math
 import numbers
 
 
+def is_real(value) -> bool:
+    """True for a real scalar of any type (numbers.Real: float, np.float32, ...); False for bool and str."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_integer(value) -> bool:
+    """True for an integer scalar of any type (numbers.Integral: int, np.int64, ...); False for bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _as_float(name: str, value) -> float:
     """Any real scalar (Python, numpy: numbers.Real) as a float; bool and str are refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise ValueError(f"{name} must be a real number, got {value!r}")
     return float(value)
 
@@ -45,13 +55,13 @@ def check_epsilon(value, name: str = "target_epsilon") -> float:
 
 
 def check_positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return int(value)
 
 
 def check_nonnegative_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+    if not is_integer(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
     return int(value)
 
