@@ -342,6 +342,11 @@ class DPSanitizerMixin:
                 return layout
         return None
 
+    def save_own_variables(self, store):
+        """.keras saving; refused where the file would lose part of the ledger."""
+        ledger.refuse_lost_history(ledger.saving_model(self), self, "a .keras file")
+        return super().save_own_variables(store)
+
     def load_own_variables(self, store):
         """.keras loading; older files load what this version keeps (bounds stay unset)."""
         older = self._layout(len(store.keys()))

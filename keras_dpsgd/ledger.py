@@ -195,7 +195,7 @@ def attach(model: Any, optimizer: Any) -> None:
             if previous is not None and previous is not optimizer:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
-            _warn_on_h5_weights(model)
+            _guard_saves(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         _refresh(model, optimizer)
 
@@ -208,19 +208,76 @@ H5_WEIGHTS_WARNING = (
 )
 
 
-def _warn_on_h5_weights(model: Any) -> None:
-    """Wraps `model.save_weights` (instance attribute) to warn when h5 drops the ledger."""
+def _is_h5(path: str, kwargs: dict) -> bool:
+    return path.endswith((".h5", ".hdf5")) or kwargs.get("save_format") in ("h5", "hdf5")
+
+
+def _guard_saves(model: Any) -> None:
+    """Wraps `model.save_weights` and `model.save` (instance attributes) where h5 loses the ledger.
+
+    h5 weights: a loud warning at every save. A full h5 model keeps what
+    ``.keras`` keeps (the optimizer's counter): refused when the ledger holds
+    more (see :func:`refuse_lost_history`).
+    """
     if "save_weights" in vars(model):
         return
-    original = model.save_weights
+    save_weights, save = model.save_weights, model.save
 
-    def save_weights(filepath, *args, **kwargs):
-        path = str(filepath)
-        if path.endswith((".h5", ".hdf5")) or kwargs.get("save_format") in ("h5", "hdf5"):
-            _LOG.warning(H5_WEIGHTS_WARNING, f"save_weights({path!r})")
-        return original(filepath, *args, **kwargs)
+    def guarded_save_weights(filepath, *args, **kwargs):
+        if _is_h5(str(filepath), kwargs):
+            _LOG.warning(H5_WEIGHTS_WARNING, f"save_weights({str(filepath)!r})")
+        return save_weights(filepath, *args, **kwargs)
 
-    object.__setattr__(model, "save_weights", save_weights)
+    def guarded_save(filepath, *args, **kwargs):
+        if _is_h5(str(filepath), kwargs) and is_dp_optimizer(getattr(model, "optimizer", None)):
+            refuse_lost_history(model, model.optimizer, "an h5 file")
+        return save(filepath, *args, **kwargs)
+
+    object.__setattr__(model, "save_weights", guarded_save_weights)
+    object.__setattr__(model, "save", guarded_save)
+
+
+def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
+    """The model being saved with `optimizer` (a ``model`` or ``self`` up the call stack), or None."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        for name in ("model", "self"):
+            obj = frame.f_locals.get(name)
+            if obj is not optimizer and getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "fit"):
+                return obj
+        frame = frame.f_back
+    return None
+
+
+def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
+    """Refuses a save that keeps only the optimizer's counter when the ledger holds more.
+
+    ``.keras`` and full h5 files keep the optimizer's variables (noised_steps,
+    the worst-case bounds), not the ledger's segments: steps of an earlier
+    optimizer (the model was compiled again, or loaded from a SavedModel)
+    would be lost and a resumed ε under-reported.
+
+    Raises:
+      ValueError: if the ledger holds steps that the optimizer's counter does not.
+    """
+    attach(model, optimizer)
+    holder = getattr(optimizer, _STATE_ATTR, None)
+    if holder is None:
+        return
+    with tf.init_scope():
+        data = _read_state(holder)
+    if data["open"] is None:
+        return
+    earlier = sum(e["count"] for e in data["closed"]) - data["open"]["start"]
+    if earlier > 0:
+        raise ValueError(
+            f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
+            f"the model's ledger also holds {earlier} steps of an earlier optimizer (the model was compiled "
+            "again, or loaded from a SavedModel); a run resumed from it would under-report epsilon. Save "
+            "a SavedModel (model.save(directory)) or a tf.train.Checkpoint, which keep the whole ledger"
+        )
 
 
 def _bound_variables(optimizer: Any) -> Optional[tuple]:

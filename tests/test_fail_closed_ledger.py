@@ -191,3 +191,17 @@ def test_nonfinite_examples_is_not_saved(tmp_path):
     loaded = keras.models.load_model(path)
     assert int(loaded.optimizer.nonfinite_examples.numpy()) == 0
     assert int(loaded.optimizer.noised_steps.numpy()) == 6
+
+
+@pytest.mark.parametrize("filename", ["m.keras", "m.h5"])
+def test_a_file_that_keeps_only_the_counter_is_refused_after_a_recompile(tmp_path, filename):
+    x, y = _data()
+    model = _model(_opt())
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    model.compile(optimizer=_opt(), loss=model.loss)  # the new optimizer's counter is 0
+    with pytest.raises(ValueError, match="earlier optimizer"):
+        model.save(str(tmp_path / filename))
+    model.save(str(tmp_path / "sm"))  # a SavedModel keeps the model's whole ledger
+    loaded = keras.models.load_model(str(tmp_path / "sm"))
+    eps, _ = model_epsilon(loaded, target_delta=DELTA, num_examples=N, batch_size=B)
+    assert eps == pytest.approx(_epsilon(6), rel=1e-12)
