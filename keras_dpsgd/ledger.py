@@ -7,28 +7,41 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 (Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
 mechanism with sampling ratio q and noise multiplier σ).
 
+The ledger is the model's. The DP step attaches it to the model it trains
+when it is traced (no callback needed); every save brings it up to date
+first, whatever the callback order; a model compiled again with a new DP
+optimizer adds the new steps to the old ones.
+
 Resuming. The step count is the optimizer's ``noised_steps`` variable; the
 segments (runs of steps with one (q, σ)) live in a string variable of a small
-``tf.Module`` that this module attaches, on first use, to the optimizer and to
-the model (attribute ``_dpsgd_ledger_state``). What each way of saving keeps:
+``tf.Module`` attached to the optimizer and to the model (attribute
+``_dpsgd_ledger_state``). What each way of saving keeps:
 
-* ``tf.train.Checkpoint``, ``ModelCheckpoint(save_weights_only=True)``,
-  ``BackupAndRestore``: everything; resumed training continues ε.
-* SavedModel (``model.save(path)`` without ``.keras``, ``ModelCheckpoint``
-  with full models): tf_keras does not restore the optimizer's variables, so
-  ``noised_steps`` restarts at 0; the model's copy of the ledger carries the
-  history and the new counter is added on top of it.
-* ``.keras`` (and ``.h5``): the optimizer's variables are kept, the segments
-  are not. Besides ``noised_steps`` the optimizer keeps, as variables, the
+* ``tf.train.Checkpoint``, ``model.save_weights(path)`` with a TF-format path
+  (no ``.h5``), ``ModelCheckpoint(save_weights_only=True)`` to such a path,
+  ``BackupAndRestore``: everything; resumed training continues ε exactly.
+* SavedModel (``model.save(directory)``, ``ModelCheckpoint`` with full models
+  to a directory): the model's copy of the ledger (steps and segments, as of
+  the save). tf_keras does not restore the optimizer's variables, so
+  ``noised_steps`` restarts at 0 and the new steps are added on top.
+* ``.keras`` and full ``.h5`` models: the optimizer's variables, not the
+  segments. Besides ``noised_steps`` the optimizer keeps, as variables, the
   worst case the ledger has charged so far: the largest q
   (``ledger_max_sampling_rate``) and the smallest σ_eff
-  (``ledger_min_noise_multiplier``), updated at every ledger read. After such a
-  load every step taken so far is charged at (max q, min σ) over those and the
-  current values, which never under-reports ε (the sub-sampled Gaussian's ε
-  grows with q and shrinks with σ); a run that never changed (q, σ) gets
-  exactly the ε of a checkpointed run. Steps never seen by a ledger read
-  (no read before the save) are charged at the current (q, σ) as before. For
-  an exact ledger after changing q or σ, save with checkpoints.
+  (``ledger_min_noise_multiplier``). After such a load every step taken so far
+  is charged at (max q, min σ) over those and the current values, which never
+  under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with
+  σ); a run that never changed (q, σ) gets exactly the ε of a checkpointed run.
+  Where the ledger holds more than the optimizer's counter (steps of an
+  earlier optimizer: compiled again, or loaded from a SavedModel) these saves
+  are refused. For an exact ledger after changing q or σ, save with checkpoints.
+* h5 weights (``save_weights("w.h5")``, ``ModelCheckpoint("w.h5",
+  save_weights_only=True)``): the layers' weights only, no ledger: a loud
+  warning at every save; such a file is for inference, not for resuming.
+
+Never saved: ``nonfinite_examples`` (an un-noised count over the private
+data, a local diagnostic outside the ledger) and incomplete lots (discarded,
+see :mod:`keras_dpsgd._sanitizer`).
 
 A checkpoint restored before the state is attached is applied when it is
 attached (deferred restoration). Steps taken after the last checkpoint of a
@@ -36,7 +49,7 @@ killed run are not in the restored ledger: their results died with the
 process and are not part of the released model.
 
 Changing q or σ during training is detected at each ledger read (every batch
-with WithinLimit, every epoch with PrivacyLogger). Steps taken between the last read under the old values
+with WithinLimit, every epoch with PrivacyLogger) and at every save. Steps taken between the last read under the old values
 and the first read under the new ones cannot be attributed exactly; they are
 recorded with the worst case of both (larger q, smaller σ), which never
 under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
