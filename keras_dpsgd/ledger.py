@@ -326,7 +326,7 @@ def _update_bounds(bounds: Optional[tuple], data: dict) -> None:
             variable.assign(value)
 
 
-def fit_frame(model: Any, max_depth: int = 32):
+def fit_frame(model: Any, max_depth: int = 64):
     """The frame of the running ``Model.fit`` of `model` (its locals: x, data_handler, ...), or None.
 
     Keras gives neither callbacks nor the optimizer the fit's data; the call
