@@ -74,3 +74,11 @@ def __getattr__(name):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+# Serializable tf_keras classes (issue 12, hole 6a): registered as soon as tf_keras is
+# imported, so that load_model works after `import keras_dpsgd` alone; importing
+# keras_dpsgd.accounting still does not import TensorFlow.
+from keras_dpsgd import _registration  # noqa: E402
+
+_registration.register_when_tf_keras_is_imported()

@@ -20,7 +20,24 @@ what the accountant must be charged (``effective_noise_multiplier``).
 Non-finite gradients: an example whose per-example gradient holds NaN or Inf
 (or whose squared norm overflows float32) gets clip factor 0, so it adds
 nothing to the sum (this keeps each example's contribution within the
-sensitivity bound), and is counted in ``nonfinite_examples``.
+sensitivity bound), and is counted in ``nonfinite_examples``. That count is
+an un-noised statistic of the private data, outside the privacy ledger: it is
+a local diagnostic of this process, never saved (not in checkpoints, ``.keras``
+or h5 files) and never released by the library.
+
+Lots (gradient accumulation). A lot is the unit of release: with
+``gradient_accumulation_steps`` = k, k batches are accumulated and released
+once. An incomplete lot is never released and never carried into another lot:
+it is discarded (counted in ``discarded_lots`` and ``discarded_batches``, with
+a warning) at the start of every epoch of ``fit`` (lots never straddle two
+shuffles), at the end of every ``fit``, before the first batch of a ``fit``
+(a lot left by an interrupted ``fit`` or restored from a checkpoint taken
+mid-lot) and when a ``.keras``/h5 file is loaded. A discarded lot drew no
+noise and moved no weight: it costs no privacy, and ``noised_steps`` counts
+exactly the released lots. With a known ``sampling_rate`` (``PoissonLots``),
+``steps_per_epoch`` must be a multiple of k, as discarding would shift every
+later lot of the Poisson stream. In a custom training loop, call
+``discard_partial_lot()`` wherever a lot is interrupted.
 
 Regularization: the gradient of a data-independent term is added to the
 sanitized gradient without clipping or noise (post-processing). Two routes:
@@ -34,12 +51,13 @@ compile_utils before the optimizer is called); activity regularizers and other
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _noise, _step
+from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
@@ -48,6 +66,29 @@ from keras_dpsgd._per_example import (
     refuse_example_mixing,
     resolve_backend,
 )
+
+_LOG = logging.getLogger("keras_dpsgd")
+
+
+class _EpochBoundary:
+    """`model.reset_metrics`, which Keras fit calls at the start of every epoch.
+
+    Installed by the DP optimizer on the model it trains (an instance
+    attribute): when the call comes from ``fit``, the optimizer first closes
+    the lot boundary (``_on_fit_epoch_begin``). Other callers (evaluate,
+    train_on_batch) only reset the metrics.
+    """
+
+    def __init__(self, model: Any):
+        self._model = model
+
+    def __call__(self) -> None:
+        model = self._model
+        hook = getattr(model.optimizer, "_on_fit_epoch_begin", None)
+        if hook is not None and ledger.fit_frame(model, max_depth=2) is not None:
+            hook(model)
+        return type(model).reset_metrics(model)
+
 
 def _check_positive(name: str, value: Any) -> float:
     if not _is_real(value):
@@ -175,7 +216,11 @@ class DPSanitizerMixin:
         self._sampling_rate = _check_sampling_rate(sampling_rate)
         with tf.init_scope():
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
-            self.nonfinite_examples = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+            # A count over the private data, not noised: a local diagnostic outside
+            # the ledger, never saved (untracked, not in `_variables`).
+            self.nonfinite_examples = self._no_dependency(
+                tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+            )
             # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
             # format saves optimizer variables but not the ledger's segments.
             self.ledger_max_sampling_rate = tf.Variable(
@@ -192,9 +237,14 @@ class DPSanitizerMixin:
             if seed is None:
                 self._generator = self._no_dependency(tf.random.Generator.from_non_deterministic_state())
         self._ledger_bounds = self._no_dependency([self.ledger_max_sampling_rate, self.ledger_min_noise_multiplier])
-        self._variables.extend([self.noised_steps, self.nonfinite_examples, *self._ledger_bounds])
+        self._variables.extend([self.noised_steps, *self._ledger_bounds])
         self.expected_lot_size = expected_lot_size
         self._sanitized_grads = self._no_dependency([])
+        self.discarded_lots = 0
+        self.discarded_batches = 0
+        # The ledger's copy on the optimizer exists from the start, so a checkpoint
+        # restores it at once (no deferred read of a file that may be gone).
+        ledger.ledger_state_holders(None, self)
 
     @property
     def l2_norm_clip(self):
@@ -275,28 +325,122 @@ class DPSanitizerMixin:
             self._accum_batches = self.add_variable([], tf.int64, name="dp_accumulated_batches")
             self._accum_examples = self.add_variable([], tf.float32, name="dp_accumulated_examples")
 
-    def _without_ledger_bounds(self, num_saved: int) -> list | None:
-        """The variables a file saved before the ledger bounds existed holds, or None."""
-        if num_saved != len(self._variables) - len(self._ledger_bounds):
-            return None
-        return [v for v in self._variables if all(v is not b for b in self._ledger_bounds)]
+    def _saved_layouts(self) -> list[list]:
+        """The variable layouts of the files this version loads (None: a saved value it skips).
+
+        Now; 0.1.0, which also saved ``nonfinite_examples`` after ``noised_steps``;
+        and older files, saved before the ledger bounds existed.
+        """
+        current = list(self._variables)
+        at = next(i for i, v in enumerate(current) if v is self.noised_steps) + 1
+        with_count = current[:at] + [None] + current[at:]
+        without_bounds = [v for v in with_count if all(v is not b for b in self._ledger_bounds)]
+        return [current, with_count, without_bounds]
+
+    def _layout(self, num_saved: int) -> list | None:
+        """The older layout that holds `num_saved` values, or None (current or unknown)."""
+        for layout in self._saved_layouts()[1:]:
+            if len(layout) == num_saved:
+                return layout
+        return None
+
+    def save_own_variables(self, store):
+        """.keras saving; refused where the file would lose part of the ledger."""
+        ledger.refuse_lost_history(ledger.saving_model(self), self, "a .keras file")
+        return super().save_own_variables(store)
 
     def load_own_variables(self, store):
-        """.keras loading; an older file (no ledger bounds) loads the rest, bounds stay unset."""
-        older = self._without_ledger_bounds(len(store.keys()))
+        """.keras loading; older files load what this version keeps (bounds stay unset)."""
+        older = self._layout(len(store.keys()))
         if older is None:
-            return super().load_own_variables(store)
-        for i, variable in enumerate(older):
-            variable.assign(store[str(i)])
+            super().load_own_variables(store)
+        else:
+            for i, variable in enumerate(older):
+                if variable is not None:
+                    variable.assign(store[str(i)])
+        self.discard_partial_lot("saved in the loaded file")
 
     def set_weights(self, weights):
-        """h5 loading; older weights (no ledger bounds) load the rest, bounds stay unset."""
+        """h5 loading; older weights load what this version keeps (bounds stay unset)."""
         weights = list(weights)
-        older = self._without_ledger_bounds(len(weights))
+        older = self._layout(len(weights))
         if older is not None:
-            given = dict(zip(map(id, older), weights))
+            given = {id(v): w for v, w in zip(older, weights) if v is not None}
             weights = [given.get(id(v), v.numpy()) for v in self._variables]
-        return super().set_weights(weights)
+        result = super().set_weights(weights)
+        self.discard_partial_lot("saved in the loaded weights")
+        return result
+
+    # ------------------------------------------------------------------ lots
+    def discard_partial_lot(self, where: str = "") -> int:
+        """Drops an incomplete lot (never released, no privacy spent); returns its batches.
+
+        Counted in ``discarded_lots``/``discarded_batches`` and announced by a
+        warning. Keras ``fit`` calls it at lot boundaries on its own.
+        """
+        if getattr(self, "_accum_batches", None) is None:
+            return 0
+        with tf.init_scope():
+            batches = int(self._accum_batches.numpy())
+            if batches == 0:
+                return 0
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self._accum_examples.assign(0.0)
+            self._accum_batches.assign(0)
+        self.discarded_lots += 1
+        self.discarded_batches += batches
+        _LOG.warning(
+            "keras_dpsgd: discarded an incomplete lot (%d of %d batches) %s: it was never released "
+            "(no noise drawn, no update applied) and is not carried into another lot.",
+            batches, self.gradient_accumulation_steps, where,
+        )
+        return batches
+
+    def _check_lot_alignment(self, model: Any) -> None:
+        """With Poisson lots (known q), fit's steps_per_epoch must hold whole lots."""
+        k = self.gradient_accumulation_steps
+        frame = ledger.fit_frame(model)
+        handler = frame.f_locals.get("data_handler") if frame is not None else None
+        steps = getattr(handler, "inferred_steps", None)
+        if self._sampling_rate is not None and steps is not None and steps % k:
+            raise ValueError(
+                f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
+                f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
+                "every epoch would be discarded and shift every later lot of the stream; pass "
+                "steps_per_epoch=lots.steps_per_epoch"
+            )
+
+    def _on_fit_epoch_begin(self, model: Any) -> None:
+        """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
+        self._check_lot_alignment(model)
+        if int(model._train_counter.numpy()) == 0:  # the first epoch of this fit
+            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
+            return
+        if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
+            raise ValueError(
+                "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
+                "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
+                "and save BackupAndRestore checkpoints at epoch ends or every multiple of "
+                f"gradient_accumulation_steps = {self.gradient_accumulation_steps} batches"
+            )
+
+    def _watch_lot_boundaries(self, model: Any) -> None:
+        """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
+        if model is None or self.gradient_accumulation_steps == 1:
+            return
+        self._check_lot_alignment(model)
+        with tf.init_scope():
+            first_step_of_fit = int(model._train_counter.numpy()) == 0
+        if first_step_of_fit:
+            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
+        if "reset_metrics" not in vars(model):
+            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
+
+    def finalize_variable_values(self, var_list):
+        """Called by fit at its end: an incomplete last lot is discarded."""
+        self.discard_partial_lot("at the end of fit")
+        return super().finalize_variable_values(var_list)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -440,6 +584,7 @@ class DPSanitizerMixin:
         loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
         with tf.init_scope():
             self.build(var_list)
+        ledger.attach(find_calling_model(self, max_depth=24), self)
         summed, num_examples = self._clipped_sum(loss, var_list, tape)
         return list(zip(self._release(summed, num_examples, reg_grads), var_list))
 
@@ -451,6 +596,9 @@ class DPSanitizerMixin:
         loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
         with tf.init_scope():
             self.build(var_list)
+        model = find_calling_model(self, max_depth=24)
+        ledger.attach(model, self)
+        self._watch_lot_boundaries(model)
         summed, num_examples = self._clipped_sum(loss, var_list, tape)
         for acc, s in zip(self._accumulators, summed):
             acc.assign_add(s)

@@ -16,11 +16,14 @@ which is checkpointed with the optimizer, so a resumed run continues ε.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
+import tensorflow as tf
 import tf_keras as keras
 
 from keras_dpsgd.ledger import (
+    attach,
+    fit_frame,
     is_dp_optimizer,
     model_epsilon,
     resolve_num_examples,
@@ -28,6 +31,35 @@ from keras_dpsgd.ledger import (
     steps_remaining,
     sync_ledger_state,
 )
+
+
+def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]) -> None:
+    """Refuses an N larger than fit's training set (validation_split): q = B/N would be too small.
+
+    Only where q is derived from N (the optimizer's sampling_rate unknown).
+    """
+    if num_examples is None or getattr(optimizer, "sampling_rate", None) is not None:
+        return
+    frame = fit_frame(model)
+    split = frame.f_locals.get("validation_split") if frame is not None else None
+    if not split:
+        return
+    # fit has already split x: its local x is the training part.
+    leaves = [leaf for leaf in tf.nest.flatten(frame.f_locals.get("x")) if hasattr(leaf, "shape")]
+    shape = tuple(leaves[0].shape) if leaves else ()
+    n_train = int(shape[0]) if shape and shape[0] is not None else None
+    if n_train is None:
+        raise ValueError(
+            f"validation_split={split!r} with num_examples={num_examples}: the size of the training split "
+            "is unknown, so epsilon cannot be computed at q = B/N_train; split the data yourself and pass "
+            "num_examples = the training set's size"
+        )
+    if num_examples > n_train:
+        raise ValueError(
+            f"num_examples must be the size of the training set, at most {n_train} with "
+            f"validation_split={split!r}, got num_examples={num_examples}: epsilon at q = B/N of the full "
+            f"data is under-reported; pass num_examples={n_train}"
+        )
 
 
 class _PrivacyCallback(keras.callbacks.Callback):
@@ -46,6 +78,18 @@ class _PrivacyCallback(keras.callbacks.Callback):
                 f"{type(self).__name__} needs a keras_dpsgd DP optimizer (one with noised_steps), got "
                 f"{type(optimizer).__name__}"
             )
+        return optimizer
+
+    def _begin(self):
+        """on_train_begin: checks N against fit's training set and attaches the ledger.
+
+        Attaching now (not at the first read, an epoch later) applies a
+        checkpoint restored by an earlier callback (BackupAndRestore) while
+        its file still exists.
+        """
+        optimizer = self._optimizer()
+        _check_training_size(self.model, optimizer, self.num_examples)
+        attach(self.model, optimizer)
         return optimizer
 
     def _epsilon(self) -> tuple[float, float]:
@@ -94,7 +138,7 @@ class PrivacyLogger(_PrivacyCallback):
         self.delta: Optional[float] = None
 
     def on_train_begin(self, logs=None):
-        self._optimizer()
+        self._begin()
 
     def on_epoch_end(self, epoch, logs=None):
         self.epsilon, self.delta = self._epsilon()
@@ -156,10 +200,11 @@ class WithinLimit(_PrivacyCallback):
         self._params: Optional[tuple[float, float]] = None
 
     # ---------------------------------------------------------- bookkeeping
-    def _current_params(self, optimizer) -> tuple[float, float]:
+    def _current_params(self, optimizer) -> tuple[Optional[float], float]:
+        """(q as the optimizer knows it, None if unknown; σ_eff); checks that q resolves."""
         n = resolve_num_examples(optimizer, self.num_examples)
-        q = resolve_sampling_rate(optimizer, num_examples=n, batch_size=self.batch_size)
-        return q, float(optimizer.effective_noise_multiplier)
+        resolve_sampling_rate(optimizer, num_examples=n, batch_size=self.batch_size)
+        return getattr(optimizer, "sampling_rate", None), float(optimizer.effective_noise_multiplier)
 
     def _recompute_budget(self, optimizer) -> None:
         self._params = self._current_params(optimizer)
@@ -195,7 +240,7 @@ class WithinLimit(_PrivacyCallback):
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
-        self._optimizer()
+        self._begin()
         self.stopped = False
         self._check_pending = True
 

@@ -7,28 +7,41 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 (Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
 mechanism with sampling ratio q and noise multiplier σ).
 
+The ledger is the model's. The DP step attaches it to the model it trains
+when it is traced (no callback needed); every save brings it up to date
+first, whatever the callback order; a model compiled again with a new DP
+optimizer adds the new steps to the old ones.
+
 Resuming. The step count is the optimizer's ``noised_steps`` variable; the
 segments (runs of steps with one (q, σ)) live in a string variable of a small
-``tf.Module`` that this module attaches, on first use, to the optimizer and to
-the model (attribute ``_dpsgd_ledger_state``). What each way of saving keeps:
+``tf.Module`` attached to the optimizer and to the model (attribute
+``_dpsgd_ledger_state``). What each way of saving keeps:
 
-* ``tf.train.Checkpoint``, ``ModelCheckpoint(save_weights_only=True)``,
-  ``BackupAndRestore``: everything; resumed training continues ε.
-* SavedModel (``model.save(path)`` without ``.keras``, ``ModelCheckpoint``
-  with full models): tf_keras does not restore the optimizer's variables, so
-  ``noised_steps`` restarts at 0; the model's copy of the ledger carries the
-  history and the new counter is added on top of it.
-* ``.keras`` (and ``.h5``): the optimizer's variables are kept, the segments
-  are not. Besides ``noised_steps`` the optimizer keeps, as variables, the
+* ``tf.train.Checkpoint``, ``model.save_weights(path)`` with a TF-format path
+  (no ``.h5``), ``ModelCheckpoint(save_weights_only=True)`` to such a path,
+  ``BackupAndRestore``: everything; resumed training continues ε exactly.
+* SavedModel (``model.save(directory)``, ``ModelCheckpoint`` with full models
+  to a directory): the model's copy of the ledger (steps and segments, as of
+  the save). tf_keras does not restore the optimizer's variables, so
+  ``noised_steps`` restarts at 0 and the new steps are added on top.
+* ``.keras`` and full ``.h5`` models: the optimizer's variables, not the
+  segments. Besides ``noised_steps`` the optimizer keeps, as variables, the
   worst case the ledger has charged so far: the largest q
   (``ledger_max_sampling_rate``) and the smallest σ_eff
-  (``ledger_min_noise_multiplier``), updated at every ledger read. After such a
-  load every step taken so far is charged at (max q, min σ) over those and the
-  current values, which never under-reports ε (the sub-sampled Gaussian's ε
-  grows with q and shrinks with σ); a run that never changed (q, σ) gets
-  exactly the ε of a checkpointed run. Steps never seen by a ledger read
-  (no read before the save) are charged at the current (q, σ) as before. For
-  an exact ledger after changing q or σ, save with checkpoints.
+  (``ledger_min_noise_multiplier``). After such a load every step taken so far
+  is charged at (max q, min σ) over those and the current values, which never
+  under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with
+  σ); a run that never changed (q, σ) gets exactly the ε of a checkpointed run.
+  Where the ledger holds more than the optimizer's counter (steps of an
+  earlier optimizer: compiled again, or loaded from a SavedModel) these saves
+  are refused. For an exact ledger after changing q or σ, save with checkpoints.
+* h5 weights (``save_weights("w.h5")``, ``ModelCheckpoint("w.h5",
+  save_weights_only=True)``): the layers' weights only, no ledger: a loud
+  warning at every save; such a file is for inference, not for resuming.
+
+Never saved: ``nonfinite_examples`` (an un-noised count over the private
+data, a local diagnostic outside the ledger) and incomplete lots (discarded,
+see :mod:`keras_dpsgd._sanitizer`).
 
 A checkpoint restored before the state is attached is applied when it is
 attached (deferred restoration). Steps taken after the last checkpoint of a
@@ -36,7 +49,7 @@ killed run are not in the restored ledger: their results died with the
 process and are not part of the released model.
 
 Changing q or σ during training is detected at each ledger read (every batch
-with WithinLimit, every epoch with PrivacyLogger). Steps taken between the last read under the old values
+with WithinLimit, every epoch with PrivacyLogger) and at every save. Steps taken between the last read under the old values
 and the first read under the new ones cannot be attributed exactly; they are
 recorded with the worst case of both (larger q, smaller σ), which never
 under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
@@ -53,6 +66,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
+import weakref
 from typing import Any, Iterable, Optional
 
 import tensorflow as tf
@@ -85,13 +100,25 @@ class LedgerState(tf.Module):
 
     Holds one scalar string variable (``state``) with JSON: the closed
     segments' events, the open segment's (q, σ, first step) and the last
-    step count read.
+    step count read. q is None where the optimizer does not know it (no
+    ``PoissonLots.configure``): the reader's assumption (B · k / N) is used.
+
+    Every save (checkpoint, SavedModel) first brings the state up to date
+    from the optimizer's counter (``_trackable_children`` runs at save time),
+    so a saved ledger is never stale, whatever the callback order.
     """
 
     def __init__(self, name: str = "dpsgd_ledger_state"):
         super().__init__(name=name)
         with tf.init_scope():
             self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
+        self._refresh = None  # set by `attach`: syncs the state from the live counters
+        self._trainer = None  # set by `attach` on the model's copy: returns its last DP optimizer
+
+    def _trackable_children(self, *args, **kwargs):
+        if self._refresh is not None:
+            self._refresh()
+        return super()._trackable_children(*args, **kwargs)
 
 
 def _read_state(holder: Any) -> dict:
@@ -116,19 +143,154 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
         if owner is None:
             continue
         holder = getattr(owner, _STATE_ATTR, None)
-        if holder is None:
-            holder = LedgerState()
-            setattr(owner, _STATE_ATTR, holder)  # also applies a pending (deferred) restore
+        if holder is not None and not isinstance(getattr(holder, "state", None), tf.Variable):
+            raise ValueError(f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'")
+        if not isinstance(holder, LedgerState):
+            with tf.init_scope():
+                revived, holder = holder, LedgerState()
+                if revived is not None:
+                    # Loaded from a SavedModel as a plain object: keep its state in a LedgerState,
+                    # which refreshes itself at the next save.
+                    holder.state.assign(revived.state)
+                setattr(owner, _STATE_ATTR, holder)  # also applies a pending (deferred) restore
             # tf_keras optimizers cache their checkpoint children on the first
             # save or restore; a holder attached after that must join the cache
             # or it would silently be left out of later checkpoints.
             cached = getattr(owner, "_coalesced_children", None)
             if isinstance(cached, dict):
                 cached[_STATE_ATTR] = holder
-        if not isinstance(getattr(holder, "state", None), tf.Variable):
-            raise ValueError(f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'")
         holders.append(holder)
     return holders
+
+
+def _refresh(model: Any, optimizer: Any) -> None:
+    """Brings the saved copies up to date with the optimizer's counter (q as it knows it)."""
+    sync_ledger_state(
+        model, getattr(optimizer, "sampling_rate", None), float(optimizer.effective_noise_multiplier),
+        optimizer=optimizer,
+    )
+
+
+def _refresher(model: Any, optimizer: Any, keep: bool):
+    """A refresh of `model`'s ledger from `optimizer`, holding it alive if `keep`.
+
+    The model's copy keeps its last optimizer alive: after a new compile the
+    old optimizer's steps must still be folded into the history (at the next
+    save, read or step), not lost with it.
+    """
+    model_ref = weakref.ref(model) if model is not None else (lambda: None)
+    optimizer_ref = (lambda: optimizer) if keep else weakref.ref(optimizer)
+
+    def refresh():
+        opt = optimizer_ref()
+        if opt is not None:
+            _refresh(model_ref(), opt)
+
+    return refresh, optimizer_ref
+
+
+def attach(model: Any, optimizer: Any) -> None:
+    """Makes the ledger a property of `model`: called by the DP step when it is traced.
+
+    Attaches both copies of the state, keeps them current at every save, and
+    when `model` was trained by another DP optimizer before (compiled again),
+    first closes that optimizer's steps into the model's copy, so a new
+    optimizer adds to the history instead of replacing it. Readers of the
+    ledger call it too.
+    """
+    if not is_dp_optimizer(optimizer):
+        return
+    with tf.init_scope():
+        holders = ledger_state_holders(model, optimizer)
+        if model is not None:
+            model_holder = holders[-1]
+            previous = model_holder._trainer() if model_holder._trainer is not None else None
+            if previous is not None and previous is not optimizer:
+                _refresh(model, previous)
+            model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
+            _guard_saves(model)
+        holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
+        _refresh(model, optimizer)
+
+
+H5_WEIGHTS_WARNING = (
+    "keras_dpsgd: %s does not keep the privacy ledger (h5 weights hold the layers' weights only, "
+    "not the optimizer's noised_steps nor the ledger): a run resumed from it would restart epsilon at 0. "
+    "Save TF-format weights (a path without .h5), a tf.train.Checkpoint, BackupAndRestore or a .keras "
+    "model to resume; keep this file for inference only."
+)
+
+
+def _is_h5(path: str, kwargs: dict) -> bool:
+    return path.endswith((".h5", ".hdf5")) or kwargs.get("save_format") in ("h5", "hdf5")
+
+
+def _guard_saves(model: Any) -> None:
+    """Wraps `model.save_weights` and `model.save` (instance attributes) where h5 loses the ledger.
+
+    h5 weights: a loud warning at every save. A full h5 model keeps what
+    ``.keras`` keeps (the optimizer's counter): refused when the ledger holds
+    more (see :func:`refuse_lost_history`).
+    """
+    if "save_weights" in vars(model):
+        return
+    save_weights, save = model.save_weights, model.save
+
+    def guarded_save_weights(filepath, *args, **kwargs):
+        if _is_h5(str(filepath), kwargs):
+            _LOG.warning(H5_WEIGHTS_WARNING, f"save_weights({str(filepath)!r})")
+        return save_weights(filepath, *args, **kwargs)
+
+    def guarded_save(filepath, *args, **kwargs):
+        if _is_h5(str(filepath), kwargs) and is_dp_optimizer(getattr(model, "optimizer", None)):
+            refuse_lost_history(model, model.optimizer, "an h5 file")
+        return save(filepath, *args, **kwargs)
+
+    object.__setattr__(model, "save_weights", guarded_save_weights)
+    object.__setattr__(model, "save", guarded_save)
+
+
+def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
+    """The model being saved with `optimizer` (a ``model`` or ``self`` up the call stack), or None."""
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        for name in ("model", "self"):
+            obj = frame.f_locals.get(name)
+            if obj is not optimizer and getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "fit"):
+                return obj
+        frame = frame.f_back
+    return None
+
+
+def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
+    """Refuses a save that keeps only the optimizer's counter when the ledger holds more.
+
+    ``.keras`` and full h5 files keep the optimizer's variables (noised_steps,
+    the worst-case bounds), not the ledger's segments: steps of an earlier
+    optimizer (the model was compiled again, or loaded from a SavedModel)
+    would be lost and a resumed ε under-reported.
+
+    Raises:
+      ValueError: if the ledger holds steps that the optimizer's counter does not.
+    """
+    attach(model, optimizer)
+    holder = getattr(optimizer, _STATE_ATTR, None)
+    if holder is None:
+        return
+    with tf.init_scope():
+        data = _read_state(holder)
+    if data["open"] is None:
+        return
+    earlier = sum(e["count"] for e in data["closed"]) - data["open"]["start"]
+    if earlier > 0:
+        raise ValueError(
+            f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
+            f"the model's ledger also holds {earlier} steps of an earlier optimizer (the model was compiled "
+            "again, or loaded from a SavedModel); a run resumed from it would under-report epsilon. Save "
+            "a SavedModel (model.save(directory)) or a tf.train.Checkpoint, which keep the whole ledger"
+        )
 
 
 def _bound_variables(optimizer: Any) -> Optional[tuple]:
@@ -140,24 +302,45 @@ def _bound_variables(optimizer: Any) -> Optional[tuple]:
     return None
 
 
-def _saved_worst_case(bounds: Optional[tuple], q: float, sigma: float) -> Optional[tuple]:
+def _saved_worst_case(bounds: Optional[tuple], q: Optional[float], sigma: float) -> Optional[tuple]:
     """(max q, min σ) over the saved bounds and (q, σ); None when nothing was saved."""
     if bounds is None or float(bounds[0].numpy()) <= 0.0:
         return None
-    return max(float(bounds[0].numpy()), q), min(float(bounds[1].numpy()), sigma)
+    q_saved = float(bounds[0].numpy())
+    return (q_saved if q is None else max(q_saved, q)), min(float(bounds[1].numpy()), sigma)
 
 
 def _update_bounds(bounds: Optional[tuple], data: dict) -> None:
     """Folds every segment of `data` (the open one too) into the saved worst case."""
     if bounds is None:
         return
-    pairs = [(e["sampling_rate"], e["noise_multiplier"]) for e in data["closed"] if "sampling_rate" in e]
-    pairs.append((data["open"]["q"], data["open"]["sigma"]))
+    pairs = [(e["sampling_rate"], e["noise_multiplier"]) for e in data["closed"] if e.get("sampling_rate") is not None]
+    if data["open"]["q"] is not None:
+        pairs.append((data["open"]["q"], data["open"]["sigma"]))
+    if not pairs:
+        return
     q_max = max([float(bounds[0].numpy())] + [p[0] for p in pairs])
     sigma_min = min([float(bounds[1].numpy())] + [p[1] for p in pairs])
     for variable, value in zip(bounds, (q_max, sigma_min)):
         if float(variable.numpy()) != value:
             variable.assign(value)
+
+
+def fit_frame(model: Any, max_depth: int = 64):
+    """The frame of the running ``Model.fit`` of `model` (its locals: x, data_handler, ...), or None.
+
+    Keras gives neither callbacks nor the optimizer the fit's data; the call
+    stack is searched for ``fit``'s frame, as ``find_calling_model`` does for
+    the model.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+            return frame
+        frame = frame.f_back
+    return None
 
 
 def is_dp_optimizer(optimizer: Any) -> bool:
@@ -226,12 +409,48 @@ def _dpsgd_event(q: float, sigma: float, count: int, label: str = DPSGD_LABEL):
     return PoissonSampledGaussianEvent(q, sigma, count=count, label=label)
 
 
+def _segment(q: Optional[float], sigma: float, count: int, label: str = DPSGD_LABEL, q_floor: Optional[float] = None) -> dict:
+    """A closed segment as saved: an event's dict, q None where the reader's q applies."""
+    if q is not None:
+        return _dpsgd_event(q, sigma, count, label).to_dict()
+    segment = {"type": "poisson_sampled_gaussian", "sampling_rate": None, "noise_multiplier": sigma, "count": count, "label": label}
+    if q_floor is not None:
+        segment["q_floor"] = q_floor
+    return segment
+
+
+def _worst_q(a: Optional[float], b: Optional[float]) -> tuple:
+    """(q, q_floor) of the worst case of two q's, None standing for the reader's q."""
+    if a is None and b is None:
+        return None, None
+    if a is None or b is None:
+        return None, (a if b is None else b)
+    return max(a, b), None
+
+
+def _resolved(segment: dict, q_reader: float) -> dict:
+    """A saved segment with an unknown q charged at the reader's q (at least its floor)."""
+    if segment.get("sampling_rate", 0.0) is not None:
+        return segment
+    resolved = {k: v for k, v in segment.items() if k != "q_floor"}
+    resolved["sampling_rate"] = max(q_reader, segment.get("q_floor") or 0.0)
+    return resolved
+
+
 def sync_ledger_state(
-    model: Any, sampling_rate: float, noise_multiplier: float, *, steps: Optional[int] = None
+    model: Any,
+    sampling_rate: Optional[float],
+    noise_multiplier: float,
+    *,
+    steps: Optional[int] = None,
+    optimizer: Any = None,
 ) -> dict:
     """Reads the optimizer's step count, closes a segment if (q, σ) changed; returns the state.
 
-    `steps`: a step count read earlier under these (q, σ) (default: read now).
+    `sampling_rate`: the optimizer's q, or None where it does not know it
+    (then the segment keeps the q it has: None, the reader's assumption, or
+    a known value). `steps`: a step count read earlier under these (q, σ)
+    (default: read now). `optimizer`: default ``model.optimizer``.
 
     Of the two saved copies the one that recorded more steps wins (a lost
     copy never lowers ε). The optimizer's step counter is new (its state was
@@ -242,13 +461,25 @@ def sync_ledger_state(
     When no segment was saved but the counter was (a ``.keras`` load), the
     counted steps are charged at the optimizer's saved worst case.
     """
-    optimizer = model.optimizer
-    holders = ledger_state_holders(model, optimizer)
-    states = [_read_state(h) for h in holders]
-    optimizer_copy_empty = not holders[0].state.numpy()
-    data = copy.deepcopy(max(states, key=_recorded_steps))
-    steps = noised_steps(optimizer) if steps is None else int(steps)
-    q, sigma = float(sampling_rate), float(noise_multiplier)
+    optimizer = model.optimizer if optimizer is None else optimizer
+    with tf.init_scope():
+        holders = ledger_state_holders(model, optimizer)
+        states = [_read_state(h) for h in holders]
+        optimizer_copy_empty = not holders[0].state.numpy()
+        data = copy.deepcopy(max(states, key=_recorded_steps))
+        steps = noised_steps(optimizer) if steps is None else int(steps)
+        _advance(data, steps, sampling_rate, float(noise_multiplier), optimizer, optimizer_copy_empty)
+        _update_bounds(_bound_variables(optimizer), data)
+        encoded = json.dumps(data, sort_keys=True)
+        for holder, old in zip(holders, states):
+            if old != data:
+                holder.state.assign(encoded)
+    return data
+
+
+def _advance(data: dict, steps: int, q: Optional[float], sigma: float, optimizer: Any, optimizer_copy_empty: bool) -> None:
+    """Updates `data` in place to `steps` steps, the last ones run under (q, σ)."""
+    q = None if q is None else float(q)
     opened = data["open"]
     if opened is None:
         worst = _saved_worst_case(_bound_variables(optimizer), q, sigma) if steps > 0 else None
@@ -261,6 +492,8 @@ def sync_ledger_state(
             # Nothing known about earlier steps: they ran with the current values.
             data["open"] = {"q": q, "sigma": sigma, "start": 0}
     else:
+        if q is None:
+            q = opened["q"]  # the optimizer does not know q: nothing new about it
         seen = data["seen"]
         params_changed = (opened["q"], opened["sigma"]) != (q, sigma)
         reset = steps < seen or (optimizer_copy_empty and _recorded_steps(data) > 0)
@@ -268,23 +501,17 @@ def sync_ledger_state(
         if params_changed or reset:
             closed_count = max(0, seen - opened["start"])
             if closed_count:
-                data["closed"].append(_dpsgd_event(opened["q"], opened["sigma"], closed_count).to_dict())
+                data["closed"].append(_segment(opened["q"], opened["sigma"], closed_count))
             start = first_unread
             if params_changed and steps > first_unread:
-                worst = _dpsgd_event(
-                    max(q, opened["q"]), min(sigma, opened["sigma"]), steps - first_unread,
-                    label=f"{DPSGD_LABEL} (q/sigma changed: worst case)",
+                worst_q, floor = _worst_q(q, opened["q"])
+                label = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
+                data["closed"].append(
+                    _segment(worst_q, min(sigma, opened["sigma"]), steps - first_unread, label, q_floor=floor)
                 )
-                data["closed"].append(worst.to_dict())
                 start = steps
             data["open"] = {"q": q, "sigma": sigma, "start": start}
     data["seen"] = steps
-    _update_bounds(_bound_variables(optimizer), data)
-    encoded = json.dumps(data, sort_keys=True)
-    for holder, old in zip(holders, states):
-        if old != data:
-            holder.state.assign(encoded)
-    return data
 
 
 def optimizer_events(
@@ -306,12 +533,13 @@ def optimizer_events(
         return []
     q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     sigma = float(optimizer.effective_noise_multiplier)
-    data = sync_ledger_state(model, q, sigma)
-    events = [event_from_dict(e) for e in data["closed"]]
+    attach(model, optimizer)
+    data = sync_ledger_state(model, getattr(optimizer, "sampling_rate", None), sigma)
+    events = [event_from_dict(_resolved(e, q)) for e in data["closed"]]
     opened = data["open"]
     count = data["seen"] - opened["start"]
     if count > 0:
-        events.append(_dpsgd_event(opened["q"], opened["sigma"], count))
+        events.append(_dpsgd_event(q if opened["q"] is None else opened["q"], opened["sigma"], count))
     return events
 
 

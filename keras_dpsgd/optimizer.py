@@ -40,7 +40,9 @@ _DP_DOC = """
       gradient_accumulation_steps: k >= 1 batches form one lot: clipped
         gradients are summed over k batches, noise is added and the update
         applied once per lot (`noised_steps` counts lots). An incomplete lot
-        at the end of training is not released.
+        is never released nor carried into another lot: it is discarded (and
+        counted in `discarded_lots`/`discarded_batches`, with a warning) at
+        every epoch start and end of fit, after an interruption, and on load.
       expected_lot_size: divide the noised sum by this L (Poisson lots);
         None divides by the realized number of examples in the lot.
       sampling_rate: q, read by the accountant (not used by the step).
@@ -56,10 +58,11 @@ _DP_DOC = """
         `noised_steps` restarts at 0, replays earlier noise).
 
     Saving: `.keras`, h5 and `tf.train.Checkpoint` keep the optimizer state
-    (`noised_steps`, `clip_bounds`, `nonfinite_examples`, accumulators,
-    slots). tf_keras's SavedModel format restores only the configuration
-    (for every tf_keras optimizer): `noised_steps` restarts at 0 there, so
-    keep the privacy ledger elsewhere when resuming from a SavedModel.
+    (`noised_steps`, `clip_bounds`, slots; accumulators, whose incomplete lot
+    is discarded on load). `nonfinite_examples` is a local diagnostic, never
+    saved. tf_keras's SavedModel format restores only the configuration (for
+    every tf_keras optimizer): `noised_steps` restarts at 0 there, and the
+    model's copy of the ledger carries the history (`keras_dpsgd.ledger`).
 
     The loss must be per example (`reduction="none"`); a scalar loss raises a
     ValueError at the first step. Models with BatchNormalization are refused.
