@@ -24,7 +24,8 @@ that ignores the split; expect accuracy somewhat below the paper's).
 The DP-PCA release (Analyze Gauss, Dwork et al. 2014) is in the model's ledger
 and counted by WithinLimit and the printed ε, with the training steps.
 
-    python examples/mnist_dpsgd.py --preset medium       # needs MNIST (tfds downloads it once)
+    python examples/mnist_dpsgd.py --preset medium --data-dir DIR   # DIR: MNIST's IDX files, read locally
+    python examples/mnist_dpsgd.py --preset medium       # without --data-dir: tfds downloads MNIST once
     python examples/mnist_dpsgd.py --smoke               # offline: tfds mock data, tiny, < 60 s
 """
 
@@ -66,7 +67,11 @@ def main(argv=None) -> int:
     p.add_argument("--pca-sampling-rate", type=float, default=0.1, help="DP-PCA Poisson sampling rate")
     p.add_argument("--hidden", type=int, default=1000)
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None,
+                   help="directory of MNIST's IDX files (train-images-idx3-ubyte[.gz] ...; read locally, no "
+                   "download), else a tensorflow-datasets data directory")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="your own 28x28 data: a .npz (x_train, y_train[, x_test, y_test]) or a directory of IDX files")
     p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
@@ -74,7 +79,7 @@ def main(argv=None) -> int:
     import tf_keras as keras
 
     from keras_dpsgd import DPPCA, DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
-    from keras_dpsgd._datasets import load_tfds
+    from keras_dpsgd._datasets import load_dataset, load_local, load_tfds
 
     sigma, target = PRESETS[args.preset]
     if args.smoke:
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
         args.pca_sampling_rate, args.delta = 1.0, 1e-3
     else:
         try:
-            data = load_tfds("mnist", data_dir=args.data_dir)
+            data = load_local(args.data) if args.data else load_dataset("mnist", data_dir=args.data_dir)
         except ValueError as err:
             print(f"mnist_dpsgd.py: error: {err}", file=sys.stderr)
             return 2

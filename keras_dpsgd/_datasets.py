@@ -280,3 +280,11 @@ def _num_classes(y, y_te, num_classes, notes) -> int:
         raise ValueError(f"num_classes is {num_classes} but a label is {int(max(y.max(), y_te.max()))}: labels "
                          f"must be in 0..{num_classes - 1}")
     return int(num_classes)
+
+
+def load_local_arrays(path: str, **kwargs) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """:func:`load_local` as ((x_train, y_train), (x_test, y_test)), the form the tools' examples use."""
+    data = load_local(path, **kwargs)
+    for note in data.notes:
+        print(f"data: {note}")
+    return (data.x_train, data.y_train), (data.x_test, data.y_test)

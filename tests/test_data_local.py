@@ -206,7 +206,7 @@ def _bad_inputs(tmp_path):
         "ragged row": ([f"{t}/ragged.csv", "--label-column", "label"], "line 5 has 5 cells, the header has 4"),
         "NaN cell": ([f"{t}/nan.csv", "--label-column", "label"], "NaN or infinite values .* line 7, column 'f0'"),
         "empty directory": ([t + "/emptydir"], "holds no IDX files"),
-        "with --dataset": ([str(good), "--dataset", "digits", "--label-column", "label"], "not both"),
+        "with --dataset": ([str(good), "--dataset", "mnist", "--label-column", "label"], "not both"),
         "bad range": ([str(good), "--label-column", "label", "--feature-range", "5,1"], "LO < HI"),
     }
 
@@ -234,3 +234,27 @@ def test_cli_cnn_refuses_flat_features(capsys, tmp_path):
     np.savez(tmp_path / "d.npz", x_train=x, y_train=y)
     assert main(["train", "--data", str(tmp_path / "d.npz"), "--model", "cnn"]) == 2
     assert "model cnn needs images" in capsys.readouterr().err
+
+
+def test_mnist_example_reads_idx_data_dir(tmp_path):
+    """examples/mnist_dpsgd.py --data-dir DIR trains on local IDX files (28×28), no download."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(2)
+    d = tmp_path / "mnist"
+    d.mkdir()
+    labels = (np.arange(128) % 10).astype(np.uint8)
+    _write_idx(d / "train-images-idx3-ubyte", rng.integers(0, 256, (128, 28, 28), dtype=np.uint8), gz=True)
+    _write_idx(d / "train-labels-idx1-ubyte", labels, gz=True)
+    _write_idx(d / "t10k-images-idx3-ubyte", rng.integers(0, 256, (20, 28, 28), dtype=np.uint8), gz=False)
+    _write_idx(d / "t10k-labels-idx1-ubyte", labels[:20], gz=False)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "mnist_dpsgd.py"), "--data-dir", str(d), "--preset", "large",
+         "--epochs", "1", "--lot-size", "32", "--hidden", "8", "--pca-components", "4", "--pca-sampling-rate", "1",
+         "--delta", "1e-3", "--seed", "0"],
+        capture_output=True, text=True, timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "DP-SGD steps" in proc.stdout and "test accuracy" in proc.stdout

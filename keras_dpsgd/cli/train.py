@@ -57,7 +57,7 @@ def register(subparsers) -> None:
             "--noise-multiplier is given. ε covers the training set (add/remove one example)."
         ),
     )
-    p.add_argument("--dataset", choices=DATASETS, default=None,
+    p.add_argument("--dataset", choices=DATASETS, default=d["dataset"],
                    help="digits (default): bundled with scikit-learn (offline); the others download through "
                    "tensorflow-datasets on first use (mnist, fashion_mnist: or read from --data-dir DIR of IDX files)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
@@ -118,8 +118,8 @@ def _load_data(args):
                                      ("--num-classes", args.num_classes)) if v is not None]
         if local_only:
             raise ValueError(f"{', '.join(local_only)} apply to --data PATH only")
-        return _datasets.load_dataset(args.dataset or DEFAULTS["dataset"], data_dir=args.data_dir)
-    if args.dataset is not None or args.data_dir is not None:
+        return _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    if args.dataset != DEFAULTS["dataset"] or args.data_dir is not None:
         raise ValueError("give either --data PATH (your own data) or --dataset/--data-dir, not both")
     data = _datasets.load_local(args.data, label_column=args.label_column, feature_range=args.feature_range,
                                 test_fraction=args.test_fraction, num_classes=args.num_classes)
