@@ -61,7 +61,10 @@ def main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="medium")
     p.add_argument("--epochs", type=int, default=100, help="at most this many epochs (WithinLimit stops earlier)")
     p.add_argument("--lot-size", type=int, default=600)
-    p.add_argument("--clip", type=float, default=4.0, help="per-variable clipping bound")
+    p.add_argument("--clip", type=float, default=4.0, help="clipping bound (per variable, or of the whole gradient)")
+    p.add_argument("--clip-mode", choices=("per-layer", "flat"), default="per-layer",
+                   help="per-layer: every variable clipped to --clip, σ_v = σ·√V; flat: one bound, σ")
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (the paper: 0)")
     p.add_argument("--pca-components", type=int, default=60)
     p.add_argument("--pca-noise", type=float, default=16.0, help="DP-PCA noise multiplier on AᵀA")
     p.add_argument("--pca-sampling-rate", type=float, default=0.1, help="DP-PCA Poisson sampling rate")
@@ -102,10 +105,10 @@ def main(argv=None) -> int:
                 seed=args.seed, name="dp_pca")
     pca.adapt(data.x_train)
     model = build_model(args.pca_components, args.hidden, pca)
-    clips, sigmas = per_layer_clipping(model, args.clip, sigma)
+    clips, sigmas = per_layer_clipping(model, args.clip, sigma) if args.clip_mode == "per-layer" else (args.clip, sigma)
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     lr = keras.optimizers.schedules.PolynomialDecay(0.1, 10 * lots.steps_per_epoch, end_learning_rate=0.052)
-    optimizer = lots.configure(DPSGDOptimizer(clips, sigmas, learning_rate=lr, seed=args.seed))
+    optimizer = lots.configure(DPSGDOptimizer(clips, sigmas, learning_rate=lr, momentum=args.momentum, seed=args.seed))
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
                   weighted_metrics=["accuracy"])

@@ -254,7 +254,7 @@ def test_mnist_example_reads_idx_data_dir(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(root, "examples", "mnist_dpsgd.py"), "--data-dir", str(d), "--preset", "large",
          "--epochs", "1", "--lot-size", "32", "--hidden", "8", "--pca-components", "4", "--pca-sampling-rate", "1",
-         "--delta", "1e-3", "--seed", "0"],
+         "--delta", "1e-3", "--seed", "0", "--clip-mode", "flat", "--momentum", "0.9"],
         capture_output=True, text=True, timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), cwd=root)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "DP-SGD steps" in proc.stdout and "test accuracy" in proc.stdout
