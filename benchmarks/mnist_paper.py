@@ -19,6 +19,9 @@ it downloads nothing.
 
     python benchmarks/mnist_paper.py --data-dir ../shared/data/mnist --target-epsilon 2 --sigma 4
     python benchmarks/mnist_paper.py --data-dir DIR --target-epsilon 2 --epochs 30 --clip-mode flat
+
+The README's "MNIST: Abadi et al. 2016, measured" lists every run made with it
+(benchmarks/results/mnist_paper_runs.jsonl) and what changed the accuracy.
 """
 
 from __future__ import annotations
