@@ -25,7 +25,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run (< 30 s)")
     p.add_argument("--dataset", choices=["digits", "cifar10"], default="digits")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory (cifar10)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lot-size", type=int, default=None)
     p.add_argument("--epsilon", type=float, default=3.0)
@@ -51,9 +53,11 @@ def main(argv=None):
     from keras_dpsgd.tools import (AdaptiveDPSGDOptimizer, ClipBoundsLogger, calibrate_adaptive_noise_multiplier,
                                    convnet_builder, initial_clip_bounds, load_digits, load_tfds, mlp_builder)
 
+    from keras_dpsgd._datasets import load_local_arrays as load_arrays
+
     rng = np.random.default_rng(args.seed)
-    if args.dataset == "cifar10":
-        (xtr, ytr), (xte, yte) = load_tfds("cifar10", data_dir=args.data_dir)
+    if args.data or args.dataset == "cifar10":
+        (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         build = convnet_builder(xtr.shape[1:], 10)
         epochs, lot, lr = args.epochs or 60, args.lot_size or 128, args.learning_rate or 0.01
     else:

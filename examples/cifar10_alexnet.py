@@ -93,13 +93,15 @@ def main(argv=None) -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--public-model", default=None, help="saved model whose conv layers are frozen (public data)")
     p.add_argument("--save-model", default=None, help="save the trained model here (.keras)")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="local CIFAR-10 as a .npz (x_train, y_train, x_test, y_test; uint8 32x32x3), no download")
     p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
 
     from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
-    from keras_dpsgd._datasets import load_tfds
+    from keras_dpsgd._datasets import load_local, load_tfds
 
     if args.smoke:
         import tensorflow_datasets as tfds
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
         args.epochs, args.lot_size, args.physical_batch_size, args.delta = 1, 16, 32, 1e-3
     else:
         try:
-            data = load_tfds("cifar10", data_dir=args.data_dir)
+            data = load_local(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         except ValueError as err:
             print(f"cifar10_alexnet.py: error: {err}", file=sys.stderr)
             return 2

@@ -31,7 +31,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny run (< 30 s)")
     p.add_argument("--dataset", choices=["digits", "cifar10"], default="digits")
-    p.add_argument("--data-dir", default=None)
+    p.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory (cifar10)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory")
     p.add_argument("--lot-sizes", type=int, nargs="+", default=None)
     p.add_argument("--epochs", type=float, default=None)
     p.add_argument("--epsilon", type=float, default=None)
@@ -52,9 +54,11 @@ def main(argv=None):
     from keras_dpsgd.tools import (convnet_builder, large_lot_table, load_digits, load_tfds, mlp_builder,
                                    plot_noise_per_example)
 
+    from keras_dpsgd._datasets import load_local_arrays as load_arrays
+
     rng = np.random.default_rng(args.seed)
-    if args.dataset == "cifar10":
-        (xtr, ytr), (xte, yte) = load_tfds("cifar10", data_dir=args.data_dir)
+    if args.data or args.dataset == "cifar10":
+        (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         build = convnet_builder(xtr.shape[1:], 10)
         d = dict(lots=[128, 512, 1024], epochs=60, eps=20.0, lr=0.01, base=128, cap=256, clip=1.0)
     else:

@@ -59,9 +59,11 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("--dataset", choices=DATASETS, default=d["dataset"],
-                   help="digits: bundled with scikit-learn (offline); the others download through "
-                   "tensorflow-datasets on first use")
-    p.add_argument("--data-dir", default=None, metavar="DIR", help="tensorflow-datasets data directory")
+                   help="digits (default): bundled with scikit-learn (offline); the others download through "
+                   "tensorflow-datasets on first use (mnist, fashion_mnist: or read from --data-dir DIR of IDX files)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="tensorflow-datasets data directory, or a directory of IDX files for mnist/fashion_mnist")
+    _register_local_data(p)
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
     p.add_argument("--width", type=positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
     p.add_argument("--target-epsilon", type=positive_float, default=d["target_epsilon"], metavar="X",
@@ -90,6 +92,43 @@ def register(subparsers) -> None:
                    "checked before training, the files are written atomically")
     add_json_flag(p)
     p.set_defaults(func=run)
+
+
+def _register_local_data(p) -> None:
+    """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd._local_data)."""
+    from keras_dpsgd._local_data import DEFAULT_TEST_FRACTION
+
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="your own data: a .npz (x_train, y_train[, x_test, y_test]), a .csv with a header row "
+                   "(needs --label-column), or a directory of IDX files (train-images-idx3-ubyte ..., plain or .gz)")
+    p.add_argument("--label-column", default=None, metavar="NAME", help="the CSV column holding integer labels")
+    p.add_argument("--feature-range", action="append", default=None, metavar="[NAME=]LO,HI",
+                   help="public range of the features (repeat for NAME=LO,HI per CSV column): features are clipped "
+                   "to it and scaled to [0, 1]. Never fitted on the data; default 0..255 for IDX/uint8, else as given")
+    p.add_argument("--test-fraction", type=float, default=DEFAULT_TEST_FRACTION, metavar="F",
+                   help="rows held out as the test set when the data has none (default %(default)s, a fixed split)")
+    p.add_argument("--num-classes", type=positive_int, default=None, metavar="K",
+                   help="number of classes if public (default: the largest label + 1, read from the data)")
+
+
+def _load_data(args):
+    """The training data: --data PATH (the user's own), else --dataset (default digits)."""
+    from keras_dpsgd import _datasets
+
+    if args.data is None:
+        local_only = [f for f, v in (("--label-column", args.label_column), ("--feature-range", args.feature_range),
+                                     ("--num-classes", args.num_classes)) if v is not None]
+        if local_only:
+            raise ValueError(f"{', '.join(local_only)} apply to --data PATH only")
+        return _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    if args.dataset != DEFAULTS["dataset"] or args.data_dir is not None:
+        raise ValueError("give either --data PATH (your own data) or --dataset/--data-dir, not both")
+    data = _datasets.load_local(args.data, label_column=args.label_column, feature_range=args.feature_range,
+                                test_fraction=args.test_fraction, num_classes=args.num_classes)
+    if args.model == "cnn" and len(data.input_shape) != 3:
+        raise ValueError(f"model cnn needs images of shape (H, W, C), got examples of shape {data.input_shape}; "
+                         f"use --model mlp")
+    return data
 
 
 def _check_args(args) -> None:
@@ -135,7 +174,7 @@ def train(args) -> dict:
     _check_args(args)
     import tf_keras as keras
 
-    from keras_dpsgd import _datasets, _models
+    from keras_dpsgd import _models
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
     from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
@@ -143,7 +182,9 @@ def train(args) -> dict:
     from keras_dpsgd.sampling import PoissonLots
 
     start = time.perf_counter()
-    data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    data = _load_data(args)
+    for note in data.notes:
+        print(f"data: {note}")
     n = data.num_examples
     if args.lot_size > n:
         raise ValueError(f"lot_size must be in [1, N = {n}], got {args.lot_size}")
@@ -168,7 +209,7 @@ def train(args) -> dict:
     )
     logger = PrivacyLogger(delta, accountant=args.accountant)
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
-    print(_plan_text(args, n, delta, lots, planned, sigma, calibrated))
+    print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated))
     model.fit(
         lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
         callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
@@ -180,6 +221,7 @@ def train(args) -> dict:
         "dataset": data.name,
         "model": args.model,
         "num_examples": n,
+        "data_notes": list(data.notes),
         "epsilon": float(epsilon),
         "target_epsilon": args.target_epsilon,
         "delta": float(delta),
@@ -208,10 +250,10 @@ def train(args) -> dict:
     return result
 
 
-def _plan_text(args, n, delta, lots, planned, sigma, calibrated) -> str:
+def _plan_text(args, name, n, delta, lots, planned, sigma, calibrated) -> str:
     how = "calibrated to the target" if calibrated else "given"
     return (
-        f"DP-SGD on {args.dataset} (N = {n}): {planned} steps planned ({args.epochs} epochs of "
+        f"DP-SGD on {name} (N = {n}): {planned} steps planned ({args.epochs} epochs of "
         f"{lots.lots_per_epoch} Poisson lots, expected size {args.lot_size}, q = {lots.sampling_rate:.4g}), "
         f"σ = {sigma:.4g} ({how}), C = {args.l2_norm_clip:g}; budget ε = {args.target_epsilon:g} at "
         f"δ = {delta:.3g}"
