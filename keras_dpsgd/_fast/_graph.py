@@ -56,6 +56,9 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
     graph = loss.graph
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
     analysis = _rows.propagate(ops_in_order(ancestors(loss)), captured)
+    if analysis.sources and all(s.shape[0] == 1 for s in analysis.sources):
+        # One example (static shapes): nothing can mix or mis-group, every row is example 0.
+        analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
     status = analysis.rows.get(loss.ref())
     if status is not None and status.kind == "mixed":
         raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
