@@ -80,6 +80,7 @@ class ReferenceBackend:
         var_list: Sequence[tf.Variable],
         tape: tf.GradientTape,
         clip_factors: ClipFactorsFn,
+        checked: bool = False,
     ) -> tuple[list[tf.Tensor], tf.Tensor]:
         """Steps 1-3: per-example gradients, clip, sum.
 
@@ -88,11 +89,24 @@ class ReferenceBackend:
           var_list: the trainable variables (V of them).
           tape: the tape that recorded the forward pass.
           clip_factors: maps sq_norms [B, V] to factors [B, V].
+          checked: the caller has already run the graph check of the loss
+            (``keras_dpsgd._fast._graph.analyze``) and attaches its run-time
+            assertions itself.
 
         Returns:
           (summed, sq_norms): the clipped sums, one dense tensor per
           variable, and the per-example squared norms [B, V].
+
+        Raises:
+          ValueError: in a traced step, an op upstream of the loss mixes the
+            examples of the batch, or the loss does not have one entry per
+            example (a jacobian per row cannot make that private either).
         """
+        checks = []
+        if not checked and not tf.executing_eagerly() and hasattr(loss, "graph"):
+            from keras_dpsgd._fast import _graph
+
+            checks = _graph.runtime_checks(loss, _graph.analyze(loss))
         jacobians = tape.jacobian(
             loss,
             list(var_list),
@@ -111,6 +125,10 @@ class ReferenceBackend:
             keep = tf.reshape(f_v > 0, [-1] + [1] * (jac.shape.rank - 1))
             jac = tf.where(keep, jac, tf.zeros_like(jac))
             summed.append(tf.tensordot(f_v, jac, axes=[[0], [0]]))
+        if checks:
+            with tf.control_dependencies(checks):
+                summed = [tf.identity(s) for s in summed]
+                sq_norms = tf.identity(sq_norms)
         return summed, sq_norms
 
 

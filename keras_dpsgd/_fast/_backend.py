@@ -12,8 +12,10 @@ Algorithm (one DP-SGD step, Abadi et al. 2016, Alg. 1, lines "compute gradient" 
    gradients where the shape makes materializing cheaper (Conv2D kernels: one matmul per kernel tap
    on slices of the input, ``_conv``); variables with an unknown use get exact per-example
    jacobians instead (``GradientTape.jacobian``).
-   If an op upstream of the loss reorders or mixes examples (see ``_graph.batch_major_ops``),
-   row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y: the whole step then uses the reference path.
+   Every op upstream of the loss must be known to keep the examples apart (``_rows``, an
+   allowlist): if one reorders them or is unknown, row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y and
+   the whole step uses the reference path; if one mixes them (batch statistics, a reduction over
+   the batch axis), ``_graph.analyze`` raises ValueError, since no backend is private then.
 4. ``clip_factors(sq_norms)`` (flat or per-layer clipping, decided by the caller).
 5. Clipped sums ``Σ_i c_iv g_i[v]`` by book-keeping (Bu et al. 2023).
 
@@ -95,7 +97,8 @@ class FastBackend:
           the float32 per-example squared norms [B, V].
 
         Raises:
-          ValueError: empty `var_list`, or `loss` not of rank 1.
+          ValueError: empty `var_list`, `loss` not of rank 1, or an op upstream of the loss that
+            mixes the examples of the batch (``_graph.analyze``).
         """
         var_list = list(var_list)
         if not var_list:
@@ -105,10 +108,17 @@ class FastBackend:
             return _reference_backend().clipped_sum(loss, var_list, tape, clip_factors)
         if loss.shape.rank != 1:
             raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
-        groups = self._groups(loss, var_list, tape)
-        if groups is None:  # The loss mixes examples: only the jacobian path is meaningful.
+        analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.
+        checks = _graph.runtime_checks(loss, analysis)
+        if not analysis.clean(loss):
+            # Reordered rows or an op outside the allowlist: per-example jacobians are exact
+            # (the loss is per example), ghost norms might mis-group the rows.
             self.last_fallback = [v.name for v in var_list]
-            return _reference_backend().clipped_sum(loss, var_list, tape, clip_factors)
+            summed, sq_norms = _reference_backend().clipped_sum(
+                loss, var_list, tape, clip_factors, checked=True
+            )
+            return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
+        groups = self._groups(loss, var_list, tape, analysis)
         batch = tf.shape(loss)[0]
         sq_norms = tf.stack(
             [g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1
@@ -120,15 +130,10 @@ class FastBackend:
                 summed.append(tf.zeros(var.shape, var.dtype))
             else:
                 summed.append(tf.cast(group.clipped_sum(factors[:, v]), var.dtype))
-        return summed, sq_norms
+        return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
 
-    def _groups(self, loss, var_list, tape) -> list:
+    def _groups(self, loss, var_list, tape, clean) -> list:
         ops = _graph.ancestors(loss)
-        clean = _graph.batch_major_ops(ops)
-        if not clean.get(loss.op):
-            # Row i of ∂(Σℓ)/∂y is ∂ℓ_i/∂y only if ℓ_i depends on example i alone; an op that
-            # reorders or mixes examples upstream of the loss voids that.
-            return None
         static_batch = loss.shape[0]
         plans = []
         for var in var_list:

@@ -7,26 +7,23 @@ those). A variable is handled by the fast path only if *every* use is one of the
 ``_handlers`` and its activation side depends on the input data; otherwise it falls back to
 per-example jacobians (never to anything weaker).
 
-Assumption, as in every ghost-clipping implementation: activations that feed a handled op are
-batch-major, i.e. their axis 0 indexes the examples of the batch in order, possibly repeated
-contiguously (``[B·T, D]`` from ``tf.tensordot`` on ``[B, T, D]``). All built-in tf_keras
-layers satisfy it; the loss itself must be per-example (row ``i`` depends on example ``i`` only),
-which DP-SGD requires anyway.
+Activations that feed a handled op must be *proven* batch-major by ``_rows`` (an allowlist of
+ops that keep axis 0 as the examples of the batch in order, possibly repeated contiguously:
+``[B·T, D]`` from ``tf.tensordot`` on ``[B, T, D]``); ``analyze`` raises where an op upstream
+of the loss mixes the examples (then no per-example clipping is private).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd._fast import _rows
 from keras_dpsgd._fast._handlers import HANDLERS, gather_site
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
 # Ops that read only metadata (no gradient flows through them).
 _NO_GRADIENT = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-# Ops whose outputs are not data even when they have no data inputs.
-_NOT_DATA_SOURCES = frozenset({"Const", "ReadVariableOp", "ResourceGather", "VarHandleOp"})
 
 def ancestors(loss: tf.Tensor) -> set:
     """All ops from which ``loss`` is reachable along data edges."""
@@ -41,80 +38,94 @@ def ancestors(loss: tf.Tensor) -> set:
     return seen
 
 
-def batch_major_ops(ops: set) -> dict:
-    """Data-dependent ops among ``ops`` -> whether their outputs are still batch-major.
+_MIXING_HINT = (
+    "DP-SGD clips each example's gradient, which bounds nothing when one example changes the "
+    "loss of the others. Make the loss per example: compute statistics per example "
+    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization), "
+    "and return one loss value per example of the batch."
+)
 
-    Forward propagation from the data sources (graph inputs, iterator outputs), in creation
-    order (a topological order of a FuncGraph). An output stops being batch-major after an op
-    that reorders or mixes axis 0: a Transpose moving axis 0, a reverse, reduction or data gather
-    along axis 0, and SpaceToBatchND (dilated convolutions) until
-    the matching BatchToSpaceND. Ops fed by a non-batch-major tensor are not handled by the fast
-    path (their variables use per-example jacobians).
 
-    Reshapes keep the property in the sense that matters: the elements of each example stay
-    contiguous and in order, so ``group_rows`` can regroup rows [B·T, ...] into [B, T, ...]; a
-    leading size that is not a multiple of B makes that reshape fail loudly.
+def analyze(loss: tf.Tensor) -> _rows.Analysis:
+    """Rows of every data tensor upstream of ``loss``; raises if the loss mixes examples.
+
+    Raises:
+      ValueError: an op upstream of the loss mixes the examples of the batch (the message names
+        the op and its Keras layer), or the loss has a static size other than the inputs' batch.
     """
-    status = {}  # op -> (mixed, space_to_batch_depth)
-    for op in ops_in_order(ops):
-        data_inputs = [status[t.op] for t in op.inputs if t.op in status]
-        is_source = (
-            op.type not in _NOT_DATA_SOURCES
-            and all(t.dtype == tf.resource for t in op.inputs)
-            and any(t.dtype != tf.resource for t in op.outputs)
+    graph = loss.graph
+    captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
+    analysis = _rows.propagate(ops_in_order(ancestors(loss)), captured)
+    if analysis.sources and all(s.shape[0] == 1 for s in analysis.sources):
+        # One example (static shapes): nothing can mix or mis-group, every row is example 0.
+        analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
+    status = analysis.rows.get(loss.ref())
+    if status is not None and status.kind == "mixed":
+        raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
+    if status is not None and status.kind == "rows" and status.k not in (None, 1):
+        raise ValueError(
+            f"The per-example loss must have one entry per example; it has {status.k} per example "
+            f"(loss shape {loss.shape}). Average the entries of each example (shape [batch_size])."
         )
-        if (not data_inputs and not is_source) or op.type in _NO_GRADIENT:
-            continue  # Shapes are metadata, not rows of examples.
-        mixed = any(m for m, _ in data_inputs)
-        depth = max((d for _, d in data_inputs), default=0)
-        if op.type in ("SpaceToBatchND", "SpaceToBatch"):
-            depth += 1
-        elif op.type in ("BatchToSpaceND", "BatchToSpace"):
-            depth -= 1
-            mixed = mixed or depth < 0
-        elif _reorders_batch(op, status):
-            mixed = True
-        status[op] = (mixed, depth)
-    return {op: (not mixed and depth == 0) for op, (mixed, depth) in status.items()}
+    for source in analysis.sources:
+        n, b = loss.shape[0], source.shape[0]
+        if n is not None and b is not None and n != b:
+            raise ValueError(
+                f"The per-example loss must have one entry per example of the batch: the loss has "
+                f"shape {loss.shape} but the input {source.name!r} has {b} examples (shape "
+                f"{source.shape}). Return the unreduced loss, shape [batch_size] (no "
+                f"reduce_mean(..., keepdims=True) over the batch)."
+            )
+    return analysis
+
+
+def runtime_checks(loss: tf.Tensor, analysis: _rows.Analysis) -> list:
+    """Assertions of what the trace could not prove: sizes known only at run time.
+
+    The loss has as many entries as every input has examples, and each reshape with unknown
+    sizes keeps whole examples in its rows (its batch axis is a multiple of the batch size).
+    """
+    if not analysis.sources:
+        return []
+    batch = tf.shape(analysis.sources[0])[0]
+    checks = []
+    for source in analysis.sources:
+        checks.append(
+            tf.debugging.assert_equal(
+                tf.shape(loss)[0], tf.shape(source)[0],
+                message=(
+                    f"keras_dpsgd: the per-example loss must have one entry per example of the "
+                    f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]"
+                ),
+            )
+        )
+    for t, axis in analysis.reshapes:
+        checks.append(
+            tf.debugging.assert_equal(
+                tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)), 0,
+                message=(
+                    f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
+                    "reshapes values of several examples into one row; the loss is not per example"
+                ),
+            )
+        )
+    return checks
+
+
+def with_checks(tensors, checks):
+    """``tensors`` (a list, or a tensor) made to depend on the run-time ``checks``."""
+    if not checks:
+        return tensors
+    with tf.control_dependencies(checks):
+        if isinstance(tensors, (list, tuple)):
+            return [tf.identity(t) for t in tensors]
+        return tf.identity(tensors)
 
 
 def ops_in_order(ops: set) -> list:
     """``ops`` in graph creation order."""
     graph = next(iter(ops)).graph
     return [op for op in graph.get_operations() if op in ops]
-
-
-_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "Cumsum", "Cumprod", "ArgMax", "ArgMin"})
-
-
-def _reorders_batch(op, status) -> bool:
-    if op.type in _REDUCTIONS:  # Across examples (axis 0), or unknown axes.
-        axes = tf.get_static_value(op.inputs[1])
-        rank = op.inputs[0].shape.rank
-        if rank == 0:
-            return False
-        return axes is None or rank is None or any(int(a) % rank == 0 for a in np.ravel(axes))
-    if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3"):  # xᵀ·(...) contracts examples.
-        flag = "transpose_a" if op.type == "MatMul" else "adj_x"
-        return op.inputs[0].op in status and bool(op.get_attr(flag))
-    if op.type in ("ConcatV2", "Roll"):
-        axis = tf.get_static_value(op.inputs[-1] if op.type == "ConcatV2" else op.inputs[2])
-        return axis is None or 0 in np.ravel(axis)
-    if op.type == "Transpose":
-        perm = tf.get_static_value(op.inputs[1])
-        return perm is None or int(perm[0]) != 0
-    if op.type == "ReverseV2":
-        axes = tf.get_static_value(op.inputs[1])
-        rank = op.inputs[0].shape.rank
-        if rank == 0:
-            return False
-        return axes is None or rank is None or any(int(a) % rank == 0 for a in np.ravel(axes))
-    if op.type in ("GatherV2", "Gather", "ResourceGather"):
-        if op.inputs[0].op not in status:
-            return False  # A lookup in a table: the output follows the ids.
-        axis = tf.get_static_value(op.inputs[2]) if op.type == "GatherV2" else 0
-        return axis is None or int(axis) == 0
-    return False
 
 
 def internal_handles(graph, var) -> list:

@@ -54,7 +54,7 @@ def _matmul(op, index, w, var, clean, static_batch):
     if index != 1 or op.get_attr("transpose_a"):
         return None
     a, y = op.inputs[0], op.outputs[0]
-    if not clean.get(a.op) or a.shape.rank != 2 or not _batch_major(a, static_batch):
+    if not clean.clean(a) or a.shape.rank != 2 or not _batch_major(a, static_batch):
         return None
     transposed = op.get_attr("transpose_b")
     if w.shape.rank != 2:
@@ -73,7 +73,7 @@ def _batch_matmul(op, index, w, var, clean, static_batch):
     if index != 1 or w.shape.rank != 2 or op.get_attr("adj_x"):
         return None
     x, y = op.inputs[0], op.outputs[0]
-    if not clean.get(x.op) or x.shape.rank is None or x.shape.rank < 3:
+    if not clean.clean(x) or x.shape.rank is None or x.shape.rank < 3:
         return None
     if not _batch_major(x, static_batch):
         return None
@@ -104,7 +104,7 @@ def _conv2d(op, index, w, var, clean, static_batch):
     if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
         return None
     kh, kw, cin, cout = (int(s) for s in w.shape)
-    if x.shape[3] != cin or not clean.get(x.op) or not _batch_major(x, static_batch):
+    if x.shape[3] != cin or not clean.clean(x) or not _batch_major(x, static_batch):
         return None
 
     positions = int(y.shape[1]) * int(y.shape[2]) if _conv.geometry_known(x, y) else None
@@ -144,7 +144,7 @@ def gather_site(op, index, var, clean, static_batch):
     if var.shape.rank != 2:
         return None
     ids, y = op.inputs[1], op.outputs[0]
-    if not clean.get(ids.op) or not _batch_major(ids, static_batch):
+    if not clean.clean(ids) or not _batch_major(ids, static_batch):
         return None
     return _index_site(ids, y, var, int(var.shape[1]))
 
@@ -155,7 +155,7 @@ def _gather_v2(op, index, w, var, clean, static_batch):
         return None
     axis = tf.get_static_value(op.inputs[2])
     ids, y = op.inputs[1], op.outputs[0]
-    if axis is None or int(axis) != 0 or not clean.get(ids.op):
+    if axis is None or int(axis) != 0 or not clean.clean(ids):
         return None
     if not _batch_major(ids, static_batch) or var.shape.num_elements() != w.shape.num_elements():
         return None
@@ -178,7 +178,7 @@ def _elementwise(op, index, w, var, clean, static_batch):
         return None
     if w_rank == y_rank and w.shape[0] != 1:
         return None  # w is not broadcast over axis 0: y's rows are not examples.
-    if not clean.get(y.op) or not _batch_major(y, static_batch) or not w.shape.is_fully_defined():
+    if not clean.clean(y) or not _batch_major(y, static_batch) or not w.shape.is_fully_defined():
         return None
     if op.type == "BiasAdd":
         w_shape = [1] * (y_rank - 1) + [int(w.shape[0])]
@@ -219,7 +219,7 @@ def _einsum(op, index, w, var, clean, static_batch):
     if any(len(set(s)) != len(s) for s in (x_sub, w_sub, y_sub)) or not x_sub or not y_sub:
         return None
     b = x_sub[0]
-    if y_sub[0] != b or b in w_sub or not clean.get(x.op) or not _batch_major(x, static_batch):
+    if y_sub[0] != b or b in w_sub or not clean.clean(x) or not _batch_major(x, static_batch):
         return None
     if any(c not in x_sub and c not in y_sub for c in w_sub) or not w.shape.is_fully_defined():
         return None

@@ -1,0 +1,648 @@
+"""Which tensors of a traced train step keep the examples of the batch apart (an allowlist).
+
+DP-SGD's sensitivity bound needs the per-example loss ``ℓ_i`` to depend on example ``i`` alone;
+the fast backend further needs every activation it uses to be *batch-major*: along one axis (the
+batch axis), example ``i`` owns the contiguous block of indices ``[i·k, (i+1)·k)``.
+
+``analyze(loss)`` propagates a :class:`Rows` status forward from the data sources (the step's
+inputs: placeholders and iterator outputs), in graph creation order. An op keeps the status only
+if it is in the allowlist of ``_RULES`` *and* its attributes show that it keeps the examples apart
+(an elementwise op whose data operands have the batch on the same axis, a reduction over other
+axes, a reshape whose rows hold whole examples, a slice taking the whole batch axis in order...).
+The outcomes, per tensor:
+
+* batch-major (``Rows.order is None``): ghost norms may use it;
+* reordered (``Rows.order`` names the op): rows are whole examples, in another order (``x[::-1]``,
+  ``tf.tile``, a gather or concat along the batch axis): per-example jacobians stay exact, ghost
+  norms would mis-group them; anything later that would pair rows of two orders, or restructure
+  the batch axis, is *mixing*;
+* opaque (``Rows.kind == "opaque"``): an op outside the allowlist (control flow, custom ops); only
+  the jacobian (reference) path is used, which is exact as long as the model is per-example;
+* mixing (``Rows.kind == "mixed"``): a reduction over the batch axis, a matmul contracting it,
+  batch statistics, a reshape putting values of two examples in one row, ... No per-example
+  clipping can bound the sensitivity then: ``analyze`` raises ``ValueError`` naming the layer.
+
+Where a reshape's rows can only be checked when the shapes are known (a sequence length that is
+None at trace time), ``analyze`` returns run-time assertions: the rows along the batch axis are a
+multiple of the batch size, and the loss has exactly one entry per example of the inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How a data tensor lays out the examples of the batch."""
+
+    kind: str = "rows"  # "rows", "opaque" or "mixed"
+    axis: int = 0  # the batch axis (kind "rows")
+    k: Optional[int] = 1  # indices per example along it (None: unknown at trace time)
+    depth: int = 0  # SpaceToBatchND nesting (dilated convolutions)
+    order: Optional[str] = None  # None: examples in order; else the op that reordered them
+    reason: str = ""  # kind "mixed": what mixes, naming the op
+
+    @property
+    def clean(self) -> bool:
+        return self.kind == "rows" and self.order is None and self.axis == 0 and self.depth == 0
+
+
+OPAQUE = Rows(kind="opaque")
+_NO_DATA = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})
+_SOURCES = frozenset({"Placeholder", "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+
+
+def layer_scope(op) -> str:
+    """The name scope of ``op``, i.e. the Keras layer that created it (``model/layer``)."""
+    return op.name.rpartition("/")[0] or op.name
+
+
+def mixed(op, what: str) -> Rows:
+    return Rows(
+        kind="mixed",
+        reason=f"op {op.name!r} ({op.type}) in layer {layer_scope(op)!r} {what}",
+    )
+
+
+def _reordered(r: Rows, op) -> Rows:
+    """Rows reordered (or repeated, or dropped) along the batch axis by ``op``: a new order."""
+    return dataclasses.replace(r, order=op.name, k=None)
+
+
+def _static(t):
+    value = tf.get_static_value(t)
+    return None if value is None else np.asarray(value)
+
+
+def _norm_axes(axes, rank):
+    return sorted({int(a) % rank for a in np.ravel(axes)})
+
+
+def _dim(t, axis):
+    return t.shape[axis] if t.shape.rank is not None and 0 <= axis < t.shape.rank else None
+
+
+# -------------------------------------------------------------------------- rules
+# A rule gets (op, rows of each input or None for a non-data input) and returns one Rows for
+# every output, or a single Rows for all of them. Rules run only when every data input is "rows";
+# `_combine` (same batch axis, same order) has already been applied to elementwise ops.
+
+_UNARY = frozenset(
+    """Identity Cast StopGradient PreventGradient EnsureShape CheckNumerics PlaceholderWithDefault
+    Snapshot Relu Relu6 Elu Selu LeakyRelu Softplus Softsign Tanh Sigmoid Exp Expm1 Log Log1p Neg
+    Abs Square Sqrt Rsqrt Reciprocal Inv Sign Floor Ceil Round Rint Erf Erfc Sin Cos Tan Asin Acos
+    Atan Sinh Cosh Asinh Acosh Atanh IsFinite IsNan IsInf LogicalNot Lgamma Digamma Real Imag
+    LRN ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea DepthToSpace SpaceToDepth
+    """.split()
+)
+_ELEMENTWISE = frozenset(
+    """Add AddV2 AddN Sub Mul MulNoNan RealDiv Div DivNoNan FloorDiv FloorMod Mod TruncateDiv
+    TruncateMod Maximum Minimum Pow SquaredDifference Atan2 Xlogy Xdivy Xlog1py BiasAdd BiasAddV1
+    Equal NotEqual Greater GreaterEqual Less LessEqual LogicalAnd LogicalOr Select SelectV2
+    ClipByValue BroadcastTo""".split()
+)
+_IMAGE_AXIS0_OPS = frozenset({"LRN", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea", "DepthToSpace", "SpaceToDepth"})
+_REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
+
+
+def _data(ins):
+    return [(i, r) for i, r in enumerate(ins) if r is not None]
+
+
+def _unary(op, ins):
+    (_, r), = _data(ins)
+    if op.type in _IMAGE_AXIS0_OPS and r.axis != 0:
+        return mixed(op, "works across the batch axis")
+    return r
+
+
+def _softmax(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    if rank is None or r.axis == rank - 1:
+        return mixed(op, "normalizes across the examples (softmax over the batch axis)")
+    return r
+
+
+def _elementwise(op, ins):
+    out = op.outputs[0]
+    rank = out.shape.rank
+    data = _data(ins)
+    if op.type == "Select" and len(data) and rank is not None:
+        # tf.compat.v1.where: a rank-1 condition picks rows.
+        cond = op.inputs[0]
+        if ins[0] is not None and cond.shape.rank == 1 and ins[0].axis == 0:
+            data = [(i, r) for i, r in data if i != 0]
+            if not data:
+                return dataclasses.replace(ins[0])
+    if rank is None:
+        return mixed(op, "has an output of unknown rank")
+    for i, r in data:
+        t = op.inputs[i]
+        if t.shape.rank != rank:
+            return mixed(op, f"broadcasts input {i} of rank {t.shape.rank} against rank {rank}")
+        if r.axis != data[0][1].axis:
+            return mixed(op, "pairs tensors with the batch on different axes")
+        if t.shape[r.axis] == 1 and out.shape[r.axis] != 1:
+            return mixed(op, "broadcasts one row over the batch")
+    k = next((r.k for _, r in data if r.k is not None), None)
+    return dataclasses.replace(data[0][1], k=k)
+
+
+def _reduction(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    axes = _static(op.inputs[1])
+    if rank is None or axes is None:
+        return mixed(op, "reduces over axes unknown at trace time (possibly the batch axis)")
+    if rank == 0:
+        return r
+    axes = _norm_axes(axes, rank)
+    if r.axis in axes:
+        return mixed(op, "reduces over the batch axis")
+    if op.get_attr("keep_dims"):
+        return r
+    return dataclasses.replace(r, axis=r.axis - sum(a < r.axis for a in axes))
+
+
+def _arg_reduction(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    axis = _static(op.inputs[1])
+    if rank is None or axis is None or int(axis) % rank == r.axis:
+        return mixed(op, "reduces over the batch axis")
+    return dataclasses.replace(r, axis=r.axis - (int(axis) % rank < r.axis))
+
+
+def _cumulative(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    axis = _static(op.inputs[1])
+    if rank is None or axis is None or int(axis) % rank == r.axis:
+        return mixed(op, "accumulates along the batch axis")
+    return r
+
+
+def _transpose(op, ins):
+    (_, r), = _data(ins)
+    perm = _static(op.inputs[1])
+    if perm is None:
+        return mixed(op, "moves axes by a permutation unknown at trace time")
+    return dataclasses.replace(r, axis=[int(p) for p in perm].index(r.axis))
+
+
+def _expand_dims(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    axis = _static(op.inputs[1])
+    if rank is None or axis is None:
+        return mixed(op, "inserts an axis at a position unknown at trace time")
+    a = int(axis) % (rank + 1)
+    return dataclasses.replace(r, axis=r.axis + (a <= r.axis))
+
+
+def _squeeze(op, ins):
+    (_, r), = _data(ins)
+    x = op.inputs[0]
+    if x.shape.rank is None:
+        return mixed(op, "squeezes a tensor of unknown rank")
+    dims = [int(d) % x.shape.rank for d in op.get_attr("squeeze_dims")]
+    if not dims:
+        if x.shape[r.axis] is None or x.shape[r.axis] == 1:
+            return mixed(op, "may squeeze the batch axis")
+        dims = [i for i, s in enumerate(x.shape) if s == 1]
+    if r.axis in dims:
+        return mixed(op, "squeezes the batch axis")
+    return dataclasses.replace(r, axis=r.axis - sum(d < r.axis for d in dims))
+
+
+def _reshape(op, ins):
+    r = ins[0]
+    x, y = op.inputs[0], op.outputs[0]
+    if x.shape.rank is None or y.shape.rank is None:
+        return mixed(op, "reshapes to or from an unknown rank")
+    if any(s != 1 for s in x.shape[: r.axis]):
+        return mixed(op, "merges the batch axis with the axes before it")
+    j = next((i for i, s in enumerate(y.shape) if s != 1), 0)
+    per_example = [r.k, *x.shape[r.axis + 1 :]]
+    row = list(y.shape[j + 1 :])
+    if all(s is not None for s in per_example + row):
+        e, w = int(np.prod(per_example)), int(np.prod(row))
+        if e % w:
+            return mixed(op, "puts values of several examples into one row")
+        return dataclasses.replace(r, axis=j, k=e // w)
+    if r.order is not None:
+        return mixed(op, "reshapes reordered examples")
+    return dataclasses.replace(r, axis=j, k=None)  # Checked at run time (`analyze`).
+
+
+def _strided_slice(op, ins):
+    r = ins[0]
+    x = op.inputs[0]
+    begin, end, strides = (_static(t) for t in op.inputs[1:4])
+    if x.shape.rank is None or begin is None or strides is None:
+        return mixed(op, "slices with bounds unknown at trace time")
+    masks = {m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    n = len(begin)
+    real = sum(1 for i in range(n) if not ((masks["ellipsis_mask"] | masks["new_axis_mask"]) >> i) & 1)
+    in_dim = out_dim = 0
+    result = None
+    for i in range(n):
+        bit = 1 << i
+        if masks["ellipsis_mask"] & bit:
+            span = x.shape.rank - real
+            if in_dim <= r.axis < in_dim + span:
+                result = out_dim + r.axis - in_dim
+            in_dim, out_dim = in_dim + span, out_dim + span
+            continue
+        if masks["new_axis_mask"] & bit:
+            out_dim += 1
+            continue
+        if in_dim == r.axis:
+            if masks["shrink_axis_mask"] & bit:
+                return mixed(op, "picks one example out of the batch")
+            whole = (
+                int(strides[i]) == 1
+                and (masks["begin_mask"] & bit or int(begin[i]) == 0)
+                and masks["end_mask"] & bit
+            )
+            result = out_dim if whole else None
+            if not whole:
+                return _reordered(dataclasses.replace(r, axis=out_dim), op)
+        in_dim += 1
+        out_dim += 0 if masks["shrink_axis_mask"] & bit else 1
+    if result is None and r.axis >= in_dim:
+        result = out_dim + r.axis - in_dim
+    if result is None:
+        return mixed(op, "slices the batch axis in a way the analysis does not follow")
+    return dataclasses.replace(r, axis=result)
+
+
+def _slice(op, ins):
+    r = ins[0]
+    begin, size = _static(op.inputs[1]), _static(op.inputs[2])
+    if begin is None or size is None:
+        return mixed(op, "slices with bounds unknown at trace time")
+    if int(begin[r.axis]) == 0 and int(size[r.axis]) == -1:
+        return r
+    return _reordered(r, op)
+
+
+def _along_axis(op, ins, axis_value, rank, data):
+    """Concat/Pad-like ops: rows kept unless ``axis_value`` is the batch axis (then reordered)."""
+    r = data[0][1]
+    if axis_value is None or rank is None:
+        return mixed(op, "works along an axis unknown at trace time")
+    if r.axis in _norm_axes(axis_value, rank):
+        return _reordered(r, op)
+    return r
+
+
+def _concat(op, ins):
+    data = _data(ins[:-1])
+    if any(r.axis != data[0][1].axis for _, r in data):
+        return mixed(op, "concatenates tensors with the batch on different axes")
+    return _along_axis(op, ins, _static(op.inputs[-1]), op.outputs[0].shape.rank, data)
+
+
+def _pack(op, ins):
+    data = _data(ins)
+    if any(r.axis != data[0][1].axis for _, r in data):
+        return mixed(op, "stacks tensors with the batch on different axes")
+    r = data[0][1]
+    a = op.get_attr("axis") % (op.outputs[0].shape.rank or 1)
+    return dataclasses.replace(r, axis=r.axis + (a <= r.axis))
+
+
+def _unpack(op, ins):
+    (_, r), = _data(ins)
+    rank = op.inputs[0].shape.rank
+    a = op.get_attr("axis") % rank
+    if a == r.axis:
+        return mixed(op, "unstacks the batch into single examples")
+    return dataclasses.replace(r, axis=r.axis - (a < r.axis))
+
+
+def _split(op, ins):
+    value, axis = (1, 0) if op.type == "Split" else (0, 2)
+    r = ins[value]
+    if r is None or ins[axis] is not None:
+        return mixed(op, "splits along a data-dependent axis")
+    return _along_axis(op, ins, _static(op.inputs[axis]), op.inputs[value].shape.rank, [(value, r)])
+
+
+def _tile(op, ins):
+    r = ins[0]
+    multiples = _static(op.inputs[1])
+    if multiples is None:
+        return mixed(op, "tiles by multiples unknown at trace time")
+    return r if int(multiples[r.axis]) == 1 else _reordered(r, op)
+
+
+def _pad(op, ins):
+    r = ins[0]
+    paddings = _static(op.inputs[1])
+    if paddings is None:
+        return mixed(op, "pads by amounts unknown at trace time")
+    return r if not np.any(paddings[r.axis]) else _reordered(r, op)
+
+
+def _reverse_or_roll(op, ins):
+    r = ins[0]
+    axes = _static(op.inputs[1] if op.type == "ReverseV2" else op.inputs[2])
+    return _along_axis(op, ins, axes, op.inputs[0].shape.rank, [(0, r)])
+
+
+def _gather(op, ins):
+    params, ids = ins[0], ins[1]
+    p = op.inputs[0]
+    axis = 0 if op.type in ("Gather", "ResourceGather") else _static(op.inputs[2])
+    batch_dims = op.get_attr("batch_dims") if op.type != "Gather" else 0
+    if axis is None or p.shape.rank is None:
+        return mixed(op, "gathers along an axis unknown at trace time")
+    axis = int(axis) % max(p.shape.rank, 1)
+    ids_rank = op.inputs[1].shape.rank
+    if params is None:  # A table lookup: the output follows the ids.
+        return dataclasses.replace(ids, axis=axis + ids.axis) if batch_dims == 0 else mixed(op, "gathers with batch_dims")
+    if ids is None:
+        if axis == params.axis:
+            return _reordered(params, op)
+        if axis > params.axis or ids_rank is None:
+            return params if ids_rank is not None else mixed(op, "gathers with ids of unknown rank")
+        return dataclasses.replace(params, axis=params.axis - 1 + ids_rank)
+    if batch_dims >= 1 and params.axis == 0 and ids.axis == 0 and params.order == ids.order:
+        return params  # Per-example gather (tf.gather(x, i, batch_dims=1)).
+    return mixed(op, "indexes rows of one tensor by data")
+
+
+def _resource_gather(op, ins):
+    ids = ins[1]
+    if op.get_attr("batch_dims") != 0:
+        return mixed(op, "gathers with batch_dims")
+    return ids
+
+
+def _one_hot(op, ins):
+    r = ins[0]
+    a = op.get_attr("axis")
+    if a == -1 or a > r.axis:
+        return r
+    return dataclasses.replace(r, axis=r.axis + 1)
+
+
+def _matmul(op, ins):
+    a, b = ins[0], ins[1]
+    if b is not None:
+        col = 0 if op.get_attr("transpose_b") else 1
+        if a is None and b.axis == col:
+            return dataclasses.replace(b, axis=1)
+        return mixed(op, "multiplies by a matrix computed from the batch (contracts or pairs examples)")
+    row = 1 if op.get_attr("transpose_a") else 0
+    if a.axis != row:
+        return mixed(op, "contracts the batch axis (xᵀ·...)")
+    return dataclasses.replace(a, axis=0)
+
+
+def _batch_matmul(op, ins):
+    out_rank = op.outputs[0].shape.rank
+    if out_rank is None:
+        return mixed(op, "has an output of unknown rank")
+    axes = []
+    for i, r in _data(ins):
+        rank = op.inputs[i].shape.rank
+        adj = op.get_attr("adj_x" if i == 0 else "adj_y")
+        if rank is None:
+            return mixed(op, "multiplies a tensor of unknown rank")
+        if r.axis < rank - 2:
+            axes.append(r.axis + out_rank - rank)
+        elif i == 0 and r.axis == rank - 2 + adj:
+            axes.append(out_rank - 2)
+        elif i == 1 and r.axis == rank - 1 - adj:
+            axes.append(out_rank - 1)
+        else:
+            return mixed(op, "contracts the batch axis")
+    data = _data(ins)
+    if len(set(axes)) != 1 or len({r.order for _, r in data}) != 1:
+        return mixed(op, "pairs the examples of two tensors")
+    if len(data) == 2 and axes[0] >= out_rank - 2:
+        return mixed(op, "multiplies two matrices computed from the batch")
+    return dataclasses.replace(data[0][1], axis=axes[0])
+
+
+def _einsum(op, ins):
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    if "->" not in equation:
+        return mixed(op, "has an implicit einsum output")
+    subs, out = equation.split("->")
+    subs = subs.split(",")
+    letters = []
+    for i, r in _data(ins):
+        sub = subs[i]
+        dots = sub.find("...")
+        if dots != -1 and r.axis >= dots:
+            return mixed(op, "puts the batch axis under an einsum ellipsis")
+        letter = sub[r.axis]
+        if letter not in out:
+            return mixed(op, "sums over the batch axis")
+        letters.append(letter)
+    data = _data(ins)
+    if len(set(letters)) != 1 or len({r.order for _, r in data}) != 1:
+        return mixed(op, "pairs the examples of two tensors")
+    out_axis = out.index(letters[0])
+    if "..." in out and out.find("...") < out_axis:
+        return mixed(op, "puts the batch axis after an einsum ellipsis")
+    return dataclasses.replace(data[0][1], axis=out_axis)
+
+
+def _conv(op, ins):
+    data_index = 2 if op.type.endswith("BackpropInput") else 0
+    r = ins[data_index]
+    if r is None or len(_data(ins)) != 1:
+        return mixed(op, "convolves with a filter computed from the batch")
+    if r.axis != 0:
+        return mixed(op, "convolves over the batch axis")
+    for attr in ("strides", "ksize"):
+        try:
+            values = list(op.get_attr(attr))
+        except ValueError:
+            continue
+        if values and values[0] != 1:
+            return mixed(op, f"has {attr}[0] != 1 (works across examples)")
+    return r
+
+
+def _patches(op, ins):
+    r = ins[0]
+    if r.axis != 0 or list(op.get_attr("ksizes"))[0] != 1 or list(op.get_attr("strides"))[0] != 1:
+        return mixed(op, "takes patches across examples")
+    return r
+
+
+def _space_to_batch(op, ins):
+    r = ins[0]
+    if r.axis != 0 or any(x is not None for x in ins[1:]):
+        return mixed(op, "moves data-dependent blocks into the batch")
+    return dataclasses.replace(r, depth=r.depth + 1, k=None)
+
+
+def _batch_to_space(op, ins):
+    r = ins[0]
+    if r.axis != 0 or r.depth == 0:
+        return mixed(op, "moves blocks of the batch into space")
+    return dataclasses.replace(r, depth=r.depth - 1, k=None)
+
+
+def _fused_batch_norm(op, ins):
+    r = ins[0]
+    if any(x is not None for x in ins[1:]):
+        return mixed(op, "normalizes with statistics computed from the batch")
+    if not op.get_attr("is_training"):
+        return r
+    fmt = op.get_attr("data_format").decode()
+    channel = 1 if fmt.startswith("NC") else op.inputs[0].shape.rank - 1
+    if r.axis != channel:
+        return mixed(op, "normalizes with batch statistics (BatchNormalization in training)")
+    # One channel per row: LayerNormalization's fused kernel on [1, B·T, D, 1].
+    stats = dataclasses.replace(r, axis=0)
+    return [r] + [stats] * (len(op.outputs) - 1)
+
+
+def _xent(op, ins):
+    data = _data(ins)
+    if any(r.axis != 0 for _, r in data) or len({r.order for _, r in data}) != 1:
+        return mixed(op, "pairs logits and labels of different examples")
+    return data[0][1]
+
+
+_RULES = {
+    **{name: _unary for name in _UNARY},
+    **{name: _elementwise for name in _ELEMENTWISE},
+    **{name: _reduction for name in _REDUCTIONS},
+    "Softmax": _softmax,
+    "LogSoftmax": _softmax,
+    "ArgMax": _arg_reduction,
+    "ArgMin": _arg_reduction,
+    "Cumsum": _cumulative,
+    "Cumprod": _cumulative,
+    "CumulativeLogsumexp": _cumulative,
+    "Transpose": _transpose,
+    "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze,
+    "Reshape": _reshape,
+    "StridedSlice": _strided_slice,
+    "Slice": _slice,
+    "ConcatV2": _concat,
+    "Pack": _pack,
+    "Unpack": _unpack,
+    "Split": _split,
+    "SplitV": _split,
+    "Tile": _tile,
+    "Pad": _pad,
+    "PadV2": _pad,
+    "MirrorPad": _pad,
+    "ReverseV2": _reverse_or_roll,
+    "Roll": _reverse_or_roll,
+    "GatherV2": _gather,
+    "Gather": _gather,
+    "ResourceGather": _resource_gather,
+    "OneHot": _one_hot,
+    "MatMul": _matmul,
+    "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum,
+    "Conv2D": _conv,
+    "Conv3D": _conv,
+    "DepthwiseConv2dNative": _conv,
+    "Conv2DBackpropInput": _conv,
+    "MaxPool": _conv,
+    "AvgPool": _conv,
+    "MaxPool3D": _conv,
+    "AvgPool3D": _conv,
+    "ExtractImagePatches": _patches,
+    "SpaceToBatchND": _space_to_batch,
+    "BatchToSpaceND": _batch_to_space,
+    "FusedBatchNorm": _fused_batch_norm,
+    "FusedBatchNormV2": _fused_batch_norm,
+    "FusedBatchNormV3": _fused_batch_norm,
+    "SparseSoftmaxCrossEntropyWithLogits": _xent,
+    "SoftmaxCrossEntropyWithLogits": _xent,
+}
+# Ops whose data inputs are paired row by row: rows of two different orders must not meet.
+_PAIRING = _ELEMENTWISE | {"ConcatV2", "Pack", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "GatherV2", "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"}
+# Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
+_ROW_WISE = _UNARY | _ELEMENTWISE | _REDUCTIONS | {
+    "Softmax", "LogSoftmax", "ArgMax", "ArgMin", "Cumsum", "Cumprod", "CumulativeLogsumexp",
+    "Transpose", "ExpandDims", "Squeeze", "StridedSlice", "Slice", "ConcatV2", "Pack", "Split",
+    "SplitV", "Tile", "Pad", "PadV2", "MirrorPad", "ReverseV2", "Roll", "GatherV2", "Gather",
+    "ResourceGather", "OneHot", "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "MaxPool", "AvgPool", "MaxPool3D",
+    "AvgPool3D", "ExtractImagePatches", "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits", "Reshape",
+}
+
+
+def _propagate(op, ins) -> list:
+    """Rows of each output of ``op`` given those of its inputs (None: not data)."""
+    n = len(op.outputs)
+    data = _data(ins)
+    for _, r in data:
+        if r.kind == "mixed":
+            return [r] * n
+    if any(r.kind == "opaque" for _, r in data):
+        return [OPAQUE] * n
+    orders = {r.order for _, r in data}
+    if len(orders) > 1 and op.type in _PAIRING:
+        return [mixed(op, "pairs rows of tensors whose examples are in different orders")] * n
+    rule = _RULES.get(op.type)
+    if rule is None or (orders != {None} and op.type not in _ROW_WISE):
+        return [OPAQUE] * n
+    out = rule(op, ins)
+    out = out if isinstance(out, list) else [out] * n
+    return out
+
+
+def is_source(op, captured: set) -> bool:
+    """An input of the step: a placeholder argument (not a capture) or an iterator output."""
+    if op.type not in _SOURCES:
+        return False
+    if op.type == "Placeholder":
+        t = op.outputs[0]
+        return t.dtype != tf.resource and t.ref() not in captured and t.shape.rank != 0
+    return True
+
+
+@dataclasses.dataclass
+class Analysis:
+    rows: dict  # tensor ref -> Rows (data tensors only)
+    sources: list  # the step's data inputs upstream of the loss
+    reshapes: list  # (tensor, axis) whose rows are checked at run time
+
+    def clean(self, t) -> bool:
+        r = self.rows.get(t.ref())
+        return r is not None and r.clean
+
+
+def propagate(ops: list, captured: set) -> Analysis:
+    """Forward propagation of :class:`Rows` over ``ops`` (in creation order)."""
+    rows, sources, reshapes = {}, [], []
+    for op in ops:
+        if is_source(op, captured):
+            for t in op.outputs:
+                if t.dtype != tf.resource and t.shape.rank != 0:
+                    rows[t.ref()] = Rows()
+                    sources.append(t)
+            continue
+        ins = [rows.get(t.ref()) for t in op.inputs]
+        if op.type in _NO_DATA or all(r is None for r in ins):
+            continue
+        for t, r in zip(op.outputs, _propagate(op, ins)):
+            rows[t.ref()] = r
+            if op.type == "Reshape" and r.kind == "rows" and r.k is None and r.depth == 0:
+                reshapes.append((t, r.axis))
+    return Analysis(rows, sources, reshapes)
