@@ -51,6 +51,7 @@ class _State:
     backend: Any
     generator: Any = None
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
+    nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     sigmas: list = dataclasses.field(default_factory=list)
     pending: list = dataclasses.field(default_factory=list)
 
@@ -100,7 +101,9 @@ class DPKeras3Mixin:
             self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
         self.expected_lot_size = expected_lot_size
         self.noised_steps = self.add_variable((), initializer="zeros", dtype="int64", name="noised_steps")
-        self.nonfinite_examples = self.add_variable((), initializer="zeros", dtype="int64", name="nonfinite_examples")
+        with tf.init_scope():
+            # An un-noised count over the private data: a local diagnostic outside the ledger, never saved.
+            self._dp.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
         self._ledger_q_max = self.add_variable((), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate")
         self._ledger_sigma_min = self.add_variable(
@@ -112,6 +115,12 @@ class DPKeras3Mixin:
                 self._dp.generator = tf.random.Generator.from_non_deterministic_state()
 
     # ------------------------------------------------------------ settings
+    @property
+    def nonfinite_examples(self) -> tf.Variable:
+        """Examples whose gradient was non-finite (zeroed): an un-noised statistic of the private data,
+        kept in this process only (never saved: not in `.keras` files nor checkpoints)."""
+        return self._dp.nonfinite
+
     @property
     def l2_norm_clip(self):
         return self._dp.l2_norm_clip
