@@ -220,3 +220,18 @@ def test_changing_sampling_rate_never_lowers_epsilon():
     eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
     truth = PrivacyLedger([PoissonSampledGaussianEvent(0.5, 1.0, count=2), PoissonSampledGaussianEvent(0.05, 1.0, count=2)])
     assert eps >= compute_epsilon(truth, 1e-5) * (1 - 1e-9)
+
+
+def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(tmp_path):
+    """Issue 12 hole 3(a) on Keras 3: the ledger is the model's, not the last optimizer's."""
+    q, sigma = 0.25, 1.1
+    model = k3.make_private(_mlp())
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q), loss="mse")
+    model.fit(*_data(), batch_size=2, epochs=1, verbose=0)  # 4 steps, no callback, no ledger read
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q), loss="mse")
+    model.fit(*_data(), batch_size=4, epochs=1, verbose=0)  # 2 more steps
+    eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
+    assert eps == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(q, sigma, count=6), 1e-5), rel=1e-9)
+    # A .keras file keeps only the current optimizer's counter: it would lose the first fit's steps.
+    with pytest.raises(ValueError, match="earlier optimizer"):
+        model.save(tmp_path / "m.keras")

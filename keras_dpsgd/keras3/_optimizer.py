@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import _noise, _step
+from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd._sanitizer import (
     _check_lot_size,
@@ -113,6 +113,16 @@ class DPKeras3Mixin:
             # Fresh OS entropy per process, never checkpointed: a restore never replays noise.
             with tf.init_scope():
                 self._dp.generator = tf.random.Generator.from_non_deterministic_state()
+
+    def save_own_variables(self, store):
+        """.keras saving; refused where the file would lose part of the model's ledger.
+
+        A ``.keras`` file keeps this optimizer's ``noised_steps`` and worst-case bounds, not the steps of
+        an earlier optimizer of the same model (compiled again): those would be lost and a resumed ε
+        under-reported (``keras_dpsgd.ledger.refuse_lost_history``).
+        """
+        ledger.refuse_lost_history(ledger.saving_model(self, max_depth=64), self, "a .keras file")
+        return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
     @property

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
+from keras_dpsgd import ledger
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
 __all__ = ["make_private", "sanitized_gradients", "per_example_loss", "refuse_example_mixing"]
@@ -254,6 +255,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_example_mixing(self)
+    ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
     variables = list(self.trainable_variables)
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
     with tf.GradientTape(persistent=num_weight_terms > 0) as tape:
