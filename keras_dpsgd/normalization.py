@@ -56,11 +56,14 @@ def mark_public(layer: keras.layers.Layer) -> keras.layers.Layer:
     statistics instead: ``Normalization(mean=..., variance=...)``,
     ``StringLookup(vocabulary=...)``, ``Discretization(bin_boundaries=...)``.
     """
-    if not isinstance(layer, keras.layers.Layer):
-        raise TypeError(f"mark_public needs a tf_keras layer, got {type(layer).__name__}")
+    import keras as keras3  # Keras 3 layers may be marked too
+
+    layer_types = (keras.layers.Layer, keras3.layers.Layer)
+    if not isinstance(layer, layer_types):
+        raise TypeError(f"mark_public needs a Keras layer (tf_keras or Keras 3), got {type(layer).__name__}")
     setattr(layer, PUBLIC_ATTR, True)
     inner = getattr(layer, "_lookup_layer", None)  # TextVectorization's vocabulary
-    if isinstance(inner, keras.layers.Layer):
+    if isinstance(inner, layer_types):
         setattr(inner, PUBLIC_ATTR, True)
     return layer
 
@@ -132,19 +135,27 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
     if model is None:
         return
     for layer in model.submodules:
-        if not isinstance(layer, keras.layers.Layer) or getattr(layer, PUBLIC_ATTR, False):
-            continue
-        if _declares_privacy_events(layer):
+        if not isinstance(layer, keras.layers.Layer) or is_marked_public(layer):
             continue
         state = _data_fitted_state(layer)
         if state is not None:
-            raise ValueError(
-                f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
-                "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
-                "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
-                "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
-                "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
-            )
+            raise ValueError(fitted_state_message(layer, state))
+
+
+def fitted_state_message(layer, state: str) -> str:
+    """The refusal of a layer holding `state` fitted on data (shared by the tf_keras and Keras 3 checks)."""
+    return (
+        f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
+        "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
+        "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
+        "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
+        "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
+    )
+
+
+def is_marked_public(layer) -> bool:
+    """Whether :func:`mark_public` marked `layer`, or it accounts for its own releases."""
+    return bool(getattr(layer, PUBLIC_ATTR, False)) or _declares_privacy_events(layer)
 
 
 # ----------------------------------------------------------------- DPNormalization

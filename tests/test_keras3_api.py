@@ -235,3 +235,32 @@ def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(t
     # A .keras file keeps only the current optimizer's counter: it would lose the first fit's steps.
     with pytest.raises(ValueError, match="earlier optimizer"):
         model.save(tmp_path / "m.keras")
+
+
+def _with_preprocessing(layer):
+    model = k3.make_private(keras.Sequential([keras.Input((4,)), layer, keras.layers.Dense(1)]))
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    return model
+
+
+def test_adapted_normalization_is_refused_on_keras3_and_public_ones_train():
+    """Issue 12 hole 5(a) on Keras 3: statistics adapted on the data would ship outside the ledger."""
+    x, y = _data()
+    adapted = keras.layers.Normalization()
+    adapted.adapt(x)
+    with pytest.raises(ValueError, match="fitted on data"):
+        _with_preprocessing(adapted).fit(x, y, batch_size=4, epochs=1, verbose=0)
+    given = keras.layers.Normalization(mean=np.zeros(4), variance=np.ones(4))
+    _with_preprocessing(given).fit(x, y, batch_size=4, epochs=1, verbose=0)
+    marked = keras.layers.Normalization()
+    marked.adapt(x)
+    _with_preprocessing(keras_dpsgd.mark_public(marked)).fit(x, y, batch_size=4, epochs=1, verbose=0)
+
+
+def test_adapted_discretization_is_refused_on_keras3():
+    x, y = _data()
+    adapted = keras.layers.Discretization(num_bins=3)
+    adapted.adapt(x)
+    with pytest.raises(ValueError, match="bin boundaries"):
+        k3.refuse_adapted_preprocessing(keras.Sequential([keras.Input((4,)), adapted]))
+    k3.refuse_adapted_preprocessing(keras.Sequential([keras.Input((4,)), keras.layers.Discretization([0.0, 0.5])]))

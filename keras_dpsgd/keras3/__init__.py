@@ -17,6 +17,7 @@ from keras_dpsgd.keras3._train_step import (
     is_private,
     make_private,
     per_example_loss,
+    refuse_adapted_preprocessing,
     refuse_example_mixing,
     sanitized_gradients,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "make_dp_optimizer",
     "make_private",
     "per_example_loss",
+    "refuse_adapted_preprocessing",
     "refuse_example_mixing",
     "sanitized_gradients",
 ]

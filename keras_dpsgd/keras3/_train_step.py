@@ -22,12 +22,20 @@ import types
 from typing import Any, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import ledger
+from keras_dpsgd.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
-__all__ = ["make_private", "sanitized_gradients", "per_example_loss", "refuse_example_mixing"]
+__all__ = [
+    "make_private",
+    "sanitized_gradients",
+    "per_example_loss",
+    "refuse_example_mixing",
+    "refuse_adapted_preprocessing",
+]
 
 _PRIVATE_ATTR = "_keras_dpsgd_private"
 
@@ -59,6 +67,44 @@ def refuse_example_mixing(model: keras.Model) -> None:
                 f"({type(layer).__name__}) with keras.layers.GroupNormalization or "
                 "keras.layers.LayerNormalization."
             )
+
+
+def _fitted_state(layer: Any) -> str | None:
+    """What state fitted on data a Keras 3 preprocessing layer holds ("a vocabulary", ...), or None."""
+    from keras.src.layers.preprocessing.index_lookup import IndexLookup
+
+    with tf.init_scope():  # the check runs while Keras traces train_step
+        if isinstance(layer, keras.layers.Normalization):
+            if layer.input_mean is not None or not layer.built:
+                return None  # built from given mean/variance (or nothing yet)
+            fitted = np.any(layer.adapt_mean.numpy() != 0) or np.any(layer.adapt_variance.numpy() != 1)
+            return "a mean and variance" if fitted else None
+        if isinstance(layer, keras.layers.TextVectorization):
+            layer = layer._lookup_layer
+        if isinstance(layer, IndexLookup):
+            if getattr(layer, "_has_input_vocabulary", False):
+                return None  # vocabulary given at construction
+            return "a vocabulary" if len(layer.get_vocabulary(include_special_tokens=False)) > 0 else None
+        if isinstance(layer, keras.layers.Discretization):
+            # Boundaries given at construction leave num_bins None; adapt computes them from the data.
+            return "bin boundaries" if layer.num_bins is not None and layer.bin_boundaries else None
+    return None
+
+
+def refuse_adapted_preprocessing(model: keras.Model) -> None:
+    """Raises ValueError if a Keras 3 preprocessing layer of `model` holds state fitted on data.
+
+    Normalization (mean, variance), StringLookup / IntegerLookup / TextVectorization (vocabulary) and
+    Discretization (bin boundaries) adapted on the data would publish those exact statistics with the
+    model, outside the privacy ledger. Passes layers built from given statistics, layers marked with
+    ``keras_dpsgd.mark_public`` and layers that record their own privacy events.
+    """
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if is_marked_public(layer):
+            continue
+        state = _fitted_state(layer)
+        if state is not None:
+            raise ValueError(fitted_state_message(layer, state))
 
 
 def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
@@ -255,6 +301,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_example_mixing(self)
+    refuse_adapted_preprocessing(self)
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
     variables = list(self.trainable_variables)
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
