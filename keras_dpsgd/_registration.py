@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.util
+import importlib.machinery
 import logging
 import sys
 
@@ -29,7 +29,29 @@ def register() -> None:
         importlib.import_module(name)
 
 
-def _register_after_import() -> None:
+_pending = False  # tf_keras was imported while a keras_dpsgd module was still importing
+
+
+def _ours_initializing(excluding: str = "") -> bool:
+    """Whether a keras_dpsgd module (other than `excluding`) is in the middle of its import."""
+    return any(
+        name.startswith("keras_dpsgd") and name != excluding
+        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+    )
+
+
+def _register_after_import(importing: str = "") -> None:
+    """Registers now, or once the keras_dpsgd import that brought tf_keras in has finished.
+
+    Registering while one of our own modules is half imported (it imported tf_keras at its top) would
+    import the optimizer modules in a circle; the finder retries after each keras_dpsgd module import.
+    """
+    global _pending
+    if _ours_initializing(excluding=importing):
+        _pending = True
+        return
+    _pending = False
     try:
         register()
     except Exception as err:  # never break the user's `import tf_keras`
@@ -41,20 +63,25 @@ def _register_after_import() -> None:
 
 
 class _AfterTfKerasImport(importlib.abc.MetaPathFinder):
-    """Finds tf_keras with the other finders and registers keras_dpsgd after it has run."""
+    """Registers keras_dpsgd after tf_keras is imported (and, while that is pending, after our imports)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "tf_keras":
+        if fullname == "tf_keras":
+            done = lambda name: _register_after_import()  # noqa: E731
+        elif fullname.startswith("keras_dpsgd."):  # may be the import that brought tf_keras in
+            done = lambda name: _pending and _register_after_import(importing=name)  # noqa: E731
+        else:
             return None
-        sys.meta_path.remove(self)  # once: tf_keras is imported a single time
-        spec = importlib.util.find_spec(fullname)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_register(module):
             exec_module(module)
-            _register_after_import()
+            done(fullname)
+            if "tf_keras" in sys.modules and not _pending and self in sys.meta_path:
+                sys.meta_path.remove(self)  # registered (or reported): nothing left to do
 
         spec.loader.exec_module = exec_then_register
         return spec

@@ -32,3 +32,15 @@ def test_cli_help_lists_every_subcommand():
     text = build_parser().format_help()
     for command in ("epsilon", "noise", "batch-table", "train", "memorization-test"):
         assert command in text
+
+
+def test_serializable_classes_are_registered_whichever_module_brings_tf_keras_in():
+    """`import keras_dpsgd.keras3` imports tf_keras half way through our own imports: the registration
+    must wait for them instead of importing the optimizer modules in a circle (it failed, with a warning)."""
+    code = (
+        "import keras_dpsgd.keras3, tf_keras; get = tf_keras.saving.get_registered_object; "
+        "print(get('keras_dpsgd>DPSGDOptimizer') is not None, get('keras_dpsgd>DPPCA') is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["True", "True"]
+    assert "could not register" not in out.stderr
