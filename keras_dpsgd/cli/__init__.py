@@ -25,6 +25,11 @@ import json
 import math
 import sys
 
+from keras_dpsgd.cli._quiet import import_tensorflow_quietly
+
+__all__ = ["CommandFailed", "add_json_flag", "add_option", "build_parser", "import_tensorflow_quietly", "main",
+           "model_choice", "positive_float", "positive_int"]
+
 # Modules of this package that define subcommands, in help order.
 _SUBCOMMAND_MODULES = [
     "accounting",
@@ -118,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     code, failure = 0, None
     try:
         if getattr(args, "uses_tensorflow", False):
-            from keras_dpsgd.cli._quiet import import_tensorflow_quietly
-
             import_tensorflow_quietly()
         result = args.func(args)
     except (ValueError, ImportError) as err:  # ImportError: a missing optional extra, named in the message
