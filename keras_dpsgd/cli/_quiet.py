@@ -49,8 +49,13 @@ def import_tensorflow_quietly():
         import tensorflow as tf  # the user asked for every line
 
         return tf
-    sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no usable descriptor 2: nothing to keep clean
+        import tensorflow as tf
+
+        return tf
     with tempfile.TemporaryFile(mode="w+b") as captured:
         os.dup2(captured.fileno(), 2)
         try:
