@@ -107,7 +107,7 @@ def test_pld_without_dp_accounting_is_a_clear_error(capsys, monkeypatch):
 BAD = [
     (EPS_ARGS[:2] + ["0"] + EPS_ARGS[3:], "num_examples must be an integer >= 1, got 0"),
     (EPS_ARGS[:2] + ["-5"] + EPS_ARGS[3:], "num_examples must be an integer >= 1"),
-    (EPS_ARGS[:2] + ["100"] + EPS_ARGS[3:], "batch_size must be <= num_examples (100), got 150"),
+    (EPS_ARGS[:2] + ["100"] + EPS_ARGS[3:], "lot_size must be in [1, num_examples = 100], got 150"),
     (EPS_ARGS[:6] + ["-1"] + EPS_ARGS[7:], "noise_multiplier must be >= 0, got -1.0"),
     (EPS_ARGS[:6] + ["nan"] + EPS_ARGS[7:], "noise_multiplier must be >= 0, got nan"),
     (EPS_ARGS + ["--delta", "0"], "delta must be in (0, 1), got 0.0"),

@@ -94,6 +94,8 @@ def _delta(args) -> float:
 
 
 def _context(args) -> dict:
+    if args.num_examples >= 1 and not 1 <= args.lot_size <= args.num_examples:
+        raise ValueError(f"lot_size must be in [1, num_examples = {args.num_examples}], got {args.lot_size}")
     steps = planning.steps_for_epochs(args.num_examples, args.lot_size, args.epochs)
     return {
         "num_examples": args.num_examples,
