@@ -16,9 +16,10 @@ Figure 4 of the paper (norms differ across layers and drift over time).
 
 import argparse
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_dpsgd.cli import add_option, import_tensorflow_quietly
+
+import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 
 def main(argv=None):
@@ -30,7 +31,7 @@ def main(argv=None):
                    help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--lot-size", type=int, default=None)
-    p.add_argument("--epsilon", type=float, default=3.0)
+    add_option(p, "--target-epsilon", "--epsilon", type=float, default=3.0)
     p.add_argument("--norm-noise-multiplier", type=float, default=10.0,
                    help="sigma_l2 of each norm query (the paper: 2.5, with a larger budget)")
     p.add_argument("--alpha", type=float, default=1.0)
@@ -73,7 +74,7 @@ def main(argv=None):
     lots = PoissonLots(xtr, ytr, expected_lot_size=lot, seed=args.seed)
     steps = epochs * lots.lots_per_epoch
     sigma = calibrate_adaptive_noise_multiplier(
-        num_layers=len(bounds0), norm_noise_multiplier=args.norm_noise_multiplier, target_epsilon=args.epsilon,
+        num_layers=len(bounds0), norm_noise_multiplier=args.norm_noise_multiplier, target_epsilon=args.target_epsilon,
         target_delta=delta, sampling_rate=lots.sampling_rate, steps=steps)
     opt = AdaptiveDPSGDOptimizer(bounds0, sigma, args.norm_noise_multiplier, alpha=args.alpha, beta=args.beta,
                                  learning_rate=lr, momentum=0.9,
@@ -91,7 +92,7 @@ def main(argv=None):
         from keras_dpsgd import DPSGDOptimizer
         from keras_dpsgd.accounting import compute_noise_multiplier
 
-        flat_sigma = compute_noise_multiplier(target_epsilon=args.epsilon, target_delta=delta,
+        flat_sigma = compute_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=delta,
                                               sampling_rate=lots.sampling_rate, steps=steps)
         flat_clip = float(np.sqrt(np.sum(np.square(bounds0))))  # the initial total norm (public)
         flat = build()
@@ -109,7 +110,7 @@ def main(argv=None):
         "dataset": args.dataset, "num_examples": n, "epochs": epochs, "lot_size": lot, "steps": steps,
         "noise_multiplier": sigma, "norm_noise_multiplier": args.norm_noise_multiplier,
         "effective_noise_multiplier": opt.effective_noise_multiplier, "epsilon": epsilon, "delta": delta,
-        "target_epsilon": args.epsilon, "test_accuracy": test_acc, "initial_bounds": dict(zip(names, bounds0)),
+        "target_epsilon": args.target_epsilon, "test_accuracy": test_acc, "initial_bounds": dict(zip(names, bounds0)),
         "bounds_per_epoch": [list(h.values()) for h in logger.history], "variables": names,
         "flat_clipping_baseline": baseline,
     }
@@ -133,7 +134,7 @@ def main(argv=None):
     print(f"{args.dataset}: N = {n}, {epochs} epochs, lots of {lot} ({steps} steps), {len(names)} clipped variables")
     print(f"gradient sigma {sigma:.4f} per variable, norm queries sigma_l2 {args.norm_noise_multiplier}: "
           f"sigma_eff {opt.effective_noise_multiplier:.4f} per step")
-    print(f"epsilon {epsilon:.3f} at delta {delta:.3g} (target {args.epsilon}); test accuracy {test_acc:.3f}")
+    print(f"epsilon {epsilon:.3f} at delta {delta:.3g} (target {args.target_epsilon}); test accuracy {test_acc:.3f}")
     if baseline:
         print(f"flat clipping at the same budget (C = {baseline['l2_norm_clip']:.3g}, sigma "
               f"{baseline['noise_multiplier']:.4f}): epsilon {baseline['epsilon']:.3f}, test accuracy "

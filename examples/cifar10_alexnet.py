@@ -27,10 +27,11 @@ seen the private training set.
 
 import argparse
 import math
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_dpsgd.cli import import_tensorflow_quietly
+
+import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 import tensorflow as tf  # noqa: E402
 import tf_keras as keras  # noqa: E402

@@ -22,9 +22,10 @@ the target ε, but they all touch the same data: together they cost more
 
 import argparse
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_dpsgd.cli import add_option, import_tensorflow_quietly
+
+import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 
 def main(argv=None):
@@ -36,7 +37,7 @@ def main(argv=None):
                    help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory")
     p.add_argument("--lot-sizes", type=int, nargs="+", default=None)
     p.add_argument("--epochs", type=float, default=None)
-    p.add_argument("--epsilon", type=float, default=None)
+    add_option(p, "--target-epsilon", "--epsilon", type=float, default=None)
     p.add_argument("--base-learning-rate", type=float, default=None)
     p.add_argument("--base-lot-size", type=int, default=None)
     p.add_argument("--max-batch-size", type=int, default=None, help="largest physical batch (memory)")
@@ -70,7 +71,7 @@ def main(argv=None):
             d = dict(lots=[32, 128, 256], epochs=20, eps=3.0, lr=0.05, base=32, cap=64, clip=1.0)
         build = mlp_builder(xtr.shape[1:], 10, width=32 if args.smoke else 128, depth=1)
     lots_sizes = args.lot_sizes or d["lots"]
-    epochs, eps = args.epochs or d["epochs"], args.epsilon or d["eps"]
+    epochs, eps = args.epochs or d["epochs"], args.target_epsilon or d["eps"]
     base_lr, base_lot = args.base_learning_rate or d["lr"], args.base_lot_size or d["base"]
     cap = args.max_batch_size or d["cap"]
     n = len(xtr)

@@ -20,9 +20,10 @@ here flat clipping, so compare ε rather than σ).
 
 import argparse
 import json
-import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_dpsgd.cli import import_tensorflow_quietly
+
+import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 
 def main(argv=None):

@@ -37,10 +37,11 @@ training longer at the same ε.
 
 import argparse
 import math
-import os
 import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from keras_dpsgd.cli import import_tensorflow_quietly
+
+import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 PRESETS = {"large": (2.0, 8.0), "medium": (4.0, 2.0), "small": (8.0, 0.5)}  # name: (σ, target ε)
 

@@ -15,7 +15,7 @@ from keras_dpsgd.accounting import (
 )
 from keras_dpsgd.cli import main
 
-EPS_ARGS = ["epsilon", "--num-examples", "60000", "--batch-size", "150", "--noise-multiplier", "1.3", "--epochs", "15"]
+EPS_ARGS = ["epsilon", "--num-examples", "60000", "--lot-size", "150", "--noise-multiplier", "1.3", "--epochs", "15"]
 
 
 def _json(capsys, argv):
@@ -39,7 +39,7 @@ def test_epsilon_json_reproduces_the_anchor(capsys):
 def test_epsilon_moments_and_default_delta(capsys):
     result = _json(
         capsys,
-        ["epsilon", "--num-examples", "60000", "--batch-size", "256", "--noise-multiplier", "1.1", "--epochs", "60",
+        ["epsilon", "--num-examples", "60000", "--lot-size", "256", "--noise-multiplier", "1.1", "--epochs", "60",
          "--delta", "1e-5", "--accountant", "moments"],
     )
     assert result["accountant"] == "moments" and result["steps"] == 14063
@@ -57,7 +57,7 @@ def test_epsilon_text_output(capsys):
 
 
 def test_noise_json(capsys):
-    argv = ["noise", "--target-epsilon", "2", "--num-examples", "60000", "--batch-size", "256", "--epochs", "10",
+    argv = ["noise", "--target-epsilon", "2", "--num-examples", "60000", "--lot-size", "256", "--epochs", "10",
             "--delta", "1e-5"]
     result = _json(capsys, argv)
     assert {"noise_multiplier", "epsilon", "delta", "steps", "sampling_rate", "order", "accountant"} <= set(result)
@@ -107,15 +107,15 @@ def test_pld_without_dp_accounting_is_a_clear_error(capsys, monkeypatch):
 BAD = [
     (EPS_ARGS[:2] + ["0"] + EPS_ARGS[3:], "num_examples must be an integer >= 1, got 0"),
     (EPS_ARGS[:2] + ["-5"] + EPS_ARGS[3:], "num_examples must be an integer >= 1"),
-    (EPS_ARGS[:2] + ["100"] + EPS_ARGS[3:], "batch_size must be <= num_examples (100), got 150"),
+    (EPS_ARGS[:2] + ["100"] + EPS_ARGS[3:], "lot_size must be in [1, num_examples = 100], got 150"),
     (EPS_ARGS[:6] + ["-1"] + EPS_ARGS[7:], "noise_multiplier must be >= 0, got -1.0"),
     (EPS_ARGS[:6] + ["nan"] + EPS_ARGS[7:], "noise_multiplier must be >= 0, got nan"),
     (EPS_ARGS + ["--delta", "0"], "delta must be in (0, 1), got 0.0"),
     (EPS_ARGS + ["--delta", "1.5"], "delta must be in (0, 1), got 1.5"),
     (EPS_ARGS[:8] + ["0"], "epochs must be a finite number > 0, got 0.0"),
-    (["noise", "--target-epsilon", "0", "--num-examples", "100", "--batch-size", "10", "--epochs", "1"],
+    (["noise", "--target-epsilon", "0", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
      "target_epsilon must be a finite number > 0, got 0.0"),
-    (["noise", "--target-epsilon", "-2", "--num-examples", "100", "--batch-size", "10", "--epochs", "1"],
+    (["noise", "--target-epsilon", "-2", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
      "target_epsilon must be a finite number > 0"),
     (["batch-table", "--target-epsilon", "1", "--num-examples", "100", "--epochs", "1", "--lot-sizes", "500"],
      "lot sizes must be integers in [1, num_examples = 100], got 500"),

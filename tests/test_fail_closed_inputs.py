@@ -107,10 +107,10 @@ def test_save_replaces_earlier_files_atomically(capsys, tmp_path):
 
 # ------------------------------------------------------------------ δ >= 1/N, σ = ∞ on the command line
 ACCOUNTING = [
-    ["epsilon", "--num-examples", "1000", "--batch-size", "10", "--epochs", "1", "--noise-multiplier", "1"],
-    ["noise", "--num-examples", "1000", "--batch-size", "10", "--epochs", "1", "--target-epsilon", "1"],
+    ["epsilon", "--num-examples", "1000", "--lot-size", "10", "--epochs", "1", "--noise-multiplier", "1"],
+    ["noise", "--num-examples", "1000", "--lot-size", "10", "--epochs", "1", "--target-epsilon", "1"],
     ["batch-table", "--num-examples", "1000", "--epochs", "1", "--target-epsilon", "1", "--lot-sizes", "10"],
-    ["large-lots", "--num-examples", "1000", "--epochs", "1", "--epsilon", "1", "--lot-sizes", "10"],
+    ["large-lots", "--num-examples", "1000", "--epochs", "1", "--target-epsilon", "1", "--lot-sizes", "10"],
     ["memorization-test", "--num-examples", "1000", "--epochs", "1"],
     ["train", "--epochs", "1"],  # digits: N = 1347
 ]

@@ -220,7 +220,7 @@ def test_cli_adaptive_clipping_noise(capsys):
 
     from keras_dpsgd.cli import main
 
-    args = ["adaptive-clipping-noise", "--num-layers", "8", "--norm-noise-multiplier", "2.5", "--epsilon", "3",
+    args = ["adaptive-clipping-noise", "--num-layers", "8", "--norm-noise-multiplier", "2.5", "--target-epsilon", "3",
             "--delta", "1e-5", "--sampling-rate", "0.00256", "--steps", "2000", "--json"]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)

@@ -88,7 +88,7 @@ def test_plot_writes_a_file(tmp_path):
 
 def test_cli_large_lots_json(capsys, tmp_path):
     plot = tmp_path / "p.png"
-    code = main(["large-lots", "--num-examples", "50000", "--epochs", "60", "--epsilon", "20",
+    code = main(["large-lots", "--num-examples", "50000", "--epochs", "60", "--target-epsilon", "20",
                  "--lot-sizes", "128", "1024", "--max-batch-size", "512", "--json", "--plot", str(plot)])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
@@ -99,13 +99,13 @@ def test_cli_large_lots_json(capsys, tmp_path):
 
 
 def test_cli_large_lots_text_and_bad_input(capsys):
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
+    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
                  "--lot-sizes", "50"]) == 0
     assert "learning_rate" in capsys.readouterr().out
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
+    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
                  "--lot-sizes", "50", "--delta", "0.01"]) == 2
     assert "delta must be < 1/num_examples" in capsys.readouterr().err
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
+    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
                  "--lot-sizes", "2000"]) == 2
 
 
@@ -114,7 +114,7 @@ def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monke
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    code = main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--epsilon", "3",
+    code = main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
                  "--lot-sizes", "50", "--plot", str(tmp_path / "p.png")])
     err = capsys.readouterr().err
     assert code == 2

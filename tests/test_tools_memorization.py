@@ -138,7 +138,7 @@ def test_validation():
 
 def test_cli_memorization_json(capsys):
     code = main(["memorization-test", "--num-examples", "120", "--epochs", "1", "--width", "16",
-                 "--batch-size", "40", "--seed", "1", "--json"])
+                 "--lot-size", "40", "--seed", "1", "--json"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "noise" and out["num_examples"] == 120 and out["verdict"]
@@ -146,7 +146,7 @@ def test_cli_memorization_json(capsys):
 
 
 def test_cli_memorization_real_mode_text(capsys):
-    code = main(["memorization-test", "--mode", "real", "--epochs", "1", "--width", "8", "--batch-size", "256",
+    code = main(["memorization-test", "--mode", "real", "--epochs", "1", "--width", "8", "--lot-size", "256",
                  "--seed", "1"])
     assert code == 0
     out = capsys.readouterr().out

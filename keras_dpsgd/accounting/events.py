@@ -112,19 +112,64 @@ _EVENT_TYPES = (PoissonSampledGaussianEvent, GaussianEvent, ComposedEvent)
 PrivacyEvent = Union[PoissonSampledGaussianEvent, GaussianEvent, ComposedEvent]
 
 
+LEDGER_FORMAT = "keras_dpsgd.ledger"
+LEDGER_VERSION = 1
+
+# The fields each serialized event kind carries, exactly as `to_dict` writes them.
+_EVENT_FIELDS = {
+    "poisson_sampled_gaussian": ("sampling_rate", "noise_multiplier", "count", "label"),
+    "gaussian": ("noise_multiplier", "count", "label"),
+    "composed": ("events",),
+}
+_NUMBER_FIELDS = ("sampling_rate", "noise_multiplier")
+
+
+def _check_serialized_fields(kind: str, data: dict) -> None:
+    """Refuses an event dict whose keys or value types are not those `to_dict` writes."""
+    expected = set(_EVENT_FIELDS[kind])
+    got = set(data) - {"type"}
+    if got != expected:
+        raise ValueError(
+            f"a serialized {kind!r} event has exactly the fields {sorted(expected)}, got {sorted(got)}: {data!r}"
+        )
+    for name in _NUMBER_FIELDS:
+        if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float))):
+            raise TypeError(f"{name} of a serialized event must be a number, got {data[name]!r}")
+    if "count" in data and (isinstance(data["count"], bool) or not isinstance(data["count"], int)):
+        raise TypeError(f"count of a serialized event must be an integer, got {data['count']!r}")
+    if "label" in data and not isinstance(data["label"], str):
+        raise TypeError(f"label of a serialized event must be a string, got {data['label']!r}")
+    if "events" in data and not isinstance(data["events"], (list, tuple)):
+        raise TypeError(f"events of a serialized composed event must be a list, got {data['events']!r}")
+
+
 def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
-    """Rebuilds an event from `event.to_dict()`."""
-    if not isinstance(data, dict) or "type" not in data:
-        raise ValueError(f"not a serialized privacy event: {data!r}")
+    """Rebuilds an event from `event.to_dict()`.
+
+    Only what `to_dict` writes is accepted: a known "type" and exactly its
+    fields, numbers as numbers. Anything else (a state of another library, a
+    hand-edited or truncated file) raises rather than loading as a different,
+    possibly cheaper, event.
+
+    Raises:
+      TypeError: if `data` is not a dict or a field has the wrong type.
+      ValueError: if the type is unknown, a field is missing or extra, or a
+        value is out of range (e.g. a negative count).
+    """
+    if not isinstance(data, dict):
+        raise TypeError(f"a serialized privacy event must be a dict, got {type(data).__name__}: {data!r}")
+    if "type" not in data:
+        raise ValueError(f"a serialized privacy event has a 'type' key, got {data!r}")
     kind = data["type"]
+    if kind not in _EVENT_FIELDS:
+        raise ValueError(f"unknown privacy event type {kind!r} (known: {sorted(_EVENT_FIELDS)})")
+    _check_serialized_fields(kind, data)
     fields = {k: v for k, v in data.items() if k != "type"}
     if kind == "poisson_sampled_gaussian":
         return PoissonSampledGaussianEvent(**fields)
     if kind == "gaussian":
         return GaussianEvent(**fields)
-    if kind == "composed":
-        return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
-    raise ValueError(f"unknown privacy event type {kind!r}")
+    return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
 
 
 def flatten_events(events: Iterable[PrivacyEvent]) -> Iterator[PrivacyEvent]:
@@ -160,9 +205,6 @@ class PrivacyLedger:
     def events(self) -> tuple:
         return tuple(self._events)
 
-    def composed(self) -> ComposedEvent:
-        return ComposedEvent(tuple(self._events))
-
     def __len__(self) -> int:
         return len(self._events)
 
@@ -176,8 +218,51 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"events": [e.to_dict() for e in self._events]}
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 1, "events": [...]}``."""
+        return {
+            "format": LEDGER_FORMAT,
+            "version": LEDGER_VERSION,
+            "events": [e.to_dict() for e in self._events],
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PrivacyLedger":
-        return cls(event_from_dict(e) for e in data.get("events", []))
+        """Rebuilds a ledger from `to_dict()`; anything else raises.
+
+        Accepted: the current format (``format``, ``version``, ``events``) and
+        the legacy shape written by keras_dpsgd 0.1.0 (a dict whose only key is
+        ``events``). A state without events (``{}``, Opacus's accountant state,
+        ``None``) is not an empty ledger: loading it as one would report ε = 0
+        for a model that was trained, so it is refused.
+
+        Raises:
+          TypeError: if `data` is not a dict, or `events` not a list.
+          ValueError: if `data` is not a keras_dpsgd ledger (unknown keys,
+            format or version, no events key, a malformed event).
+        """
+        if not isinstance(data, dict):
+            raise TypeError(
+                f"a serialized PrivacyLedger must be a dict from PrivacyLedger.to_dict(), "
+                f"got {type(data).__name__}: {data!r}"
+            )
+        keys = set(data)
+        if keys == {"events"}:  # written by keras_dpsgd 0.1.0, before the format key
+            pass
+        elif keys == {"format", "version", "events"}:
+            if data["format"] != LEDGER_FORMAT:
+                raise ValueError(f"ledger format must be {LEDGER_FORMAT!r}, got {data['format']!r}")
+            version = data["version"]
+            if isinstance(version, bool) or not isinstance(version, int) or version != LEDGER_VERSION:
+                raise ValueError(
+                    f"ledger version must be {LEDGER_VERSION} (this keras_dpsgd reads versions up to "
+                    f"{LEDGER_VERSION}), got {version!r}"
+                )
+        else:
+            raise ValueError(
+                "not a keras_dpsgd ledger: expected a dict with keys ['events', 'format', 'version'] "
+                f"(format {LEDGER_FORMAT!r}) or the 0.1.0 shape {{'events': [...]}}, got keys {sorted(keys, key=str)}"
+            )
+        events = data["events"]
+        if not isinstance(events, (list, tuple)):
+            raise TypeError(f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}")
+        return cls(event_from_dict(e) for e in events)

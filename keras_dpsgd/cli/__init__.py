@@ -7,6 +7,14 @@ Bad input raises ``ValueError`` (a missing optional extra ``ImportError``): prin
 line, exit code 2. A command that did its work but failed at the end (e.g. ``train --save``
 on a full disk) raises :class:`CommandFailed`: its result is still printed (``--json``),
 then its one-line error, exit code 1.
+
+One vocabulary across subcommands: the budget is ``--target-epsilon``, the
+expected Poisson lot size ``--lot-size``, the models ``mlp`` and ``cnn``. Older
+spellings (``--epsilon``, ``--batch-size``, ``--model conv``) still parse, are
+not shown in ``--help``, and print one deprecation line on stderr.
+
+A subcommand that sets ``uses_tensorflow=True`` gets TensorFlow imported before
+it runs, without TensorFlow's start-up log lines (:mod:`keras_dpsgd.cli._quiet`).
 """
 
 from __future__ import annotations
@@ -16,6 +24,11 @@ import importlib
 import json
 import math
 import sys
+
+from keras_dpsgd.cli._quiet import import_tensorflow_quietly
+
+__all__ = ["CommandFailed", "add_json_flag", "add_option", "build_parser", "import_tensorflow_quietly", "main",
+           "model_choice", "positive_float", "positive_int"]
 
 # Modules of this package that define subcommands, in help order.
 _SUBCOMMAND_MODULES = [
@@ -62,6 +75,44 @@ def positive_int(text: str) -> int:
     return value
 
 
+class _StoreWithDeprecatedSpellings(argparse.Action):
+    """Stores the value; used under a deprecated spelling, says so on stderr (once per use)."""
+
+    def __init__(self, option_strings, dest, deprecated=(), **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.deprecated = tuple(deprecated)
+        self.current = option_strings[0]
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string in self.deprecated:
+            _warn_deprecated(parser.prog, option_string, self.current)
+        setattr(namespace, self.dest, values)
+
+
+def _warn_deprecated(prog: str, old: str, new: str) -> None:
+    print(f"{prog}: warning: {old} is deprecated, use {new}", file=sys.stderr)
+
+
+def add_option(parser: argparse.ArgumentParser, name: str, *deprecated: str, **kwargs) -> argparse.Action:
+    """Adds option `name`; each spelling in `deprecated` parses too, hidden from help, with a warning."""
+    action = parser.add_argument(name, *deprecated, action=_StoreWithDeprecatedSpellings,
+                                 deprecated=deprecated, **kwargs)
+    action.option_strings = [name]  # the parser still knows the old spellings; help and errors show the new
+    return action
+
+
+def model_choice(prog: str):
+    """argparse type for ``--model``: ``mlp`` or ``cnn``; the old ``conv`` means ``cnn``, with a warning."""
+
+    def parse(text: str) -> str:
+        if text == "conv":
+            _warn_deprecated(prog, "--model conv", "--model cnn")
+            return "cnn"
+        return text
+
+    return parse
+
+
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
@@ -71,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     code, failure = 0, None
     try:
+        if getattr(args, "uses_tensorflow", False):
+            import_tensorflow_quietly()
         result = args.func(args)
     except (ValueError, ImportError) as err:  # ImportError: a missing optional extra, named in the message
         print(f"keras-dpsgd {args.command}: error: {err}", file=sys.stderr)

@@ -1,10 +1,18 @@
 """Accounting and planning subcommands: ``epsilon``, ``noise``, ``batch-table``.
 
-Steps = ceil(E·N/B) and sampling rate q = B/N (Poisson sampling of lots of
-expected size B, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
+Steps = ceil(E·N/L) and sampling rate q = L/N (Poisson sampling of lots of
+expected size L, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
 is refused (exit 2: such a guarantee allows publishing an example in the
 clear), and so is σ = ∞. With σ = 0 the JSON output holds ``"epsilon": "inf"``
 (strict JSON has no Infinity) and ``"order": null``.
+
+``--json`` keys. ``epsilon``: epsilon, order, noise_multiplier, num_examples,
+lot_size, epochs, steps, sampling_rate, delta, accountant (with
+``--target-epsilon`` also target_epsilon, max_steps, max_epochs). ``noise``:
+the same keys plus target_epsilon. ``batch-table``: rows (each lot_size,
+sampling_rate, steps, noise_multiplier, noise_per_example), num_examples,
+epochs, target_epsilon, delta, accountant, and plot with ``--plot``. The key
+batch_size (= lot_size) is deprecated and will be removed.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from keras_dpsgd.accounting import _validation as V
 from keras_dpsgd.accounting import planning
 from keras_dpsgd.accounting.accountants import ACCOUNTANTS
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
-from keras_dpsgd.cli import add_json_flag
+from keras_dpsgd.cli import add_json_flag, add_option
 
 _ACCOUNTANT_HELP = (
     "rdp: RDP with the tight conversion (default); moments: Abadi et al. 2016 (integer orders <= 32, "
@@ -67,7 +75,8 @@ def register(subparsers) -> None:
 def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
     parser.add_argument("--num-examples", type=int, required=True, metavar="N", help="training set size N")
     if batch:
-        parser.add_argument("--batch-size", type=int, required=True, metavar="B", help="expected lot size B <= N")
+        add_option(parser, "--lot-size", "--batch-size", type=int, required=True, metavar="L",
+                   help="expected Poisson lot size L <= N")
     parser.add_argument("--epochs", type=float, required=True, metavar="E", help="number of epochs (may be fractional)")
 
 
@@ -85,13 +94,17 @@ def _delta(args) -> float:
 
 
 def _context(args) -> dict:
-    steps = planning.steps_for_epochs(args.num_examples, args.batch_size, args.epochs)
+    if args.num_examples >= 1 and not 1 <= args.lot_size <= args.num_examples:
+        raise ValueError(f"lot_size must be in [1, num_examples = {args.num_examples}], got {args.lot_size}")
+    steps = planning.steps_for_epochs(args.num_examples, args.lot_size, args.epochs)
     return {
         "num_examples": args.num_examples,
-        "batch_size": args.batch_size,
+        "lot_size": args.lot_size,
+        "batch_size": args.lot_size,  # deprecated key, same value
+
         "epochs": args.epochs,
         "steps": steps,
-        "sampling_rate": args.batch_size / args.num_examples,
+        "sampling_rate": args.lot_size / args.num_examples,
         "delta": _delta(args),
         "accountant": args.accountant,
     }
@@ -125,7 +138,7 @@ def run_epsilon(args) -> dict:
         result.update(
             target_epsilon=target,
             max_steps=max_steps,
-            max_epochs=planning.max_epochs_from_steps(args.num_examples, args.batch_size, max_steps),
+            max_epochs=planning.max_epochs_from_steps(args.num_examples, args.lot_size, max_steps),
         )
     if not args.json:
         print(

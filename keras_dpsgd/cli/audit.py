@@ -56,7 +56,7 @@ def register(subparsers) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="also audit σ × (0.5, 1, 2, 4) and plot ε_emp against the reported ε")
     p.add_argument("--save", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_tensorflow=True)
 
 
 def _check(args) -> None:

@@ -1,9 +1,18 @@
-"""CLI for the three tools (van der Veen et al. 2018): memorization-test, large-lots, adaptive-clipping-noise."""
+"""CLI for the three tools (van der Veen et al. 2018): memorization-test, large-lots, adaptive-clipping-noise.
+
+``--json`` keys. ``memorization-test``: those of ``MemorizationReport.to_dict()``
+(both modes). ``large-lots``: target_epsilon, delta,
+rows (those of ``large_lot_table``), plot (null without ``--plot``).
+``adaptive-clipping-noise``: noise_multiplier, effective_noise_multiplier,
+norm_noise_multiplier, num_layers, target_epsilon, delta, sampling_rate, steps.
+In the last two the key epsilon (= target_epsilon) is deprecated and will be
+removed.
+"""
 
 from __future__ import annotations
 
 
-from keras_dpsgd.cli import add_json_flag, positive_float, positive_int
+from keras_dpsgd.cli import add_json_flag, add_option, model_choice, positive_float, positive_int
 
 # Shape and class count of the data sets the CLI knows (noise mode needs only these).
 _DATASETS = {"digits": ((8, 8, 1), 10), "cifar10": ((32, 32, 3), 10), "mnist": ((28, 28, 1), 10)}
@@ -31,11 +40,12 @@ def _register_memorization(subparsers) -> None:
     p.add_argument("--dataset", choices=sorted(_DATASETS), default="digits",
                    help="data set whose shape/classes the noise mimics (real mode: the data set trained on)")
     p.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir (cifar10, mnist)")
-    p.add_argument("--model", choices=["mlp", "conv"], default="mlp")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", type=model_choice("keras-dpsgd memorization-test"))
     p.add_argument("--width", type=positive_int, default=512, help="MLP hidden width")
     p.add_argument("--num-examples", type=positive_int, default=1000, help="noise examples (noise mode)")
     p.add_argument("--epochs", type=positive_int, default=20)
-    p.add_argument("--batch-size", type=positive_int, default=64, help="expected DP lot size L")
+    add_option(p, "--lot-size", "--batch-size", type=positive_int, default=64, metavar="L",
+               help="expected Poisson lot size L of the DP run")
     p.add_argument("--physical-batch-size", type=positive_int, default=None,
                    help="split lots into gradient-accumulation steps of this many rows")
     p.add_argument("--l2-norm-clip", type=positive_float, default=1.0)
@@ -48,7 +58,7 @@ def _register_memorization(subparsers) -> None:
     p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
     p.add_argument("--seed", type=int, default=None, help="for reproducible runs only (default: OS entropy)")
     add_json_flag(p)
-    p.set_defaults(func=_memorization)
+    p.set_defaults(func=_memorization, uses_tensorflow=True)
 
 
 def _memorization(args) -> dict | None:
@@ -62,7 +72,7 @@ def _memorization(args) -> dict | None:
     )
 
     dp = DPSettings(
-        l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier, batch_size=args.batch_size,
+        l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier, batch_size=args.lot_size,
         learning_rate=args.learning_rate, momentum=args.momentum, physical_batch_size=args.physical_batch_size,
     )
     shape, classes = _DATASETS[args.dataset]
@@ -100,7 +110,7 @@ def _register_large_lots(subparsers) -> None:
     )
     p.add_argument("--num-examples", type=positive_int, required=True)
     p.add_argument("--epochs", type=positive_float, required=True)
-    p.add_argument("--epsilon", type=positive_float, required=True)
+    add_option(p, "--target-epsilon", "--epsilon", type=positive_float, required=True, metavar="X", help="target ε > 0")
     p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
     p.add_argument("--lot-sizes", type=positive_int, nargs="+", default=[128, 256, 512, 1024])
     p.add_argument("--base-learning-rate", type=positive_float, default=0.01)
@@ -118,18 +128,19 @@ def _large_lots(args) -> dict | None:
 
     delta = default_delta(args.num_examples) if args.delta is None else check_delta(args.delta, args.num_examples)
     rows = large_lot_table(
-        num_examples=args.num_examples, epochs=args.epochs, target_epsilon=args.epsilon, target_delta=delta,
+        num_examples=args.num_examples, epochs=args.epochs, target_epsilon=args.target_epsilon, target_delta=delta,
         lot_sizes=args.lot_sizes, base_learning_rate=args.base_learning_rate, base_lot_size=args.base_lot_size,
         max_batch_size=args.max_batch_size, accountant=args.accountant,
     )
     if args.plot:
         plot_noise_per_example(rows, args.plot)
     if args.json:
-        return {"delta": delta, "epsilon": args.epsilon, "rows": rows, "plot": args.plot}
+        return {"delta": delta, "target_epsilon": args.target_epsilon, "epsilon": args.target_epsilon,  # deprecated
+                "rows": rows, "plot": args.plot}
     cols = ["lot_size", "steps", "noise_multiplier", "noise_per_example", "learning_rate"]
     if args.max_batch_size:
         cols += ["physical_batch_size", "accumulation_steps"]
-    print(f"epsilon {args.epsilon} at delta {delta:.3g}, N = {args.num_examples}, {args.epochs} epochs")
+    print(f"target epsilon {args.target_epsilon} at delta {delta:.3g}, N = {args.num_examples}, {args.epochs} epochs")
     print("  ".join(f"{c:>18}" for c in cols))
     for r in rows:
         print("  ".join(f"{r[c]:>18.6g}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
@@ -151,7 +162,7 @@ def _register_adaptive(subparsers) -> None:
     )
     p.add_argument("--num-layers", type=positive_int, required=True, help="clipped variables (layers) V")
     p.add_argument("--norm-noise-multiplier", type=positive_float, required=True, help="sigma_l2 of norm queries")
-    p.add_argument("--epsilon", type=positive_float, required=True)
+    add_option(p, "--target-epsilon", "--epsilon", type=positive_float, required=True, metavar="X", help="target ε > 0")
     p.add_argument("--delta", type=float, required=True)
     p.add_argument("--sampling-rate", type=positive_float, required=True)
     p.add_argument("--steps", type=positive_int, required=True)
@@ -165,16 +176,17 @@ def _adaptive(args) -> dict | None:
 
     sigma = calibrate_adaptive_noise_multiplier(
         num_layers=args.num_layers, norm_noise_multiplier=args.norm_noise_multiplier,
-        target_epsilon=args.epsilon, target_delta=args.delta, sampling_rate=args.sampling_rate,
+        target_epsilon=args.target_epsilon, target_delta=args.delta, sampling_rate=args.sampling_rate,
         steps=args.steps, accountant=args.accountant,
     )
     sigma_eff = composed_noise_multiplier([sigma] * args.num_layers, [args.norm_noise_multiplier] * args.num_layers)
     result = {"noise_multiplier": sigma, "effective_noise_multiplier": sigma_eff,
               "norm_noise_multiplier": args.norm_noise_multiplier, "num_layers": args.num_layers,
-              "epsilon": args.epsilon, "delta": args.delta, "sampling_rate": args.sampling_rate, "steps": args.steps}
+              "target_epsilon": args.target_epsilon, "epsilon": args.target_epsilon,  # epsilon: deprecated
+              "delta": args.delta, "sampling_rate": args.sampling_rate, "steps": args.steps}
     if args.json:
         return result
     print(f"per-layer gradient noise multiplier sigma = {sigma:.6g} (sigma_eff per step {sigma_eff:.6g}) "
-          f"meets epsilon {args.epsilon} at delta {args.delta} with {args.num_layers} norm queries of "
+          f"meets target epsilon {args.target_epsilon} at delta {args.delta} with {args.num_layers} norm queries of "
           f"sigma_l2 = {args.norm_noise_multiplier} per step")
     return None

@@ -91,7 +91,7 @@ def register(subparsers) -> None:
                    help="write DIR/model.keras and DIR/privacy_report.json (ledger, ε, δ, settings); DIR is "
                    "checked before training, the files are written atomically")
     add_json_flag(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, uses_tensorflow=True)
 
 
 def _register_local_data(p) -> None:
