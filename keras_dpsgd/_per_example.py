@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import tensorflow as tf
 import tf_keras as keras
