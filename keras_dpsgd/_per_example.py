@@ -24,6 +24,7 @@ Protocol (``PerExampleBackend``):
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any, Callable, Protocol, Sequence
 
@@ -107,6 +108,8 @@ class ReferenceBackend:
             from keras_dpsgd._fast import _graph
 
             checks = _graph.runtime_checks(loss, _graph.analyze(loss))
+        elif not checked:
+            _warn_unchecked_eager()
         jacobians = tape.jacobian(
             loss,
             list(var_list),
@@ -130,6 +133,22 @@ class ReferenceBackend:
                 summed = [tf.identity(s) for s in summed]
                 sq_norms = tf.identity(sq_norms)
         return summed, sq_norms
+
+
+_EAGER_WARNING = (
+    "keras_dpsgd: this DP step runs eagerly (run_eagerly=True or an eager custom loop): there is no graph, so "
+    "the check that the loss has one entry per example and that no op mixes the examples of the batch "
+    "(batch statistics, a batch mean, rows reordered) cannot run, and the privacy guarantee rests on the "
+    "model being per example. Train in a tf.function (the default of fit) to have it checked."
+)
+_eager_warned = []
+
+
+def _warn_unchecked_eager() -> None:
+    """Says once per process, loudly, that an eager step's per-example property is not checked."""
+    if not _eager_warned:
+        _eager_warned.append(True)
+        logging.getLogger("keras_dpsgd").warning(_EAGER_WARNING)
 
 
 def resolve_backend(name: str = "auto") -> PerExampleBackend:
