@@ -58,6 +58,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _noise, _step, ledger
+from keras_dpsgd.accounting.events import composed_noise_multiplier
 from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
@@ -138,10 +139,20 @@ def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | 
 
 
 def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
-    """σ_eff = (Σ_v 1/σ_v²)^(-1/2) of a per-variable Gaussian step (0 if any σ_v is 0)."""
-    if any(s == 0.0 for s in noise_multipliers):
-        return 0.0
-    return float(sum(1.0 / s**2 for s in noise_multipliers) ** -0.5)
+    """σ_eff = (Σ_v 1/σ_v²)^(-1/2) of a per-variable Gaussian step (0 if any σ_v is 0).
+
+    :func:`keras_dpsgd.accounting.composed_noise_multiplier`, the one place σ_eff is computed.
+    """
+    return composed_noise_multiplier(noise_multipliers)
+
+
+def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple[float, ...]:
+    """σ of each Gaussian release of one step: one per clipping group (flat clipping: one)."""
+    if isinstance(l2_norm_clip, float):
+        return (noise_multiplier,)
+    if isinstance(noise_multiplier, list):
+        return tuple(noise_multiplier)
+    return (noise_multiplier,) * len(l2_norm_clip)
 
 
 def _check_lot_size(value: Any) -> float | None:
@@ -263,17 +274,17 @@ class DPSanitizerMixin:
         return not isinstance(self._l2_norm_clip, float)
 
     @property
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        """σ of each Gaussian release of one step (one per clipping group), as the ledger records it."""
+        return release_noise_multipliers(self._l2_norm_clip, self._noise_multiplier)
+
+    @property
     def effective_noise_multiplier(self) -> float:
         """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable).
 
         Per-layer clipping with V variables and one σ gives σ/√V.
         """
-        if not self.per_layer_clipping:
-            return self._noise_multiplier
-        sigmas = self._noise_multiplier
-        if isinstance(sigmas, float):
-            sigmas = [sigmas] * len(self._l2_norm_clip)
-        return effective_noise_multiplier(sigmas)
+        return composed_noise_multiplier(self.release_noise_multipliers)
 
     @property
     def expected_lot_size(self) -> float | None:
@@ -296,18 +307,8 @@ class DPSanitizerMixin:
         self._sampling_rate = new
 
     def _fold_into_ledger_bounds(self, sampling_rate: float) -> None:
-        """Steps already taken at `sampling_rate` stay charged at least at it.
-
-        The ledger (keras_dpsgd.ledger) charges steps it has not attributed to a
-        segment at the worst (largest q, smallest σ) in these bounds, so a
-        change of q before the ledger was ever read cannot under-report ε.
-        """
-        bounds = getattr(self, "_ledger_bounds", None)
-        if not bounds or int(self.noised_steps.numpy()) == 0:
-            return
-        q_max, sigma_min = bounds
-        q_max.assign(max(float(q_max.numpy()), sampling_rate))
-        sigma_min.assign(min(float(sigma_min.numpy()), self.effective_noise_multiplier))
+        """Steps already taken at `sampling_rate` stay charged at least at it (``ledger.note_sampling_rate_change``)."""
+        ledger.note_sampling_rate_change(self, sampling_rate)
 
     def build(self, var_list):
         if getattr(self, "_built", False):

@@ -7,6 +7,11 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 (Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
 mechanism with sampling ratio q and noise multiplier σ).
 
+The state and its transitions are pure (:mod:`keras_dpsgd._ledger_state`, one
+schema, no TensorFlow); this module does the I/O: the string variables that
+hold the state, the optimizer's counter and worst-case bounds, attaching to
+the model and saving.
+
 The ledger is the model's. The DP step attaches it to the model it trains
 when it is traced (no callback needed); every save brings it up to date
 first, whatever the callback order; a model compiled again with a new DP
@@ -38,6 +43,11 @@ segments (runs of steps with one (q, σ)) live in a string variable of a small
 * h5 weights (``save_weights("w.h5")``, ``ModelCheckpoint("w.h5",
   save_weights_only=True)``): the layers' weights only, no ledger: a loud
   warning at every save; such a file is for inference, not for resuming.
+* Keras 3 (``keras_dpsgd.keras3``): ``.keras`` files and ``.weights.h5``
+  weights (``model.save``, ``save_weights``, ``ModelCheckpoint``,
+  ``BackupAndRestore``) keep the optimizer's variables and both copies of
+  the ledger (a Keras 3 holder saves its state through
+  ``save_own_variables``): resumed training continues ε exactly.
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
@@ -63,30 +73,30 @@ used and a warning says, once, that this ε assumes Poisson sampling.
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import sys
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
+from keras_dpsgd import _ledger_state as S
 from keras_dpsgd.accounting import (
     GaussianEvent,
+    PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyLedger,
     check_delta,
     compute_epsilon,
+    composed_noise_multiplier,
     default_delta,
-    event_from_dict,
     max_steps_within_budget,
 )
 
 _LOG = logging.getLogger("keras_dpsgd")
 _WARNED: set = set()
 _STATE_ATTR = "_dpsgd_ledger_state"
-DPSGD_LABEL = "dp-sgd"
+DPSGD_LABEL = S.DPSGD_LABEL
 
 
 def _warn_once(key: Any, message: str, *args) -> None:
@@ -98,9 +108,9 @@ def _warn_once(key: Any, message: str, *args) -> None:
 class LedgerState(tf.Module):
     """Checkpointable record of the DP-SGD segments of a run.
 
-    Holds one scalar string variable (``state``) with JSON: the closed
-    segments' events, the open segment's (q, σ, first step) and the last
-    step count read. q is None where the optimizer does not know it (no
+    Holds one scalar string variable (``state``) with the JSON of a
+    :mod:`keras_dpsgd._ledger_state` state (its segments and the last step
+    count read). q is None where the optimizer does not know it (no
     ``PoissonLots.configure``): the reader's assumption (B · k / N) is used.
 
     Every save (checkpoint, SavedModel) first brings the state up to date
@@ -114,6 +124,7 @@ class LedgerState(tf.Module):
             self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
         self._refresh = None  # set by `attach`: syncs the state from the live counters
         self._trainer = None  # set by `attach` on the model's copy: returns its last DP optimizer
+        self._model = None  # set by `attach` on the optimizer's copy: returns the model it trains
 
     def _trackable_children(self, *args, **kwargs):
         if self._refresh is not None:
@@ -122,13 +133,52 @@ class LedgerState(tf.Module):
 
 
 def _read_state(holder: Any) -> dict:
-    raw = holder.state.numpy().decode("utf-8")
-    return json.loads(raw) if raw else {"closed": [], "open": None, "seen": 0}
+    return S.loads(holder.state.numpy().decode("utf-8"))
 
 
-def _recorded_steps(data: dict) -> int:
-    opened = data["open"]
-    return sum(e["count"] for e in data["closed"]) + (data["seen"] - opened["start"] if opened else 0)
+def is_keras3(obj: Any) -> bool:
+    """True if `obj` is a Keras 3 object (``import keras``), False for tf_keras."""
+    return any(k.__module__.startswith("keras.") for k in type(obj).__mro__)
+
+
+_KERAS3_HOLDER: list = []
+
+
+def _holder_class(owner: Any) -> type:
+    """LedgerState, or on Keras 3 its subclass that ``.keras`` and ``.weights.h5`` files keep.
+
+    Keras 3 saves an object's state through ``save_own_variables`` of the
+    ``KerasSaveable`` attributes it walks (not ``tf.train.Checkpoint``): the
+    Keras 3 holder writes its JSON there as bytes, so the segments travel
+    with the optimizer and the model through ``model.save``,
+    ``save_weights``, ``ModelCheckpoint`` and ``BackupAndRestore``.
+    """
+    if not is_keras3(owner):
+        return LedgerState
+    if not _KERAS3_HOLDER:
+        import numpy as np
+        # Keras 3 walks only KerasSaveable attributes when saving; it publishes no other hook.
+        from keras.src.saving.keras_saveable import KerasSaveable
+
+        class Keras3LedgerState(LedgerState, KerasSaveable):
+            def _obj_type(self):
+                # Keras accepts only its own kinds here; "Loss" skips what a Loss has, and no
+                # attribute of this holder is a KerasSaveable: only save_own_variables runs.
+                return "Loss"
+
+            def save_own_variables(self, store):
+                if self._refresh is not None:
+                    self._refresh()
+                store["segments"] = np.frombuffer(self.state.numpy(), dtype=np.uint8)
+
+            def load_own_variables(self, store):
+                if "segments" in store:  # files written before the ledger was saved on Keras 3 have none
+                    raw = np.asarray(store["segments"], dtype=np.uint8).tobytes()
+                    S.loads(raw.decode("utf-8"))  # refuses what is not a ledger state
+                    self.state.assign(raw)
+
+        _KERAS3_HOLDER.append(Keras3LedgerState)
+    return _KERAS3_HOLDER[0]
 
 
 def ledger_state_holders(model: Any, optimizer: Any) -> list:
@@ -147,7 +197,7 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
             raise ValueError(f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'")
         if not isinstance(holder, LedgerState):
             with tf.init_scope():
-                revived, holder = holder, LedgerState()
+                revived, holder = holder, _holder_class(owner)()
                 if revived is not None:
                     # Loaded from a SavedModel as a plain object: keep its state in a LedgerState,
                     # which refreshes itself at the next save.
@@ -210,6 +260,8 @@ def attach(model: Any, optimizer: Any) -> None:
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
+        if model is not None:
+            holders[0]._model = weakref.ref(model)
         _refresh(model, optimizer)
 
 
@@ -237,7 +289,8 @@ def _guard_saves(model: Any) -> None:
     save_weights, save = model.save_weights, model.save
 
     def guarded_save_weights(filepath, *args, **kwargs):
-        if _is_h5(str(filepath), kwargs):
+        # Keras 3's .weights.h5 is its native format: it keeps the optimizer and the ledger.
+        if _is_h5(str(filepath), kwargs) and not is_keras3(model):
             _LOG.warning(H5_WEIGHTS_WARNING, f"save_weights({str(filepath)!r})")
         return save_weights(filepath, *args, **kwargs)
 
@@ -250,18 +303,45 @@ def _guard_saves(model: Any) -> None:
     object.__setattr__(model, "save", guarded_save)
 
 
-def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
-    """The model being saved with `optimizer` (a ``model`` or ``self`` up the call stack), or None."""
-    frame = sys._getframe(1)
+def _calling_frame(matches, max_depth: int):
+    """The nearest frame up the call stack (below the caller's caller) for which `matches(frame)`.
+
+    The one stack walk of the ledger. Keras offers no supported way to learn,
+    from inside an optimizer's ``save_own_variables``, which model is being
+    saved (a ``.keras`` save walks the model's children without passing the
+    model down), nor to read the running ``fit``'s arguments (its
+    data_handler's steps per epoch, validation_split) from a callback or the
+    optimizer; these two reads are the only ones that look up the stack.
+    """
+    frame = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             return None
-        for name in ("model", "self"):
-            obj = frame.f_locals.get(name)
-            if obj is not optimizer and getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "fit"):
-                return obj
+        if matches(frame):
+            return frame
         frame = frame.f_back
     return None
+
+
+def _trains(obj: Any, optimizer: Any) -> bool:
+    return obj is not None and obj is not optimizer and getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "fit")
+
+
+def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
+    """The model being saved with `optimizer`, or None.
+
+    The model the ledger attached the optimizer to (its DP step was traced);
+    else, for an optimizer that never stepped, a ``model`` or ``self`` up the
+    call stack (see :func:`_calling_frame`).
+    """
+    holder = getattr(optimizer, _STATE_ATTR, None)
+    attached = holder._model() if getattr(holder, "_model", None) is not None else None
+    if _trains(attached, optimizer):
+        return attached
+    frame = _calling_frame(lambda f: any(_trains(f.f_locals.get(n), optimizer) for n in ("model", "self")), max_depth)
+    if frame is None:
+        return None
+    return next(frame.f_locals[n] for n in ("model", "self") if _trains(frame.f_locals.get(n), optimizer))
 
 
 def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
@@ -280,10 +360,7 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
     if holder is None:
         return
     with tf.init_scope():
-        data = _read_state(holder)
-    if data["open"] is None:
-        return
-    earlier = sum(e["count"] for e in data["closed"]) - data["open"]["start"]
+        earlier = S.earlier_steps(_read_state(holder))
     if earlier > 0:
         raise ValueError(
             f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
@@ -302,45 +379,51 @@ def _bound_variables(optimizer: Any) -> Optional[tuple]:
     return None
 
 
-def _saved_worst_case(bounds: Optional[tuple], q: Optional[float], sigma: float) -> Optional[tuple]:
-    """(max q, min σ) over the saved bounds and (q, σ); None when nothing was saved."""
-    if bounds is None or float(bounds[0].numpy()) <= 0.0:
-        return None
-    q_saved = float(bounds[0].numpy())
-    return (q_saved if q is None else max(q_saved, q)), min(float(bounds[1].numpy()), sigma)
+def _read_bounds(variables: Optional[tuple]) -> Optional[tuple]:
+    return None if variables is None else tuple(float(v.numpy()) for v in variables)
 
 
-def _update_bounds(bounds: Optional[tuple], data: dict) -> None:
-    """Folds every segment of `data` (the open one too) into the saved worst case."""
-    if bounds is None:
+def _write_bounds(variables: Optional[tuple], values: Optional[tuple]) -> None:
+    if variables is None:
         return
-    pairs = [(e["sampling_rate"], e["noise_multiplier"]) for e in data["closed"] if e.get("sampling_rate") is not None]
-    if data["open"]["q"] is not None:
-        pairs.append((data["open"]["q"], data["open"]["sigma"]))
-    if not pairs:
-        return
-    q_max = max([float(bounds[0].numpy())] + [p[0] for p in pairs])
-    sigma_min = min([float(bounds[1].numpy())] + [p[1] for p in pairs])
-    for variable, value in zip(bounds, (q_max, sigma_min)):
+    for variable, value in zip(variables, values):
         if float(variable.numpy()) != value:
             variable.assign(value)
+
+
+def note_sampling_rate_change(optimizer: Any, previous_sampling_rate: float) -> None:
+    """Keeps the steps already taken at `previous_sampling_rate` charged at least at it.
+
+    Called by a DP optimizer's ``sampling_rate`` setter when a known q
+    changes. The ledger charges steps it has not attributed to a segment at
+    the worst case in the optimizer's saved bounds, so a change of q before
+    the ledger was ever read cannot under-report ε.
+    """
+    variables = _bound_variables(optimizer)
+    if variables is None or not is_dp_optimizer(optimizer) or noised_steps(optimizer) == 0:
+        return
+    with tf.init_scope():
+        sigma = float(optimizer.effective_noise_multiplier)
+        _write_bounds(variables, S.widen_bounds(_read_bounds(variables), previous_sampling_rate, sigma))
+
+
+def discard_partial_lot(optimizer: Any, where: str = "") -> int:
+    """Drops `optimizer`'s incomplete lot, if it keeps one; returns its batches (0 if none).
+
+    A discarded lot was never released (no noise drawn, no update): the
+    ledger does not change (:func:`keras_dpsgd._ledger_state.discard_partial_lot`).
+    """
+    discard = getattr(optimizer, "discard_partial_lot", None)
+    return int(discard(where)) if discard is not None else 0
 
 
 def fit_frame(model: Any, max_depth: int = 64):
     """The frame of the running ``Model.fit`` of `model` (its locals: x, data_handler, ...), or None.
 
     Keras gives neither callbacks nor the optimizer the fit's data; the call
-    stack is searched for ``fit``'s frame, as ``find_calling_model`` does for
-    the model.
+    stack is searched for ``fit``'s frame (see :func:`_calling_frame`).
     """
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-            return frame
-        frame = frame.f_back
-    return None
+    return _calling_frame(lambda f: f.f_code.co_name == "fit" and f.f_locals.get("self") is model, max_depth)
 
 
 def is_dp_optimizer(optimizer: Any) -> bool:
@@ -405,36 +488,26 @@ def resolve_sampling_rate(
     return q
 
 
-def _dpsgd_event(q: float, sigma: float, count: int, label: str = DPSGD_LABEL):
-    return PoissonSampledGaussianEvent(q, sigma, count=count, label=label)
+def step_noise_multipliers(optimizer: Any, noise_multiplier: Optional[float] = None) -> tuple:
+    """The noise multipliers of the Gaussian releases of one of `optimizer`'s steps.
+
+    The optimizer's ``release_noise_multipliers`` (one per clipping group,
+    plus adaptive clipping's norm queries) where it has them and they compose
+    to `noise_multiplier` (default: its ``effective_noise_multiplier``), else
+    the one release ``(noise_multiplier,)``.
+    """
+    sigma = float(optimizer.effective_noise_multiplier) if noise_multiplier is None else float(noise_multiplier)
+    releases = getattr(optimizer, "release_noise_multipliers", None)
+    if releases and composed_noise_multiplier(releases) == sigma:
+        return tuple(float(r) for r in releases)
+    return (sigma,)
 
 
-def _segment(q: Optional[float], sigma: float, count: int, label: str = DPSGD_LABEL, q_floor: Optional[float] = None) -> dict:
-    """A closed segment as saved: an event's dict, q None where the reader's q applies."""
-    if q is not None:
-        return _dpsgd_event(q, sigma, count, label).to_dict()
-    segment = {"type": "poisson_sampled_gaussian", "sampling_rate": None, "noise_multiplier": sigma, "count": count, "label": label}
-    if q_floor is not None:
-        segment["q_floor"] = q_floor
-    return segment
-
-
-def _worst_q(a: Optional[float], b: Optional[float]) -> tuple:
-    """(q, q_floor) of the worst case of two q's, None standing for the reader's q."""
-    if a is None and b is None:
-        return None, None
-    if a is None or b is None:
-        return None, (a if b is None else b)
-    return max(a, b), None
-
-
-def _resolved(segment: dict, q_reader: float) -> dict:
-    """A saved segment with an unknown q charged at the reader's q (at least its floor)."""
-    if segment.get("sampling_rate", 0.0) is not None:
-        return segment
-    resolved = {k: v for k, v in segment.items() if k != "q_floor"}
-    resolved["sampling_rate"] = max(q_reader, segment.get("q_floor") or 0.0)
-    return resolved
+def step_event(q: float, noise_multipliers: Sequence[float], count: int, label: str = DPSGD_LABEL):
+    """`count` steps at q: one Gaussian release (flat clipping) or a composition of several."""
+    if len(noise_multipliers) == 1:
+        return PoissonSampledGaussianEvent(q, noise_multipliers[0], count=count, label=label)
+    return PoissonSampledComposedGaussianEvent(q, tuple(noise_multipliers), count=count, label=label)
 
 
 def sync_ledger_state(
@@ -449,69 +522,40 @@ def sync_ledger_state(
 
     `sampling_rate`: the optimizer's q, or None where it does not know it
     (then the segment keeps the q it has: None, the reader's assumption, or
-    a known value). `steps`: a step count read earlier under these (q, σ)
-    (default: read now). `optimizer`: default ``model.optimizer``.
+    a known value). `noise_multiplier`: σ_eff of those steps (their releases:
+    :func:`step_noise_multipliers`). `steps`: a step count read earlier under
+    these (q, σ) (default: read now). `optimizer`: default ``model.optimizer``.
 
-    Of the two saved copies the one that recorded more steps wins (a lost
-    copy never lowers ε). The optimizer's step counter is new (its state was
-    not restored, e.g. from a SavedModel, or the model was compiled with a
-    new optimizer) when the optimizer's copy is empty while the model's
-    recorded steps, or when the counter is below the last value read: then
-    the recorded segment is closed and every step the counter shows is new.
-    When no segment was saved but the counter was (a ``.keras`` load), the
-    counted steps are charged at the optimizer's saved worst case.
+    The I/O around :func:`keras_dpsgd._ledger_state.advance`: of the two saved
+    copies the one that recorded more steps wins (a lost copy never lowers
+    ε); the optimizer's counter is new when its copy is empty (its state was
+    not restored, e.g. from a SavedModel, or the model was compiled with a new
+    optimizer); the optimizer's saved worst case (``.keras`` files keep it, not
+    the segments) charges counted steps whose segments were lost.
     """
     optimizer = model.optimizer if optimizer is None else optimizer
     with tf.init_scope():
         holders = ledger_state_holders(model, optimizer)
+        raw = [h.state.numpy() for h in holders]
         states = [_read_state(h) for h in holders]
-        optimizer_copy_empty = not holders[0].state.numpy()
-        data = copy.deepcopy(max(states, key=_recorded_steps))
-        steps = noised_steps(optimizer) if steps is None else int(steps)
-        _advance(data, steps, sampling_rate, float(noise_multiplier), optimizer, optimizer_copy_empty)
-        _update_bounds(_bound_variables(optimizer), data)
-        encoded = json.dumps(data, sort_keys=True)
-        for holder, old in zip(holders, states):
-            if old != data:
+        bound_variables = _bound_variables(optimizer)
+        bounds = _read_bounds(bound_variables)
+        sigma = float(noise_multiplier)
+        data = S.advance(
+            S.merge(*states),
+            steps=noised_steps(optimizer) if steps is None else int(steps),
+            sampling_rate=None if sampling_rate is None else float(sampling_rate),
+            noise_multipliers=step_noise_multipliers(optimizer, sigma),
+            counter_is_new=not raw[0],
+            saved_worst_case=S.saved_worst_case(bounds, sampling_rate, sigma),
+        )
+        if bounds is not None:
+            _write_bounds(bound_variables, S.fold_bounds(data, bounds))
+        encoded = S.dumps(data)
+        for holder, old in zip(holders, raw):
+            if old.decode("utf-8") != encoded:
                 holder.state.assign(encoded)
     return data
-
-
-def _advance(data: dict, steps: int, q: Optional[float], sigma: float, optimizer: Any, optimizer_copy_empty: bool) -> None:
-    """Updates `data` in place to `steps` steps, the last ones run under (q, σ)."""
-    q = None if q is None else float(q)
-    opened = data["open"]
-    if opened is None:
-        worst = _saved_worst_case(_bound_variables(optimizer), q, sigma) if steps > 0 else None
-        if worst is not None and worst != (q, sigma):
-            # Segments lost, counter and worst case kept (.keras): never under-report.
-            label = f"{DPSGD_LABEL} (segments not saved: worst case)"
-            data["closed"].append(_dpsgd_event(*worst, steps, label=label).to_dict())
-            data["open"] = {"q": q, "sigma": sigma, "start": steps}
-        else:
-            # Nothing known about earlier steps: they ran with the current values.
-            data["open"] = {"q": q, "sigma": sigma, "start": 0}
-    else:
-        if q is None:
-            q = opened["q"]  # the optimizer does not know q: nothing new about it
-        seen = data["seen"]
-        params_changed = (opened["q"], opened["sigma"]) != (q, sigma)
-        reset = steps < seen or (optimizer_copy_empty and _recorded_steps(data) > 0)
-        first_unread = 0 if reset else seen
-        if params_changed or reset:
-            closed_count = max(0, seen - opened["start"])
-            if closed_count:
-                data["closed"].append(_segment(opened["q"], opened["sigma"], closed_count))
-            start = first_unread
-            if params_changed and steps > first_unread:
-                worst_q, floor = _worst_q(q, opened["q"])
-                label = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
-                data["closed"].append(
-                    _segment(worst_q, min(sigma, opened["sigma"]), steps - first_unread, label, q_floor=floor)
-                )
-                start = steps
-            data["open"] = {"q": q, "sigma": sigma, "start": start}
-    data["seen"] = steps
 
 
 def optimizer_events(
@@ -535,12 +579,7 @@ def optimizer_events(
     sigma = float(optimizer.effective_noise_multiplier)
     attach(model, optimizer)
     data = sync_ledger_state(model, getattr(optimizer, "sampling_rate", None), sigma)
-    events = [event_from_dict(_resolved(e, q)) for e in data["closed"]]
-    opened = data["open"]
-    count = data["seen"] - opened["start"]
-    if count > 0:
-        events.append(_dpsgd_event(q if opened["q"] is None else opened["q"], opened["sigma"], count))
-    return events
+    return [step_event(*segment) for segment in S.events(data, q)]
 
 
 def layer_events(model: Any) -> list:

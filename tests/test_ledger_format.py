@@ -10,6 +10,7 @@ import pytest
 from keras_dpsgd.accounting import (
     ComposedEvent,
     GaussianEvent,
+    PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyLedger,
     compute_epsilon,
@@ -19,6 +20,8 @@ from keras_dpsgd.accounting import (
 _PSG = {"type": "poisson_sampled_gaussian", "sampling_rate": 0.01, "noise_multiplier": 1.1, "count": 100,
         "label": "dp-sgd"}
 _G = {"type": "gaussian", "noise_multiplier": 4.0, "count": 1, "label": "dp-pca"}
+_PSCG = {"type": "poisson_sampled_composed_gaussian", "sampling_rate": 0.01, "noise_multipliers": [2.0, 2.0],
+         "count": 100, "label": "dp-sgd"}
 
 
 def _ledger():
@@ -42,7 +45,16 @@ NOT_LEDGERS = {
     "extra top-level key": {"events": [_PSG], "epsilon": 0.0},
     "extra key with format": {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSG], "closed": []},
     "unknown format": {"format": "opacus", "version": 1, "events": [_PSG]},
-    "future version": {"format": "keras_dpsgd.ledger", "version": 2, "events": [_PSG]},
+    "future version": {"format": "keras_dpsgd.ledger", "version": 3, "events": [_PSG]},
+    "version 1 with a version 2 event": {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSCG]},
+    "0.1.0 shape with a version 2 event": {"events": [_PSCG]},
+    "version 1 composed of a version 2 event": {
+        "format": "keras_dpsgd.ledger", "version": 1, "events": [{"type": "composed", "events": [_PSCG]}]},
+    "releases not a list": {"events": [{**_PSCG, "noise_multipliers": 1.1}]},
+    "no releases": {"events": [{**_PSCG, "noise_multipliers": []}]},
+    "release as string": {"events": [{**_PSCG, "noise_multipliers": ["1.1"]}]},
+    "release negative": {"events": [{**_PSCG, "noise_multipliers": [1.1, -1.0]}]},
+    "releases with a flat noise": {"events": [{**_PSCG, "noise_multiplier": 1.1}]},
     "version as string": {"format": "keras_dpsgd.ledger", "version": "1", "events": [_PSG]},
     "version as bool": {"format": "keras_dpsgd.ledger", "version": True, "events": [_PSG]},
     "format without version": {"format": "keras_dpsgd.ledger", "events": [_PSG]},
@@ -79,8 +91,8 @@ def test_the_error_says_what_was_expected_and_what_was_got():
         PrivacyLedger.from_dict({"history": [(1.1, 0.01, 100)], "mechanism": "rdp"})
     with pytest.raises(TypeError, match="must be a dict.*got NoneType"):
         PrivacyLedger.from_dict(None)
-    with pytest.raises(ValueError, match="ledger version must be 1.*got 2"):
-        PrivacyLedger.from_dict({"format": "keras_dpsgd.ledger", "version": 2, "events": []})
+    with pytest.raises(ValueError, match=r"ledger version must be one of \[1, 2\].*got 3"):
+        PrivacyLedger.from_dict({"format": "keras_dpsgd.ledger", "version": 3, "events": []})
     with pytest.raises(ValueError, match="count must be an integer >= 0, got -5"):
         PrivacyLedger.from_dict({"events": [{**_PSG, "count": -5}]})
     with pytest.raises(ValueError, match="exactly the fields.*got"):
@@ -90,7 +102,7 @@ def test_the_error_says_what_was_expected_and_what_was_got():
 def test_to_dict_carries_format_and_version():
     data = _ledger().to_dict()
     assert data["format"] == "keras_dpsgd.ledger"
-    assert data["version"] == 1
+    assert data["version"] == 2
     assert set(data) == {"format", "version", "events"}
 
 
@@ -103,6 +115,20 @@ def test_round_trip_through_json():
 
 def test_empty_ledger_round_trips():
     assert PrivacyLedger.from_dict(PrivacyLedger().to_dict()) == PrivacyLedger()
+
+
+def test_version_1_files_still_load():
+    # What keras_dpsgd wrote before the composed step event (version 2).
+    version_1 = {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSG, _G, {"type": "composed", "events": [
+        {"type": "poisson_sampled_gaussian", "sampling_rate": 0.5, "noise_multiplier": 2.0, "count": 3, "label": ""}]}]}
+    assert PrivacyLedger.from_dict(json.loads(json.dumps(version_1))) == _ledger()
+
+
+def test_a_composed_step_round_trips_as_version_2():
+    ledger = PrivacyLedger([PoissonSampledComposedGaussianEvent(0.01, (2.0, 2.0), count=100, label="dp-sgd")])
+    data = json.loads(json.dumps(ledger.to_dict()))
+    assert data["version"] == 2 and data["events"] == [_PSCG]
+    assert PrivacyLedger.from_dict(data) == ledger
 
 
 def test_legacy_0_1_0_shape_still_loads():

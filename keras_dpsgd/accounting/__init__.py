@@ -17,9 +17,11 @@ from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
     ComposedEvent,
     GaussianEvent,
+    PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyEvent,
     PrivacyLedger,
+    composed_noise_multiplier,
     event_from_dict,
     flatten_events,
 )
@@ -53,6 +55,7 @@ __all__ = [
     "MOMENTS_ORDERS",
     "MomentsAccountant",
     "PldAccountant",
+    "PoissonSampledComposedGaussianEvent",
     "PoissonSampledGaussianEvent",
     "PrivacyAccountant",
     "PrivacyEvent",
@@ -64,6 +67,7 @@ __all__ = [
     "check_delta",
     "compute_epsilon",
     "compute_epsilon_and_order",
+    "composed_noise_multiplier",
     "compute_noise_multiplier",
     "default_delta",
     "delta_from_rdp",

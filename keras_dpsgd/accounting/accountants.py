@@ -22,9 +22,8 @@ import numpy as np
 from keras_dpsgd.accounting import _validation as V
 from keras_dpsgd.accounting import conversions, rdp
 from keras_dpsgd.accounting.events import (
+    LEAF_EVENT_TYPES,
     ComposedEvent,
-    GaussianEvent,
-    PoissonSampledGaussianEvent,
     PrivacyLedger,
     flatten_events,
 )
@@ -37,13 +36,13 @@ def as_event_list(events) -> list:
     """Leaf events of a PrivacyLedger, one event, or an iterable of events."""
     if isinstance(events, PrivacyLedger):
         events = events.events
-    elif isinstance(events, (PoissonSampledGaussianEvent, GaussianEvent, ComposedEvent)):
+    elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent,)):
         events = (events,)
     elif not isinstance(events, Iterable) or isinstance(events, (str, bytes, dict)):
         raise TypeError(f"events must be a PrivacyLedger, an event or an iterable of events, got {type(events).__name__}")
     out = []
     for e in flatten_events(events):
-        if not isinstance(e, (PoissonSampledGaussianEvent, GaussianEvent)):
+        if not isinstance(e, LEAF_EVENT_TYPES):
             raise TypeError(f"events must be privacy events, got {type(e).__name__}")
         out.append(e)
     return out

@@ -15,7 +15,7 @@ This module is pure Python: it must import without TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Iterable, Iterator, Sequence, Union
 
 from keras_dpsgd.accounting import _validation as V
 
@@ -63,6 +63,72 @@ class PoissonSampledGaussianEvent:
         return {"type": "poisson_sampled_gaussian", **dataclasses.asdict(self)}
 
 
+def composed_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
+    """σ_eff = (Σ_i 1/σ_i²)^(-1/2) of Gaussian releases computed on one sample (0 if any σ_i is 0).
+
+    The one place σ_eff is computed (per-layer clipping's groups, adaptive clipping's norm queries).
+    Release i adds N(0, σ_i² s_i²) to a query of ℓ2 sensitivity s_i. Dividing each release by its
+    noise scale (post-processing) makes them one query with unit noise whose sensitivity is
+    (Σ_i 1/σ_i²)^(1/2), i.e. one Gaussian mechanism with noise multiplier σ_eff; dp_accounting
+    reduces a ``ComposedDpEvent`` of Gaussians the same way. One release: σ_eff = σ_1 exactly.
+
+    Raises:
+      ValueError: if `noise_multipliers` is empty or holds a value that is not a number >= 0.
+    """
+    if isinstance(noise_multipliers, (str, bytes)) or not isinstance(noise_multipliers, Iterable):
+        raise TypeError(f"noise_multipliers must be a sequence of numbers >= 0, got {noise_multipliers!r}")
+    sigmas = [V.check_noise_multiplier(s, f"noise_multipliers[{i}]") for i, s in enumerate(noise_multipliers)]
+    if not sigmas:
+        raise ValueError("noise_multipliers must be a non-empty sequence of numbers >= 0, got an empty sequence")
+    if len(sigmas) == 1 or any(s == 0.0 for s in sigmas):
+        return min(sigmas)
+    return float(sum(1.0 / (s * s) for s in sigmas) ** -0.5)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampledComposedGaussianEvent:
+    """`count` steps, each one Poisson sample released through several Gaussian mechanisms.
+
+    A DP-SGD step with per-layer clipping releases one noised sum per clipping group, adaptive
+    clipping adds one noised norm query per layer: every release of a step reads the same
+    sample. The accountant charges each step as one sub-sampled Gaussian with the noise
+    multiplier :func:`composed_noise_multiplier` derives (``noise_multiplier``).
+
+    Args:
+      sampling_rate: q in (0, 1].
+      noise_multipliers: σ_i >= 0 of each release (noise standard deviation over its ℓ2
+        sensitivity), at least one.
+      count: number of steps, an integer >= 0.
+      label: free text naming the source.
+    """
+
+    sampling_rate: float
+    noise_multipliers: tuple
+    count: int = 1
+    label: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "sampling_rate", _check_sampling_rate(self.sampling_rate))
+        composed_noise_multiplier(self.noise_multipliers)  # validates
+        object.__setattr__(self, "noise_multipliers", tuple(float(s) for s in self.noise_multipliers))
+        object.__setattr__(self, "count", _check_count(self.count))
+        object.__setattr__(self, "label", str(self.label))
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ_eff of one step (:func:`composed_noise_multiplier`)."""
+        return composed_noise_multiplier(self.noise_multipliers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "poisson_sampled_composed_gaussian",
+            "sampling_rate": self.sampling_rate,
+            "noise_multipliers": list(self.noise_multipliers),
+            "count": self.count,
+            "label": self.label,
+        }
+
+
 @dataclasses.dataclass(frozen=True)
 class GaussianEvent:
     """`count` releases of a Gaussian mechanism on the whole data set (q = 1).
@@ -108,16 +174,22 @@ class ComposedEvent:
         return {"type": "composed", "events": [e.to_dict() for e in self.events]}
 
 
-_EVENT_TYPES = (PoissonSampledGaussianEvent, GaussianEvent, ComposedEvent)
-PrivacyEvent = Union[PoissonSampledGaussianEvent, GaussianEvent, ComposedEvent]
+LEAF_EVENT_TYPES = (PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent)
+_EVENT_TYPES = LEAF_EVENT_TYPES + (ComposedEvent,)
+PrivacyEvent = Union[PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent, ComposedEvent]
 
 
 LEDGER_FORMAT = "keras_dpsgd.ledger"
-LEDGER_VERSION = 1
+# Version 2 added "poisson_sampled_composed_gaussian" events; version 1 files load unchanged.
+LEDGER_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
+# Event kinds a file of each version may hold (a version 1 file names no event kind added later).
+_VERSION_1_KINDS = frozenset({"poisson_sampled_gaussian", "gaussian", "composed"})
 
 # The fields each serialized event kind carries, exactly as `to_dict` writes them.
 _EVENT_FIELDS = {
     "poisson_sampled_gaussian": ("sampling_rate", "noise_multiplier", "count", "label"),
+    "poisson_sampled_composed_gaussian": ("sampling_rate", "noise_multipliers", "count", "label"),
     "gaussian": ("noise_multiplier", "count", "label"),
     "composed": ("events",),
 }
@@ -139,6 +211,11 @@ def _check_serialized_fields(kind: str, data: dict) -> None:
         raise TypeError(f"count of a serialized event must be an integer, got {data['count']!r}")
     if "label" in data and not isinstance(data["label"], str):
         raise TypeError(f"label of a serialized event must be a string, got {data['label']!r}")
+    multipliers = data.get("noise_multipliers", [])
+    if not isinstance(multipliers, (list, tuple)) or any(
+        isinstance(m, bool) or not isinstance(m, (int, float)) for m in multipliers
+    ):
+        raise TypeError(f"noise_multipliers of a serialized event must be a list of numbers, got {multipliers!r}")
     if "events" in data and not isinstance(data["events"], (list, tuple)):
         raise TypeError(f"events of a serialized composed event must be a list, got {data['events']!r}")
 
@@ -167,6 +244,8 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
     fields = {k: v for k, v in data.items() if k != "type"}
     if kind == "poisson_sampled_gaussian":
         return PoissonSampledGaussianEvent(**fields)
+    if kind == "poisson_sampled_composed_gaussian":
+        return PoissonSampledComposedGaussianEvent(**fields)
     if kind == "gaussian":
         return GaussianEvent(**fields)
     return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
@@ -218,7 +297,7 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 1, "events": [...]}``."""
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}``."""
         return {
             "format": LEDGER_FORMAT,
             "version": LEDGER_VERSION,
@@ -247,15 +326,15 @@ class PrivacyLedger:
             )
         keys = set(data)
         if keys == {"events"}:  # written by keras_dpsgd 0.1.0, before the format key
-            pass
+            version = 1
         elif keys == {"format", "version", "events"}:
             if data["format"] != LEDGER_FORMAT:
                 raise ValueError(f"ledger format must be {LEDGER_FORMAT!r}, got {data['format']!r}")
             version = data["version"]
-            if isinstance(version, bool) or not isinstance(version, int) or version != LEDGER_VERSION:
+            if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_VERSIONS:
                 raise ValueError(
-                    f"ledger version must be {LEDGER_VERSION} (this keras_dpsgd reads versions up to "
-                    f"{LEDGER_VERSION}), got {version!r}"
+                    f"ledger version must be one of {list(_READABLE_VERSIONS)} (this keras_dpsgd reads versions "
+                    f"up to {LEDGER_VERSION}), got {version!r}"
                 )
         else:
             raise ValueError(
@@ -265,4 +344,16 @@ class PrivacyLedger:
         events = data["events"]
         if not isinstance(events, (list, tuple)):
             raise TypeError(f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}")
+        if version == 1:
+            _refuse_later_kinds(events)
         return cls(event_from_dict(e) for e in events)
+
+
+def _refuse_later_kinds(events: Iterable[Any]) -> None:
+    """A version 1 ledger holds only the event kinds version 1 knew."""
+    for e in events:
+        kind = e.get("type") if isinstance(e, dict) else None
+        if kind is not None and kind in _EVENT_FIELDS and kind not in _VERSION_1_KINDS:
+            raise ValueError(f"a version 1 ledger holds no {kind!r} event (added in version 2): {e!r}")
+        if kind == "composed" and isinstance(e.get("events"), (list, tuple)):
+            _refuse_later_kinds(e["events"])

@@ -17,7 +17,7 @@ import numpy as np
 from keras_dpsgd.accounting import _validation as V
 from keras_dpsgd.accounting import accountants as A
 from keras_dpsgd.accounting import conversions, rdp
-from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
+from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent, composed_noise_multiplier
 
 _SIGMA_RTOL = 1e-7
 _SIGMA_MAX = 1e7
@@ -347,11 +347,6 @@ def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
 
     Used for per-layer clipping where part l has its own σ_l and clip share
     (the composed mechanism has the privacy of one Gaussian with σ_eff).
-    0 if any σ_l is 0.
+    0 if any σ_l is 0. Computed by :func:`keras_dpsgd.accounting.composed_noise_multiplier`.
     """
-    sigmas = [V.check_noise_multiplier(s, "noise_multipliers[i]") for s in noise_multipliers]
-    if not sigmas:
-        raise ValueError("noise_multipliers must be a non-empty sequence of floats >= 0, got an empty sequence")
-    if any(s == 0.0 for s in sigmas):
-        return 0.0
-    return float(sum(1.0 / (s * s) for s in sigmas) ** -0.5)
+    return composed_noise_multiplier(noise_multipliers)
