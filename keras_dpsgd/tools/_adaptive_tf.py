@@ -82,12 +82,18 @@ class AdaptiveClippingMixin:
         return self._norm_noise_multiplier
 
     @property
-    def effective_noise_multiplier(self) -> float:
-        """σ_eff of one step: gradient releases and norm queries composed (Three Tools Sec. 3)."""
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        """σ of each Gaussian release of one step: the gradient groups, then the norm queries."""
         sigmas = self.noise_multiplier
         if not isinstance(sigmas, list):
             sigmas = [sigmas] * len(self._norm_sigmas)
-        return composed_noise_multiplier(sigmas, self._norm_sigmas)
+        return tuple(sigmas) + tuple(self._norm_sigmas)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """σ_eff of one step: gradient releases and norm queries composed (Three Tools Sec. 3)."""
+        sigmas = self.release_noise_multipliers
+        return composed_noise_multiplier(sigmas[: len(self._norm_sigmas)], sigmas[len(self._norm_sigmas):])
 
     def build(self, var_list):
         if getattr(self, "_built", False):

@@ -107,11 +107,11 @@ def composed_noise_multiplier(
     Returns:
       The effective noise multiplier of the composed step.
     """
+    from keras_dpsgd.accounting import composed_noise_multiplier as sigma_eff
+
     sigmas = _check_sigmas("noise_multipliers", noise_multipliers)
     sigmas += _check_sigmas("norm_noise_multipliers", norm_noise_multipliers)
-    if any(s == 0.0 for s in sigmas):
-        return 0.0
-    return float(sum(1.0 / (s * s) for s in sigmas) ** -0.5)
+    return sigma_eff(sigmas)
 
 
 def adaptive_clipping_event(
