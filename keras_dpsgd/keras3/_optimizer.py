@@ -113,6 +113,9 @@ class DPKeras3Mixin:
             # Fresh OS entropy per process, never checkpointed: a restore never replays noise.
             with tf.init_scope():
                 self._dp.generator = tf.random.Generator.from_non_deterministic_state()
+        # The ledger's copy on the optimizer exists from the start, so that loading a .keras or
+        # .weights.h5 file (BackupAndRestore, ModelCheckpoint) restores its segments.
+        ledger.ledger_state_holders(None, self)
 
     def save_own_variables(self, store):
         """.keras saving; refused where the file would lose part of the model's ledger.
@@ -173,10 +176,8 @@ class DPKeras3Mixin:
     @sampling_rate.setter
     def sampling_rate(self, value: float | None) -> None:
         new = _check_sampling_rate(value)
-        if self._sampling_rate is not None and new != self._sampling_rate and int(self.noised_steps.numpy()) > 0:
-            # Steps already taken at the old q stay charged at least at it (see keras_dpsgd.ledger).
-            self._ledger_q_max.assign(max(float(self._ledger_q_max.numpy()), self._sampling_rate))
-            self._ledger_sigma_min.assign(min(float(self._ledger_sigma_min.numpy()), self.effective_noise_multiplier))
+        if self._sampling_rate is not None and new != self._sampling_rate:
+            ledger.note_sampling_rate_change(self, self._sampling_rate)  # the old q's steps stay charged at it
         self._sampling_rate = new
 
     @property
