@@ -44,9 +44,8 @@ def _train(optimizer):
 
 SETUPS = {
     "flat": (lambda: DPSGDOptimizer(1.0, SIGMA, sampling_rate=Q, expected_lot_size=LOT), [SIGMA]),
-    "per-layer": (lambda: DPSGDOptimizer([1.0, 0.5, 1.0, 0.5], SIGMA, sampling_rate=Q), [SIGMA] * 4),
     "per-layer, one sigma each": (
-        lambda: DPSGDOptimizer([1.0] * 4, [1.1, 2.0, 3.0, 4.0], sampling_rate=Q), [1.1, 2.0, 3.0, 4.0]),
+        lambda: DPSGDOptimizer([1.0, 0.5, 1.0, 0.5], [1.1, 2.0, 3.0, 4.0], sampling_rate=Q), [1.1, 2.0, 3.0, 4.0]),
     "adaptive": (
         lambda: AdaptiveDPSGDOptimizer([1.0] * 4, SIGMA, SIGMA_NORM, sampling_rate=Q, expected_lot_size=LOT),
         [SIGMA] * 4 + [SIGMA_NORM] * 4,
