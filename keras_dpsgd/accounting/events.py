@@ -108,11 +108,15 @@ class PoissonSampledComposedGaussianEvent:
     label: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "sampling_rate", _check_sampling_rate(self.sampling_rate))
-        composed_noise_multiplier(self.noise_multipliers)  # validates
-        object.__setattr__(self, "noise_multipliers", tuple(float(s) for s in self.noise_multipliers))
-        object.__setattr__(self, "count", _check_count(self.count))
-        object.__setattr__(self, "label", str(self.label))
+        composed_noise_multiplier(self.noise_multipliers)  # validates every release
+        checked = {
+            "sampling_rate": _check_sampling_rate(self.sampling_rate),
+            "noise_multipliers": tuple(float(s) for s in self.noise_multipliers),
+            "count": _check_count(self.count),
+            "label": str(self.label),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def noise_multiplier(self) -> float:
