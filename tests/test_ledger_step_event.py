@@ -2,7 +2,7 @@
 
 The ε of the new events equals, to 1e-12, the ε of the flat event the ledger recorded before
 (q, σ_eff by the closed form), for flat, per-layer and adaptive clipping (tf_keras), and σ_eff has one
-implementation that the sanitizer, planning and adaptive clipping call.
+implementation that the sanitizer (both Kerases), planning and adaptive clipping call.
 """
 
 import math
@@ -18,7 +18,8 @@ from keras_dpsgd.accounting import (
     compute_epsilon,
     composed_noise_multiplier,
 )
-from keras_dpsgd.ledger import model_privacy_ledger
+from keras_dpsgd import keras3 as k3
+from keras_dpsgd.ledger import model_privacy_ledger, step_noise_multipliers
 from keras_dpsgd.optimizer import DPSGDOptimizer
 from keras_dpsgd.tools import adaptive_clipping
 from keras_dpsgd.tools._adaptive_tf import AdaptiveDPSGDOptimizer
@@ -96,6 +97,11 @@ def test_the_optimizers_sigma_eff_is_their_releases_composed():
     assert per_layer.effective_noise_multiplier == pytest.approx(SIGMA / math.sqrt(3), rel=1e-15)
     assert adaptive.release_noise_multipliers == (SIGMA, SIGMA, SIGMA_NORM, SIGMA_NORM)
     assert adaptive.effective_noise_multiplier == composed_noise_multiplier(adaptive.release_noise_multipliers)
+    keras3 = k3.DPSGDOptimizer([1.0, 1.0], [1.1, 2.0], learning_rate=0.1)
+    assert keras3.release_noise_multipliers == (1.1, 2.0)
+    assert keras3.effective_noise_multiplier == pytest.approx(_old_sigma_eff([1.1, 2.0]), rel=1e-15)
+    for optimizer in (flat, per_layer, adaptive, keras3):  # what the ledger records for one step
+        assert step_noise_multipliers(optimizer) == optimizer.release_noise_multipliers
 
 
 @pytest.mark.parametrize("bad", [[], "1.1", [True], [-1.0], [float("nan")]])

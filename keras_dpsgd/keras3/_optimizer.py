@@ -27,6 +27,7 @@ from keras_dpsgd._sanitizer import (
     check_l2_norm_clip,
     check_noise_multiplier,
     effective_noise_multiplier,
+    release_noise_multipliers,
 )
 from keras_dpsgd._tfp_compat import check_num_microbatches
 
@@ -151,14 +152,14 @@ class DPKeras3Mixin:
         return not isinstance(self._dp.l2_norm_clip, float)
 
     @property
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        """σ of each Gaussian release of one step (one per clipping group), as the ledger records it."""
+        return release_noise_multipliers(self._dp.l2_norm_clip, self._dp.noise_multiplier)
+
+    @property
     def effective_noise_multiplier(self) -> float:
         """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable)."""
-        if not self.per_layer_clipping:
-            return self._dp.noise_multiplier
-        sigmas = self._dp.noise_multiplier
-        if isinstance(sigmas, float):
-            sigmas = [sigmas] * len(self._dp.l2_norm_clip)
-        return effective_noise_multiplier(sigmas)
+        return effective_noise_multiplier(self.release_noise_multipliers)
 
     @property
     def expected_lot_size(self) -> float | None:
