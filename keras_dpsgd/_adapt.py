@@ -31,7 +31,9 @@ __all__ = [
     "TfKerasAdaptGlue",
     "as_adapt_data",
     "batch_shape",
+    "check_features",
     "feature_dim",
+    "flatten",
     "release_event",
     "stream_batches",
 ]
@@ -87,14 +89,19 @@ def flatten(inputs: Any, dim: int, compute_dtype: Any, owner: str) -> tf.Tensor:
     x = tf.convert_to_tensor(inputs)
     if not x.dtype.is_floating:
         x = tf.cast(x, compute_dtype)
-    shape = x.shape
+    check_features(x.shape, dim, owner)
+    return tf.reshape(x, (-1, dim))
+
+
+def check_features(shape: Any, dim: int, owner: str) -> None:
+    """Raises ValueError if inputs of `shape` (batch, d1, ...) do not flatten to `dim` features (as far as known)."""
+    shape = tf.TensorShape(shape)
     if shape.rank is not None and shape.rank < 2:
         raise ValueError(f"{owner} inputs must have shape (batch, d1, ...), got {shape}")
     if shape.rank is not None and shape[1:].is_fully_defined():
         got = int(np.prod(shape[1:].as_list()))
         if got != dim:
             raise ValueError(f"{owner} inputs must flatten to d = {dim} features, got shape {shape} ({got} features)")
-    return tf.reshape(x, (-1, dim))
 
 
 def stream_batches(data: Any, batch_size: Optional[int], steps: Optional[int], update: Callable) -> None:
@@ -263,8 +270,10 @@ class DPReleaseMixin:
         data = as_adapt_data(data, owner)
         if batch_size is None and not isinstance(data, tf.data.Dataset):
             batch_size = DEFAULT_ADAPT_BATCH_SIZE
+        shape = batch_shape(data, owner)
         if not self.built:
-            self.build(batch_shape(data, owner))
+            self.build(shape)
+        check_features(shape, self.input_dim, owner)  # before any batch is read
         self._record_mechanism()
         try:
             self._stream(data, batch_size, steps)
