@@ -152,13 +152,17 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
 
 
 def fitted_state_message(layer, state: str) -> str:
-    """The refusal of a layer holding `state` fitted on data (shared by the tf_keras and Keras 3 checks)."""
+    """The refusal of a layer holding `state` fitted on data (shared by the tf_keras and Keras 3 checks).
+
+    It names the DPNormalization of the layer's own Keras.
+    """
+    front_end = "tf_keras" if isinstance(layer, keras.layers.Layer) else "keras3"
     return (
         f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
         "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
         "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
         "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
-        "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
+        f"use keras_dpsgd.{front_end}.DPNormalization, whose release is noised and accounted."
     )
 
 
