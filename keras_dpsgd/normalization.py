@@ -26,14 +26,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd._adapt import (
-    DEFAULT_ADAPT_BATCH_SIZE,  # noqa: F401  (re-exported: the default of adapt's batch_size)
-    Accumulator,
-    DPReleaseMixin,
-    TfKerasAdaptGlue,
-    feature_dim,
-    flatten,
-)
+from keras_dpsgd import _adapt
 from keras_dpsgd.accounting import PrivacyLedger
 from keras_dpsgd.accounting._validation import is_integer, is_real
 
@@ -244,7 +237,7 @@ def release_moments(
     return {"count": noisy_n, "sum": noisy_s, "sum_of_squares": noisy_q}, mean_y + center, variance
 
 
-class MomentsMechanism(DPReleaseMixin):
+class MomentsMechanism(_adapt.DPReleaseMixin):
     """DP mean and variance for any Keras front end (the docstring of :class:`DPNormalization` says what it does)."""
 
     _LABEL = NORMALIZATION_LABEL
@@ -309,7 +302,7 @@ class MomentsMechanism(DPReleaseMixin):
     # ---- state -------------------------------------------------------------
 
     def build(self, input_shape):
-        dim, feature_shape = feature_dim(input_shape, "DPNormalization")
+        dim, feature_shape = _adapt.feature_dim(input_shape, "DPNormalization")
         for name in ("lower", "upper"):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != dim:
@@ -323,8 +316,8 @@ class MomentsMechanism(DPReleaseMixin):
         self.reset_state()
 
     @staticmethod
-    def _new_accumulator(dim: int) -> Accumulator:
-        return Accumulator(
+    def _new_accumulator(dim: int) -> _adapt.Accumulator:
+        return _adapt.Accumulator(
             count=((), tf.float64), total=((dim,), tf.float64), squares=((dim,), tf.float64),
             nonfinite=((), tf.int64))
 
@@ -389,7 +382,7 @@ class MomentsMechanism(DPReleaseMixin):
     # ---- call --------------------------------------------------------------
 
     def _flatten(self, inputs) -> tf.Tensor:
-        return flatten(inputs, self.input_dim, self.compute_dtype, "DPNormalization")
+        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPNormalization")
 
     def call(self, inputs):
         x = self._check_adapted(tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype))
@@ -413,7 +406,7 @@ class MomentsMechanism(DPReleaseMixin):
 
 
 @keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPNormalization(TfKerasAdaptGlue, MomentsMechanism, _PreprocessingLayer):
+class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _PreprocessingLayer):
     """Normalizes features with a differentially private mean and variance.
 
     `adapt(data)` is one Gaussian mechanism:

@@ -19,14 +19,7 @@ import scipy.linalg
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd._adapt import (
-    DEFAULT_ADAPT_BATCH_SIZE,  # noqa: F401  (re-exported: the default of adapt's batch_size)
-    Accumulator,
-    DPReleaseMixin,
-    TfKerasAdaptGlue,
-    feature_dim,
-    flatten,
-)
+from keras_dpsgd import _adapt
 from keras_dpsgd.accounting import PrivacyLedger
 
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
@@ -120,7 +113,7 @@ def _check_args(n_components, noise_multiplier, sampling_rate, seed) -> None:
             raise ValueError(f"seed must be None or an integer >= 0, got {seed}")
 
 
-class PCAMechanism(DPReleaseMixin):
+class PCAMechanism(_adapt.DPReleaseMixin):
     """DP-PCA for any Keras front end (the docstring of :class:`DPPCA` says what it does)."""
 
     _LABEL = PCA_LABEL
@@ -143,7 +136,7 @@ class PCAMechanism(DPReleaseMixin):
     # ---- state -------------------------------------------------------------
 
     def build(self, input_shape):
-        dim, _ = feature_dim(input_shape, "DPPCA")
+        dim, _ = _adapt.feature_dim(input_shape, "DPPCA")
         if self.n_components > dim:
             raise ValueError(
                 f"n_components must be in [1, d] = [1, {dim}] for inputs of shape {tf.TensorShape(input_shape)}, "
@@ -157,10 +150,10 @@ class PCAMechanism(DPReleaseMixin):
         self.reset_state()
 
     @staticmethod
-    def _new_accumulator(dim: int) -> Accumulator:
+    def _new_accumulator(dim: int) -> _adapt.Accumulator:
         # gram: the exact, un-noised AᵀA of the sampled rows; num_sampled their number (not
         # private: diagnostics and tests only, kept after the release).
-        return Accumulator(kept=("num_sampled",), gram=((dim, dim), tf.float64), num_sampled=((), tf.int64))
+        return _adapt.Accumulator(kept=("num_sampled",), gram=((dim, dim), tf.float64), num_sampled=((), tf.int64))
 
     # ---- adapt -------------------------------------------------------------
 
@@ -203,7 +196,7 @@ class PCAMechanism(DPReleaseMixin):
     # ---- call --------------------------------------------------------------
 
     def _flatten(self, inputs) -> tf.Tensor:
-        return flatten(inputs, self.input_dim, self.compute_dtype, "DPPCA")
+        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPPCA")
 
     def call(self, inputs):
         x = tf.cast(self._flatten(inputs), self.compute_dtype)
@@ -227,7 +220,7 @@ class PCAMechanism(DPReleaseMixin):
 
 
 @keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPPCA(TfKerasAdaptGlue, PCAMechanism, _PreprocessingLayer):
+class DPPCA(_adapt.TfKerasAdaptGlue, PCAMechanism, _PreprocessingLayer):
     """Projects inputs onto k differentially private principal directions.
 
     `adapt(data)` runs Analyze Gauss (Dwork et al. 2014, Algorithm 1; used by
