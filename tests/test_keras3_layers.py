@@ -23,6 +23,7 @@ import keras_dpsgd.keras3 as k3
 from keras_dpsgd import normalization as tf_keras_normalization
 from keras_dpsgd import pca as tf_keras_pca
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger, compute_epsilon
+from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
 from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
 from keras_dpsgd.sampling import PoissonLots
 
@@ -171,6 +172,27 @@ def test_epsilon_composes_the_layer_event_and_the_steps(trained):
     assert epsilon > compute_epsilon(steps, 1e-3)  # the release costs something
     nested = keras.Sequential([keras.Input((3, 2)), keras.Sequential([trained.layers[0]])])
     assert model_privacy_ledger(nested).events == (pca_event,)
+
+
+def test_privacy_logger_and_within_limit_count_the_release():
+    """WithinLimit stops where the accountant says the release plus k steps fit; the logger's ε agrees."""
+    norm = k3.DPNormalization(2.0, l2_norm_clip=3.0)
+    norm.adapt(FLAT)
+    release = GaussianEvent(2.0, count=1, label="dp-normalization")
+    q, sigma, delta = 0.25, 1.0, 1e-3
+
+    def eps(steps):
+        return compute_epsilon([release, PoissonSampledGaussianEvent(q, sigma, steps)], delta)
+
+    target = 0.5 * (eps(6) + eps(7))  # 6 steps fit with the release, 7 do not (without it, more would)
+    assert compute_epsilon(PoissonSampledGaussianEvent(q, sigma, 7), delta) < target
+    lots = PoissonLots(FLAT, Y, sampling_rate=q, seed=3)
+    model = k3.make_private(keras.Sequential([keras.Input((6,)), norm, keras.layers.Dense(1)]))
+    model.compile(optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma)), loss="mse")
+    history = model.fit(lots.dataset(), steps_per_epoch=4, epochs=3, verbose=0,
+                        callbacks=[PrivacyLogger(delta), WithinLimit(target, delta)])
+    assert int(model.optimizer.noised_steps.numpy()) == 6
+    assert history.history["epsilon"][0] == pytest.approx(eps(4), rel=1e-12)
 
 
 def test_explicit_ledger_receives_only_its_adapt():
