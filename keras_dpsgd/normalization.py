@@ -251,6 +251,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         l2_norm_clip: Optional[float] = None,
         sampling_rate: float = 1.0,
         seed: Optional[int] = None,
+        min_std: Optional[float] = None,
         **kwargs,
     ):
         sigma = _check_real("noise_multiplier", noise_multiplier, low=0.0, inclusive=True)
@@ -260,8 +261,11 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
             raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
         if seed is not None and (not is_integer(seed) or seed < 0):
             raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        if min_std is not None:
+            min_std = _check_real("min_std", min_std, low=0.0, inclusive=False)
         super().__init__(**kwargs)
         self.lower, self.upper, self.l2_norm_clip = lower, upper, l2_norm_clip
+        self.min_std = min_std
         self._init_release(sigma, q, seed)
         self.last_release: Optional[dict] = None
 
@@ -387,7 +391,8 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
     def call(self, inputs):
         x = self._check_adapted(tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype))
         mean = tf.cast(self.mean, x.dtype)
-        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), _EPSILON)
+        floor = _EPSILON if self.min_std is None else self.min_std
+        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), floor)
         return (x - mean) / std
 
     def compute_output_shape(self, input_shape):
@@ -401,6 +406,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
             "upper": _plain(self.upper),
             "l2_norm_clip": self.l2_norm_clip,
             "sampling_rate": self.sampling_rate,
+            "min_std": self.min_std,
         })  # not the seed: it determines the noise
         return config
 
@@ -449,6 +455,11 @@ class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _PreprocessingL
       sampling_rate: q in (0, 1], the Poisson sampling probability of adapt.
       seed: None (default: OS entropy at each adapt) or an integer for
         reproducible adapts (kept secret, never saved, as for ``DPPCA``).
+      min_std: None (default: Keras's epsilon, 1e-7) or a public floor > 0
+        of the standard deviation `call` divides by. The noisy variance of
+        a feature that barely varies (a border pixel) can come out near 0;
+        a floor of a few percent of the feature range keeps such features
+        from exploding (post-processing: no privacy cost).
       **kwargs: Keras layer arguments (`name`, `dtype`, ...).
 
     Raises:

@@ -149,6 +149,22 @@ def test_same_validation_as_the_tf_keras_layers():
         unadapted.predict(X, verbose=0)
 
 
+@pytest.mark.parametrize("cls", [k3.DPNormalization, tf_keras_normalization.DPNormalization])
+def test_min_std_floors_the_std_of_a_constant_feature(cls):
+    x = np.concatenate([FLAT[:, :1], np.zeros((len(FLAT), 1), np.float32)], axis=1)  # feature 1 is constant
+    exact = cls(0.0, lower=-4.0, upper=4.0)
+    exact.adapt(x)
+    assert exact.variance.numpy()[1] == 0.0
+    floored = cls(0.0, lower=-4.0, upper=4.0, min_std=0.5)
+    floored.adapt(x)
+    shifted = np.array([[0.0, 1.0]], np.float32)
+    assert floored(shifted).numpy()[0, 1] == pytest.approx(2.0)  # (1 - 0) / 0.5, not / 1e-7
+    assert exact(shifted).numpy()[0, 1] > 1e6
+    assert floored.get_config()["min_std"] == 0.5 and cls.from_config(floored.get_config()).min_std == 0.5
+    with pytest.raises(ValueError, match="min_std must be a finite number > 0, got 0.0"):
+        cls(1.0, l2_norm_clip=1.0, min_std=0.0)
+
+
 # ------------------------------------------------------------------ the ledger and ε
 @pytest.fixture(scope="module")
 def trained():
