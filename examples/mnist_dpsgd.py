@@ -1,7 +1,7 @@
 """Abadi et al. (2016) on MNIST: DP-PCA to 60 dimensions, 1000 ReLU units, DP-SGD.
 
 The paper's setup (Sec. 5.1): project the images onto 60 differentially
-private principal directions (:class:`keras_dpsgd.DPPCA`), one hidden layer of
+private principal directions (``DPPCA``), one hidden layer of
 1000 ReLU units, lots of 600, clipping bound 4 per layer, learning rate 0.1
 decaying linearly to 0.052 over 10 epochs. Three presets reproduce the paper's
 noise levels, each trained until its (ε, δ = 1e-5) budget is spent
@@ -23,6 +23,11 @@ that ignores the split; expect accuracy somewhat below the paper's).
 
 The DP-PCA release (Analyze Gauss, Dwork et al. 2014) is in the model's ledger
 and counted by WithinLimit and the printed ε, with the training steps.
+
+Which Keras: the one ``tf.keras`` is, Keras 3 (``import keras``:
+``keras_dpsgd.keras3.DPPCA``, ``DPSGDOptimizer`` and ``make_private``) unless
+``TF_USE_LEGACY_KERAS=1`` makes it tf_keras (``keras_dpsgd.pca.DPPCA``,
+``keras_dpsgd.optimizer.DPSGDOptimizer``). The script prints which one it uses.
 
 The defaults are the paper's. What closed most of the gap to the paper in our
 measurements (README, "MNIST: Abadi et al. 2016, measured";
@@ -46,10 +51,26 @@ import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up lo
 PRESETS = {"large": (2.0, 8.0), "medium": (4.0, 2.0), "small": (8.0, 0.5)}  # name: (σ, target ε)
 
 
-def build_model(num_components: int, hidden: int, pca):
-    """DPPCA (already adapted) → Dense(hidden, ReLU) → Dense(10) logits."""
-    import tf_keras as keras
+def front_end():
+    """(keras module, DPPCA, DPSGDOptimizer, make_private or None) of the Keras that tf.keras is."""
+    import tensorflow as tf
 
+    if tf.keras.Model.__module__.startswith("tf_keras"):  # TF_USE_LEGACY_KERAS=1
+        import tf_keras
+
+        from keras_dpsgd.optimizer import DPSGDOptimizer
+        from keras_dpsgd.pca import DPPCA
+
+        return tf_keras, DPPCA, DPSGDOptimizer, None
+    import keras
+
+    from keras_dpsgd import keras3
+
+    return keras, keras3.DPPCA, keras3.DPSGDOptimizer, keras3.make_private
+
+
+def build_model(keras, hidden: int, pca):
+    """DPPCA (already adapted) → Dense(hidden, ReLU) → Dense(10) logits, in the given Keras."""
     inputs = keras.Input(shape=(28, 28, 1))
     x = pca(inputs)
     x = keras.layers.Dense(hidden, activation="relu", name="hidden")(x)
@@ -86,9 +107,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
 
-    import tf_keras as keras
+    keras, DPPCA, DPSGDOptimizer, make_private = front_end()
 
-    from keras_dpsgd import DPPCA, DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
     from keras_dpsgd._datasets import load_dataset, load_local, load_tfds
 
     sigma, target = PRESETS[args.preset]
@@ -111,7 +132,9 @@ def main(argv=None) -> int:
     pca = DPPCA(args.pca_components, noise_multiplier=args.pca_noise, sampling_rate=args.pca_sampling_rate,
                 seed=args.seed, name="dp_pca")
     pca.adapt(data.x_train)
-    model = build_model(args.pca_components, args.hidden, pca)
+    model = build_model(keras, args.hidden, pca)
+    if make_private is not None:  # Keras 3: the model's train step is the private one
+        model = make_private(model)
     clips, sigmas = per_layer_clipping(model, args.clip, sigma) if args.clip_mode == "per-layer" else (args.clip, sigma)
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     lr = keras.optimizers.schedules.PolynomialDecay(0.1, 10 * lots.steps_per_epoch, end_learning_rate=0.052)
@@ -119,12 +142,12 @@ def main(argv=None) -> int:
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
                   weighted_metrics=["accuracy"])
-    print(f"preset {args.preset}: σ_eff = {optimizer.effective_noise_multiplier:.4g}, target ε = {target:g}, "
+    print(f"{'tf_keras' if make_private is None else 'Keras 3'}; preset {args.preset}: σ_eff = {optimizer.effective_noise_multiplier:.4g}, target ε = {target:g}, "
           f"δ = {args.delta:g}; DP-PCA to {args.pca_components} dims (σ = {args.pca_noise:g}, "
           f"q = {args.pca_sampling_rate:g}) is in the ledger")
     model.fit(lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
               callbacks=[PrivacyLogger(args.delta), WithinLimit(target, args.delta)],
-              validation_data=(data.x_test, data.y_test), verbose=2)
+              validation_data=(data.x_test, data.y_test), shuffle=False, verbose=2)  # the lots are Poisson samples
     epsilon, delta = model_epsilon(model, target_delta=args.delta)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=1024, verbose=0)
     print(f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "

@@ -26,17 +26,19 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+from keras_dpsgd import _adapt
+from keras_dpsgd.accounting import PrivacyLedger
 from keras_dpsgd.accounting._validation import is_integer, is_real
 
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 NORMALIZATION_LABEL = "dp-normalization"
-DEFAULT_ADAPT_BATCH_SIZE = 1024
 PUBLIC_ATTR = "_keras_dpsgd_fitted_on_public_data"
 # The three released blocks (count, sum, sum of squares): each, divided by its
 # sensitivity, moves by at most 1 in ℓ2 norm, so the whole vector by sqrt(3).
 _NUM_BLOCKS = 3
+
+_EPSILON = 1e-7  # the floor of the std in call (Keras's backend.epsilon(), the same in both Kerases)
 
 Bound = Union[float, Sequence[float]]
 
@@ -143,13 +145,17 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
 
 
 def fitted_state_message(layer, state: str) -> str:
-    """The refusal of a layer holding `state` fitted on data (shared by the tf_keras and Keras 3 checks)."""
+    """The refusal of a layer holding `state` fitted on data (shared by the tf_keras and Keras 3 checks).
+
+    It names the DPNormalization of the layer's own Keras.
+    """
+    front_end = "tf_keras" if isinstance(layer, keras.layers.Layer) else "keras3"
     return (
         f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
         "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
         "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
         "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
-        "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
+        f"use keras_dpsgd.{front_end}.DPNormalization, whose release is noised and accounted."
     )
 
 
@@ -175,6 +181,11 @@ def _check_bound(name: str, value) -> Union[float, list]:
     return float(array) if array.ndim == 0 else array.tolist()
 
 
+def _plain(bound):
+    """A bound as get_config saves it: a float, or a plain list (Keras wraps lists it tracks)."""
+    return list(bound) if isinstance(bound, (list, tuple)) or hasattr(bound, "__len__") else bound
+
+
 def _check_clipping(lower, upper, l2_norm_clip):
     if l2_norm_clip is not None:
         if lower is not None or upper is not None:
@@ -192,27 +203,216 @@ def _check_clipping(lower, upper, l2_norm_clip):
     return lower, upper, None
 
 
-class _Sums:
-    """Adapt-time exact sums (never saved, zeroed after the release)."""
+def release_moments(
+    count: float,
+    total: np.ndarray,
+    squares: np.ndarray,
+    *,
+    stddevs: dict,
+    limit: np.ndarray,
+    center: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Steps 3 and 4 of :class:`DPNormalization`: the noisy (n, S, Q), then the post-processed moments.
 
-    def __init__(self, dim: int):
-        self.count = tf.Variable(tf.constant(0.0, tf.float64), trainable=False)
-        self.total = tf.Variable(tf.zeros((dim,), tf.float64), trainable=False)
-        self.squares = tf.Variable(tf.zeros((dim,), tf.float64), trainable=False)
-        self.nonfinite = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-        self.seed = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-        self.batch = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+    Args:
+      count, total, squares: the exact n, S = Σ y and Q = Σ y² of the clipped, centred rows y.
+      stddevs: noise std per block ({"count", "sum", "sum_of_squares"}: σ·√3·Δ).
+      limit: (d,) bound on |y_j| (r, or C in norm mode): the clamp of the post-processing.
+      center: (d,) c, added back to the mean.
+      rng: the generator of the noise.
 
-    def reset(self, seed: int) -> None:
-        for v in (self.count, self.total, self.squares):
-            v.assign(tf.zeros_like(v))
-        self.nonfinite.assign(0)
-        self.seed.assign(seed)
-        self.batch.assign(0)
+    Returns:
+      ({"count": n̂, "sum": Ŝ, "sum_of_squares": Q̂}, mean, variance).
+    """
+    def noisy(value, std):
+        return value + rng.normal(0.0, std, np.shape(value)) if std > 0 else value
+
+    noisy_n = float(noisy(count, stddevs["count"]))
+    noisy_s = noisy(total, stddevs["sum"])
+    noisy_q = noisy(squares, stddevs["sum_of_squares"])
+    n = max(noisy_n, 1.0)
+    mean_y = np.clip(noisy_s / n, -limit, limit)
+    variance = np.clip(noisy_q / n - mean_y**2, 0.0, limit**2)
+    return {"count": noisy_n, "sum": noisy_s, "sum_of_squares": noisy_q}, mean_y + center, variance
+
+
+class MomentsMechanism(_adapt.DPReleaseMixin):
+    """DP mean and variance for any Keras front end (the docstring of :class:`DPNormalization` says what it does)."""
+
+    _LABEL = NORMALIZATION_LABEL
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        *,
+        lower: Optional[Bound] = None,
+        upper: Optional[Bound] = None,
+        l2_norm_clip: Optional[float] = None,
+        sampling_rate: float = 1.0,
+        seed: Optional[int] = None,
+        min_std: Optional[float] = None,
+        **kwargs,
+    ):
+        sigma = _check_real("noise_multiplier", noise_multiplier, low=0.0, inclusive=True)
+        lower, upper, l2_norm_clip = _check_clipping(lower, upper, l2_norm_clip)
+        q = _check_real("sampling_rate", sampling_rate, low=0.0, inclusive=False)
+        if q > 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+        if seed is not None and (not is_integer(seed) or seed < 0):
+            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        if min_std is not None:
+            min_std = _check_real("min_std", min_std, low=0.0, inclusive=False)
+        super().__init__(**kwargs)
+        self.lower, self.upper, self.l2_norm_clip = lower, upper, l2_norm_clip
+        self.min_std = min_std
+        self._init_release(sigma, q, seed)
+        self.last_release: Optional[dict] = None
+
+    # ---- the mechanism, in numpy (float64) -----------------------------------
+
+    def _radius(self) -> np.ndarray:
+        """r per feature (range mode) as a (d,) array."""
+        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
+        return (upper - lower) / 2.0
+
+    def _center(self) -> np.ndarray:
+        if self.l2_norm_clip is not None:
+            return np.zeros(self.input_dim)
+        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
+        return (upper + lower) / 2.0
+
+    @property
+    def sensitivities(self) -> dict:
+        """ℓ2 sensitivity of each released block: {"count": 1, "sum": Δ_S, "sum_of_squares": Δ_Q}."""
+        if self.input_dim is None:
+            raise ValueError("the sensitivities depend on d: build or adapt the layer first")
+        if self.l2_norm_clip is not None:
+            c = self.l2_norm_clip
+            return {"count": 1.0, "sum": c, "sum_of_squares": c * c}
+        r = self._radius()
+        return {"count": 1.0, "sum": float(np.linalg.norm(r)), "sum_of_squares": float(np.linalg.norm(r * r))}
+
+    @property
+    def noise_stddevs(self) -> dict:
+        """Noise standard deviation on each coordinate of each block: σ·√3·Δ."""
+        scale = self.noise_multiplier * math.sqrt(_NUM_BLOCKS)
+        return {block: scale * s for block, s in self.sensitivities.items()}
+
+    def _limit(self) -> np.ndarray:
+        """The bound on |y_j| per feature: r, or C in norm mode."""
+        return np.full(self.input_dim, self.l2_norm_clip) if self.l2_norm_clip is not None else self._radius()
+
+    # ---- state -------------------------------------------------------------
+
+    def build(self, input_shape):
+        dim, feature_shape = _adapt.feature_dim(input_shape, "DPNormalization")
+        for name in ("lower", "upper"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != dim:
+                raise ValueError(f"{name} must have one bound per feature (d = {dim}), got {len(value)}")
+        self.mean = self.add_weight(name="mean", shape=feature_shape, dtype="float32",
+                                    initializer="zeros", trainable=False)
+        self.variance = self.add_weight(name="variance", shape=feature_shape, dtype="float32",
+                                        initializer="ones", trainable=False)
+        self._build_release(dim)
+        super().build(input_shape)
+        self.reset_state()
+
+    @staticmethod
+    def _new_accumulator(dim: int) -> _adapt.Accumulator:
+        return _adapt.Accumulator(
+            count=((), tf.float64), total=((dim,), tf.float64), squares=((dim,), tf.float64),
+            nonfinite=((), tf.int64))
+
+    # ---- adapt -------------------------------------------------------------
+
+    def adapt(self, data, batch_size=None, steps=None, *, ledger: Optional[PrivacyLedger] = None):
+        """Releases the private mean and variance of `data` (one Gaussian mechanism).
+
+        Args:
+          data: examples only (no labels): an array or tensor of shape
+            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches.
+            Every example must appear at most once.
+          batch_size: rows per accumulation step for arrays (default 1024).
+          steps: number of batches to read (Keras `adapt` semantics).
+          ledger: optional `PrivacyLedger` that also receives the event (only
+            if it is not also filled from `privacy_events`, or it counts twice).
+
+        Raises:
+          TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
+          ValueError: for data of the wrong shape, non-finite data, or a layer
+            whose recorded adapts used another (q, σ).
+        """
+        self._adapt(data, batch_size, steps, ledger)
+
+    def _release(self) -> tuple:
+        """The noisy (n, S, Q) of the accumulated sums (kept in `last_release`), post-processed."""
+        acc = self._acc
+        if int(acc.nonfinite.numpy()) > 0:
+            raise ValueError("DPNormalization.adapt data must be finite, got NaN or infinite values")
+        self.last_release, mean, variance = release_moments(
+            float(acc.count.numpy()), acc.total.numpy(), acc.squares.numpy(), stddevs=self.noise_stddevs,
+            limit=self._limit(), center=self._center(), rng=self._noise_rng)
+        return mean, variance
+
+    def _store(self, released: tuple) -> None:
+        mean, variance = released
+        self.mean.assign(mean.reshape(self.mean.shape).astype(np.float32))
+        self.variance.assign(variance.reshape(self.variance.shape).astype(np.float32))
+
+    def update_state(self, data):
+        x = tf.cast(self._flatten(data), tf.float64)
+        sums = self._acc
+        x = sums.poisson_sample(x, self.sampling_rate)
+        finite = tf.reduce_all(tf.math.is_finite(x), axis=1)
+        sums.nonfinite.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64)))
+        y = self._clip(tf.where(finite[:, None], x, tf.zeros_like(x)))
+        sums.count.assign_add(tf.cast(tf.shape(y)[0], tf.float64))
+        sums.total.assign_add(tf.reduce_sum(y, axis=0))
+        sums.squares.assign_add(tf.reduce_sum(tf.square(y), axis=0))
+
+    def _clip(self, x: tf.Tensor) -> tf.Tensor:
+        """Step 2: y = clip(x, lower, upper) − c, or x · min(1, C/‖x‖)."""
+        if self.l2_norm_clip is not None:
+            norms = tf.norm(x, axis=1, keepdims=True)
+            scale = tf.math.divide_no_nan(tf.constant(self.l2_norm_clip, tf.float64), norms)
+            return x * tf.minimum(tf.constant(1.0, tf.float64), scale)
+        d = self.input_dim
+        lower = tf.constant(np.broadcast_to(np.asarray(self.lower, np.float64), (d,)))
+        upper = tf.constant(np.broadcast_to(np.asarray(self.upper, np.float64), (d,)))
+        return tf.clip_by_value(x, lower, upper) - (lower + upper) / 2.0
+
+    # ---- call --------------------------------------------------------------
+
+    def _flatten(self, inputs) -> tf.Tensor:
+        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPNormalization")
+
+    def call(self, inputs):
+        x = self._check_adapted(tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype))
+        mean = tf.cast(self.mean, x.dtype)
+        floor = _EPSILON if self.min_std is None else self.min_std
+        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), floor)
+        return (x - mean) / std
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape(input_shape)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "noise_multiplier": self.noise_multiplier,
+            "lower": _plain(self.lower),
+            "upper": _plain(self.upper),
+            "l2_norm_clip": self.l2_norm_clip,
+            "sampling_rate": self.sampling_rate,
+            "min_std": self.min_std,
+        })  # not the seed: it determines the noise
+        return config
 
 
 @keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPNormalization(_PreprocessingLayer):
+class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _PreprocessingLayer):
     """Normalizes features with a differentially private mean and variance.
 
     `adapt(data)` is one Gaussian mechanism:
@@ -255,299 +455,14 @@ class DPNormalization(_PreprocessingLayer):
       sampling_rate: q in (0, 1], the Poisson sampling probability of adapt.
       seed: None (default: OS entropy at each adapt) or an integer for
         reproducible adapts (kept secret, never saved, as for ``DPPCA``).
+      min_std: None (default: Keras's epsilon, 1e-7) or a public floor > 0
+        of the standard deviation `call` divides by. The noisy variance of
+        a feature that barely varies (a border pixel) can come out near 0;
+        a floor of a few percent of the feature range keeps such features
+        from exploding (post-processing: no privacy cost).
       **kwargs: Keras layer arguments (`name`, `dtype`, ...).
 
     Raises:
       ValueError/TypeError: for arguments out of range, inputs of the wrong
         size, non-finite data, or calling the layer before `adapt`.
     """
-
-    def __init__(
-        self,
-        noise_multiplier: float,
-        *,
-        lower: Optional[Bound] = None,
-        upper: Optional[Bound] = None,
-        l2_norm_clip: Optional[float] = None,
-        sampling_rate: float = 1.0,
-        seed: Optional[int] = None,
-        **kwargs,
-    ):
-        self.noise_multiplier = _check_real("noise_multiplier", noise_multiplier, low=0.0, inclusive=True)
-        self.lower, self.upper, self.l2_norm_clip = _check_clipping(lower, upper, l2_norm_clip)
-        q = _check_real("sampling_rate", sampling_rate, low=0.0, inclusive=False)
-        if q > 1.0:
-            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-        self.sampling_rate = q
-        if seed is not None and (not is_integer(seed) or seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
-        self.seed = None if seed is None else int(seed)
-        super().__init__(**kwargs)
-        self.input_dim: Optional[int] = None
-        self._sums: Optional[_Sums] = None
-        self._noise_rng: Optional[np.random.Generator] = None
-        self.last_release: Optional[dict] = None
-
-    # ---- the mechanism, in numpy (float64) -----------------------------------
-
-    def _radius(self) -> np.ndarray:
-        """r per feature (range mode) as a (d,) array."""
-        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
-        return (upper - lower) / 2.0
-
-    def _center(self) -> np.ndarray:
-        if self.l2_norm_clip is not None:
-            return np.zeros(self.input_dim)
-        lower, upper = (np.broadcast_to(np.asarray(b, np.float64), (self.input_dim,)) for b in (self.lower, self.upper))
-        return (upper + lower) / 2.0
-
-    @property
-    def sensitivities(self) -> dict:
-        """ℓ2 sensitivity of each released block: {"count": 1, "sum": Δ_S, "sum_of_squares": Δ_Q}."""
-        if self.input_dim is None:
-            raise ValueError("the sensitivities depend on d: build or adapt the layer first")
-        if self.l2_norm_clip is not None:
-            c = self.l2_norm_clip
-            return {"count": 1.0, "sum": c, "sum_of_squares": c * c}
-        r = self._radius()
-        return {"count": 1.0, "sum": float(np.linalg.norm(r)), "sum_of_squares": float(np.linalg.norm(r * r))}
-
-    @property
-    def noise_stddevs(self) -> dict:
-        """Noise standard deviation on each coordinate of each block: σ·√3·Δ."""
-        scale = self.noise_multiplier * math.sqrt(_NUM_BLOCKS)
-        return {block: scale * s for block, s in self.sensitivities.items()}
-
-    def _release(self, count: float, total: np.ndarray, squares: np.ndarray) -> tuple:
-        """Noisy (n, S, Q), then the post-processed (mean, variance)."""
-        std = self.noise_stddevs
-        rng = self._noise_rng
-        noisy_n = count + rng.normal(0.0, std["count"]) if std["count"] > 0 else count
-        noisy_s = total + (rng.normal(0.0, std["sum"], total.shape) if std["sum"] > 0 else 0.0)
-        noisy_q = squares + (rng.normal(0.0, std["sum_of_squares"], squares.shape) if std["sum_of_squares"] > 0 else 0.0)
-        self.last_release = {"count": float(noisy_n), "sum": noisy_s, "sum_of_squares": noisy_q}
-        n = max(float(noisy_n), 1.0)
-        limit = np.full(self.input_dim, self.l2_norm_clip) if self.l2_norm_clip is not None else self._radius()
-        mean_y = np.clip(noisy_s / n, -limit, limit)
-        variance = np.clip(noisy_q / n - mean_y**2, 0.0, limit**2)
-        return mean_y + self._center(), variance
-
-    # ---- state -------------------------------------------------------------
-
-    def build(self, input_shape):
-        shape = tf.TensorShape(input_shape)
-        if shape.rank is None or shape.rank < 2 or not shape[1:].is_fully_defined():
-            raise ValueError(f"DPNormalization inputs must have shape (batch, d1, ...) with known d1, ..., got {shape}")
-        dim = int(np.prod(shape[1:].as_list()))
-        for name in ("lower", "upper"):
-            value = getattr(self, name)
-            if isinstance(value, list) and len(value) != dim:
-                raise ValueError(f"{name} must have one bound per feature (d = {dim}), got {len(value)}")
-        self.input_dim = dim
-        feature_shape = shape[1:]
-        self.mean = self.add_weight(name="mean", shape=feature_shape, dtype=tf.float32,
-                                    initializer="zeros", trainable=False)
-        self.variance = self.add_weight(name="variance", shape=feature_shape, dtype=tf.float32,
-                                        initializer="ones", trainable=False)
-        self.adapt_count = self.add_weight(name="adapt_count", shape=(), dtype=tf.int64,
-                                           initializer="zeros", trainable=False)
-        self.adapt_sampling_rate = self.add_weight(
-            name="adapt_sampling_rate", shape=(), dtype=tf.float64,
-            initializer=keras.initializers.Constant(self.sampling_rate), trainable=False)
-        self.adapt_noise_multiplier = self.add_weight(
-            name="adapt_noise_multiplier", shape=(), dtype=tf.float64,
-            initializer=keras.initializers.Constant(self.noise_multiplier), trainable=False)
-        self._sums = _Sums(dim)
-        super().build(input_shape)
-        self.reset_state()
-
-    def reset_state(self):
-        """Starts a new adapt: zero sums and fresh sampling/noise seeds."""
-        if not self.built:
-            return
-        with tf.init_scope():
-            if self.seed is None:
-                seq = np.random.SeedSequence()
-            else:  # the adapt index keeps later adapts (also after reloading) fresh
-                seq = np.random.SeedSequence(self.seed, spawn_key=(int(self.adapt_count.numpy()),))
-            sample_seq, noise_seq = seq.spawn(2)
-            self._sums.reset(int(sample_seq.generate_state(1, np.uint32)[0]))
-            self._noise_rng = np.random.default_rng(noise_seq)
-
-    def finalize_state(self):
-        """Marks the layer adapted iff its weights record at least one adapt."""
-        if self.built:
-            self._is_adapted = int(self.adapt_count.numpy()) > 0
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = super()._trackable_children(save_type, **kwargs)
-        children.pop("_adapt_function", None)  # it captures the unsaved exact sums
-        return children
-
-    def load_own_variables(self, store):
-        super().load_own_variables(store)
-        self.finalize_state()
-
-    @property
-    def privacy_events(self) -> tuple:
-        """One event per completed `adapt` (empty before the first one)."""
-        if not self.built:
-            return ()
-        count = int(self.adapt_count.numpy())
-        q = float(self.adapt_sampling_rate.numpy())
-        sigma = float(self.adapt_noise_multiplier.numpy())
-        if q == 1.0:
-            event = GaussianEvent(sigma, count=1, label=NORMALIZATION_LABEL)
-        else:
-            event = PoissonSampledGaussianEvent(q, sigma, count=1, label=NORMALIZATION_LABEL)
-        return (event,) * count
-
-    def _record_mechanism(self) -> None:
-        recorded = (float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()))
-        if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
-            raise ValueError(
-                f"this DPNormalization layer's earlier adapts used (sampling_rate, noise_multiplier) = "
-                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer")
-        self.adapt_sampling_rate.assign(self.sampling_rate)
-        self.adapt_noise_multiplier.assign(self.noise_multiplier)
-
-    # ---- adapt -------------------------------------------------------------
-
-    def adapt(self, data, batch_size=None, steps=None, *, ledger: Optional[PrivacyLedger] = None):
-        """Releases the private mean and variance of `data` (one Gaussian mechanism).
-
-        Args:
-          data: examples only (no labels): an array or tensor of shape
-            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches.
-            Every example must appear at most once.
-          batch_size: rows per accumulation step for arrays (default 1024).
-          steps: number of batches to read (Keras `adapt` semantics).
-          ledger: optional `PrivacyLedger` that also receives the event (only
-            if it is not also filled from `privacy_events`, or it counts twice).
-
-        Raises:
-          TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
-          ValueError: for data of the wrong shape, non-finite data, or a layer
-            whose recorded adapts used another (q, σ).
-        """
-        if ledger is not None and not isinstance(ledger, PrivacyLedger):
-            raise TypeError(f"ledger must be a PrivacyLedger or None, got {type(ledger).__name__}")
-        data = _as_adapt_data(data)
-        if batch_size is None and not isinstance(data, tf.data.Dataset):
-            batch_size = DEFAULT_ADAPT_BATCH_SIZE
-        if not self.built:
-            self.build(_batch_shape(data))
-        self._record_mechanism()
-        sums = self._sums
-        try:
-            super().adapt(data, batch_size=batch_size, steps=steps)
-            if int(sums.nonfinite.numpy()) > 0:
-                raise ValueError("DPNormalization.adapt data must be finite, got NaN or infinite values")
-            mean, variance = self._release(float(sums.count.numpy()), sums.total.numpy(), sums.squares.numpy())
-        finally:
-            if self.built:  # the exact sums are not kept once released (or abandoned)
-                sums.reset(0)
-                self.finalize_state()
-        self.mean.assign(mean.reshape(self.mean.shape).astype(np.float32))
-        self.variance.assign(variance.reshape(self.variance.shape).astype(np.float32))
-        self.adapt_count.assign_add(1)
-        self.finalize_state()
-        if ledger is not None:
-            ledger.record(self.privacy_events[-1])
-
-    def update_state(self, data):
-        x = tf.cast(self._flatten(data), tf.float64)
-        sums = self._sums
-        if self.sampling_rate < 1.0:
-            u = tf.random.stateless_uniform(tf.shape(x)[:1], seed=tf.stack([sums.seed, sums.batch]), dtype=tf.float64)
-            x = tf.boolean_mask(x, u < self.sampling_rate)
-            sums.batch.assign_add(1)
-        finite = tf.reduce_all(tf.math.is_finite(x), axis=1)
-        sums.nonfinite.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite), tf.int64)))
-        y = self._clip(tf.where(finite[:, None], x, tf.zeros_like(x)))
-        sums.count.assign_add(tf.cast(tf.shape(y)[0], tf.float64))
-        sums.total.assign_add(tf.reduce_sum(y, axis=0))
-        sums.squares.assign_add(tf.reduce_sum(tf.square(y), axis=0))
-
-    def _clip(self, x: tf.Tensor) -> tf.Tensor:
-        """Step 2: y = clip(x, lower, upper) − c, or x · min(1, C/‖x‖)."""
-        if self.l2_norm_clip is not None:
-            norms = tf.norm(x, axis=1, keepdims=True)
-            scale = tf.math.divide_no_nan(tf.constant(self.l2_norm_clip, tf.float64), norms)
-            return x * tf.minimum(tf.constant(1.0, tf.float64), scale)
-        d = self.input_dim
-        lower = tf.constant(np.broadcast_to(np.asarray(self.lower, np.float64), (d,)))
-        upper = tf.constant(np.broadcast_to(np.asarray(self.upper, np.float64), (d,)))
-        return tf.clip_by_value(x, lower, upper) - (lower + upper) / 2.0
-
-    # ---- call --------------------------------------------------------------
-
-    def _flatten(self, inputs) -> tf.Tensor:
-        x = tf.convert_to_tensor(inputs)
-        if not x.dtype.is_floating:
-            x = tf.cast(x, self.compute_dtype)
-        if x.shape.rank is not None and x.shape.rank < 2:
-            raise ValueError(f"DPNormalization inputs must have shape (batch, d1, ...), got {x.shape}")
-        if x.shape.rank is not None and x.shape[1:].is_fully_defined():
-            dim = int(np.prod(x.shape[1:].as_list()))
-            if dim != self.input_dim:
-                raise ValueError(f"DPNormalization inputs must have d = {self.input_dim} features, got shape {x.shape}")
-        return tf.reshape(x, (-1, self.input_dim))
-
-    def call(self, inputs):
-        x = tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype)
-        if not self._is_adapted:
-            message = "DPNormalization must be adapted before it is called: call layer.adapt(data) first"
-            if tf.executing_eagerly():
-                raise ValueError(message)
-            check = tf.debugging.assert_positive(self.adapt_count, message=message)
-            with tf.control_dependencies([check]):
-                x = tf.identity(x)
-        mean = tf.cast(self.mean, x.dtype)
-        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), keras.backend.epsilon())
-        return (x - mean) / std
-
-    def compute_output_shape(self, input_shape):
-        return tf.TensorShape(input_shape)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({
-            "noise_multiplier": self.noise_multiplier,
-            "lower": self.lower,
-            "upper": self.upper,
-            "l2_norm_clip": self.l2_norm_clip,
-            "sampling_rate": self.sampling_rate,
-        })  # not the seed: it determines the noise
-        return config
-
-
-def _as_adapt_data(data):
-    """Checks adapt's `data` (features only) and converts lists to arrays."""
-    if isinstance(data, tf.data.Dataset):
-        if not isinstance(data.element_spec, tf.TensorSpec):
-            raise TypeError(
-                "DPNormalization.adapt data must hold features only, got dataset elements "
-                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)")
-        return data
-    if isinstance(data, (tuple, dict)):
-        raise TypeError(f"DPNormalization.adapt data must hold features only, got a {type(data).__name__}")
-    if isinstance(data, list):
-        data = np.asarray(data)
-    if not hasattr(data, "shape"):
-        raise TypeError(f"DPNormalization.adapt data must be an array, a tensor or a tf.data.Dataset, got "
-                        f"{type(data).__name__}")
-    return data
-
-
-def _batch_shape(data) -> tf.TensorShape:
-    """(None, d1, ...) of a dataset of batches or of an array of examples."""
-    if isinstance(data, tf.data.Dataset):
-        shape = tf.TensorShape(data.element_spec.shape)
-        if shape.rank is not None and shape.rank < 2:
-            raise ValueError(f"DPNormalization.adapt dataset elements must be batches (batch, d1, ...), got {shape}")
-        return shape
-    shape = tf.TensorShape(data.shape)
-    if shape.rank is not None and shape.rank < 2:
-        raise ValueError(f"DPNormalization.adapt data must have shape (num_examples, d1, ...), got {shape}")
-    return tf.TensorShape([None]).concatenate(shape[1:])

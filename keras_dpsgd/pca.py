@@ -19,12 +19,12 @@ import scipy.linalg
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+from keras_dpsgd import _adapt
+from keras_dpsgd.accounting import PrivacyLedger
 
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 PCA_LABEL = "dp-pca"
-DEFAULT_ADAPT_BATCH_SIZE = 1024
 
 
 def symmetric_gaussian_noise(dim: int, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
@@ -64,8 +64,21 @@ def top_k_eigenvectors(matrix: np.ndarray, k: int) -> np.ndarray:
     return vectors * signs
 
 
-def _release(gram: np.ndarray, k: int, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
-    """Analyze Gauss: top-k eigenvectors of AᵀA + E (the only data-dependent output)."""
+def analyze_gauss(gram: np.ndarray, k: int, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
+    """Analyze Gauss: top-k eigenvectors of AᵀA + E (the only data-dependent output).
+
+    Args:
+      gram: the exact AᵀA (d, d) of the sampled unit rows.
+      k: the number of principal directions.
+      noise_multiplier: σ, the std of each upper-triangle entry of E.
+      rng: the generator E is drawn from.
+
+    Returns:
+      The (d, k) float64 projection.
+
+    Raises:
+      ValueError: if `gram` holds NaN or infinite values (non-finite data).
+    """
     if not np.all(np.isfinite(gram)):
         raise ValueError("DPPCA.adapt data must be finite, got NaN or infinite values")
     gram = 0.5 * (gram + gram.T)  # float32 matmul rounding is not exactly symmetric
@@ -78,60 +91,6 @@ def _normalize_rows(x: tf.Tensor) -> tf.Tensor:
     scale = tf.reduce_max(tf.abs(x), axis=1, keepdims=True)
     x = tf.math.divide_no_nan(x, scale)
     return tf.math.divide_no_nan(x, tf.norm(x, axis=1, keepdims=True))
-
-
-def _as_adapt_data(data):
-    """Checks adapt's `data` (features only) and converts lists to arrays."""
-    if isinstance(data, tf.data.Dataset):
-        if not isinstance(data.element_spec, tf.TensorSpec):
-            raise TypeError(
-                "DPPCA.adapt data must hold features only, got dataset elements "
-                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)")
-        return data
-    if isinstance(data, (tuple, dict)):
-        raise TypeError(f"DPPCA.adapt data must hold features only, got a {type(data).__name__}")
-    if isinstance(data, list):
-        data = np.asarray(data)
-    if not hasattr(data, "shape"):
-        raise TypeError(
-            "DPPCA.adapt data must be an array, a tensor or a tf.data.Dataset, got "
-            f"{type(data).__name__} (wrap generators with tf.data.Dataset.from_generator)")
-    return data
-
-
-def _batch_shape(data) -> tf.TensorShape:
-    """(None, d1, ...) of a dataset of batches or of an array of examples."""
-    if isinstance(data, tf.data.Dataset):
-        shape = tf.TensorShape(data.element_spec.shape)
-        if shape.rank is not None and shape.rank < 2:
-            raise ValueError(
-                f"DPPCA.adapt dataset elements must be batches (batch, d1, ...), got {shape}: "
-                "use dataset.batch(...)")
-        return shape
-    shape = tf.TensorShape(data.shape)
-    if shape.rank is not None and shape.rank < 2:
-        raise ValueError(f"DPPCA.adapt data must have shape (num_examples, d1, ...), got {shape}")
-    return tf.TensorShape([None]).concatenate(shape[1:])
-
-
-class _Accumulator:
-    """Adapt-time state that must never be saved (not tracked by Keras).
-
-    `gram` holds the exact, un-noised AᵀA of the sampled rows; `num_sampled`
-    their number (not private: diagnostics and tests only).
-    """
-
-    def __init__(self, dim: int):
-        self.gram = tf.Variable(tf.zeros((dim, dim), tf.float64), trainable=False)
-        self.num_sampled = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-        self.seed = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-        self.batch = tf.Variable(tf.constant(0, tf.int64), trainable=False)
-
-    def reset(self, seed: int) -> None:
-        self.gram.assign(tf.zeros(self.gram.shape, tf.float64))
-        self.num_sampled.assign(0)
-        self.seed.assign(seed)
-        self.batch.assign(0)
 
 
 def _check_args(n_components, noise_multiplier, sampling_rate, seed) -> None:
@@ -154,8 +113,114 @@ def _check_args(n_components, noise_multiplier, sampling_rate, seed) -> None:
             raise ValueError(f"seed must be None or an integer >= 0, got {seed}")
 
 
+class PCAMechanism(_adapt.DPReleaseMixin):
+    """DP-PCA for any Keras front end (the docstring of :class:`DPPCA` says what it does)."""
+
+    _LABEL = PCA_LABEL
+
+    def __init__(
+        self,
+        n_components: int,
+        noise_multiplier: float,
+        sampling_rate: float = 1.0,
+        normalize_inputs: bool = False,
+        seed: Optional[int] = None,
+        **kwargs,
+    ):
+        _check_args(n_components, noise_multiplier, sampling_rate, seed)
+        super().__init__(**kwargs)
+        self.n_components = int(n_components)
+        self.normalize_inputs = bool(normalize_inputs)
+        self._init_release(noise_multiplier, sampling_rate, seed)
+
+    # ---- state -------------------------------------------------------------
+
+    def build(self, input_shape):
+        dim, _ = _adapt.feature_dim(input_shape, "DPPCA")
+        if self.n_components > dim:
+            raise ValueError(
+                f"n_components must be in [1, d] = [1, {dim}] for inputs of shape {tf.TensorShape(input_shape)}, "
+                f"got {self.n_components}"
+            )
+        self.projection = self.add_weight(
+            name="projection", shape=(dim, self.n_components), dtype="float32",
+            initializer="zeros", trainable=False)
+        self._build_release(dim)
+        super().build(input_shape)
+        self.reset_state()
+
+    @staticmethod
+    def _new_accumulator(dim: int) -> _adapt.Accumulator:
+        # gram: the exact, un-noised AᵀA of the sampled rows; num_sampled their number (not
+        # private: diagnostics and tests only, kept after the release).
+        return _adapt.Accumulator(kept=("num_sampled",), gram=((dim, dim), tf.float64), num_sampled=((), tf.int64))
+
+    # ---- adapt -------------------------------------------------------------
+
+    def adapt(self, data, batch_size=None, steps=None, *, ledger: Optional[PrivacyLedger] = None):
+        """Fits the private projection to `data` (one DP-PCA release).
+
+        Args:
+          data: examples only (no labels): a numpy array or tensor of shape
+            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches
+            of shape (batch, d1, ...). Every example must appear at most once.
+          batch_size: rows per accumulation step for array inputs. Defaults
+            to 1024, not Keras' usual 32: a d×d update per 32 rows is slow.
+            Do not set it for datasets (they are already batched).
+          steps: number of batches to read (Keras `adapt` semantics).
+          ledger: optional `PrivacyLedger` that also receives this adapt's
+            event. `privacy_events` lists it regardless; pass a ledger only if
+            it is not also filled from `privacy_events`, or it counts twice.
+
+        Raises:
+          TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
+          ValueError: for data of the wrong shape or non-finite data, or if the
+            layer's recorded adapts used another (q, σ) (weights loaded from a
+            different layer): their events could not be told apart.
+        """
+        self._adapt(data, batch_size, steps, ledger)
+
+    def update_state(self, data):
+        x = _normalize_rows(self._flatten(data))
+        acc = self._acc
+        x = acc.poisson_sample(x, self.sampling_rate)
+        acc.num_sampled.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
+        acc.gram.assign_add(tf.cast(tf.matmul(x, x, transpose_a=True), tf.float64))
+
+    def _release(self) -> np.ndarray:
+        return analyze_gauss(self._acc.gram.numpy(), self.n_components, self.noise_multiplier, self._noise_rng)
+
+    def _store(self, projection: np.ndarray) -> None:
+        self.projection.assign(projection.astype(np.float32))
+
+    # ---- call --------------------------------------------------------------
+
+    def _flatten(self, inputs) -> tf.Tensor:
+        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPPCA")
+
+    def call(self, inputs):
+        x = tf.cast(self._flatten(inputs), self.compute_dtype)
+        if self.normalize_inputs:
+            x = _normalize_rows(x)
+        x = self._check_adapted(x)
+        return tf.matmul(x, tf.cast(self.projection, x.dtype))
+
+    def compute_output_shape(self, input_shape):
+        return tf.TensorShape([tf.TensorShape(input_shape)[0], self.n_components])
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "n_components": self.n_components,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_rate": self.sampling_rate,
+            "normalize_inputs": self.normalize_inputs,
+        })  # not the seed: it determines the noise (see the class docstring)
+        return config
+
+
 @keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPPCA(_PreprocessingLayer):
+class DPPCA(_adapt.TfKerasAdaptGlue, PCAMechanism, _PreprocessingLayer):
     """Projects inputs onto k differentially private principal directions.
 
     `adapt(data)` runs Analyze Gauss (Dwork et al. 2014, Algorithm 1; used by
@@ -206,206 +271,3 @@ class DPPCA(_PreprocessingLayer):
       ValueError/TypeError: for arguments out of range, inputs whose flattened
         size is not d, or calling the layer before `adapt`.
     """
-
-    def __init__(
-        self,
-        n_components: int,
-        noise_multiplier: float,
-        sampling_rate: float = 1.0,
-        normalize_inputs: bool = False,
-        seed: Optional[int] = None,
-        **kwargs,
-    ):
-        _check_args(n_components, noise_multiplier, sampling_rate, seed)
-        super().__init__(**kwargs)
-        self.n_components = int(n_components)
-        self.noise_multiplier = float(noise_multiplier)
-        self.sampling_rate = float(sampling_rate)
-        self.normalize_inputs = bool(normalize_inputs)
-        self.seed = None if seed is None else int(seed)
-        self.input_dim: Optional[int] = None
-        self._acc: Optional[_Accumulator] = None
-        self._noise_rng: Optional[np.random.Generator] = None
-
-    # ---- state -------------------------------------------------------------
-
-    def build(self, input_shape):
-        shape = tf.TensorShape(input_shape)
-        if shape.rank is None or shape.rank < 2 or not shape[1:].is_fully_defined():
-            raise ValueError(
-                f"DPPCA inputs must have shape (batch, d1, ...) with known d1, ..., got {shape}"
-            )
-        dim = int(np.prod(shape[1:].as_list()))
-        if self.n_components > dim:
-            raise ValueError(
-                f"n_components must be in [1, d] = [1, {dim}] for inputs of shape {shape}, "
-                f"got {self.n_components}"
-            )
-        self.input_dim = dim
-        self.projection = self.add_weight(
-            name="projection", shape=(dim, self.n_components), dtype=tf.float32,
-            initializer="zeros", trainable=False)
-        self.adapt_count = self.add_weight(
-            name="adapt_count", shape=(), dtype=tf.int64, initializer="zeros", trainable=False)
-        self.adapt_sampling_rate = self.add_weight(
-            name="adapt_sampling_rate", shape=(), dtype=tf.float64,
-            initializer=keras.initializers.Constant(self.sampling_rate), trainable=False)
-        self.adapt_noise_multiplier = self.add_weight(
-            name="adapt_noise_multiplier", shape=(), dtype=tf.float64,
-            initializer=keras.initializers.Constant(self.noise_multiplier), trainable=False)
-        self._acc = _Accumulator(dim)
-        super().build(input_shape)
-        self.reset_state()
-
-    def reset_state(self):
-        """Starts a new adapt: zero accumulators and fresh sampling/noise seeds."""
-        if not self.built:
-            return
-        with tf.init_scope():
-            if self.seed is None:
-                seq = np.random.SeedSequence()
-            else:  # the adapt index keeps later adapts (also after reloading) fresh
-                seq = np.random.SeedSequence(self.seed, spawn_key=(int(self.adapt_count.numpy()),))
-            sample_seq, noise_seq = seq.spawn(2)
-            self._acc.reset(int(sample_seq.generate_state(1, np.uint32)[0]))
-            self._noise_rng = np.random.default_rng(noise_seq)
-
-    def finalize_state(self):
-        """Marks the layer adapted iff its weights record at least one adapt."""
-        if self.built:
-            self._is_adapted = int(self.adapt_count.numpy()) > 0
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        # The cached adapt tf.function captures the accumulators, which are
-        # deliberately not saved: keep it out of SavedModel too.
-        children = super()._trackable_children(save_type, **kwargs)
-        children.pop("_adapt_function", None)
-        return children
-
-    def load_own_variables(self, store):
-        super().load_own_variables(store)
-        self.finalize_state()
-
-    def _record_mechanism(self) -> None:
-        """Stores (q, σ) in the weights the events are read from (and saved with)."""
-        recorded = (float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()))
-        if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
-            raise ValueError(
-                f"this DPPCA layer's earlier adapts used (sampling_rate, noise_multiplier) = {recorded}, "
-                f"got {(self.sampling_rate, self.noise_multiplier)}: use a new layer")
-        self.adapt_sampling_rate.assign(self.sampling_rate)
-        self.adapt_noise_multiplier.assign(self.noise_multiplier)
-
-    @property
-    def privacy_events(self) -> tuple:
-        """One event per completed `adapt` (empty before the first one)."""
-        if not self.built:
-            return ()
-        count = int(self.adapt_count.numpy())
-        q = float(self.adapt_sampling_rate.numpy())
-        sigma = float(self.adapt_noise_multiplier.numpy())
-        if q == 1.0:
-            event = GaussianEvent(sigma, count=1, label=PCA_LABEL)
-        else:
-            event = PoissonSampledGaussianEvent(q, sigma, count=1, label=PCA_LABEL)
-        return (event,) * count
-
-    # ---- adapt -------------------------------------------------------------
-
-    def adapt(self, data, batch_size=None, steps=None, *, ledger: Optional[PrivacyLedger] = None):
-        """Fits the private projection to `data` (one DP-PCA release).
-
-        Args:
-          data: examples only (no labels): a numpy array or tensor of shape
-            (num_examples, d1, ...), or a finite `tf.data.Dataset` of batches
-            of shape (batch, d1, ...). Every example must appear at most once.
-          batch_size: rows per accumulation step for array inputs. Defaults
-            to 1024, not Keras' usual 32: a d×d update per 32 rows is slow.
-            Do not set it for datasets (they are already batched).
-          steps: number of batches to read (Keras `adapt` semantics).
-          ledger: optional `PrivacyLedger` that also receives this adapt's
-            event. `privacy_events` lists it regardless; pass a ledger only if
-            it is not also filled from `privacy_events`, or it counts twice.
-
-        Raises:
-          TypeError: if `ledger` is not a PrivacyLedger or data holds labels.
-          ValueError: for data of the wrong shape or non-finite data, or if the
-            layer's recorded adapts used another (q, σ) (weights loaded from a
-            different layer): their events could not be told apart.
-        """
-        if ledger is not None and not isinstance(ledger, PrivacyLedger):
-            raise TypeError(f"ledger must be a PrivacyLedger or None, got {type(ledger).__name__}")
-        data = _as_adapt_data(data)
-        if batch_size is None and not isinstance(data, tf.data.Dataset):
-            batch_size = DEFAULT_ADAPT_BATCH_SIZE
-        if not self.built:
-            self.build(_batch_shape(data))
-        self._record_mechanism()
-        try:
-            super().adapt(data, batch_size=batch_size, steps=steps)
-            projection = _release(
-                self._acc.gram.numpy(), self.n_components,
-                self.noise_multiplier, self._noise_rng)
-        finally:
-            if self.built:  # the exact AᵀA is not kept once released (or abandoned)
-                self._acc.gram.assign(tf.zeros(self._acc.gram.shape, tf.float64))
-                self.finalize_state()
-        self.projection.assign(projection.astype(np.float32))
-        self.adapt_count.assign_add(1)
-        self.finalize_state()
-        if ledger is not None:
-            ledger.record(self.privacy_events[-1])
-
-    def update_state(self, data):
-        x = _normalize_rows(self._flatten(data))
-        acc = self._acc
-        if self.sampling_rate < 1.0:
-            seed = tf.stack([acc.seed, acc.batch])
-            u = tf.random.stateless_uniform(tf.shape(x)[:1], seed=seed, dtype=tf.float64)
-            x = tf.boolean_mask(x, u < self.sampling_rate)
-            acc.batch.assign_add(1)
-        acc.num_sampled.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
-        acc.gram.assign_add(tf.cast(tf.matmul(x, x, transpose_a=True), tf.float64))
-
-    # ---- call --------------------------------------------------------------
-
-    def _flatten(self, inputs) -> tf.Tensor:
-        x = tf.convert_to_tensor(inputs)
-        if not x.dtype.is_floating:
-            x = tf.cast(x, self.compute_dtype)
-        shape = x.shape
-        if shape.rank is not None and shape.rank < 2:
-            raise ValueError(f"DPPCA inputs must have shape (batch, d1, ...), got {shape}")
-        if shape.rank is not None and shape[1:].is_fully_defined():
-            dim = int(np.prod(shape[1:].as_list()))
-            if dim != self.input_dim:
-                raise ValueError(
-                    f"DPPCA inputs must flatten to d = {self.input_dim} features, "
-                    f"got shape {shape} ({dim} features)")
-        return tf.reshape(x, (-1, self.input_dim))
-
-    def call(self, inputs):
-        x = tf.cast(self._flatten(inputs), self.compute_dtype)
-        if self.normalize_inputs:
-            x = _normalize_rows(x)
-        if not self._is_adapted:
-            message = "DPPCA must be adapted before it is called: call layer.adapt(data) first"
-            if tf.executing_eagerly():
-                raise ValueError(message)
-            check = tf.debugging.assert_positive(self.adapt_count, message=message)
-            with tf.control_dependencies([check]):
-                x = tf.identity(x)
-        return tf.matmul(x, tf.cast(self.projection, x.dtype))
-
-    def compute_output_shape(self, input_shape):
-        return tf.TensorShape([tf.TensorShape(input_shape)[0], self.n_components])
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({
-            "n_components": self.n_components,
-            "noise_multiplier": self.noise_multiplier,
-            "sampling_rate": self.sampling_rate,
-            "normalize_inputs": self.normalize_inputs,
-        })  # not the seed: it determines the noise (see the class docstring)
-        return config

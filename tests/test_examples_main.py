@@ -14,8 +14,8 @@ EXAMPLES = os.path.join(ROOT, "examples")
 _RESULT = re.compile(r"test accuracy ([0-9.]+) at ε = ([0-9.e+-]+) \(δ = ([0-9.e+-]+)\), (\d+) DP-SGD steps")
 
 
-def _run(script, *argv, timeout=120):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+def _run(script, *argv, timeout=120, **env_vars):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_vars)
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--smoke", *argv],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -32,10 +32,13 @@ def _load_example(name):
     return module
 
 
-def test_mnist_smoke_counts_pca_and_steps():
+@pytest.mark.parametrize("legacy, front_end", [("0", "Keras 3"), ("1", "tf_keras")])
+def test_mnist_smoke_counts_pca_and_steps(legacy, front_end):
     from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
 
-    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium")
+    # Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1 (the Keras that tf.keras is).
+    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium", TF_USE_LEGACY_KERAS=legacy)
+    assert out.startswith(f"{front_end}; preset medium")
     assert "epsilon:" in out  # ε printed as it trains
     # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (σ = 16, all data) and the
     # DP-SGD steps at σ_eff = 4 (the preset), q = 64/256.

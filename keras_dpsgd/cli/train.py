@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from keras_dpsgd.cli import CommandFailed, add_json_flag, positive_float, positive_int
+from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
 
 DEFAULTS = {
     "dataset": "digits",
@@ -64,6 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="tensorflow-datasets data directory, or a directory of IDX files for mnist/fashion_mnist")
     _register_local_data(p)
+    _dp_normalize.register(p)
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
     p.add_argument("--width", type=positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
     p.add_argument("--target-epsilon", type=positive_float, default=d["target_epsilon"], metavar="X",
@@ -138,12 +139,14 @@ def _check_args(args) -> None:
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {args.noise_multiplier}")
     if not 0.0 <= args.momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {args.momentum}")
+    _dp_normalize.check(args)
     if args.save:
         check_save_destination(args.save)
 
 
-def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float) -> tuple[int, float, bool]:
-    """(planned steps, σ, calibrated?)."""
+def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float,
+          prior_events=()) -> tuple[int, float, bool]:
+    """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization)."""
     from keras_dpsgd.accounting import compute_noise_multiplier
 
     steps = args.epochs * lots_per_epoch
@@ -152,7 +155,7 @@ def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_r
     try:
         sigma = compute_noise_multiplier(
             target_epsilon=args.target_epsilon, target_delta=delta, sampling_rate=sampling_rate,
-            steps=steps, accountant=args.accountant,
+            steps=steps, accountant=args.accountant, prior_events=prior_events,
         )
     except ImportError as err:  # pld without dp_accounting
         raise ValueError(str(err)) from None
@@ -195,13 +198,16 @@ def train(args) -> dict:
         data.x_train, data.y_train, expected_lot_size=args.lot_size,
         physical_batch_size=args.physical_batch_size, seed=args.seed,
     )
-    planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate)
+    scaling = _dp_normalize.adapted_layer(args, data.x_train, keras, seed=args.seed)
+    prior = scaling.privacy_events if scaling is not None else ()
+    planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate, prior)
     optimizer = DPSGDOptimizer(
         l2_norm_clip=args.l2_norm_clip, noise_multiplier=sigma, learning_rate=args.learning_rate,
         momentum=args.momentum, gradient_accumulation_steps=lots.gradient_accumulation_steps, seed=args.seed,
     )
     lots.configure(optimizer)
     model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width)
+    model = _dp_normalize.prepend(keras, scaling, model)  # its release is in the model's ledger
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
@@ -210,6 +216,9 @@ def train(args) -> dict:
     logger = PrivacyLogger(delta, accountant=args.accountant)
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
     print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated))
+    if scaling is not None:
+        print(f"features standardized by a DP estimate (DPNormalization, σ = {args.dp_normalize:g}, clipped to "
+              f"[{scaling.lower:g}, {scaling.upper:g}]): its release is in the ledger and in ε")
     model.fit(
         lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
         callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
@@ -240,6 +249,7 @@ def train(args) -> dict:
         "learning_rate": args.learning_rate,
         "momentum": args.momentum,
         "seed": args.seed,
+        "dp_normalize": _dp_normalize.summary(scaling),
         "seconds": time.perf_counter() - start,
     }
     if args.save:

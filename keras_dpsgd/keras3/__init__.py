@@ -12,6 +12,7 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 ``train_step`` calls :func:`sanitized_gradients` instead.
 """
 
+from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
 from keras_dpsgd.keras3._train_step import (
     is_private,
@@ -25,6 +26,8 @@ from keras_dpsgd.keras3._train_step import (
 __all__ = [
     "DPAdamOptimizer",
     "DPKeras3Mixin",
+    "DPNormalization",
+    "DPPCA",
     "DPSGDOptimizer",
     "is_private",
     "make_dp_optimizer",

@@ -1,0 +1,57 @@
+"""DPPCA and DPNormalization as Keras 3 layers (``import keras``, TensorFlow backend).
+
+The mechanisms are the tf_keras layers' (:class:`keras_dpsgd.pca.PCAMechanism`,
+:class:`keras_dpsgd.normalization.MomentsMechanism`: same arguments, validation, sums, release
+and events); only the glue differs. Keras 3 has no generic adapt loop, so the batches reach
+``update_state`` through :func:`keras_dpsgd._adapt.stream_batches` (consecutive batches of the
+array, or the dataset's own, in order: the same batches and hence, for a given seed, the same
+release as tf_keras's ``adapt``). The released state and the events are weights, saved in
+``.keras`` files; loading restores them and releases nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import tensorflow as tf
+
+from keras_dpsgd import normalization as _normalization
+from keras_dpsgd import pca as _pca
+from keras_dpsgd._adapt import stream_batches
+
+__all__ = ["DPNormalization", "DPPCA"]
+
+
+class _Keras3AdaptGlue:
+    """Keras 3 front end of a DP release layer; put first (before the mechanism and ``keras.layers.Layer``)."""
+
+    @property
+    def is_adapted(self) -> bool:
+        """Whether the layer's weights record at least one adapt."""
+        return bool(getattr(self, "_is_adapted", False))
+
+    def _stream(self, data: Any, batch_size: Optional[int], steps: Optional[int]) -> None:
+        self.reset_state()
+        acc = self._acc
+        if acc.update_function is None:  # traced once per accumulator (it captures its variables)
+            acc.update_function = tf.function(self.update_state, reduce_retracing=True)
+        stream_batches(data, batch_size, steps, acc.update_function)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(super().compute_output_shape(input_shape).as_list())
+
+
+def _keras3_doc(doc: str) -> str:
+    first, rest = doc.split("\n", 1)
+    return f"{first.rstrip('.')} (Keras 3 layer).\n{rest}"
+
+
+@keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPPCA")
+class DPPCA(_Keras3AdaptGlue, _pca.PCAMechanism, keras.layers.Layer):
+    __doc__ = _keras3_doc(_pca.DPPCA.__doc__)
+
+
+@keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPNormalization")
+class DPNormalization(_Keras3AdaptGlue, _normalization.MomentsMechanism, keras.layers.Layer):
+    __doc__ = _keras3_doc(_normalization.DPNormalization.__doc__)
