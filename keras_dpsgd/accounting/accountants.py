@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import conversions, rdp
 from keras_dpsgd.accounting.events import (
     ComposedEvent,
@@ -56,7 +56,7 @@ class PrivacyAccountant(abc.ABC):
 
     def compose(self, event, count: int = 1) -> "PrivacyAccountant":
         """Adds `count` repetitions of `event` (a ledger, event or iterable). Returns self."""
-        count = V.check_nonnegative_int(count, "count")
+        count = V.integer_at_least(0, count=count)
         for e in as_event_list(event):
             if e.count and count:
                 self._compose_leaf(e.sampling_rate, e.noise_multiplier, e.count * count)
@@ -111,7 +111,7 @@ class RdpAccountant(PrivacyAccountant):
             self._rdp = self._rdp + count * step
 
     def get_epsilon_and_order(self, delta):
-        delta = V.check_delta(delta)
+        delta = V.in_range(0, 1, "()", delta=delta)
         if not self._rdp.any():
             return 0.0, None
         return conversions.epsilon_from_rdp(self._orders, self._rdp, delta, self._conversion)
@@ -155,7 +155,7 @@ class PldAccountant(PrivacyAccountant):
         except ImportError as err:
             raise ImportError(_PLD_HINT) from err
         self._dp_accounting = dp_accounting
-        self._interval = V.check_positive_float(value_discretization_interval, "value_discretization_interval")
+        self._interval = V.positive(value_discretization_interval=value_discretization_interval)
         self._accountant = _pld.PLDAccountant(value_discretization_interval=self._interval)
         self._infinite = False
         self._empty = True
@@ -172,7 +172,7 @@ class PldAccountant(PrivacyAccountant):
         self._accountant.compose(event, count)
 
     def get_epsilon_and_order(self, delta):
-        delta = V.check_delta(delta)
+        delta = V.in_range(0, 1, "()", delta=delta)
         if self._infinite:
             return math.inf, None
         if self._empty:

@@ -17,19 +17,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Iterator, Union
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 
 
 def _check_sampling_rate(sampling_rate: float) -> float:
-    return V.check_sampling_rate(sampling_rate)
+    return V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
 
 
 def _check_noise_multiplier(noise_multiplier: float) -> float:
-    return V.check_noise_multiplier(noise_multiplier)
+    return V.nonnegative(noise_multiplier=noise_multiplier)
 
 
 def _check_count(count: int) -> int:
-    return V.check_nonnegative_int(count, "count")
+    return V.integer_at_least(0, count=count)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import accountants as A
 from keras_dpsgd.accounting import conversions, rdp
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
@@ -36,7 +36,7 @@ def compute_epsilon_and_order(events, delta: float, *, accountant: str = "rdp") 
     Returns:
       (ε, order): order is the RDP order α (None for "pld" or when ε is 0 or ∞).
     """
-    delta = V.check_delta(delta)
+    delta = V.in_range(0, 1, "()", delta=delta)
     return A.make_accountant(accountant).compose(events).get_epsilon_and_order(delta)
 
 
@@ -93,8 +93,8 @@ def calibrate_noise_multiplier(
       ValueError: bad targets, or the target is unreachable (e.g. events that do
         not depend on σ already spend it).
     """
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
     if accountant not in A.ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {A.ACCOUNTANTS}, got {accountant!r}")
 
@@ -134,10 +134,10 @@ def compute_noise_multiplier(
     Returns:
       The noise multiplier σ.
     """
-    q = V.check_sampling_rate(sampling_rate)
-    steps = V.check_positive_int(steps, "steps")
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    steps = V.integer_at_least(1, steps=steps)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
     prior = A.as_event_list(prior_events)
     if accountant in ("rdp", "moments"):
         base = A.make_accountant(accountant)
@@ -194,10 +194,10 @@ def max_steps_within_budget(
     not even one step fits; stops searching past 10**15 steps (effectively
     unbounded), returning a verified count of at least 5·10**14.
     """
-    q = V.check_sampling_rate(sampling_rate)
-    sigma = V.check_noise_multiplier(noise_multiplier)
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    sigma = V.nonnegative(noise_multiplier=noise_multiplier)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
     prior = A.as_event_list(prior_events)
     if accountant not in A.ACCOUNTANTS:
         raise ValueError(f"accountant must be one of {A.ACCOUNTANTS}, got {accountant!r}")
@@ -239,8 +239,8 @@ def max_epochs_within_budget(
     E = k·B/N with k = :func:`max_steps_within_budget` at q = B/N, so that
     ceil(E·N/B) = k steps (0.0 if not even one step fits).
     """
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
     k = max_steps_within_budget(
@@ -255,9 +255,9 @@ def max_epochs_within_budget(
 
 def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> float:
     """Largest float E with ceil(E·N/B) <= steps (E = steps·B/N, stepped down if rounding went up)."""
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
-    k = V.check_nonnegative_int(steps, "steps")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
+    k = V.integer_at_least(0, steps=steps)
     epochs = float(Fraction(k * b, n))
     while epochs > 0 and steps_for_epochs(n, b, epochs) > k:  # float rounded up: step down
         epochs = float(np.nextafter(epochs, 0.0))
@@ -266,9 +266,9 @@ def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> flo
 
 def steps_for_epochs(num_examples: int, batch_size: int, epochs: float) -> int:
     """ceil(epochs · N / B), exact for decimal `epochs` (no float round-up surprises)."""
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
-    e = V.check_positive_float(epochs, "epochs")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
+    e = V.positive(epochs=epochs)
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
     return math.ceil(Fraction(repr(e)) * n / b)
@@ -294,16 +294,16 @@ def batch_table(
       Rows with keys lot_size, sampling_rate, steps, noise_multiplier,
       noise_per_example, in the order of `lot_sizes`.
     """
-    n = V.check_positive_int(num_examples, "num_examples")
-    V.check_positive_float(epochs, "epochs")
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    V.positive(epochs=epochs)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
     lot_sizes = list(lot_sizes)
     if not lot_sizes:
         raise ValueError("lot_sizes must be a non-empty sequence of integers in [1, num_examples], got []")
     rows = []
     for lot in lot_sizes:
-        lot = V.check_positive_int(lot, "lot_size")
+        lot = V.integer_at_least(1, lot_size=lot)
         steps = steps_for_epochs(n, lot, epochs)
         sigma = compute_noise_multiplier(
             target_epsilon=target_epsilon,
@@ -326,7 +326,7 @@ def batch_table(
 
 def default_delta(num_examples: int) -> float:
     """δ = 1 / N^1.1, below 1/N as the Three Tools paper recommends."""
-    n = V.check_positive_int(num_examples, "num_examples")
+    n = V.integer_at_least(1, num_examples=num_examples)
     return 1.0 / n**1.1
 
 
@@ -335,8 +335,8 @@ def check_delta(delta: float, num_examples: int) -> float:
 
     δ >= 1/N allows mechanisms that publish one example in the clear.
     """
-    delta = V.check_delta(delta)
-    n = V.check_positive_int(num_examples, "num_examples")
+    delta = V.in_range(0, 1, "()", delta=delta)
+    n = V.integer_at_least(1, num_examples=num_examples)
     if delta >= 1.0 / n:
         raise ValueError(f"delta must be < 1/num_examples = {1.0 / n:.3g} (N = {n}), got {delta!r}")
     return delta
@@ -349,7 +349,7 @@ def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
     (the composed mechanism has the privacy of one Gaussian with σ_eff).
     0 if any σ_l is 0.
     """
-    sigmas = [V.check_noise_multiplier(s, "noise_multipliers[i]") for s in noise_multipliers]
+    sigmas = [V.nonnegative(**{f"noise_multipliers[{i}]": s}) for i, s in enumerate(noise_multipliers)]
     if not sigmas:
         raise ValueError("noise_multipliers must be a non-empty sequence of floats >= 0, got an empty sequence")
     if any(s == 0.0 for s in sigmas):

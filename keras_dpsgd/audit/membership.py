@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 
 METHODS = ("loss", "trained")
@@ -166,7 +167,7 @@ def membership_inference(
     if unknown or not methods:
         raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}, got {list(methods)}")
     confidence = statistics.check_confidence(confidence)
-    delta = statistics.check_delta(delta)
+    delta = V.in_range(0, 1, "[)", delta=delta)
     if len(members[0]) < 1 or len(non_members[0]) < 1:
         raise ValueError(f"members and non_members must be non-empty, got {len(members[0])} and {len(non_members[0])}")
     features = np.concatenate([attack_features(model, *members), attack_features(model, *non_members)])

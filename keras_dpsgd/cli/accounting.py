@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import planning
 from keras_dpsgd.accounting.accountants import ACCOUNTANTS
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
@@ -119,12 +119,12 @@ def _epsilon_and_order(event, delta: float, accountant: str):
 
 def run_epsilon(args) -> dict:
     ctx = _context(args)
-    sigma = V.check_noise_multiplier(args.noise_multiplier)
+    sigma = V.nonnegative(noise_multiplier=args.noise_multiplier)
     event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
     eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
     result = {"epsilon": eps, "order": order, "noise_multiplier": sigma, **ctx}
     if args.target_epsilon is not None:
-        target = V.check_epsilon(args.target_epsilon)
+        target = V.positive(target_epsilon=args.target_epsilon)
         try:
             max_steps = planning.max_steps_within_budget(
                 target_epsilon=target,
@@ -155,7 +155,7 @@ def run_epsilon(args) -> dict:
 
 def run_noise(args) -> dict:
     ctx = _context(args)
-    target = V.check_epsilon(args.target_epsilon)
+    target = V.positive(target_epsilon=args.target_epsilon)
     try:
         sigma = planning.compute_noise_multiplier(
             target_epsilon=target,
@@ -213,7 +213,7 @@ def run_batch_table(args) -> dict:
             raise ValueError("--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)") from None
     sizes = _lot_sizes(args.lot_sizes, args.num_examples)
     delta = _delta(args)
-    target = V.check_epsilon(args.target_epsilon)
+    target = V.positive(target_epsilon=args.target_epsilon)
     try:
         rows = planning.batch_table(
             num_examples=args.num_examples,
