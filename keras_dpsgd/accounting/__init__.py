@@ -11,7 +11,9 @@ from keras_dpsgd.accounting.accountants import (
     PldAccountant,
     PrivacyAccountant,
     RdpAccountant,
+    accountant_names,
     make_accountant,
+    register_accountant,
 )
 from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
@@ -59,6 +61,7 @@ __all__ = [
     "PrivacyLedger",
     "RdpAccountant",
     "TF_PRIVACY_LEGACY_ORDERS",
+    "accountant_names",
     "batch_table",
     "calibrate_noise_multiplier",
     "check_delta",
@@ -77,5 +80,6 @@ __all__ = [
     "max_steps_within_budget",
     "rdp_gaussian",
     "rdp_poisson_subsampled_gaussian",
+    "register_accountant",
     "steps_for_epochs",
 ]

@@ -88,9 +88,8 @@ def epsilon_from_rates(tpr: float, fpr: float, delta: float = 0.0) -> float:
     TPR <= e^ε FPR + δ and TNR <= e^ε FNR + δ. Pass a lower bound on TPR and
     an upper bound on FPR to get a lower bound on ε.
     """
-    for name, rate in (("tpr", tpr), ("fpr", fpr)):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {rate!r}")
+    tpr = V.in_range(0, 1, "[]", tpr=tpr)
+    fpr = V.in_range(0, 1, "[]", fpr=fpr)
     d = V.in_range(0, 1, "[)", delta=delta)
     best = 0.0
     for hit, miss in ((tpr - d, fpr), (1.0 - fpr - d, 1.0 - tpr)):
@@ -142,8 +141,7 @@ def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, d
     m = _check_count("canaries", canaries, 1)
     r = _check_count("guesses", guesses, 0, m)
     v = _check_count("correct", correct, 0, r)
-    if not (epsilon >= 0.0):
-        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    epsilon = V.in_range(0, math.inf, "[]", epsilon=epsilon)
     d = V.in_range(0, 1, "[)", delta=delta)
     if v == 0:
         return 1.0

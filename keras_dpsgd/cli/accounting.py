@@ -21,7 +21,7 @@ import argparse
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import planning
-from keras_dpsgd.accounting.accountants import ACCOUNTANTS
+from keras_dpsgd.accounting.accountants import accountant_names
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
 from keras_dpsgd.cli import add_json_flag, add_option
 
@@ -82,7 +82,7 @@ def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1/N) (default 1/N^1.1)")
-    parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp", help=_ACCOUNTANT_HELP)
+    parser.add_argument("--accountant", choices=accountant_names(), default="rdp", help=_ACCOUNTANT_HELP)
     add_json_flag(parser)
 
 
