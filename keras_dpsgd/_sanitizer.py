@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd import _validate as V
+from keras_dpsgd._validate import is_integer as _is_integer  # noqa: F401  (imported by keras3/_optimizer)
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,

@@ -113,6 +113,7 @@ ACCOUNTING = [
     ["large-lots", "--num-examples", "1000", "--epochs", "1", "--target-epsilon", "1", "--lot-sizes", "10"],
     ["memorization-test", "--num-examples", "1000", "--epochs", "1"],
     ["train", "--epochs", "1"],  # digits: N = 1347
+    ["audit", "--epochs", "1"],  # digits: N = 1347
 ]
 
 
