@@ -108,24 +108,22 @@ def in_range(low: float, high: float, bounds: str = "[]", **named: Any) -> float
     return x
 
 
-def positive(**named: Any) -> float:
-    """The one keyword argument as a float, if it is finite and > 0."""
+def _finite_from(what: str, strict: bool, named: dict) -> float:
     name, value = _one(named)
-    what = "a finite number > 0"
     x = _real(name, value, what)
-    if not (0.0 < x < math.inf):
+    if not ((0.0 < x if strict else 0.0 <= x) and x < math.inf):  # False for NaN
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return x
+
+
+def positive(**named: Any) -> float:
+    """The one keyword argument as a float, if it is finite and > 0."""
+    return _finite_from("a finite number > 0", True, named)
 
 
 def nonnegative(**named: Any) -> float:
     """The one keyword argument as a float, if it is finite and >= 0."""
-    name, value = _one(named)
-    what = "a finite number >= 0"
-    x = _real(name, value, what)
-    if not (0.0 <= x < math.inf):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return x
+    return _finite_from("a finite number >= 0", False, named)
 
 
 def integer_at_least(low: int, **named: Any) -> int:
