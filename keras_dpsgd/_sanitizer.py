@@ -536,6 +536,20 @@ class DPSanitizerMixin:
         self._sanitized_grads.extend(grads)
         return grads
 
+    def _sanitized_sum(self, loss, var_list, tape):
+        """The path `compute_gradients` and `minimize` share: prepare → build → Σ_i clip(g_i).
+
+        Returns (var_list, clipped sum, batch size, regularization gradients or None).
+        """
+        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
+        with tf.init_scope():
+            self.build(var_list)
+        model = find_calling_model(self, max_depth=24)
+        ledger.attach(model, self)
+        self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
+        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        return var_list, summed, num_examples, reg_grads
+
     def compute_gradients(self, loss, var_list, tape=None):
         """Sanitized gradients of a per-example `loss` (one noised step).
 
@@ -557,11 +571,7 @@ class DPSanitizerMixin:
                 "with gradient_accumulation_steps > 1 call minimize(loss, var_list, tape) "
                 "(Keras fit does): compute_gradients alone cannot accumulate a lot"
             )
-        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
-        with tf.init_scope():
-            self.build(var_list)
-        ledger.attach(find_calling_model(self, max_depth=24), self)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
         return list(zip(self._release(summed, num_examples, reg_grads), var_list))
 
     def minimize(self, loss, var_list, tape=None):
@@ -569,13 +579,7 @@ class DPSanitizerMixin:
         if self.gradient_accumulation_steps == 1:
             self.apply_gradients(self.compute_gradients(loss, var_list, tape))
             return
-        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
-        with tf.init_scope():
-            self.build(var_list)
-        model = find_calling_model(self, max_depth=24)
-        ledger.attach(model, self)
-        self._watch_lot_boundaries(model)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
         for acc, s in zip(self._accumulators, summed):
             acc.assign_add(s)
         self._accum_examples.assign_add(num_examples)
