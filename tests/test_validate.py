@@ -25,6 +25,24 @@ def _dp_optimizer(**kwargs):
     return DPSGDOptimizer(**{"l2_norm_clip": 1.0, "noise_multiplier": 1.0, **kwargs})
 
 
+def _canaries():
+    from keras_dpsgd.audit import canaries
+
+    return canaries
+
+
+def _one_run():
+    from keras_dpsgd.audit import one_run
+
+    return one_run
+
+
+def _membership():
+    from keras_dpsgd.audit import membership
+
+    return membership
+
+
 # (callable taking the argument by keyword, argument, an out-of-range value, valid specials: "inf", "none")
 CASES = [
     (lambda **kw: acc.PoissonSampledGaussianEvent(**{"sampling_rate": 0.5, "noise_multiplier": 1.0, **kw}),
@@ -78,6 +96,12 @@ CASES = [
     (lambda tpr: stats.epsilon_from_rates(tpr, 0.1), "tpr", 1.5, ""),
     (lambda delta: stats.epsilon_from_rates(0.5, 0.1, delta), "delta", 1.0, ""),
     (lambda epsilon: stats.one_run_p_value(10, 5, 3, epsilon), "epsilon", -0.1, "inf"),
+    (lambda num_canaries: _canaries().make_input_canaries("ood", num_canaries, input_shape=(2,), num_classes=2,
+                                                          rng=np.random.default_rng(0)), "num_canaries", 1, ""),
+    (lambda canaries: _one_run().canary_audit(lambda: None, (np.zeros((4, 2)), np.zeros(4)), num_classes=2,
+                                             canaries=canaries, noise_multiplier=1.0), "canaries", 1, ""),
+    (lambda every: _membership().MembershipInferenceCallback((None, None), (None, None), every=every), "every", 0,
+     ""),
     (lambda **kw: _dp_optimizer(**kw), "l2_norm_clip", 0.0, ""),
     (lambda **kw: _dp_optimizer(**kw), "noise_multiplier", -1.0, ""),
     (lambda **kw: _dp_optimizer(**kw), "gradient_accumulation_steps", 0, ""),

@@ -215,8 +215,7 @@ class MembershipInferenceCallback(_callback_base()):
 
     def __init__(self, members, non_members, *, every: int = 1, verbose: int = 1, **kwargs):
         super().__init__()
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        every = V.integer_at_least(1, every=every)
         self.members, self.non_members, self.every, self.verbose = members, non_members, every, verbose
         self.kwargs = kwargs
         self.history: list = []
