@@ -3,6 +3,9 @@
 Events (:mod:`events`) record every access to the data; accountants
 (:mod:`accountants`) compose them and convert to (ε, δ); :mod:`planning` turns
 a budget into a noise multiplier, a number of steps or a lot-size table.
+
+Accountants are registered by name (``@register_accountant("rdp")``); every
+``accountant=`` argument takes a registered name or an accountant object.
 """
 
 from keras_dpsgd.accounting.accountants import (
