@@ -56,13 +56,12 @@ def main(argv=None):
 
     from keras_dpsgd._datasets import load_local_arrays as load_arrays
 
-    rng = np.random.default_rng(args.seed)
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         build = convnet_builder(xtr.shape[1:], 10)
         epochs, lot, lr = args.epochs or 60, args.lot_size or 128, args.learning_rate or 0.01
     else:
-        (xtr, ytr), (xte, yte) = load_digits(rng)
+        (xtr, ytr), (xte, yte) = load_digits()
         if args.smoke:
             xtr, ytr, xte, yte = xtr[:200], ytr[:200], xte[:100], yte[:100]
         build = mlp_builder(xtr.shape[1:], 10, width=32, depth=1)

@@ -57,13 +57,12 @@ def main(argv=None):
 
     from keras_dpsgd._datasets import load_local_arrays as load_arrays
 
-    rng = np.random.default_rng(args.seed)
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         build = convnet_builder(xtr.shape[1:], 10)
         d = dict(lots=[128, 512, 1024], epochs=60, eps=20.0, lr=0.01, base=128, cap=256, clip=1.0)
     else:
-        (xtr, ytr), (xte, yte) = load_digits(rng)
+        (xtr, ytr), (xte, yte) = load_digits()
         if args.smoke:
             xtr, ytr, xte, yte = xtr[:200], ytr[:200], xte[:100], yte[:100]
             d = dict(lots=[16, 48], epochs=1, eps=3.0, lr=0.05, base=16, cap=48, clip=1.0)

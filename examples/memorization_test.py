@@ -66,12 +66,10 @@ def main(argv=None):
             print(f"\n=== noise multiplier {sigma} ===")
             print(report.summary())
     if args.mode == "real":
-        import numpy as np
-
         if args.dataset == "cifar10":
             train, test = load_tfds("cifar10", data_dir=args.data_dir)
         else:
-            train, test = load_digits(np.random.default_rng(args.seed))
+            train, test = load_digits()
             if args.smoke:
                 train, test = (train[0][:200], train[1][:200]), (test[0][:100], test[1][:100])
             build = mlp_builder(shape, 10, width=32 if args.smoke else 512)

@@ -58,8 +58,9 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _noise, _step, ledger
+from keras_dpsgd import _validate as V
+from keras_dpsgd._validate import is_integer as _is_integer  # noqa: F401  (imported by keras3/_optimizer)
 from keras_dpsgd.accounting.events import composed_noise_multiplier
-from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
     find_calling_model,
@@ -91,33 +92,17 @@ class _EpochBoundary:
         return type(model).reset_metrics(model)
 
 
-def _check_positive(name: str, value: Any) -> float:
-    if not _is_real(value):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be > 0 and finite, got {value!r}")
-    return float(value)
-
-
-def _check_noise(name: str, value: Any) -> float:
-    if not _is_real(value):
-        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be >= 0 and finite, got {value!r}")
-    return float(value)
-
-
 def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, float]:
     """Validates a flat (float), per-variable (list) or by-name (dict) bound."""
     if isinstance(l2_norm_clip, dict):
         if not l2_norm_clip:
             raise ValueError("l2_norm_clip must not be an empty dict")
-        return {str(k): _check_positive(f"l2_norm_clip[{k!r}]", v) for k, v in l2_norm_clip.items()}
+        return {str(k): V.positive(**{f"l2_norm_clip[{k!r}]": v}) for k, v in l2_norm_clip.items()}
     if isinstance(l2_norm_clip, (list, tuple)):
         if not l2_norm_clip:
             raise ValueError("l2_norm_clip must not be an empty list")
-        return [_check_positive(f"l2_norm_clip[{i}]", v) for i, v in enumerate(l2_norm_clip)]
-    return _check_positive("l2_norm_clip", l2_norm_clip)
+        return [V.positive(**{f"l2_norm_clip[{i}]": v}) for i, v in enumerate(l2_norm_clip)]
+    return V.positive(l2_norm_clip=l2_norm_clip)
 
 
 def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | list[float]:
@@ -134,8 +119,8 @@ def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | 
                 f"noise_multiplier must have one entry per clip bound ({len(l2_norm_clip)}), "
                 f"got {len(noise_multiplier)}"
             )
-        return [_check_noise(f"noise_multiplier[{i}]", s) for i, s in enumerate(noise_multiplier)]
-    return _check_noise("noise_multiplier", noise_multiplier)
+        return [V.nonnegative(**{f"noise_multiplier[{i}]": s}) for i, s in enumerate(noise_multiplier)]
+    return V.nonnegative(noise_multiplier=noise_multiplier)
 
 
 def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
@@ -156,15 +141,11 @@ def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple
 
 
 def _check_lot_size(value: Any) -> float | None:
-    return None if value is None else _check_positive("expected_lot_size", value)
+    return None if value is None else V.positive(expected_lot_size=value)
 
 
 def _check_sampling_rate(value: Any) -> float | None:
-    if value is None:
-        return None
-    if not _is_real(value) or not (0.0 < value <= 1.0):
-        raise ValueError(f"sampling_rate must be in (0, 1], got {value!r}")
-    return float(value)
+    return None if value is None else V.in_range(0, 1, "(]", sampling_rate=value)
 
 
 def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
@@ -215,13 +196,8 @@ class DPSanitizerMixin:
         # NoDependency: plain lists/dicts (not trackable wrappers) in get_config.
         self._l2_norm_clip = self._no_dependency(check_l2_norm_clip(l2_norm_clip))
         self._noise_multiplier = self._no_dependency(check_noise_multiplier(noise_multiplier, self._l2_norm_clip))
-        k = gradient_accumulation_steps
-        if not _is_integer(k) or k < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
-        self.gradient_accumulation_steps = int(k)
-        if seed is not None and not _is_integer(seed):
-            raise ValueError(f"seed must be None or an integer, got {seed!r}")
-        self._seed = None if seed is None else int(seed)
+        self.gradient_accumulation_steps = V.integer_at_least(1, gradient_accumulation_steps=gradient_accumulation_steps)
+        self._seed = None if seed is None else V.integer_in_range(-(2**63), 2**63 - 1, seed=seed)
         self.per_example_backend = per_example_backend
         self._backend = self._no_dependency(resolve_backend(per_example_backend))
         self._sampling_rate = _check_sampling_rate(sampling_rate)
@@ -561,6 +537,20 @@ class DPSanitizerMixin:
         self._sanitized_grads.extend(grads)
         return grads
 
+    def _sanitized_sum(self, loss, var_list, tape):
+        """The path `compute_gradients` and `minimize` share: prepare → build → Σ_i clip(g_i).
+
+        Returns (var_list, clipped sum, batch size, regularization gradients or None).
+        """
+        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
+        with tf.init_scope():
+            self.build(var_list)
+        model = find_calling_model(self, max_depth=24)
+        ledger.attach(model, self)
+        self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
+        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        return var_list, summed, num_examples, reg_grads
+
     def compute_gradients(self, loss, var_list, tape=None):
         """Sanitized gradients of a per-example `loss` (one noised step).
 
@@ -582,11 +572,7 @@ class DPSanitizerMixin:
                 "with gradient_accumulation_steps > 1 call minimize(loss, var_list, tape) "
                 "(Keras fit does): compute_gradients alone cannot accumulate a lot"
             )
-        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
-        with tf.init_scope():
-            self.build(var_list)
-        ledger.attach(find_calling_model(self, max_depth=24), self)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
         return list(zip(self._release(summed, num_examples, reg_grads), var_list))
 
     def minimize(self, loss, var_list, tape=None):
@@ -594,13 +580,7 @@ class DPSanitizerMixin:
         if self.gradient_accumulation_steps == 1:
             self.apply_gradients(self.compute_gradients(loss, var_list, tape))
             return
-        loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
-        with tf.init_scope():
-            self.build(var_list)
-        model = find_calling_model(self, max_depth=24)
-        ledger.attach(model, self)
-        self._watch_lot_boundaries(model)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
         for acc, s in zip(self._accumulators, summed):
             acc.assign_add(s)
         self._accum_examples.assign_add(num_examples)

@@ -173,7 +173,7 @@ def test_effective_noise_multiplier():
     )
     with pytest.raises(ValueError, match="non-empty"):
         effective_noise_multiplier([])
-    with pytest.raises(ValueError, match="must be >= 0"):
+    with pytest.raises(ValueError, match=r"noise_multipliers\[1\] must be a finite number >= 0, got -1.0"):
         effective_noise_multiplier([1.0, -1.0])
 
 
@@ -217,7 +217,7 @@ def test_batch_table_validation(kwargs, match):
 
 
 def test_max_steps_validation():
-    with pytest.raises(ValueError, match=r"noise_multiplier must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"noise_multiplier must be a finite number >= 0, got -1"):
         max_steps_within_budget(target_epsilon=1.0, target_delta=1e-5, sampling_rate=0.1, noise_multiplier=-1)
 
 

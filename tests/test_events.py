@@ -30,7 +30,7 @@ def test_bad_sampling_rate_names_argument(q):
 
 @pytest.mark.parametrize("sigma", [-1.0, float("nan")])
 def test_bad_noise_multiplier_names_argument(sigma):
-    with pytest.raises(ValueError, match="noise_multiplier must be >= 0"):
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
         GaussianEvent(sigma)
 
 

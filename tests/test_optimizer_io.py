@@ -107,8 +107,8 @@ def test_seed_reproducible_and_none_is_not():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"l2_norm_clip": 0.0, "noise_multiplier": 1.0}, "l2_norm_clip must be > 0"),
-        ({"l2_norm_clip": 1.0, "noise_multiplier": -1.0}, "noise_multiplier must be >= 0"),
+        ({"l2_norm_clip": 0.0, "noise_multiplier": 1.0}, "l2_norm_clip must be a finite number > 0"),
+        ({"l2_norm_clip": 1.0, "noise_multiplier": -1.0}, "noise_multiplier must be a finite number >= 0"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
         ({"l2_norm_clip": {"a": 1.0}, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
         ({"l2_norm_clip": [1.0, 2.0], "noise_multiplier": [1.0]}, "one entry per clip bound"),

@@ -29,9 +29,14 @@ def test_top_level_import_does_not_import_tensorflow():
 def test_cli_help_lists_every_subcommand():
     from keras_dpsgd.cli import build_parser
 
-    text = build_parser().format_help()
-    for command in ("epsilon", "noise", "batch-table", "train", "memorization-test"):
+    parser = build_parser()
+    text = parser.format_help()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    assert set(commands) == {"epsilon", "noise", "batch-table", "train", "memorization-test", "large-lots",
+                             "adaptive-clipping-noise", "audit"}
+    for command, sub in commands.items():
         assert command in text
+        assert sub.description and "--json" in sub.format_help(), command
 
 
 def test_serializable_classes_are_registered_whichever_module_brings_tf_keras_in():

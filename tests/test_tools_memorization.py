@@ -104,8 +104,7 @@ def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
 
 
 def test_real_task_mode_accounts_the_dp_run():
-    rng = np.random.default_rng(0)
-    (xtr, ytr), (xte, yte) = _data.load_digits(rng)
+    (xtr, ytr), (xte, yte) = _data.load_digits()
     train, test = (xtr[:400], ytr[:400]), (xte[:200], yte[:200])
     dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=1.1, batch_size=100, learning_rate=0.1,
                     physical_batch_size=64)

@@ -3,6 +3,9 @@
 Events (:mod:`events`) record every access to the data; accountants
 (:mod:`accountants`) compose them and convert to (ε, δ); :mod:`planning` turns
 a budget into a noise multiplier, a number of steps or a lot-size table.
+
+Accountants are registered by name (``@register_accountant("rdp")``); every
+``accountant=`` argument takes a registered name or an accountant object.
 """
 
 from keras_dpsgd.accounting.accountants import (
@@ -11,7 +14,9 @@ from keras_dpsgd.accounting.accountants import (
     PldAccountant,
     PrivacyAccountant,
     RdpAccountant,
+    accountant_names,
     make_accountant,
+    register_accountant,
 )
 from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
@@ -62,6 +67,7 @@ __all__ = [
     "PrivacyLedger",
     "RdpAccountant",
     "TF_PRIVACY_LEGACY_ORDERS",
+    "accountant_names",
     "batch_table",
     "calibrate_noise_multiplier",
     "check_delta",
@@ -81,5 +87,6 @@ __all__ = [
     "max_steps_within_budget",
     "rdp_gaussian",
     "rdp_poisson_subsampled_gaussian",
+    "register_accountant",
     "steps_for_epochs",
 ]

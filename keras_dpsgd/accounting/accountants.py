@@ -1,4 +1,4 @@
-"""Privacy accountants: compose events, answer ε for δ (one contract, three implementations).
+"""Privacy accountants: compose events, answer ε for δ (one contract, a registry of implementations).
 
 * :class:`RdpAccountant`: RDP over an order grid (default dp_accounting's),
   tight conversion by default (or "classic").
@@ -9,17 +9,24 @@
   (optional extra ``pip install keras-dpsgd[pld]``).
 
 Adjacency: add/remove one example.
+
+A new accountant is one class (subclass :class:`PrivacyAccountant`, implement
+``_compose_leaf`` and ``get_epsilon_and_order``) plus one registration line,
+``@register_accountant("name")``; every function that takes ``accountant=``
+(ε, calibration of σ, steps within a budget, the CLI's ``--accountant``) then
+accepts its name or an instance.
 """
 
 from __future__ import annotations
 
 import abc
+import copy
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import conversions, rdp
 from keras_dpsgd.accounting.events import (
     LEAF_EVENT_TYPES,
@@ -28,7 +35,10 @@ from keras_dpsgd.accounting.events import (
     flatten_events,
 )
 
+# The built-in accountants' names (``accountant_names()`` also lists registered ones).
 ACCOUNTANTS = ("rdp", "moments", "pld")
+_REGISTRY: dict[str, Callable[[], "PrivacyAccountant"]] = {}
+_A = TypeVar("_A", bound=type)
 _PLD_HINT = "the PLD accountant needs dp_accounting: pip install keras-dpsgd[pld]"
 
 
@@ -48,14 +58,55 @@ def as_event_list(events) -> list:
     return out
 
 
+def register_accountant(name: str) -> Callable[[_A], _A]:
+    """Class decorator: makes ``make_accountant(name)`` return ``cls()``.
+
+    Args:
+      name: the accountant's name (``accountant="name"``, ``--accountant name``).
+
+    Raises:
+      ValueError: `name` is empty or already registered.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if name in _REGISTRY:
+        raise ValueError(f"an accountant named {name!r} is already registered: {_REGISTRY[name]!r}")
+
+    def register(cls: _A) -> _A:
+        if not (isinstance(cls, type) and issubclass(cls, PrivacyAccountant)):
+            raise TypeError(f"register_accountant registers PrivacyAccountant subclasses, got {cls!r}")
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return register
+
+
+def accountant_names() -> tuple[str, ...]:
+    """The names `make_accountant` knows, in registration order."""
+    return tuple(_REGISTRY)
+
+
 class PrivacyAccountant(abc.ABC):
-    """Composes privacy events and converts the total to (ε, δ)."""
+    """Composes privacy events and converts the total to (ε, δ).
+
+    Subclasses implement ``_compose_leaf`` (one (sub-sampled) Gaussian
+    mechanism, repeated) and ``get_epsilon_and_order``, and may tune how
+    planning searches over them:
+
+    * ``calibration_rtol``: relative width at which the bisection for σ stops
+      (the upper end of the bracket is returned, so ε(σ) <= target always);
+    * ``calibration_hint``: the name of a faster accountant whose answer is a
+      good starting point (the search still runs on this accountant).
+    """
 
     name: str = ""
+    calibration_rtol: float = 1e-7
+    calibration_hint: str | None = None
 
     def compose(self, event, count: int = 1) -> "PrivacyAccountant":
         """Adds `count` repetitions of `event` (a ledger, event or iterable). Returns self."""
-        count = V.check_nonnegative_int(count, "count")
+        count = V.integer_at_least(0, count=count)
         for e in as_event_list(event):
             if e.count and count:
                 self._compose_leaf(e.sampling_rate, e.noise_multiplier, e.count * count)
@@ -74,6 +125,7 @@ class PrivacyAccountant(abc.ABC):
         return self.get_epsilon_and_order(delta)[0]
 
 
+@register_accountant("rdp")
 class RdpAccountant(PrivacyAccountant):
     """RDP accountant (Mironov 2017; Mironov, Talwar, Zhang 2019).
 
@@ -83,8 +135,6 @@ class RdpAccountant(PrivacyAccountant):
       conversion: "tight" (Canonne-Kamath-Steinke 2020, default) or "classic"
         (Abadi et al. 2016 Thm 2.2); see :mod:`conversions`.
     """
-
-    name = "rdp"
 
     def __init__(self, orders: Sequence[float] | None = None, conversion: str = "tight"):
         self._orders = rdp.check_orders(rdp.DEFAULT_ORDERS if orders is None else orders)
@@ -110,16 +160,19 @@ class RdpAccountant(PrivacyAccountant):
             self._rdp = self._rdp + count * step
 
     def get_epsilon_and_order(self, delta):
-        delta = V.check_delta(delta)
+        delta = V.in_range(0, 1, "()", delta=delta)
         if not self._rdp.any():
             return 0.0, None
         return conversions.epsilon_from_rdp(self._orders, self._rdp, delta, self._conversion)
 
     def get_delta(self, epsilon: float) -> float:
-        """Smallest δ at `epsilon` over the order grid."""
+        """Smallest δ at `epsilon` over the order grid (0 if nothing was composed)."""
+        if not self._rdp.any():
+            return 0.0
         return conversions.delta_from_rdp(self._orders, self._rdp, epsilon, self._conversion)[0]
 
 
+@register_accountant("moments")
 class MomentsAccountant(RdpAccountant):
     """Abadi et al. 2016's moments accountant: integer λ <= 32, Thm 2.2.
 
@@ -127,12 +180,11 @@ class MomentsAccountant(RdpAccountant):
     α = λ + 1 in 2..33.
     """
 
-    name = "moments"
-
     def __init__(self):
         super().__init__(orders=rdp.MOMENTS_ORDERS, conversion="classic")
 
 
+@register_accountant("pld")
 class PldAccountant(PrivacyAccountant):
     """Privacy loss distribution accountant, delegating to dp_accounting.
 
@@ -145,16 +197,17 @@ class PldAccountant(PrivacyAccountant):
       ImportError: dp_accounting is not installed (``pip install keras-dpsgd[pld]``).
     """
 
-    name = "pld"
+    # PLD probes are slow (~0.1-0.5 s): calibration starts from the RDP answer,
+    # which is close, and stops at a relative width of 1e-4.
+    calibration_rtol = 1e-4
+    calibration_hint = "rdp"
 
     def __init__(self, value_discretization_interval: float = 1e-4):
         try:
-            import dp_accounting  # noqa: F401  (optional dependency)
             from dp_accounting import pld as _pld
         except ImportError as err:
             raise ImportError(_PLD_HINT) from err
-        self._dp_accounting = dp_accounting
-        self._interval = V.check_positive_float(value_discretization_interval, "value_discretization_interval")
+        self._interval = V.positive(value_discretization_interval=value_discretization_interval)
         self._accountant = _pld.PLDAccountant(value_discretization_interval=self._interval)
         self._infinite = False
         self._empty = True
@@ -164,14 +217,14 @@ class PldAccountant(PrivacyAccountant):
         if noise_multiplier == 0.0:
             self._infinite = True
             return
-        dp_event = self._dp_accounting.dp_event
+        from dp_accounting import dp_event
         event = dp_event.GaussianDpEvent(noise_multiplier)
         if sampling_rate < 1.0:
             event = dp_event.PoissonSampledDpEvent(sampling_rate, event)
         self._accountant.compose(event, count)
 
     def get_epsilon_and_order(self, delta):
-        delta = V.check_delta(delta)
+        delta = V.in_range(0, 1, "()", delta=delta)
         if self._infinite:
             return math.inf, None
         if self._empty:
@@ -180,11 +233,18 @@ class PldAccountant(PrivacyAccountant):
 
 
 def make_accountant(accountant: str | PrivacyAccountant = "rdp") -> PrivacyAccountant:
-    """A fresh accountant by name: "rdp", "moments" or "pld"."""
-    if accountant == "rdp":
-        return RdpAccountant()
-    if accountant == "moments":
-        return MomentsAccountant()
-    if accountant == "pld":
-        return PldAccountant()
-    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    """An accountant to compose into, from a registered name or an accountant object.
+
+    Args:
+      accountant: a name of :func:`accountant_names` ("rdp", "moments",
+        "pld", or one added with :func:`register_accountant`), or an accountant
+        object, e.g. ``RdpAccountant(orders=...)``. An object is copied with
+        everything it has composed so far (so what it holds is counted, never
+        dropped), and the caller's object is left unchanged.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if isinstance(accountant, PrivacyAccountant):
+        return copy.deepcopy(accountant)
+    return _REGISTRY[V.one_of(accountant_names(), accountant=accountant)]()

@@ -29,15 +29,13 @@ from typing import Sequence
 
 import numpy as np
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 
 CONVERSIONS = ("tight", "classic")
 
 
 def check_conversion(conversion: str) -> str:
-    if conversion not in CONVERSIONS:
-        raise ValueError(f"conversion must be one of {CONVERSIONS}, got {conversion!r}")
-    return conversion
+    return V.one_of(CONVERSIONS, conversion=conversion)
 
 
 def epsilon_per_order(
@@ -54,7 +52,7 @@ def epsilon_per_order(
     Returns:
       Array of ε values, one per order, clipped below at 0.
     """
-    delta = V.check_delta(delta)
+    delta = V.in_range(0, 1, "()", delta=delta)
     check_conversion(conversion)
     alphas = np.asarray(orders, dtype=np.float64)
     r = np.asarray(rdp, dtype=np.float64)
@@ -103,8 +101,7 @@ def delta_from_rdp(
     Returns:
       (δ, α), δ capped at 1.
     """
-    if isinstance(epsilon, bool) or math.isnan(float(epsilon)) or float(epsilon) < 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
+    epsilon = V.in_range(0, math.inf, "[]", epsilon=epsilon)
     check_conversion(conversion)
     alphas = np.asarray(orders, dtype=np.float64)
     r = np.maximum(np.asarray(rdp, dtype=np.float64), 0.0)

@@ -17,19 +17,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Iterator, Sequence, Union
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 
 
 def _check_sampling_rate(sampling_rate: float) -> float:
-    return V.check_sampling_rate(sampling_rate)
+    return V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
 
 
 def _check_noise_multiplier(noise_multiplier: float) -> float:
-    return V.check_noise_multiplier(noise_multiplier)
+    return V.nonnegative(noise_multiplier=noise_multiplier)
 
 
 def _check_count(count: int) -> int:
-    return V.check_nonnegative_int(count, "count")
+    return V.integer_at_least(0, count=count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ def composed_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
     """
     if isinstance(noise_multipliers, (str, bytes)) or not isinstance(noise_multipliers, Iterable):
         raise TypeError(f"noise_multipliers must be a sequence of numbers >= 0, got {noise_multipliers!r}")
-    sigmas = [V.check_noise_multiplier(s, f"noise_multipliers[{i}]") for i, s in enumerate(noise_multipliers)]
+    sigmas = [V.nonnegative(**{f"noise_multipliers[{i}]": s}) for i, s in enumerate(noise_multipliers)]
     if not sigmas:
         raise ValueError("noise_multipliers must be a non-empty sequence of numbers >= 0, got an empty sequence")
     if len(sigmas) == 1 or any(s == 0.0 for s in sigmas):

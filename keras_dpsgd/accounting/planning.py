@@ -8,15 +8,15 @@ the final bisection bracket is returned), and a step budget k always satisfies
 
 from __future__ import annotations
 
+import copy
 import math
 from fractions import Fraction
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import accountants as A
-from keras_dpsgd.accounting import conversions, rdp
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent, composed_noise_multiplier
 
 _SIGMA_RTOL = 1e-7
@@ -24,25 +24,39 @@ _SIGMA_MAX = 1e7
 _MAX_STEPS_CAP = 10**15
 
 
-def compute_epsilon_and_order(events, delta: float, *, accountant: str = "rdp") -> tuple[float, float | None]:
+Accountant = Union[str, A.PrivacyAccountant]
+
+
+def compute_epsilon_and_order(events, delta: float, *, accountant: Accountant = "rdp") -> tuple[float, float | None]:
     """ε at δ of every event in `events`, and the RDP order attaining it.
 
     Args:
       events: a PrivacyLedger, one event, or an iterable of events.
       delta: δ in (0, 1).
-      accountant: "rdp" (tight conversion, default), "moments" (Abadi et al.
-        2016: integer λ <= 32, classic conversion) or "pld" (dp_accounting).
+      accountant: a registered name (:func:`~keras_dpsgd.accounting.accountant_names`:
+        "rdp", tight conversion, the default; "moments", Abadi et al. 2016:
+        integer λ <= 32, classic conversion; "pld", dp_accounting) or an
+        accountant object (copied, see :func:`make_accountant`).
 
     Returns:
       (ε, order): order is the RDP order α (None for "pld" or when ε is 0 or ∞).
     """
-    delta = V.check_delta(delta)
+    delta = V.in_range(0, 1, "()", delta=delta)
     return A.make_accountant(accountant).compose(events).get_epsilon_and_order(delta)
 
 
-def compute_epsilon(events, delta: float, *, accountant: str = "rdp") -> float:
+def compute_epsilon(events, delta: float, *, accountant: Accountant = "rdp") -> float:
     """ε at δ of every event in `events` (see :func:`compute_epsilon_and_order`)."""
     return compute_epsilon_and_order(events, delta, accountant=accountant)[0]
+
+
+def _epsilon_after(base: A.PrivacyAccountant, delta: float) -> Callable[[object], float]:
+    """ε at δ of what `base` holds plus `events`, `base` left unchanged (one probe of a search)."""
+
+    def epsilon(events) -> float:
+        return copy.deepcopy(base).compose(events).get_epsilon(delta)
+
+    return epsilon
 
 
 def _bisect_sigma(
@@ -80,33 +94,38 @@ def _bisect_sigma(
 
 
 def calibrate_noise_multiplier(
-    make_events: Callable[[float], object], *, target_epsilon: float, target_delta: float, accountant: str = "rdp"
+    make_events: Callable[[float], object],
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    accountant: Accountant = "rdp",
+    prior_events=(),
 ) -> float:
-    """Smallest σ (never below the exact value) such that ε(make_events(σ)) <= target.
+    """Smallest σ (never below the exact value) such that ε(prior + make_events(σ)) <= target.
 
-    Generic form of :func:`compute_noise_multiplier`: `make_events(σ)` returns
-    the events (ledger, event or iterable) of a run with noise multiplier σ,
-    e.g. DP-SGD steps plus adaptive-clipping norm queries at σ_eff. ε must be
-    non-increasing in σ.
+    The one calibration routine, over any accountant: `make_events(σ)`
+    returns the events (ledger, event or iterable) of a run with noise
+    multiplier σ, e.g. DP-SGD steps plus adaptive-clipping norm queries at
+    σ_eff. ε must be non-increasing in σ. The search is a bisection on the
+    chosen accountant to its ``calibration_rtol``, started from the answer of
+    its ``calibration_hint`` accountant if it names one (PLD starts from RDP).
 
     Raises:
       ValueError: bad targets, or the target is unreachable (e.g. events that do
         not depend on σ already spend it).
     """
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
-    if accountant not in A.ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {A.ACCOUNTANTS}, got {accountant!r}")
-
-    def eps(sigma: float, name: str = accountant) -> float:
-        return compute_epsilon(make_events(sigma), target_delta, accountant=name)
-
-    if accountant != "pld":
-        return _bisect_sigma(eps, target_epsilon)
-    # PLD probes are slow (~0.1-0.5 s): start from the RDP answer, which is
-    # close, and stop at a relative width of 1e-4 (still the bracket's upper end).
-    hint = _bisect_sigma(lambda s: eps(s, "rdp"), target_epsilon, rtol=1e-4)
-    return _bisect_sigma(eps, target_epsilon, start=hint, shrink=0.9, rtol=1e-4)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
+    base = A.make_accountant(accountant).compose(prior_events)
+    start, shrink = 1.0, 0.5
+    if base.calibration_hint is not None:
+        hint = A.make_accountant(base.calibration_hint).compose(prior_events)
+        hint_eps = _epsilon_after(hint, target_delta)
+        start = _bisect_sigma(lambda s: hint_eps(make_events(s)), target_epsilon, rtol=base.calibration_rtol)
+        shrink = 0.9
+    eps = _epsilon_after(base, target_delta)
+    return _bisect_sigma(lambda s: eps(make_events(s)), target_epsilon, start=start, shrink=shrink,
+                         rtol=base.calibration_rtol)
 
 
 def compute_noise_multiplier(
@@ -115,47 +134,34 @@ def compute_noise_multiplier(
     target_delta: float,
     sampling_rate: float,
     steps: int,
-    accountant: str = "rdp",
+    accountant: Accountant = "rdp",
     prior_events=(),
 ) -> float:
     """Smallest σ, never below the exact value, for `steps` DP-SGD steps within (ε, δ).
 
-    Bracketing by doubling, then bisection to a relative width of 1e-7; the
-    upper end of the bracket is returned, so ε(σ) <= target_epsilon.
+    Bracketing by doubling, then bisection to the accountant's
+    ``calibration_rtol`` (1e-7 for RDP); the upper end of the bracket is
+    returned, so ε(σ) <= target_epsilon (:func:`calibrate_noise_multiplier`).
 
     Args:
       target_epsilon: ε > 0.
       target_delta: δ in (0, 1).
       sampling_rate: q in (0, 1] (Poisson sampling of each step).
       steps: number of noised steps, >= 1.
-      accountant: "rdp", "moments" or "pld".
+      accountant: a registered name ("rdp", "moments", "pld", ...) or an accountant object.
       prior_events: events already spent (ledger, event or iterable).
 
     Returns:
       The noise multiplier σ.
     """
-    q = V.check_sampling_rate(sampling_rate)
-    steps = V.check_positive_int(steps, "steps")
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
-    prior = A.as_event_list(prior_events)
-    if accountant in ("rdp", "moments"):
-        base = A.make_accountant(accountant)
-        base.compose(prior)
-        prior_rdp, orders, conv = base.rdp, base.orders, base.conversion
-
-        def eps(sigma: float) -> float:
-            step = rdp.rdp_poisson_subsampled_gaussian(q, sigma, tuple(orders))
-            with np.errstate(invalid="ignore"):
-                total = prior_rdp + steps * step
-            return conversions.epsilon_from_rdp(orders, total, target_delta, conv)[0]
-
-        return _bisect_sigma(eps, target_epsilon)
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    steps = V.integer_at_least(1, steps=steps)
     return calibrate_noise_multiplier(
-        lambda sigma: prior + [PoissonSampledGaussianEvent(q, sigma, steps)],
+        lambda sigma: PoissonSampledGaussianEvent(q, sigma, steps),
         target_epsilon=target_epsilon,
         target_delta=target_delta,
         accountant=accountant,
+        prior_events=prior_events,
     )
 
 
@@ -184,45 +190,33 @@ def max_steps_within_budget(
     sampling_rate: float,
     noise_multiplier: float,
     prior_events=(),
-    accountant: str = "rdp",
+    accountant: Accountant = "rdp",
 ) -> int:
     """Largest number k of further steps with ε(prior + k steps) <= target_epsilon.
 
     Exact for the chosen accountant: ε(k) <= target < ε(k + 1) (binary search
     on k; for "rdp"/"moments" each probe is one vectorized conversion of
-    prior_rdp + k·step_rdp, so a call takes about a millisecond). Returns 0 if
+    prior_rdp + k·step_rdp, about a millisecond per call; an accountant with a
+    ``calibration_hint`` starts from that accountant's answer). Returns 0 if
     not even one step fits; stops searching past 10**15 steps (effectively
     unbounded), returning a verified count of at least 5·10**14.
     """
-    q = V.check_sampling_rate(sampling_rate)
-    sigma = V.check_noise_multiplier(noise_multiplier)
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
-    prior = A.as_event_list(prior_events)
-    if accountant not in A.ACCOUNTANTS:
-        raise ValueError(f"accountant must be one of {A.ACCOUNTANTS}, got {accountant!r}")
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    sigma = V.nonnegative(noise_multiplier=noise_multiplier)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
+    base = A.make_accountant(accountant).compose(prior_events)
     if sigma == 0.0:
         return 0
-    base = A.make_accountant("moments" if accountant == "moments" else "rdp")
-    base.compose(prior)
-    prior_rdp, orders, conv = base.rdp, base.orders, base.conversion
-    step = rdp.rdp_poisson_subsampled_gaussian(q, sigma, tuple(orders))
 
-    def rdp_eps(k: int) -> float:
-        with np.errstate(invalid="ignore"):
-            total = prior_rdp + k * step if k else prior_rdp
-        if not total.any():
-            return 0.0
-        return conversions.epsilon_from_rdp(orders, total, target_delta, conv)[0]
+    def search(acc: A.PrivacyAccountant, hint: int = 1) -> int:
+        eps = _epsilon_after(acc, target_delta)
+        return _largest_k(lambda k: eps(PoissonSampledGaussianEvent(q, sigma, k)), target_epsilon, hint)
 
-    k_rdp = _largest_k(rdp_eps, target_epsilon)
-    if accountant != "pld":
-        return k_rdp
-
-    def pld_eps(k: int) -> float:
-        return compute_epsilon(prior + [PoissonSampledGaussianEvent(q, sigma, k)], target_delta, accountant="pld")
-
-    return _largest_k(pld_eps, target_epsilon, hint=max(1, k_rdp))
+    hint = 1
+    if base.calibration_hint is not None:
+        hint = max(1, search(A.make_accountant(base.calibration_hint).compose(prior_events)))
+    return search(base, hint)
 
 
 def max_epochs_within_budget(
@@ -232,15 +226,15 @@ def max_epochs_within_budget(
     target_epsilon: float,
     target_delta: float,
     noise_multiplier: float,
-    accountant: str = "rdp",
+    accountant: Accountant = "rdp",
 ) -> float:
     """Largest number of epochs E (a multiple of B/N) whose ceil(E·N/B) steps fit in (ε, δ).
 
     E = k·B/N with k = :func:`max_steps_within_budget` at q = B/N, so that
     ceil(E·N/B) = k steps (0.0 if not even one step fits).
     """
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
     k = max_steps_within_budget(
@@ -255,9 +249,9 @@ def max_epochs_within_budget(
 
 def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> float:
     """Largest float E with ceil(E·N/B) <= steps (E = steps·B/N, stepped down if rounding went up)."""
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
-    k = V.check_nonnegative_int(steps, "steps")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
+    k = V.integer_at_least(0, steps=steps)
     epochs = float(Fraction(k * b, n))
     while epochs > 0 and steps_for_epochs(n, b, epochs) > k:  # float rounded up: step down
         epochs = float(np.nextafter(epochs, 0.0))
@@ -266,9 +260,9 @@ def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> flo
 
 def steps_for_epochs(num_examples: int, batch_size: int, epochs: float) -> int:
     """ceil(epochs · N / B), exact for decimal `epochs` (no float round-up surprises)."""
-    n = V.check_positive_int(num_examples, "num_examples")
-    b = V.check_positive_int(batch_size, "batch_size")
-    e = V.check_positive_float(epochs, "epochs")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    b = V.integer_at_least(1, batch_size=batch_size)
+    e = V.positive(epochs=epochs)
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
     return math.ceil(Fraction(repr(e)) * n / b)
@@ -281,7 +275,7 @@ def batch_table(
     target_epsilon: float,
     target_delta: float,
     lot_sizes: Sequence[int],
-    accountant: str = "rdp",
+    accountant: Accountant = "rdp",
 ) -> list[dict]:
     """Noise per example versus lot size (Three Tools paper's table).
 
@@ -294,16 +288,16 @@ def batch_table(
       Rows with keys lot_size, sampling_rate, steps, noise_multiplier,
       noise_per_example, in the order of `lot_sizes`.
     """
-    n = V.check_positive_int(num_examples, "num_examples")
-    V.check_positive_float(epochs, "epochs")
-    target_epsilon = V.check_epsilon(target_epsilon)
-    target_delta = V.check_delta(target_delta, "target_delta")
+    n = V.integer_at_least(1, num_examples=num_examples)
+    V.positive(epochs=epochs)
+    target_epsilon = V.positive(target_epsilon=target_epsilon)
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
     lot_sizes = list(lot_sizes)
     if not lot_sizes:
         raise ValueError("lot_sizes must be a non-empty sequence of integers in [1, num_examples], got []")
     rows = []
     for lot in lot_sizes:
-        lot = V.check_positive_int(lot, "lot_size")
+        lot = V.integer_at_least(1, lot_size=lot)
         steps = steps_for_epochs(n, lot, epochs)
         sigma = compute_noise_multiplier(
             target_epsilon=target_epsilon,
@@ -326,7 +320,7 @@ def batch_table(
 
 def default_delta(num_examples: int) -> float:
     """δ = 1 / N^1.1, below 1/N as the Three Tools paper recommends."""
-    n = V.check_positive_int(num_examples, "num_examples")
+    n = V.integer_at_least(1, num_examples=num_examples)
     return 1.0 / n**1.1
 
 
@@ -335,8 +329,8 @@ def check_delta(delta: float, num_examples: int) -> float:
 
     δ >= 1/N allows mechanisms that publish one example in the clear.
     """
-    delta = V.check_delta(delta)
-    n = V.check_positive_int(num_examples, "num_examples")
+    delta = V.in_range(0, 1, "()", delta=delta)
+    n = V.integer_at_least(1, num_examples=num_examples)
     if delta >= 1.0 / n:
         raise ValueError(f"delta must be < 1/num_examples = {1.0 / n:.3g} (N = {n}), got {delta!r}")
     return delta

@@ -39,7 +39,7 @@ from typing import Sequence
 import numpy as np
 from scipy import special
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 
 # dp_accounting's default grid (RdpAccountant.DEFAULT_RDP_ORDERS): 1.1..10.9 by
 # 0.1, 11..63, 128, 256, 512, 1024. Built the same way so the floats coincide.
@@ -64,12 +64,11 @@ _STOP_GAP = 30.0  # stop once new terms are below e^-30 of the running total
 
 def check_orders(orders: Sequence[float]) -> tuple[float, ...]:
     """Validates an order grid: a non-empty sequence of finite floats > 1."""
-    result = tuple(float(a) for a in orders)
+    if isinstance(orders, (str, bytes)):
+        raise V.ArgumentTypeError(f"orders must be a sequence of finite numbers > 1, got {orders!r}")
+    result = tuple(V.in_range(1, math.inf, "()", **{f"orders[{i}]": a}) for i, a in enumerate(orders))
     if not result:
         raise ValueError("orders must be a non-empty sequence of floats > 1, got an empty sequence")
-    for a in result:
-        if not math.isfinite(a) or a <= 1.0:
-            raise ValueError(f"orders must be finite floats > 1, got {a!r}")
     return result
 
 
@@ -83,7 +82,7 @@ def rdp_gaussian(noise_multiplier: float, orders: Sequence[float] = DEFAULT_ORDE
     Returns:
       Array of RDP values, one per order.
     """
-    sigma = V.check_noise_multiplier(noise_multiplier)
+    sigma = V.nonnegative(noise_multiplier=noise_multiplier)
     alphas = np.asarray(check_orders(orders), dtype=np.float64)
     if sigma == 0.0:
         return np.full_like(alphas, np.inf)
@@ -104,8 +103,8 @@ def rdp_poisson_subsampled_gaussian(
     Returns:
       A read-only float64 array of ε_RDP(α), one per order (may hold ∞).
     """
-    q = V.check_sampling_rate(sampling_rate)
-    sigma = V.check_noise_multiplier(noise_multiplier)
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    sigma = V.nonnegative(noise_multiplier=noise_multiplier)
     return _rdp_cached(q, sigma, check_orders(orders))
 
 

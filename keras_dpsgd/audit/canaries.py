@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd import _validate as V
+
 CANARY_KINDS = ("gradient", "ood", "mislabeled")
 
 
@@ -195,9 +197,7 @@ def make_input_canaries(
     """
     if kind not in ("ood", "mislabeled"):
         raise ValueError(f"kind must be 'ood' or 'mislabeled', got {kind!r}")
-    if isinstance(num_canaries, bool) or int(num_canaries) != num_canaries or num_canaries < 2:
-        raise ValueError(f"num_canaries must be an integer >= 2, got {num_canaries!r}")
-    m = int(num_canaries)
+    m = V.integer_at_least(2, num_canaries=num_canaries)
     if kind == "ood":
         x = rng.random((m,) + tuple(int(d) for d in input_shape), dtype=np.float32)
         y = rng.integers(num_classes, size=m).astype(np.int64)

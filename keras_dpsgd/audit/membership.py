@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 
 METHODS = ("loss", "trained")
@@ -166,7 +167,7 @@ def membership_inference(
     if unknown or not methods:
         raise ValueError(f"methods must be a non-empty subset of {list(METHODS)}, got {list(methods)}")
     confidence = statistics.check_confidence(confidence)
-    delta = statistics.check_delta(delta)
+    delta = V.in_range(0, 1, "[)", delta=delta)
     if len(members[0]) < 1 or len(non_members[0]) < 1:
         raise ValueError(f"members and non_members must be non-empty, got {len(members[0])} and {len(non_members[0])}")
     features = np.concatenate([attack_features(model, *members), attack_features(model, *non_members)])
@@ -214,8 +215,7 @@ class MembershipInferenceCallback(_callback_base()):
 
     def __init__(self, members, non_members, *, every: int = 1, verbose: int = 1, **kwargs):
         super().__init__()
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        every = V.integer_at_least(1, every=every)
         self.members, self.non_members, self.every, self.verbose = members, non_members, every, verbose
         self.kwargs = kwargs
         self.history: list = []

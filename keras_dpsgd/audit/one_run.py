@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit.canaries import CANARY_KINDS
 
@@ -133,8 +134,7 @@ def canary_audit(
 
     if kind not in CANARY_KINDS:
         raise ValueError(f"kind must be one of {list(CANARY_KINDS)}, got {kind!r}")
-    if isinstance(canaries, bool) or int(canaries) != canaries or canaries < 2:
-        raise ValueError(f"canaries must be an integer >= 2, got {canaries!r}")
+    canaries = V.integer_at_least(2, canaries=canaries)
     confidence = statistics.check_confidence(confidence)
     start = time.perf_counter()
     rng = np.random.default_rng(seed)

@@ -34,33 +34,19 @@ from typing import Sequence
 import numpy as np
 from scipy import special, stats
 
+from keras_dpsgd import _validate as V
+
 
 # ------------------------------------------------------------- validation
 def _check_count(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        where = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer in {where}, got {value!r}")
-    return int(value)
+    if high is None:
+        return V.integer_at_least(low, **{name: value})
+    return V.integer_in_range(low, high, **{name: value})
 
 
 def check_confidence(confidence) -> float:
     """Validates a confidence level in (0, 1)."""
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)):
-        raise TypeError(f"confidence must be a number in (0, 1), got {confidence!r}")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
-    return float(confidence)
-
-
-def check_delta(delta) -> float:
-    """Validates δ in [0, 1)."""
-    if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)):
-        raise TypeError(f"delta must be a number in [0, 1), got {delta!r}")
-    if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta must be in [0, 1), got {delta!r}")
-    return float(delta)
+    return V.in_range(0, 1, "()", confidence=confidence)
 
 
 # ---------------------------------------------------------- Clopper-Pearson
@@ -102,10 +88,9 @@ def epsilon_from_rates(tpr: float, fpr: float, delta: float = 0.0) -> float:
     TPR <= e^ε FPR + δ and TNR <= e^ε FNR + δ. Pass a lower bound on TPR and
     an upper bound on FPR to get a lower bound on ε.
     """
-    for name, rate in (("tpr", tpr), ("fpr", fpr)):
-        if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {rate!r}")
-    d = check_delta(delta)
+    tpr = V.in_range(0, 1, "[]", tpr=tpr)
+    fpr = V.in_range(0, 1, "[]", fpr=fpr)
+    d = V.in_range(0, 1, "[)", delta=delta)
     best = 0.0
     for hit, miss in ((tpr - d, fpr), (1.0 - fpr - d, 1.0 - tpr)):
         if hit > 0.0:
@@ -156,9 +141,8 @@ def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, d
     m = _check_count("canaries", canaries, 1)
     r = _check_count("guesses", guesses, 0, m)
     v = _check_count("correct", correct, 0, r)
-    if not (epsilon >= 0.0):
-        raise ValueError(f"epsilon must be >= 0, got {epsilon!r}")
-    d = check_delta(delta)
+    epsilon = V.in_range(0, math.inf, "[]", epsilon=epsilon)
+    d = V.in_range(0, 1, "[)", delta=delta)
     if v == 0:
         return 1.0
     p = float(special.expit(epsilon))

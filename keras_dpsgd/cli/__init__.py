@@ -28,7 +28,7 @@ import sys
 from keras_dpsgd.cli._quiet import import_tensorflow_quietly
 
 __all__ = ["CommandFailed", "add_json_flag", "add_option", "build_parser", "import_tensorflow_quietly", "main",
-           "model_choice", "positive_float", "positive_int"]
+           "model_choice", "positive_float", "positive_int", "warn_deprecated"]
 
 # Modules of this package that define subcommands, in help order.
 _SUBCOMMAND_MODULES = [
@@ -85,11 +85,12 @@ class _StoreWithDeprecatedSpellings(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string in self.deprecated:
-            _warn_deprecated(parser.prog, option_string, self.current)
+            warn_deprecated(parser.prog, option_string, self.current)
         setattr(namespace, self.dest, values)
 
 
-def _warn_deprecated(prog: str, old: str, new: str) -> None:
+def warn_deprecated(prog: str, old: str, new: str) -> None:
+    """One line on stderr: `old` is deprecated, use `new`."""
     print(f"{prog}: warning: {old} is deprecated, use {new}", file=sys.stderr)
 
 
@@ -106,7 +107,7 @@ def model_choice(prog: str):
 
     def parse(text: str) -> str:
         if text == "conv":
-            _warn_deprecated(prog, "--model conv", "--model cnn")
+            warn_deprecated(prog, "--model conv", "--model cnn")
             return "cnn"
         return text
 

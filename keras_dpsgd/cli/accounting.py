@@ -6,22 +6,29 @@ is refused (exit 2: such a guarantee allows publishing an example in the
 clear), and so is σ = ∞. With σ = 0 the JSON output holds ``"epsilon": "inf"``
 (strict JSON has no Infinity) and ``"order": null``.
 
+``batch-table`` is the one table command: with ``--base-learning-rate`` or
+``--max-batch-size`` its rows also carry the linearly scaled learning rate and
+the gradient-accumulation plan (Three Tools, Sec. 4). ``large-lots`` is its
+deprecated alias (same table, the learning rate always on).
+
 ``--json`` keys. ``epsilon``: epsilon, order, noise_multiplier, num_examples,
-lot_size, epochs, steps, sampling_rate, delta, accountant (with
+lot_size, batch_size, epochs, steps, sampling_rate, delta, accountant (with
 ``--target-epsilon`` also target_epsilon, max_steps, max_epochs). ``noise``:
 the same keys plus target_epsilon. ``batch-table``: rows (each lot_size,
-sampling_rate, steps, noise_multiplier, noise_per_example), num_examples,
-epochs, target_epsilon, delta, accountant, and plot with ``--plot``. The key
-batch_size (= lot_size) is deprecated and will be removed.
+sampling_rate, steps, noise_multiplier, noise_per_example; with the learning
+rate also learning_rate, and with ``--max-batch-size`` physical_batch_size and
+accumulation_steps), num_examples, epochs, target_epsilon, delta, accountant,
+plot (the file, null without ``--plot``). The key batch_size (= lot_size) is
+deprecated and will be removed.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from keras_dpsgd.accounting import _validation as V
+from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import planning
-from keras_dpsgd.accounting.accountants import ACCOUNTANTS
+from keras_dpsgd.accounting.accountants import accountant_names
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
 from keras_dpsgd.cli import add_json_flag, add_option
 
@@ -55,11 +62,18 @@ def register(subparsers) -> None:
 
     table = subparsers.add_parser(
         "batch-table",
-        help="noise per example versus lot size",
+        help="noise per example versus lot size (and the scaled learning rate)",
         description="For each lot size L: the smallest σ spending (ε, δ) in E epochs, and σ/L "
-        "(Three Tools paper).",
+        "(Three Tools paper); with --base-learning-rate or --max-batch-size also the linearly scaled "
+        "learning rate and the gradient-accumulation plan.",
     )
-    table.add_argument("--target-epsilon", type=float, required=True, metavar="X", help="target ε > 0")
+    add_table_args(table)
+    table.set_defaults(func=run_batch_table)
+
+
+def add_table_args(table: argparse.ArgumentParser, *, base_learning_rate: float | None = None) -> None:
+    """The arguments of the table command (``batch-table`` and its deprecated alias ``large-lots``)."""
+    add_option(table, "--target-epsilon", "--epsilon", type=float, required=True, metavar="X", help="target ε > 0")
     _add_data_args(table, batch=False)
     table.add_argument(
         "--lot-sizes",
@@ -67,9 +81,13 @@ def register(subparsers) -> None:
         metavar="L",
         help="lot sizes, space- or comma-separated (default: powers of two from 16 to N)",
     )
+    table.add_argument("--base-learning-rate", type=float, default=base_learning_rate, metavar="LR",
+                       help="learning rate at --base-lot-size: adds the linearly scaled learning rate (Goyal et al. 2017)")
+    table.add_argument("--base-lot-size", type=int, default=128, metavar="L0", help="lot size of --base-learning-rate")
+    table.add_argument("--max-batch-size", type=int, default=None, metavar="B",
+                       help="largest physical batch in memory: adds the gradient-accumulation plan")
     table.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     _add_common_args(table)
-    table.set_defaults(func=run_batch_table)
 
 
 def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
@@ -82,7 +100,7 @@ def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1/N) (default 1/N^1.1)")
-    parser.add_argument("--accountant", choices=ACCOUNTANTS, default="rdp", help=_ACCOUNTANT_HELP)
+    parser.add_argument("--accountant", choices=accountant_names(), default="rdp", help=_ACCOUNTANT_HELP)
     add_json_flag(parser)
 
 
@@ -119,12 +137,12 @@ def _epsilon_and_order(event, delta: float, accountant: str):
 
 def run_epsilon(args) -> dict:
     ctx = _context(args)
-    sigma = V.check_noise_multiplier(args.noise_multiplier)
+    sigma = V.nonnegative(noise_multiplier=args.noise_multiplier)
     event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
     eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
     result = {"epsilon": eps, "order": order, "noise_multiplier": sigma, **ctx}
     if args.target_epsilon is not None:
-        target = V.check_epsilon(args.target_epsilon)
+        target = V.positive(target_epsilon=args.target_epsilon)
         try:
             max_steps = planning.max_steps_within_budget(
                 target_epsilon=target,
@@ -155,7 +173,7 @@ def run_epsilon(args) -> dict:
 
 def run_noise(args) -> dict:
     ctx = _context(args)
-    target = V.check_epsilon(args.target_epsilon)
+    target = V.positive(target_epsilon=args.target_epsilon)
     try:
         sigma = planning.compute_noise_multiplier(
             target_epsilon=target,
@@ -202,29 +220,37 @@ def _lot_sizes(tokens, num_examples: int) -> list[int]:
     return sizes
 
 
+_EXTRA_COLUMNS = ("learning_rate", "physical_batch_size", "accumulation_steps")
+
+
+def _table_rows(args, sizes: list[int], target: float, delta: float) -> list[dict]:
+    """The accountant's rows; with a base learning rate or a memory cap, Three Tools' extra columns."""
+    from keras_dpsgd.tools.large_lots import large_lot_table
+
+    common = dict(num_examples=args.num_examples, epochs=args.epochs, target_epsilon=target, target_delta=delta,
+                  lot_sizes=sizes, accountant=args.accountant)
+    try:
+        if args.base_learning_rate is None and args.max_batch_size is None:
+            return planning.batch_table(**common)
+        return large_lot_table(**common, base_learning_rate=0.01 if args.base_learning_rate is None else
+                               args.base_learning_rate, base_lot_size=args.base_lot_size,
+                               max_batch_size=args.max_batch_size)
+    except ImportError as err:
+        raise ValueError(str(err)) from err
+
+
 def run_batch_table(args) -> dict:
     if args.plot:
         try:
             import matplotlib
 
             matplotlib.use("Agg")
-            from matplotlib import pyplot as plt
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)") from None
     sizes = _lot_sizes(args.lot_sizes, args.num_examples)
     delta = _delta(args)
-    target = V.check_epsilon(args.target_epsilon)
-    try:
-        rows = planning.batch_table(
-            num_examples=args.num_examples,
-            epochs=args.epochs,
-            target_epsilon=target,
-            target_delta=delta,
-            lot_sizes=sizes,
-            accountant=args.accountant,
-        )
-    except ImportError as err:
-        raise ValueError(str(err)) from err
+    target = V.positive(target_epsilon=args.target_epsilon)
+    rows = _table_rows(args, sizes, target, delta)
     result = {
         "rows": rows,
         "num_examples": args.num_examples,
@@ -232,36 +258,32 @@ def run_batch_table(args) -> dict:
         "target_epsilon": target,
         "delta": delta,
         "accountant": args.accountant,
+        "plot": args.plot,
     }
     if args.plot:
-        _plot(plt, rows, result, args.plot)
-        result["plot"] = args.plot
+        _plot(rows, args.plot)
     if not args.json:
+        extra = [c for c in _EXTRA_COLUMNS if c in rows[0]]
         print(f"ε = {target:g}, δ = {delta:.3g}, N = {args.num_examples}, {args.epochs:g} epochs, accountant {args.accountant}")
-        print(f"{'lot size':>9} {'q':>10} {'steps':>9} {'σ':>10} {'σ / lot':>11}")
+        print(f"{'lot size':>9} {'q':>10} {'steps':>9} {'σ':>10} {'σ / lot':>11}" + "".join(f" {c:>19}" for c in extra))
         for r in rows:
             print(
                 f"{r['lot_size']:>9} {r['sampling_rate']:>10.4g} {r['steps']:>9} "
                 f"{r['noise_multiplier']:>10.4g} {r['noise_per_example']:>11.4g}"
+                + "".join(f" {r[c]:>19.6g}" for c in extra)
             )
         if args.plot:
             print(f"plot written to {args.plot}")
     return result
 
 
-def _plot(plt, rows: list[dict], meta: dict, path: str) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["lot_size"] for r in rows], [r["noise_per_example"] for r in rows], marker="o")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("lot size L")
-    ax.set_ylabel("noise per example σ / L")
-    ax.set_title(
-        f"ε = {meta['target_epsilon']:g}, δ = {meta['delta']:.2g}, N = {meta['num_examples']}, "
-        f"{meta['epochs']:g} epochs"
-    )
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
+def _plot(rows: list[dict], path: str) -> None:
+    """The one noise-per-example plot (:func:`keras_dpsgd.tools.large_lots.plot_noise_per_example`), saved."""
+    from matplotlib import pyplot as plt
+
+    from keras_dpsgd.tools.large_lots import plot_noise_per_example
+
+    fig = plot_noise_per_example(rows)
     try:
         fig.savefig(path)
     except OSError as err:

@@ -1,8 +1,13 @@
 """CLI for the three tools (van der Veen et al. 2018): memorization-test, large-lots, adaptive-clipping-noise.
 
+``large-lots`` is a deprecated alias of ``batch-table`` (see
+:mod:`keras_dpsgd.cli.accounting`) with the learning rate on.
+
 ``--json`` keys. ``memorization-test``: those of ``MemorizationReport.to_dict()``
-(both modes). ``large-lots``: target_epsilon, delta,
-rows (those of ``large_lot_table``), plot (null without ``--plot``).
+(both modes). ``large-lots``: those of ``batch-table``: rows (each lot_size,
+sampling_rate, steps, noise_multiplier, noise_per_example, learning_rate, and
+with ``--max-batch-size`` physical_batch_size, accumulation_steps),
+num_examples, epochs, target_epsilon, delta, accountant, plot.
 ``adaptive-clipping-noise``: noise_multiplier, effective_noise_multiplier,
 norm_noise_multiplier, num_layers, target_epsilon, delta, sampling_rate, steps.
 In the last two the key epsilon (= target_epsilon) is deprecated and will be
@@ -12,6 +17,7 @@ removed.
 from __future__ import annotations
 
 
+from keras_dpsgd.accounting.accountants import accountant_names
 from keras_dpsgd.cli import add_json_flag, add_option, model_choice, positive_float, positive_int
 
 # Shape and class count of the data sets the CLI knows (noise mode needs only these).
@@ -84,10 +90,8 @@ def _memorization(args) -> dict | None:
     if args.mode == "noise":
         report = memorization_test(builder, input_shape=shape, num_examples=args.num_examples, **common)
     else:
-        import numpy as np
-
         if args.dataset == "digits":
-            train, test = _data.load_digits(np.random.default_rng(args.seed))
+            train, test = _data.load_digits()
         else:
             train, test = _data.load_tfds(args.dataset, data_dir=args.data_dir)
         report = real_task_test(builder, train, test, **common)
@@ -97,56 +101,30 @@ def _memorization(args) -> dict | None:
     return None
 
 
-# ------------------------------------------------------------------ large-lots
+# ------------------------------------------------------------------ large-lots (deprecated alias)
 def _register_large_lots(subparsers) -> None:
+    from keras_dpsgd.cli.accounting import add_table_args
+
     p = subparsers.add_parser(
         "large-lots",
-        help="noise per example vs lot size at fixed (epsilon, delta), with the linearly scaled learning rate",
+        help="deprecated: use batch-table --base-learning-rate 0.01 (same table)",
         description=(
-            "Large lots (Three Tools, Sec. 4): the accountant's batch table plus the learning rate scaled "
-            "linearly from a base (Goyal et al. 2017) and, with --max-batch-size, the gradient-accumulation "
-            "plan for lots larger than memory."
+            "Deprecated alias of batch-table with the linearly scaled learning rate on (base 0.01 at lot "
+            "size 128) and lot sizes 128 256 512 1024 by default."
         ),
     )
-    p.add_argument("--num-examples", type=positive_int, required=True)
-    p.add_argument("--epochs", type=positive_float, required=True)
-    add_option(p, "--target-epsilon", "--epsilon", type=positive_float, required=True, metavar="X", help="target ε > 0")
-    p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
-    p.add_argument("--lot-sizes", type=positive_int, nargs="+", default=[128, 256, 512, 1024])
-    p.add_argument("--base-learning-rate", type=positive_float, default=0.01)
-    p.add_argument("--base-lot-size", type=positive_int, default=128)
-    p.add_argument("--max-batch-size", type=positive_int, default=None, help="largest physical batch in memory")
-    p.add_argument("--accountant", choices=["rdp", "moments", "pld"], default="rdp")
-    p.add_argument("--plot", default=None, metavar="PATH", help="save the noise-per-example plot (matplotlib)")
-    add_json_flag(p)
-    p.set_defaults(func=_large_lots)
+    add_table_args(p, base_learning_rate=0.01)
+    p.set_defaults(func=_large_lots, lot_sizes=["128", "256", "512", "1024"])
 
 
 def _large_lots(args) -> dict | None:
-    from keras_dpsgd.accounting import check_delta, default_delta
-    from keras_dpsgd.tools.large_lots import large_lot_table, plot_noise_per_example
+    from keras_dpsgd.cli import warn_deprecated
+    from keras_dpsgd.cli.accounting import run_batch_table
 
-    delta = default_delta(args.num_examples) if args.delta is None else check_delta(args.delta, args.num_examples)
-    rows = large_lot_table(
-        num_examples=args.num_examples, epochs=args.epochs, target_epsilon=args.target_epsilon, target_delta=delta,
-        lot_sizes=args.lot_sizes, base_learning_rate=args.base_learning_rate, base_lot_size=args.base_lot_size,
-        max_batch_size=args.max_batch_size, accountant=args.accountant,
-    )
-    if args.plot:
-        plot_noise_per_example(rows, args.plot)
-    if args.json:
-        return {"delta": delta, "target_epsilon": args.target_epsilon, "epsilon": args.target_epsilon,  # deprecated
-                "rows": rows, "plot": args.plot}
-    cols = ["lot_size", "steps", "noise_multiplier", "noise_per_example", "learning_rate"]
-    if args.max_batch_size:
-        cols += ["physical_batch_size", "accumulation_steps"]
-    print(f"target epsilon {args.target_epsilon} at delta {delta:.3g}, N = {args.num_examples}, {args.epochs} epochs")
-    print("  ".join(f"{c:>18}" for c in cols))
-    for r in rows:
-        print("  ".join(f"{r[c]:>18.6g}" if isinstance(r[c], float) else f"{r[c]:>18}" for c in cols))
-    if args.plot:
-        print(f"plot saved to {args.plot}")
-    return None
+    result = run_batch_table(args)  # bad input: one error line, as for batch-table
+    warn_deprecated("keras-dpsgd large-lots", "large-lots", "batch-table --base-learning-rate 0.01")
+    result["epsilon"] = result["target_epsilon"]  # deprecated key of 0.1.0
+    return result if args.json else None
 
 
 # ------------------------------------------------------------------ adaptive-clipping-noise
@@ -166,7 +144,7 @@ def _register_adaptive(subparsers) -> None:
     p.add_argument("--delta", type=float, required=True)
     p.add_argument("--sampling-rate", type=positive_float, required=True)
     p.add_argument("--steps", type=positive_int, required=True)
-    p.add_argument("--accountant", choices=["rdp", "moments", "pld"], default="rdp")
+    p.add_argument("--accountant", choices=accountant_names(), default="rdp")
     add_json_flag(p)
     p.set_defaults(func=_adaptive)
 

@@ -30,19 +30,32 @@ def random_noise_data(
     return x, y
 
 
-def load_digits(rng: np.random.Generator, test_fraction: float = 0.25):
-    """scikit-learn's 8x8 digits (offline), scaled to [0, 1], shape (8, 8, 1), split at random."""
-    from sklearn.datasets import load_digits as _load
+def load_digits(rng: np.random.Generator | None = None, test_fraction: float | None = None):
+    """scikit-learn's 8x8 digits as ((x_train, y_train), (x_test, y_test)), x in [0, 1], shape (8, 8, 1).
 
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    data = _load()
-    x = (data.images / 16.0).astype(np.float32)[..., None]
-    y = data.target.astype(np.int64)
-    order = rng.permutation(len(x))
-    n_test = int(round(test_fraction * len(x)))
-    test, train = order[:n_test], order[n_test:]
-    return (x[train], y[train]), (x[test], y[test])
+    The split is the one of ``keras-dpsgd train``: fixed and stratified, 75/25
+    (:func:`keras_dpsgd._datasets.load_digits`), so every tool and command
+    trains and tests on the same examples.
+
+    Args:
+      rng: deprecated and ignored (the split used to be drawn at random).
+      test_fraction: deprecated; only the fixed split's fraction is accepted.
+
+    Raises:
+      ValueError: a `test_fraction` other than the fixed split's.
+    """
+    import warnings
+
+    from keras_dpsgd._datasets import DIGITS_TEST_FRACTION
+    from keras_dpsgd._datasets import load_digits as _load_digits
+
+    if test_fraction is not None and test_fraction != DIGITS_TEST_FRACTION:
+        raise ValueError(f"test_fraction must be {DIGITS_TEST_FRACTION} (the fixed digits split), got {test_fraction!r}")
+    if rng is not None or test_fraction is not None:
+        warnings.warn("load_digits(rng, test_fraction) is deprecated: the digits split is fixed; call load_digits()",
+                      DeprecationWarning, stacklevel=2)
+    data = _load_digits()
+    return (data.x_train, data.y_train), (data.x_test, data.y_test)
 
 
 def load_tfds(name: str = "cifar10", data_dir: str | None = None):
