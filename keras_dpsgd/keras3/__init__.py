@@ -12,7 +12,9 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 ``train_step`` calls :func:`sanitized_gradients` instead.
 """
 
+from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
+from keras_dpsgd.tools._adaptive_core import initial_clip_bounds
 from keras_dpsgd.keras3._train_step import (
     is_private,
     make_private,
@@ -23,10 +25,14 @@ from keras_dpsgd.keras3._train_step import (
 )
 
 __all__ = [
+    "AdaptiveDPSGDOptimizer",
+    "ClipBoundsLogger",
     "DPAdamOptimizer",
     "DPKeras3Mixin",
     "DPSGDOptimizer",
+    "initial_clip_bounds",
     "is_private",
+    "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",
     "per_example_loss",
