@@ -13,6 +13,7 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 """
 
 from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
+from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
 from keras_dpsgd.tools._adaptive_core import initial_clip_bounds
 from keras_dpsgd.keras3._train_step import (
@@ -35,6 +36,7 @@ __all__ = [
     "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",
+    "MembershipInferenceCallback",
     "per_example_loss",
     "refuse_adapted_preprocessing",
     "refuse_example_mixing",

@@ -1,0 +1,78 @@
+"""Which Keras a tool trains with: Keras 3 unless ``TF_USE_LEGACY_KERAS=1`` (the rule of ``tf.keras``),
+or the Keras of a model the user built. The memorization test and the audit build, compile and
+train models through this one seam, so the same statistics run on both front ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+
+def legacy_keras_requested() -> bool:
+    """True when ``TF_USE_LEGACY_KERAS`` asks for tf_keras (the values TensorFlow's ``tf.keras`` honours)."""
+    return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEnd:
+    """The glue of one Keras: its module, its DP-SGD class and how a model gets the private step."""
+
+    name: str  # "keras3" or "tf_keras" (the "keras" key of the CLIs' --json)
+
+    @property
+    def keras(self) -> Any:
+        if self.name == "keras3":
+            import keras
+        else:
+            import tf_keras as keras
+        return keras
+
+    @property
+    def dp_sgd(self) -> type:
+        if self.name == "keras3":
+            from keras_dpsgd.keras3 import DPSGDOptimizer
+        else:
+            from keras_dpsgd.optimizer import DPSGDOptimizer
+        return DPSGDOptimizer
+
+    def private(self, model: Any) -> Any:
+        """The model with the private train step (Keras 3: ``make_private``; tf_keras: the optimizer's)."""
+        if self.name == "keras3":
+            from keras_dpsgd.keras3 import make_private
+
+            return make_private(model)
+        return model
+
+    def cross_entropy(self, per_example: bool) -> Any:
+        """Sparse categorical cross-entropy on logits; unreduced for a DP run."""
+        reduction = "none" if per_example else "sum_over_batch_size"
+        if self.name == "tf_keras" and not per_example:
+            reduction = "auto"
+        return self.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def active() -> FrontEnd:
+    """Keras 3 unless ``TF_USE_LEGACY_KERAS=1``."""
+    return FrontEnd("tf_keras" if legacy_keras_requested() else "keras3")
+
+
+def of_model(model: Any) -> FrontEnd:
+    """The front end of a built model (a Keras 3 ``keras.Model`` or a tf_keras one)."""
+    import keras
+
+    return FrontEnd("keras3" if isinstance(model, keras.Model) else "tf_keras")
+
+
+def dp_optimizer_kwargs(front: FrontEnd, accumulation_steps: int) -> dict:
+    """``gradient_accumulation_steps`` for a DP optimizer: tf_keras takes any k >= 1; Keras 3 refuses
+    accumulation (one batch per lot), and its optimizers take no value 1."""
+    if front.name == "keras3":
+        if accumulation_steps != 1:
+            raise ValueError(
+                "physical_batch_size (gradient accumulation) is not supported on Keras 3 yet, got "
+                f"{accumulation_steps} physical batches per lot: leave it None, or use tf_keras "
+                "(TF_USE_LEGACY_KERAS=1)"
+            )
+        return {}
+    return {"gradient_accumulation_steps": accumulation_steps}
