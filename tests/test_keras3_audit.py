@@ -97,3 +97,18 @@ def test_membership_inference_and_callback_on_keras3():
     report = membership_inference(model, members, non_members, methods=("loss",))["loss"]
     assert report.auc > 0.9
     assert report.auc == pytest.approx(cb.history[-1][1]["loss"].auc)
+
+
+@pytest.mark.parametrize("legacy", ["", "1"])
+def test_cli_audit_runs_on_keras3_by_default_and_says_which(legacy, monkeypatch, capsys):
+    import json
+
+    from keras_dpsgd.cli import main
+
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
+    argv = ["audit", "--json", "--epochs", "1", "--lot-size", "256", "--width", "8", "--canaries", "100",
+            "--seed", "3", "--noise-multiplier", "1"]
+    assert main(argv) == 0
+    out = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])
+    assert out["keras"] == ("tf_keras" if legacy else "keras3")
+    assert 0.0 <= out["epsilon_lower_bound"] <= out["epsilon"]

@@ -37,6 +37,7 @@ class CanaryAuditResult:
       auc: ROC AUC of the canary scores (included vs not), 0.5 = no signal.
       guesses: the number of guesses behind ε_emp; correct: how many were right.
       noise_multiplier: σ of the run; steps: noised steps; seconds: wall time.
+      keras: the Keras the run trained with, "keras3" or "tf_keras".
     """
 
     epsilon: float
@@ -51,6 +52,7 @@ class CanaryAuditResult:
     noise_multiplier: float
     steps: int
     seconds: float
+    keras: str = "tf_keras"
 
     @property
     def is_violation(self) -> bool:
@@ -189,6 +191,7 @@ def canary_audit(
         noise_multiplier=sigma,
         steps=int(optimizer.noised_steps.numpy()),
         seconds=time.perf_counter() - start,
+        keras=front.name,
     )
 
 
