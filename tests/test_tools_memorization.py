@@ -97,6 +97,9 @@ def test_fail_verdict_when_the_private_run_memorizes():
 
 def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
     dp = DPSettings(noise_multiplier=8.0, batch_size=50)
+    # The untrained model's accuracy on random labels exceeds the 95% bound with probability 5%: fix
+    # the initialization (unseeded, it failed about once in 20 runs).
+    keras.utils.set_random_seed(0)
     report = memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, dp=dp, num_examples=200, epochs=2,
                                nonprivate_optimizer_factory=lambda: keras.optimizers.SGD(1e-7), seed=3)
     assert not report.nonprivate_memorizes and not report.conclusive
