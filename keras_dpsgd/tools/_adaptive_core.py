@@ -253,10 +253,14 @@ def initial_clip_bounds(
     loss = loss or _losses_module(model).SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     variables = [getattr(v, "value", v) if _is_keras3(model) else v for v in model.trainable_variables]
     backend = _per_example.resolve_backend(per_example_backend)
-    with tf.GradientTape(persistent=True) as tape:
-        per_example = loss(y, model(x, training=True))
-    _, sq_norms = backend.clipped_sum(per_example, variables, tape, tf.zeros_like)
-    means = np.mean(np.sqrt(np.maximum(sq_norms.numpy(), 0.0)), axis=0)
+
+    @tf.function  # traced, as in training: the per-example backend's graph checks run
+    def sq_norms():
+        with tf.GradientTape(persistent=True) as tape:
+            per_example = loss(y, model(x, training=True))
+        return backend.clipped_sum(per_example, variables, tape, tf.zeros_like)[1]
+
+    means = np.mean(np.sqrt(np.maximum(sq_norms().numpy(), 0.0)), axis=0)
     return [max(float(m), 1e-6) for m in means]
 
 
