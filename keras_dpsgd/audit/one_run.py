@@ -140,9 +140,7 @@ def canary_audit(
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
     if seed is not None:
-        import keras  # Keras 3's seeds Python, NumPy and TensorFlow (tf_keras's initializers too)
-
-        keras.utils.set_random_seed(seed)
+        _front.set_random_seed(seed)
     included = rng.random(int(canaries)) < 0.5  # the fair coins, drawn before training
     x, y = np.asarray(train[0], np.float32), np.asarray(train[1], np.int64)
     if kind != "gradient":

@@ -12,7 +12,6 @@ import tf_keras as keras
 from keras_dpsgd._sanitizer import DPSanitizerMixin
 from keras_dpsgd.optimizer import DPSGDOptimizer
 from keras_dpsgd.tools._adaptive_core import (
-    ADAPTIVE_DOC,
     NORM_NOISE_INDEX,
     AdaptiveClippingCore,
     ClipBoundsLoggerCore,

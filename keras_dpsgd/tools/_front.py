@@ -76,3 +76,15 @@ def dp_optimizer_kwargs(front: FrontEnd, accumulation_steps: int) -> dict:
             )
         return {}
     return {"gradient_accumulation_steps": accumulation_steps}
+
+
+def set_random_seed(seed: int) -> None:
+    """Seeds Python, NumPy, TensorFlow and both Kerases' initializers (tf_keras where installed)."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    try:
+        import tf_keras
+    except ImportError:  # a Keras 3-only install
+        return
+    tf_keras.utils.set_random_seed(seed)
