@@ -83,40 +83,46 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_l2_beta_c():
     assert stats.kstest(zs, "norm").pvalue > 1e-4
 
 
-def test_ledger_epsilon_is_the_composition_of_steps_and_norm_queries():
-    q, sigma, sigma_l2, steps = 0.5, 1.2, 3.0, 4
+Q, SIGMA, SIGMA_L2, STEPS = 0.5, 1.2, 3.0, 4
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """One adaptive run (4 noised steps at q = 0.5) shared by the ledger and the .keras checks."""
     x, y = _data(8)
-    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, sigma, sigma_l2, learning_rate=0.1, sampling_rate=q,
+    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, SIGMA, SIGMA_L2, alpha=1.1, learning_rate=0.1, sampling_rate=Q,
                                     expected_lot_size=4.0)
     model = _private(opt)
     model.fit(x, y, batch_size=4, epochs=2, verbose=0)
-    assert int(opt.noised_steps.numpy()) == steps
-    sigma_eff = (4 / sigma**2 + 4 / sigma_l2**2) ** -0.5
+    return model, opt
+
+
+def test_ledger_epsilon_is_the_composition_of_steps_and_norm_queries(trained):
+    model, opt = trained
+    assert int(opt.noised_steps.numpy()) == STEPS
+    sigma_eff = (4 / SIGMA**2 + 4 / SIGMA_L2**2) ** -0.5
     assert opt.effective_noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
     (event,) = model_privacy_ledger(model).events
-    assert (event.sampling_rate, event.count) == (q, steps)
+    assert (event.sampling_rate, event.count) == (Q, STEPS)
     assert event.noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
     eps, _ = model_epsilon(model, target_delta=1e-5)
-    composed = ac.adaptive_clipping_event(noise_multiplier=sigma, norm_noise_multiplier=sigma_l2, num_layers=4,
-                                          sampling_rate=q, steps=steps)
+    composed = ac.adaptive_clipping_event(noise_multiplier=SIGMA, norm_noise_multiplier=SIGMA_L2, num_layers=4,
+                                          sampling_rate=Q, steps=STEPS)
     assert eps == pytest.approx(accounting.compute_epsilon([composed], 1e-5), rel=1e-9)
-    gradients_only = accounting.PoissonSampledGaussianEvent(q, sigma / 2, count=steps)  # σ/√V, no norm queries
+    gradients_only = accounting.PoissonSampledGaussianEvent(Q, SIGMA / 2, count=STEPS)  # σ/√V, no norm queries
     assert accounting.compute_epsilon([gradients_only], 1e-5) < eps
 
 
-def test_keras_file_keeps_the_bounds_and_settings(tmp_path):
-    x, y = _data(8)
-    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, 4.0, alpha=1.1, learning_rate=0.1, expected_lot_size=8.0)
-    model = _private(opt)
-    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+def test_keras_file_keeps_the_bounds_and_settings(trained, tmp_path):
+    model, opt = trained
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
     assert type(loaded.optimizer) is k3.AdaptiveDPSGDOptimizer
-    assert (loaded.optimizer.alpha, loaded.optimizer.norm_noise_multiplier) == (1.1, 4.0)
+    assert (loaded.optimizer.alpha, loaded.optimizer.norm_noise_multiplier) == (1.1, SIGMA_L2)
     np.testing.assert_allclose(loaded.optimizer.clip_bounds.numpy(), opt.clip_bounds.numpy())
     assert not np.allclose(opt.clip_bounds.numpy(), 1.0)  # the bounds moved: the file kept the new ones
-    assert int(loaded.optimizer.noised_steps.numpy()) == 2
+    assert int(loaded.optimizer.noised_steps.numpy()) == STEPS
     assert loaded.optimizer.effective_noise_multiplier == opt.effective_noise_multiplier
 
 
