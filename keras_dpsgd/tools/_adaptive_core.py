@@ -153,6 +153,16 @@ class AdaptiveClippingCore:
         self.clip_bounds.assign(new_bounds)
         self._norm_sums.assign(tf.zeros_like(noisy))
 
+    def discard_partial_lot(self, where: str = "") -> int:
+        """Drops an incomplete lot, and its norm sums: a discarded example never enters a later lot's
+        norm query (it was not sampled into that lot; counting it would double the query's sensitivity)."""
+        parent = getattr(super(), "discard_partial_lot", None)
+        batches = parent(where) if parent is not None else 0
+        if batches and getattr(self, "_norm_sums", None) is not None:
+            with tf.init_scope():
+                self._norm_sums.assign(tf.zeros_like(tf.convert_to_tensor(self._norm_sums)))
+        return batches
+
     def _adaptive_normal(self, shape: tf.Tensor) -> tf.Tensor:  # pragma: no cover - supplied by the front end
         raise NotImplementedError
 
