@@ -64,19 +64,27 @@ def of_model(model: Any) -> FrontEnd:
     return FrontEnd("keras3" if isinstance(model, keras.Model) else "tf_keras")
 
 
+def _keras3_accumulates() -> bool:
+    """Whether this version's Keras 3 DP optimizers take ``gradient_accumulation_steps`` (DP lots)."""
+    import inspect
+
+    from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+
+    return "gradient_accumulation_steps" in inspect.signature(DPKeras3Mixin._init_dp).parameters
+
+
 def dp_optimizer_kwargs(front: FrontEnd, accumulation_steps: int) -> dict:
-    """``gradient_accumulation_steps`` for a DP optimizer: tf_keras takes any k >= 1; Keras 3 refuses
-    accumulation (one batch per lot), and its optimizers take no value 1."""
-    if front.name == "keras3":
+    """``gradient_accumulation_steps`` for a DP optimizer of `front`; refused (with the fix) where
+    that Keras's DP optimizers cannot accumulate a lot over batches."""
+    if front.name == "keras3" and not _keras3_accumulates():
         if accumulation_steps != 1:
             raise ValueError(
                 "physical_batch_size (gradient accumulation) is not supported on Keras 3 yet, got "
                 f"{accumulation_steps} physical batches per lot: leave it None, or use tf_keras "
                 "(TF_USE_LEGACY_KERAS=1)"
             )
-        return {}
+        return {}  # Keras 3's own optimizers take no gradient_accumulation_steps=1
     return {"gradient_accumulation_steps": accumulation_steps}
-
 
 def set_random_seed(seed: int) -> None:
     """Seeds Python, NumPy, TensorFlow and both Kerases' initializers (tf_keras where installed)."""
