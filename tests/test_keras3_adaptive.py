@@ -148,3 +148,9 @@ def test_other_descent_rules_validation_logger_and_initial_bounds(tmp_path):
     key = "clip_bound/" + model.trainable_variables[0].path
     assert hist.history[key][-1] == pytest.approx(float(opt.clip_bounds.numpy()[0]))
     assert list(tmp_path.glob("events.out.tfevents*"))
+
+
+def test_release_noise_multipliers_list_gradient_groups_then_norm_queries():
+    opt = k3.AdaptiveDPSGDOptimizer([1.0, 2.0, 3.0], [1.0, 2.0, 0.5], 2.5)
+    assert opt.release_noise_multipliers == (1.0, 2.0, 0.5, 2.5, 2.5, 2.5)
+    assert opt.effective_noise_multiplier == pytest.approx((1 + 1 / 4 + 4 + 3 / 2.5**2) ** -0.5, rel=1e-12)

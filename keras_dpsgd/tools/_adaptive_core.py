@@ -128,12 +128,19 @@ class AdaptiveClippingCore:
         return self._adaptive.min_clip_bound
 
     @property
-    def effective_noise_multiplier(self) -> float:
-        """σ_eff of one step: gradient releases and norm queries composed (Three Tools Sec. 3)."""
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        """σ of each Gaussian release of one step: the gradient groups, then the norm queries."""
         sigmas = self.noise_multiplier
         if not isinstance(sigmas, list):
             sigmas = [sigmas] * len(self._adaptive.norm_sigmas)
-        return composed_noise_multiplier(sigmas, self._adaptive.norm_sigmas)
+        return tuple(sigmas) + tuple(self._adaptive.norm_sigmas)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """σ_eff of one step: gradient releases and norm queries composed (Three Tools Sec. 3)."""
+        sigmas = self.release_noise_multipliers
+        split = len(sigmas) - len(self._adaptive.norm_sigmas)
+        return composed_noise_multiplier(sigmas[:split], sigmas[split:])
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Accumulates Σ_i min(‖g_i^v‖, β C_v) over the lot (non-finite examples count 0)."""
