@@ -46,13 +46,21 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import numpy as np
-    import tf_keras as keras
 
     from keras_dpsgd import PoissonLots
     from keras_dpsgd.accounting import compute_epsilon, default_delta
     from keras_dpsgd.ledger import model_privacy_ledger
-    from keras_dpsgd.tools import (AdaptiveDPSGDOptimizer, ClipBoundsLogger, calibrate_adaptive_noise_multiplier,
-                                   convnet_builder, initial_clip_bounds, load_digits, load_tfds, mlp_builder)
+    from keras_dpsgd.tools import (calibrate_adaptive_noise_multiplier, convnet_builder, initial_clip_bounds,
+                                   load_digits, load_tfds, mlp_builder)
+    from keras_dpsgd.tools import _front
+
+    # Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
+    front = _front.active()
+    keras = front.keras
+    if front.name == "keras3":
+        from keras_dpsgd.keras3 import AdaptiveDPSGDOptimizer, ClipBoundsLogger, DPSGDOptimizer
+    else:
+        from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, ClipBoundsLogger, DPSGDOptimizer
 
     from keras_dpsgd._datasets import load_local_arrays as load_arrays
 
@@ -76,29 +84,29 @@ def main(argv=None):
         num_layers=len(bounds0), norm_noise_multiplier=args.norm_noise_multiplier, target_epsilon=args.target_epsilon,
         target_delta=delta, sampling_rate=lots.sampling_rate, steps=steps)
     opt = AdaptiveDPSGDOptimizer(bounds0, sigma, args.norm_noise_multiplier, alpha=args.alpha, beta=args.beta,
-                                 learning_rate=lr, momentum=0.9,
-                                 gradient_accumulation_steps=lots.gradient_accumulation_steps, seed=args.seed)
+                                 learning_rate=lr, momentum=0.9, seed=args.seed,
+                                 **_front.dp_optimizer_kwargs(front, lots.gradient_accumulation_steps))
     lots.configure(opt)
+    model = front.private(model)
     model.compile(optimizer=opt, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
     logger = ClipBoundsLogger(log_dir=args.log_dir, update_freq=10 if args.log_dir else 0)
     model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=epochs, callbacks=[logger], verbose=0)
     epsilon = compute_epsilon(model_privacy_ledger(model), delta)
     test_acc = float(np.mean(np.argmax(model.predict(xte, verbose=0), -1) == yte))
-    names = [v.name[:-2] for v in model.trainable_variables]
+    names = [getattr(v, "path", None) or v.name[:-2] for v in model.trainable_variables]
     baseline = None
     if args.baseline:
-        from keras_dpsgd import DPSGDOptimizer
         from keras_dpsgd.accounting import compute_noise_multiplier
 
         flat_sigma = compute_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=delta,
                                               sampling_rate=lots.sampling_rate, steps=steps)
         flat_clip = float(np.sqrt(np.sum(np.square(bounds0))))  # the initial total norm (public)
-        flat = build()
+        flat = front.private(build())
         flat_lots = PoissonLots(xtr, ytr, expected_lot_size=lot, seed=args.seed)
         flat_opt = flat_lots.configure(DPSGDOptimizer(
             flat_clip, flat_sigma, learning_rate=lr, momentum=0.9, seed=args.seed,
-            gradient_accumulation_steps=flat_lots.gradient_accumulation_steps))
+            **_front.dp_optimizer_kwargs(front, flat_lots.gradient_accumulation_steps)))
         flat.compile(optimizer=flat_opt,
                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
         flat.fit(flat_lots.dataset(), steps_per_epoch=flat_lots.steps_per_epoch, epochs=epochs, verbose=0)
@@ -106,6 +114,7 @@ def main(argv=None):
                     "epsilon": compute_epsilon(model_privacy_ledger(flat), delta),
                     "test_accuracy": float(np.mean(np.argmax(flat.predict(xte, verbose=0), -1) == yte))}
     result = {
+        "keras": front.name,
         "dataset": args.dataset, "num_examples": n, "epochs": epochs, "lot_size": lot, "steps": steps,
         "noise_multiplier": sigma, "norm_noise_multiplier": args.norm_noise_multiplier,
         "effective_noise_multiplier": opt.effective_noise_multiplier, "epsilon": epsilon, "delta": delta,
@@ -130,7 +139,7 @@ def main(argv=None):
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.dataset}: N = {n}, {epochs} epochs, lots of {lot} ({steps} steps), {len(names)} clipped variables")
+    print(f"{args.dataset} ({'Keras 3' if front.name == 'keras3' else 'tf_keras, TF_USE_LEGACY_KERAS=1'}): N = {n}, {epochs} epochs, lots of {lot} ({steps} steps), {len(names)} clipped variables")
     print(f"gradient sigma {sigma:.4f} per variable, norm queries sigma_l2 {args.norm_noise_multiplier}: "
           f"sigma_eff {opt.effective_noise_multiplier:.4f} per step")
     print(f"epsilon {epsilon:.3f} at delta {delta:.3g} (target {args.target_epsilon}); test accuracy {test_acc:.3f}")

@@ -59,7 +59,7 @@ def main(argv=None):
 
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
-        build = convnet_builder(xtr.shape[1:], 10)
+        build = convnet_builder(xtr.shape[1:], 10, keras_module=keras)
         d = dict(lots=[128, 512, 1024], epochs=60, eps=20.0, lr=0.01, base=128, cap=256, clip=1.0)
     else:
         (xtr, ytr), (xte, yte) = load_digits()
@@ -68,7 +68,7 @@ def main(argv=None):
             d = dict(lots=[16, 48], epochs=1, eps=3.0, lr=0.05, base=16, cap=48, clip=1.0)
         else:
             d = dict(lots=[32, 128, 256], epochs=20, eps=3.0, lr=0.05, base=32, cap=64, clip=1.0)
-        build = mlp_builder(xtr.shape[1:], 10, width=32 if args.smoke else 128, depth=1)
+        build = mlp_builder(xtr.shape[1:], 10, width=32 if args.smoke else 128, depth=1, keras_module=keras)
     lots_sizes = args.lot_sizes or d["lots"]
     epochs, eps = args.epochs or d["epochs"], args.target_epsilon or d["eps"]
     base_lr, base_lot = args.base_learning_rate or d["lr"], args.base_lot_size or d["base"]

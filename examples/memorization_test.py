@@ -39,6 +39,12 @@ def main(argv=None):
 
     from keras_dpsgd.tools import (DPSettings, convnet_builder, load_digits, load_tfds, memorization_test,
                                    mlp_builder, real_task_test)
+    from keras_dpsgd.tools import _front
+
+    # The builders train on Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
+    front = _front.active().name
+    if not args.json:
+        print("Keras 3" if front == "keras3" else "tf_keras (TF_USE_LEGACY_KERAS=1)")
 
     if args.dataset == "cifar10":
         shape, classes, build = (32, 32, 3), 10, convnet_builder((32, 32, 3), 10)
@@ -61,7 +67,7 @@ def main(argv=None):
         settings = DPSettings(noise_multiplier=sigma, **dp)
         report = memorization_test(build, input_shape=shape, num_classes=classes, dp=settings, seed=args.seed,
                                    **scale)
-        results.append(report.to_dict())
+        results.append(dict(report.to_dict(), keras=front))
         if not args.json:
             print(f"\n=== noise multiplier {sigma} ===")
             print(report.summary())
@@ -76,7 +82,7 @@ def main(argv=None):
         settings = DPSettings(noise_multiplier=sigmas[-1], **dp)
         report = real_task_test(build, train, test, num_classes=10, dp=settings, epochs=scale["epochs"],
                                 seed=args.seed)
-        results.append(report.to_dict())
+        results.append(dict(report.to_dict(), keras=front))
         if not args.json:
             print("\n=== real task ===")
             print(report.summary())

@@ -12,7 +12,7 @@ from typing import Sequence
 MODELS = ("mlp", "cnn")
 
 
-def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256):
+def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256, keras_module=None):
     """Builds an uncompiled classifier that outputs logits.
 
     Args:
@@ -22,12 +22,15 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
       input_shape: shape of one example, e.g. (8, 8, 1).
       num_classes: number of output logits (>= 2).
       width: hidden units of the MLP (>= 1).
+      keras_module: the Keras to build with (``keras`` for Keras 3); default tf_keras.
 
     Raises:
       ValueError: unknown name or arguments out of range.
     """
-    import tf_keras as keras
-
+    if keras_module is None:
+        import tf_keras as keras
+    else:
+        keras = keras_module
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
     if isinstance(num_classes, bool) or int(num_classes) != num_classes or num_classes < 2:

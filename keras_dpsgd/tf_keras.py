@@ -5,5 +5,13 @@ Code that names its Keras imports from here (``keras_dpsgd.tf_keras``) or from
 """
 
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
+from keras_dpsgd.tools._adaptive_tf import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
 
-__all__ = ["DPAdamOptimizer", "DPSGDOptimizer", "make_dp_optimizer"]
+__all__ = [
+    "AdaptiveDPSGDOptimizer",
+    "ClipBoundsLogger",
+    "DPAdamOptimizer",
+    "DPSGDOptimizer",
+    "make_adaptive_optimizer",
+    "make_dp_optimizer",
+]

@@ -12,6 +12,7 @@ canaries need memorization: 30 epochs of a 256-unit MLP without noise
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from keras_dpsgd._datasets import load_digits
 from keras_dpsgd.accounting import compute_noise_multiplier
@@ -36,7 +37,7 @@ class NoNoiseDPSGD(DPSGDOptimizer):
 
 def _gradient_audit(digits, sigma, seed, optimizer_cls=None, canaries=1000):
     return canary_audit(
-        mlp_builder(digits.input_shape, 10, width=64), (digits.x_train, digits.y_train), num_classes=10,
+        mlp_builder(digits.input_shape, 10, width=64, keras_module=tf_keras), (digits.x_train, digits.y_train), num_classes=10,
         canaries=canaries, kind="gradient", noise_multiplier=sigma, l2_norm_clip=10.0, lot_size=64, epochs=2,
         delta=DELTA, seed=seed, optimizer_cls=optimizer_cls,
     )
@@ -92,7 +93,7 @@ def test_gradient_canaries_refuse_a_non_dp_class_and_missing_install():
 def test_power_input_canaries_without_noise(digits):
     """σ = 0 with out-of-distribution input canaries: ε_emp clearly above 1 at 95% (memorization is seen)."""
     result = canary_audit(
-        mlp_builder(digits.input_shape, 10, width=256), (digits.x_train, digits.y_train), num_classes=10,
+        mlp_builder(digits.input_shape, 10, width=256, keras_module=tf_keras), (digits.x_train, digits.y_train), num_classes=10,
         canaries=200, kind="ood", noise_multiplier=0.0, l2_norm_clip=100.0, lot_size=256, epochs=30,
         delta=DELTA, seed=1,
     )

@@ -92,6 +92,34 @@ def test_one_run_epsilon_all_guesses_correct_closed_form(r, confidence):
     assert S.one_run_epsilon(r, r, r, delta=0.0, confidence=confidence) == pytest.approx(expected, abs=1e-6)
 
 
+def _theorem_p_value_vectorized(m, r, v, eps, delta):
+    """Theorem 5.2 over every i in 1..m at once (an implementation independent of the library's)."""
+    p = special.expit(eps)
+    w = v - np.arange(1, m + 1)
+    f_shifted = np.where(w > 0, stats.binom.sf(np.maximum(w, 1) - 1, r, p), 1.0)
+    f_v = stats.binom.sf(v - 1, r, p)
+    return min(1.0, f_v + 2 * m * delta * np.max((f_shifted - f_v) / np.arange(1, m + 1)))
+
+
+@pytest.mark.parametrize("r", [10, 50, 100, 500, 1000])
+@pytest.mark.parametrize("accuracy", [1.0, 0.9, 0.75])
+def test_one_run_epsilon_is_the_root_of_the_theorem_in_the_papers_setting(r, accuracy):
+    """The paper's setting (Steinke et al. 2023, Sec. 7: m = 1000 canaries, δ = 1e-5, 95% confidence;
+    ε_emp as a function of the number of guesses r and their accuracy v/r): ε_emp is the root in ε of
+    Theorem 5.2's p-value = β, found here with scipy's brentq on an independent implementation.
+    The paper's plotted values could not be read offline (only its opening text is available
+    here), so this derives the same curve from the theorem instead of copying printed points."""
+    from scipy import optimize
+
+    m, delta, beta = 1000, 1e-5, 0.05
+    v = int(round(accuracy * r))
+    if _theorem_p_value_vectorized(m, r, v, 0.0, delta) >= beta:
+        assert S.one_run_epsilon(m, r, v, delta=delta, confidence=1 - beta) == 0.0
+        return
+    root = optimize.brentq(lambda e: _theorem_p_value_vectorized(m, r, v, e, delta) - beta, 0.0, 60.0, xtol=1e-10)
+    assert S.one_run_epsilon(m, r, v, delta=delta, confidence=1 - beta) == pytest.approx(root, abs=1e-3)
+
+
 def test_one_run_epsilon_closed_form_values():
     # Values of the closed form above (δ = 0, all r guesses right, 95%):
     # r = 100 -> log(0.05^0.01 / (1 - 0.05^0.01)) = 3.4930...; r = 1000 -> 5.8091...

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# The examples run on Keras 3 unless TF_USE_LEGACY_KERAS=1 (inherited by the subprocess).
+KERAS = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True") else "keras3"
 
 
 def _run(name, *args):
@@ -24,6 +26,7 @@ def test_memorization_example():
     assert len(reports) == 1 and reports[0]["mode"] == "noise"
     assert reports[0]["verdict"].split(":")[0] in {"PASS", "FAIL", "INCONCLUSIVE"}
     assert reports[0]["touches_real_data"] is False
+    assert reports[0]["keras"] == KERAS
 
 
 def test_adaptive_clipping_example(tmp_path):
@@ -33,6 +36,7 @@ def test_adaptive_clipping_example(tmp_path):
     assert out["epsilon"] > 0.99 * out["target_epsilon"]
     assert len(out["bounds_per_epoch"]) == out["epochs"]
     assert list(tmp_path.glob("events.out.tfevents*"))
+    assert out["keras"] == KERAS
 
 
 def test_large_lots_example():

@@ -258,3 +258,21 @@ def test_every_public_tools_name_resolves():
             assert getattr(keras_dpsgd, name) is getattr(tools, name)
     assert keras_dpsgd.AdaptiveDPSGDOptimizer is AdaptiveDPSGDOptimizer
     assert issubclass(AdaptiveDPSGDOptimizer, keras_dpsgd.DPSGDOptimizer)
+
+
+def test_a_discarded_partial_lot_leaves_no_norm_sums_in_the_next_lot():
+    """tf_keras, 2 batches per lot, 3 batches per epoch: the third is discarded at the next epoch's start.
+    The next lot's norm query must sum its own examples only (an example of the discarded batch would
+    otherwise count in a lot it was never sampled into: twice the norm query's sensitivity)."""
+    x, y = _data(12)
+    model = _model()
+    opt = AdaptiveDPSGDOptimizer([0.3, 0.05, 0.2, 0.08], 0.0, 0.0, learning_rate=0.0, gradient_accumulation_steps=2,
+                                 seed=1)
+    model.compile(optimizer=opt, loss=LOSS)
+    norms = _per_example_norms(model, x, y)  # lr = 0: fixed
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    first = opt.clip_bounds.numpy()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)  # starts by discarding batch 3
+    assert opt.discarded_lots >= 1
+    expected = np.minimum(norms[:8], 2.0 * first[None, :]).sum(axis=0) / 8
+    np.testing.assert_allclose(opt.clip_bounds.numpy(), expected, rtol=1e-4)

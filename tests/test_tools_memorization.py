@@ -59,7 +59,7 @@ def test_noise_labels_are_balanced_so_a_constant_guess_is_at_chance():
 
 # ------------------------------------------------------------------ the test itself (small, fast)
 SHAPE, CLASSES = (8, 8, 1), 4
-BUILD = mlp_builder(SHAPE, CLASSES, width=256)
+BUILD = mlp_builder(SHAPE, CLASSES, width=256, keras_module=keras)  # tf_keras (Keras 3: test_keras3_memorization.py)
 
 
 def test_distinguishes_memorizing_nonprivate_from_dp():
@@ -97,6 +97,9 @@ def test_fail_verdict_when_the_private_run_memorizes():
 
 def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
     dp = DPSettings(noise_multiplier=8.0, batch_size=50)
+    # The untrained model's accuracy on random labels exceeds the 95% bound with probability 5%: fix
+    # the initialization (unseeded, it failed about once in 20 runs).
+    keras.utils.set_random_seed(0)
     report = memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, dp=dp, num_examples=200, epochs=2,
                                nonprivate_optimizer_factory=lambda: keras.optimizers.SGD(1e-7), seed=3)
     assert not report.nonprivate_memorizes and not report.conclusive
@@ -108,7 +111,7 @@ def test_real_task_mode_accounts_the_dp_run():
     train, test = (xtr[:400], ytr[:400]), (xte[:200], yte[:200])
     dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=1.1, batch_size=100, learning_rate=0.1,
                     physical_batch_size=64)
-    report = real_task_test(mlp_builder(SHAPE, 10, width=32), train, test, num_classes=10, dp=dp, epochs=1,
+    report = real_task_test(mlp_builder(SHAPE, 10, width=32, keras_module=keras), train, test, num_classes=10, dp=dp, epochs=1,
                             seed=2)
     assert report.mode == "real" and report.dp.test_accuracy is not None
     gap = report.train_test_gap
@@ -120,7 +123,7 @@ def test_real_task_mode_accounts_the_dp_run():
     assert d["touches_real_data"] is True and d["nonprivate"]["epsilon"] == "inf"
     assert "cost privacy" in d["privacy_note"]
     with pytest.raises(ValueError, match="accounted"):
-        real_task_test(mlp_builder(SHAPE, 10, width=8), train, test, num_classes=10, epochs=1,
+        real_task_test(mlp_builder(SHAPE, 10, width=8, keras_module=keras), train, test, num_classes=10, epochs=1,
                        dp_optimizer_factory=lambda lots: keras.optimizers.SGD(0.1),
                        loss=lambda r: keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 

@@ -14,8 +14,9 @@ gradient at j_i averages out of the score instead of accumulating. This audits t
 step itself (clip bound, noise, sampling) and needs no memorization, so it is
 strong and cheap.
 
-The hook is :class:`GradientCanaryMixin`, which overrides one method of the
-sanitizer, ``_add_noise`` (step 4 of ``keras_dpsgd._sanitizer``): the canaries
+The hook is :class:`GradientCanaryMixin`, which wraps the noise step (step 4) of
+the sanitizer: tf_keras's ``_add_noise`` (``keras_dpsgd._sanitizer``) or Keras 3's
+published ``add_noise`` (``keras_dpsgd.keras3.DPKeras3Mixin``): the canaries
 go into its input and the scores are read from its output. Whatever the
 optimizer under it does to the sum (a correct one adds N(0, σ²C²); a broken
 one may not) is what the audit measures.
@@ -29,6 +30,7 @@ model only).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
@@ -39,17 +41,30 @@ from keras_dpsgd import _validate as V
 CANARY_KINDS = ("gradient", "ood", "mislabeled")
 
 
+@dataclasses.dataclass
+class _Canaries:
+    """The installed canaries (a plain dataclass: never tracked, saved or checkpointed)."""
+
+    coords: list  # per variable: (canary ids, flat coordinates)
+    included: tf.Tensor
+    rate: float
+    generator: tf.random.Generator
+    scores: tf.Variable
+    draws: tf.Variable
+
+
 class GradientCanaryMixin:
     """Adds gradient (Dirac) canaries to a DP optimizer's clipped sum; put before the DP class.
 
-    Build the class with :func:`with_gradient_canaries`, then call
-    :meth:`install_gradient_canaries` once the model is built and before
-    training. ``canary_scores()`` returns the scores after training.
+    Build the class with :func:`with_gradient_canaries` (a tf_keras or a Keras 3 DP class), then
+    call :meth:`install_gradient_canaries` once the model is built and before training.
+    ``canary_scores()`` returns the scores after training. The noise step it wraps is tf_keras's
+    ``_add_noise`` or Keras 3's published ``add_noise`` hook.
     """
 
     def install_gradient_canaries(
         self,
-        var_list: Sequence[tf.Variable],
+        var_list: Sequence[Any],
         included: Sequence[bool],
         *,
         rng: np.random.Generator,
@@ -69,7 +84,7 @@ class GradientCanaryMixin:
           ValueError: fewer coordinates than canaries, no sampling rate, or
             canaries installed twice.
         """
-        if getattr(self, "_canary_coords", None) is not None:
+        if getattr(self, "_canaries", None) is not None:
             raise ValueError("gradient canaries are already installed on this optimizer")
         included = np.asarray(included, dtype=bool)
         m = int(included.size)
@@ -86,51 +101,49 @@ class GradientCanaryMixin:
         order = rng.permutation(m)  # canary ids independent of coordinate order
         starts = np.cumsum([0] + sizes)
         var_of = np.searchsorted(starts, flat, side="right") - 1
-        self._canary_coords = self._no_dependency(
-            [
-                (order[var_of == v].astype(np.int64), (flat[var_of == v] - starts[v]).astype(np.int64))
-                for v in range(len(var_list))
-            ]
-        )
-        self._canary_included = tf.constant(included)
-        self._canary_rate = float(q)
+        coords = [
+            (order[var_of == v].astype(np.int64), (flat[var_of == v] - starts[v]).astype(np.int64))
+            for v in range(len(var_list))
+        ]
         with tf.init_scope():
-            self._canary_generator = self._no_dependency(
-                tf.random.Generator.from_seed(int(rng.integers(2**62)))
+            self._canaries = _Canaries(
+                coords=coords,
+                included=tf.constant(included),
+                rate=float(q),
+                generator=tf.random.Generator.from_seed(int(rng.integers(2**62))),
+                scores=tf.Variable(tf.zeros([m], tf.float32), trainable=False, name="canary_scores"),
+                draws=tf.Variable(tf.zeros([m], tf.float32), trainable=False, name="canary_draws"),
             )
-            self._canary_score_var = self._no_dependency(
-                tf.Variable(tf.zeros([m], tf.float32), trainable=False, name="canary_scores")
-            )
-            self._canary_draws = self._no_dependency(
-                tf.Variable(tf.zeros([m], tf.float32), trainable=False, name="canary_draws")
-            )
+
+    @property
+    def _canary_coords(self) -> list:
+        return self._canaries.coords
 
     def canary_scores(self) -> np.ndarray:
         """Σ over noised steps of sign × the noised sum at each canary's coordinate, shape [m]."""
-        return self._canary_score_var.numpy().astype(np.float64)
+        return self._canaries.scores.numpy().astype(np.float64)
 
     def canary_inclusions(self) -> np.ndarray:
         """How many lots each canary joined (0 for canaries drawn "out"), shape [m]."""
-        return self._canary_draws.numpy().astype(np.int64)
+        return self._canaries.draws.numpy().astype(np.int64)
 
-    def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4 with canaries: included canaries join the lot at rate q, then the parent adds noise."""
-        coords = getattr(self, "_canary_coords", None)
-        if coords is None:
+    def _insert_canaries(self, summed: list[tf.Tensor]) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Included canaries join the lot at rate q: (the sum with them, the lot's signs)."""
+        c = getattr(self, "_canaries", None)
+        if c is None:
             raise ValueError(
                 f"{type(self).__name__}: call install_gradient_canaries(model.trainable_variables, ...) "
                 "before training"
             )
-        m = self._canary_score_var.shape[0]
-        joined = tf.logical_and(self._canary_included, self._canary_generator.uniform([m]) < self._canary_rate)
-        joined = tf.cast(joined, tf.float32)
-        self._canary_draws.assign_add(joined)
+        m = c.scores.shape[0]
+        joined = tf.cast(tf.logical_and(c.included, c.generator.uniform([m]) < c.rate), tf.float32)
+        c.draws.assign_add(joined)
         # A fresh random sign per canary and lot (public to the auditor, independent of the coins):
         # the data's own gradient at a coordinate then averages out of the score instead of adding up.
-        signs = tf.sign(self._canary_generator.uniform([m]) - 0.5)
-        bounds = self.clip_bounds
+        signs = tf.sign(c.generator.uniform([m]) - 0.5)
+        bounds = tf.convert_to_tensor(self.clip_bounds)
         with_canaries = []
-        for v, (s, (ids, flat)) in enumerate(zip(summed, coords)):
+        for v, (s, (ids, flat)) in enumerate(zip(summed, c.coords)):
             if ids.size == 0:
                 with_canaries.append(s)
                 continue
@@ -138,13 +151,32 @@ class GradientCanaryMixin:
             values = tf.gather(joined * signs, ids) * bound  # each canary gradient has norm C (or C_v)
             delta = tf.scatter_nd(flat[:, None], tf.cast(values, s.dtype), [int(np.prod(s.shape))])
             with_canaries.append(s + tf.reshape(delta, tf.shape(s)))
-        noised = super()._add_noise(with_canaries)
-        observed = tf.zeros([m], tf.float32)
-        for g, (ids, flat) in zip(noised, coords):
+        return with_canaries, signs
+
+    def _score_canaries(self, noised: list[tf.Tensor], signs: tf.Tensor) -> None:
+        c = self._canaries
+        observed = tf.zeros([c.scores.shape[0]], tf.float32)
+        for g, (ids, flat) in zip(noised, c.coords):
             if ids.size:
                 seen = tf.cast(tf.gather(tf.reshape(g, [-1]), flat), tf.float32)
-                observed += tf.scatter_nd(ids[:, None], seen, [m])
-        self._canary_score_var.assign_add(signs * observed)
+                observed += tf.scatter_nd(ids[:, None], seen, [c.scores.shape[0]])
+        c.scores.assign_add(signs * observed)
+
+    def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """tf_keras step 4 with canaries: the canaries join, then the parent adds noise."""
+        with_canaries, signs = self._insert_canaries(summed)
+        noised = super()._add_noise(with_canaries)
+        self._score_canaries(noised, signs)
+        return noised
+
+
+class GradientCanaryKeras3Mixin(GradientCanaryMixin):
+    """:class:`GradientCanaryMixin` on the published ``add_noise`` hook of a Keras 3 DP optimizer."""
+
+    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        with_canaries, signs = self._insert_canaries(summed)
+        noised = super().add_noise(with_canaries)
+        self._score_canaries(noised, signs)
         return noised
 
 
@@ -152,23 +184,33 @@ _CANARY_CLASSES: dict[type, type] = {}
 
 
 def with_gradient_canaries(optimizer_cls: type) -> type:
-    """The subclass of a keras_dpsgd optimizer class that carries gradient canaries.
+    """The subclass of a keras_dpsgd optimizer class (tf_keras or Keras 3) that carries gradient canaries.
 
     Raises:
       ValueError: if `optimizer_cls` is not a DP optimizer of this package
-        (a subclass of ``keras_dpsgd._sanitizer.DPSanitizerMixin``).
+        (a subclass of ``keras_dpsgd._sanitizer.DPSanitizerMixin`` or of
+        ``keras_dpsgd.keras3.DPKeras3Mixin``).
     """
-    from keras_dpsgd._sanitizer import DPSanitizerMixin
-
-    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, DPSanitizerMixin)):
+    if _is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin"):
+        mixin = GradientCanaryMixin
+    elif _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin"):
+        mixin = GradientCanaryKeras3Mixin
+    else:
         raise ValueError(f"optimizer_cls must be a keras_dpsgd DP optimizer class, got {optimizer_cls!r}")
     if issubclass(optimizer_cls, GradientCanaryMixin):
         return optimizer_cls
     if optimizer_cls not in _CANARY_CLASSES:
         _CANARY_CLASSES[optimizer_cls] = type(
-            f"GradientCanary{optimizer_cls.__name__}", (GradientCanaryMixin, optimizer_cls), {"__module__": __name__}
+            f"GradientCanary{optimizer_cls.__name__}", (mixin, optimizer_cls), {"__module__": __name__}
         )
     return _CANARY_CLASSES[optimizer_cls]
+
+
+def _is_dp_class(cls: Any, base_path: str) -> bool:
+    import importlib
+
+    module, name = base_path.rsplit(".", 1)
+    return isinstance(cls, type) and issubclass(cls, getattr(importlib.import_module(module), name))
 
 
 def make_input_canaries(

@@ -38,6 +38,7 @@ class CanaryAuditResult:
       auc: ROC AUC of the canary scores (included vs not), 0.5 = no signal.
       guesses: the number of guesses behind ε_emp; correct: how many were right.
       noise_multiplier: σ of the run; steps: noised steps; seconds: wall time.
+      keras: the Keras the run trained with, "keras3" or "tf_keras".
     """
 
     epsilon: float
@@ -52,6 +53,7 @@ class CanaryAuditResult:
     noise_multiplier: float
     steps: int
     seconds: float
+    keras: str = "tf_keras"
 
     @property
     def is_violation(self) -> bool:
@@ -100,7 +102,8 @@ def canary_audit(
     """Trains one model with canaries and audits it.
 
     Args:
-      build_model: returns a fresh uncompiled tf_keras model that outputs logits.
+      build_model: returns a fresh uncompiled model that outputs logits: Keras 3 (the run gets
+        ``keras_dpsgd.keras3.make_private``) or tf_keras.
       train: (x, y) training data (integer labels).
       num_classes: K.
       canaries: m >= 2 (each included with probability 1/2).
@@ -109,9 +112,9 @@ def canary_audit(
         `held_out`).
       noise_multiplier: σ >= 0 (0: non-private, ε = ∞), or a function of the
         run's (`PoissonLots`, δ) returning σ (to calibrate to a target ε).
-      optimizer_cls: a keras_dpsgd DP optimizer class taking (l2_norm_clip,
-        noise_multiplier, learning_rate=, momentum=, seed=,
-        gradient_accumulation_steps=); default DPSGDOptimizer.
+      optimizer_cls: a keras_dpsgd DP optimizer class of the model's Keras taking
+        (l2_norm_clip, noise_multiplier, learning_rate=, momentum=, seed=; tf_keras also
+        gradient_accumulation_steps=); default that Keras's DPSGDOptimizer.
       delta: δ; default 1/N^1.1 with N the public size of the training set
         (plus m/2 with input canaries: q, the normalizer and δ never depend
         on the coins).
@@ -124,13 +127,11 @@ def canary_audit(
     Raises:
       ValueError: arguments out of range (the message names the argument).
     """
-    import tf_keras as keras
-
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.audit.canaries import make_input_canaries, per_example_loss, with_gradient_canaries
     from keras_dpsgd.ledger import model_epsilon
-    from keras_dpsgd.optimizer import DPSGDOptimizer
     from keras_dpsgd.sampling import PoissonLots
+    from keras_dpsgd.tools import _front
 
     if kind not in CANARY_KINDS:
         raise ValueError(f"kind must be one of {list(CANARY_KINDS)}, got {kind!r}")
@@ -139,7 +140,7 @@ def canary_audit(
     start = time.perf_counter()
     rng = np.random.default_rng(seed)
     if seed is not None:
-        keras.utils.set_random_seed(seed)
+        _front.set_random_seed(seed)
     included = rng.random(int(canaries)) < 0.5  # the fair coins, drawn before training
     x, y = np.asarray(train[0], np.float32), np.asarray(train[1], np.int64)
     if kind != "gradient":
@@ -155,16 +156,17 @@ def canary_audit(
     sub_seed = lambda: None if seed is None else int(rng.integers(2**31 - 1))  # noqa: E731
     lots = PoissonLots(x, y, sampling_rate=min(1.0, lot_size / n), seed=sub_seed())
     sigma = float(noise_multiplier(lots, delta) if callable(noise_multiplier) else noise_multiplier)
-    cls = optimizer_cls or DPSGDOptimizer
+    model = build_model()
+    front = _front.of_model(model)  # Keras 3 or tf_keras: whichever built the model
+    cls = optimizer_cls or front.dp_sgd
     if kind == "gradient":
         cls = with_gradient_canaries(cls)
     optimizer = cls(l2_norm_clip, sigma, learning_rate=learning_rate, momentum=momentum, seed=sub_seed(),
-                    gradient_accumulation_steps=lots.gradient_accumulation_steps)
+                    **_front.dp_optimizer_kwargs(front, lots.gradient_accumulation_steps))
     lots.configure(optimizer)
     optimizer.expected_lot_size = float(lot_size)
-    model = build_model()
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+    model = front.private(model)
+    model.compile(optimizer=optimizer, loss=front.cross_entropy(per_example=True))
     if kind == "gradient":
         optimizer.install_gradient_canaries(model.trainable_variables, included, rng=rng)
     model.fit(lots.dataset(), epochs=epochs, steps_per_epoch=lots.steps_per_epoch, verbose=verbose)
@@ -187,11 +189,15 @@ def canary_audit(
         noise_multiplier=sigma,
         steps=int(optimizer.noised_steps.numpy()),
         seconds=time.perf_counter() - start,
+        keras=front.name,
     )
 
 
-def mlp_builder(input_shape, num_classes: int, width: int = 32) -> Callable[[], Any]:
-    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd._models``)."""
+def mlp_builder(input_shape, num_classes: int, width: int = 32, keras_module: Any = None) -> Callable[[], Any]:
+    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd._models``), on `keras_module`
+    (default: Keras 3 unless ``TF_USE_LEGACY_KERAS=1``)."""
     from keras_dpsgd._models import build_model
+    from keras_dpsgd.tools import _front
 
-    return lambda: build_model("mlp", input_shape, num_classes, width=width)
+    module = keras_module or _front.active().keras
+    return lambda: build_model("mlp", input_shape, num_classes, width=width, keras_module=module)

@@ -7,6 +7,9 @@ included with probability 1/2, and turns the canaries' scores into a lower
 bound ε_emp (Steinke, Nasr, Jagielski 2023). ε_emp > ε is a bug.
 
 The audit run is a training run on the data: the ε it prints is its own.
+
+It trains on Keras 3 (``keras_dpsgd.keras3``) unless ``TF_USE_LEGACY_KERAS=1`` selects tf_keras,
+as ``tf.keras`` does; the output says which (``--json`` key ``keras``: "keras3" or "tf_keras").
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from keras_dpsgd.cli import positive_int
 
 _KINDS = ("gradient", "ood", "mislabeled")
 _PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
+_KERAS_NAMES = {"keras3": "Keras 3", "tf_keras": "tf_keras (TF_USE_LEGACY_KERAS=1)"}
 
 
 def _confidence(text: str) -> float:
@@ -78,13 +82,17 @@ def _audit(args, data, noise_multiplier):
     from keras_dpsgd import _models
     from keras_dpsgd.audit.one_run import canary_audit
     from keras_dpsgd.cli import train as train_cli
+    from keras_dpsgd.tools import _front
+
+    keras_module = _front.active().keras
 
     def sigma(lots, delta):
         args.noise_multiplier = noise_multiplier
         return train_cli._plan(args, lots.num_examples, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
 
     return canary_audit(
-        lambda: _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width),
+        lambda: _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width,
+                                    keras_module=keras_module),
         (data.x_train, data.y_train), num_classes=data.num_classes, canaries=args.canaries,
         kind=args.canary_kind, noise_multiplier=sigma, l2_norm_clip=args.l2_norm_clip, lot_size=args.lot_size,
         epochs=args.epochs, learning_rate=args.learning_rate, momentum=args.momentum, delta=args.delta,
@@ -149,7 +157,7 @@ def run(args) -> dict:
         f"\nreported ε = {out['epsilon']:.4g}, empirical lower bound ε_emp = {out['epsilon_lower_bound']:.4g} "
         f"at {out['confidence']:.0%} confidence (δ = {out['delta']:.3g}, {out['canaries']} canaries, "
         f"{out['method']}, AUC {out['auc']:.3f}, {out['correct']} of {out['guesses']} guesses right, "
-        f"σ = {out['noise_multiplier']:.4g})\n{out['verdict']}"
+        f"σ = {out['noise_multiplier']:.4g}, {_KERAS_NAMES[out['keras']]})\n{out['verdict']}"
         + (f"\nplot written to {out['plot']}" if "plot" in out else "")
     )
     return _select(out)
@@ -157,5 +165,5 @@ def run(args) -> dict:
 
 def _select(out: dict) -> dict:
     keys = ("epsilon", "epsilon_lower_bound", "confidence", "canaries", "auc", "method", "delta", "verdict",
-            "violation", "noise_multiplier", "guesses", "correct", "steps", "plot", "plot_points")
+            "violation", "noise_multiplier", "guesses", "correct", "steps", "keras", "plot", "plot_points")
     return {k: out[k] for k in keys if k in out}

@@ -12,8 +12,11 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 ``train_step`` calls :func:`sanitized_gradients` instead.
 """
 
+from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
+from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
+from keras_dpsgd.tools._adaptive_core import initial_clip_bounds
 from keras_dpsgd.keras3._train_step import (
     is_private,
     make_private,
@@ -24,14 +27,19 @@ from keras_dpsgd.keras3._train_step import (
 )
 
 __all__ = [
+    "AdaptiveDPSGDOptimizer",
+    "ClipBoundsLogger",
     "DPAdamOptimizer",
     "DPKeras3Mixin",
     "DPNormalization",
     "DPPCA",
     "DPSGDOptimizer",
+    "initial_clip_bounds",
     "is_private",
+    "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",
+    "MembershipInferenceCallback",
     "per_example_loss",
     "refuse_adapted_preprocessing",
     "refuse_example_mixing",

@@ -250,28 +250,59 @@ class DPKeras3Mixin:
             )
         tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
         groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
-        bounds = self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
+        bounds = self._group_bounds()
         finite = []
 
         def factors(sq_norms):
             finite.append(_step.finite_rows(sq_norms))
             return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
 
-        summed, _ = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
+        summed, sq_norms = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
-        stds = _step.noise_stddevs(self._dp.sigmas, bounds, groups)
-        noised = [
-            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
-            for v, s in enumerate(summed)
-        ]
+        self.on_per_example_sq_norms(sq_norms)
         num_examples = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
-        grads = _step.normalize(noised, num_examples, self._dp.lot)
+        grads = self.normalize(self.add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
+        self.on_noised_step(num_examples)
         if regularization_grads is not None:
             grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization_grads)]
         grads = [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
         self._dp.pending[:] = grads
         return grads
+
+    # ------------------------------------------------ hooks for subclasses
+    # Published extension points (adaptive clipping, gradient canaries): anything a hook derives
+    # from the data is a release of its own, which must be noised and charged by the accountant
+    # (through ``effective_noise_multiplier``).
+    def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
+        """Hook: called once per step inside the traced step with ``sq_norms[i, v] = ||g_i[v]||²``
+        ([B, V]); the clip bounds in force are ``self.clip_bounds``. Default: nothing."""
+
+    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v."""
+        groups = _step.clip_groups(len(summed), self.per_layer_clipping)
+        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), groups)
+        return [
+            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
+            for v, s in enumerate(summed)
+        ]
+
+    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
+        """Step 5: divides by expected_lot_size if set, else by `num_examples` (``_step.normalize``)."""
+        return _step.normalize(noised, num_examples, self._dp.lot)
+
+    def on_noised_step(self, num_examples: tf.Tensor) -> None:
+        """Hook: called once per noised step, after the gradient's release and the ``noised_steps``
+        increment, with the realized number of examples. Default: nothing."""
+
+    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
+        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``), drawn like the gradient's
+        noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
+        return _noise.standard_normal(shape, self._noise_key(index), dtype)
+
+    def _group_bounds(self) -> tf.Tensor:
+        """C_g of each clipping group (flat: clip_bounds holds C once per variable, take one)."""
+        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
 
     def _noise_key(self, index: int) -> tf.Tensor:
         if self._seed is None:

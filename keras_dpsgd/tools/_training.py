@@ -72,6 +72,7 @@ def train_run(
     test: tuple[np.ndarray, np.ndarray] | None = None,
     callbacks: list | None = None,
     verbose: int = 0,
+    front: Any = None,
 ) -> tuple[RunResult, Any]:
     """Trains a fresh model and records accuracy after each epoch.
 
@@ -83,6 +84,7 @@ def train_run(
         shuffled batches of `batch_size`.
       physical_batch_size: Poisson runs only: rows per physical batch (lots
         are split into gradient-accumulation steps); None: one per lot.
+      front: the Keras of the model (``keras_dpsgd.tools._front``); default the model's own.
 
     Returns:
       (RunResult, trained model, optimizer).
@@ -90,7 +92,9 @@ def train_run(
     import time
 
     import tensorflow as tf
-    import tf_keras as keras
+
+    from keras_dpsgd.ledger import is_dp_optimizer
+    from keras_dpsgd.tools import _front
 
     x, y = train
     lots = None
@@ -103,7 +107,11 @@ def train_run(
     if lots is not None and hasattr(optimizer, "expected_lot_size"):
         lots.configure(optimizer)
     model = build_model()
+    front = front or _front.of_model(model)
+    if lots is not None and is_dp_optimizer(optimizer):
+        model = front.private(model)  # Keras 3: the private train step; tf_keras: unchanged
     model.compile(optimizer=optimizer, loss=loss)
+    keras = front.keras
     result = RunResult(name=name, test_accuracy=[] if test is not None else None)
     n = len(x)
 

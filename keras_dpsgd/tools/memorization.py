@@ -151,12 +151,21 @@ class MemorizationReport:
         return "\n".join(lines)
 
 
-def mlp_builder(input_shape: Sequence[int], num_classes: int, width: int = 256, depth: int = 2) -> Callable:
-    """A builder of a small MLP (logits output) that memorizes small noise sets quickly."""
-    import tf_keras as keras
+def _keras(keras_module: Any) -> Any:
+    from keras_dpsgd.tools import _front
+
+    return keras_module or _front.active().keras
+
+
+def mlp_builder(
+    input_shape: Sequence[int], num_classes: int, width: int = 256, depth: int = 2, keras_module: Any = None
+) -> Callable:
+    """A builder of a small MLP (logits output) that memorizes small noise sets quickly, on
+    `keras_module` (default Keras 3 unless ``TF_USE_LEGACY_KERAS=1``)."""
+    keras = _keras(keras_module)
 
     def build():
-        layers = [keras.layers.InputLayer(input_shape=tuple(input_shape)), keras.layers.Flatten()]
+        layers = [keras.Input(shape=tuple(input_shape)), keras.layers.Flatten()]
         layers += [keras.layers.Dense(width, activation="relu") for _ in range(depth)]
         layers.append(keras.layers.Dense(num_classes))
         return keras.Sequential(layers)
@@ -164,13 +173,14 @@ def mlp_builder(input_shape: Sequence[int], num_classes: int, width: int = 256, 
     return build
 
 
-def convnet_builder(input_shape: Sequence[int], num_classes: int) -> Callable:
-    """A builder of a small convnet (two conv layers, logits output), a tiny cousin of the paper's AlexNet."""
-    import tf_keras as keras
+def convnet_builder(input_shape: Sequence[int], num_classes: int, keras_module: Any = None) -> Callable:
+    """A builder of a small convnet (two conv layers, logits output), a tiny cousin of the paper's AlexNet,
+    on `keras_module` (default Keras 3 unless ``TF_USE_LEGACY_KERAS=1``)."""
+    keras = _keras(keras_module)
 
     def build():
         return keras.Sequential([
-            keras.layers.InputLayer(input_shape=tuple(input_shape)),
+            keras.Input(shape=tuple(input_shape)),
             keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
             keras.layers.MaxPooling2D(2),
             keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
@@ -183,18 +193,18 @@ def convnet_builder(input_shape: Sequence[int], num_classes: int) -> Callable:
     return build
 
 
-def _default_dp_optimizer(dp: DPSettings, lots, seed: int | None):
-    from keras_dpsgd.optimizer import DPSGDOptimizer
+def _default_dp_optimizer(front, dp: DPSettings, lots, seed: int | None):
+    from keras_dpsgd.tools import _front
 
-    return DPSGDOptimizer(
+    return front.dp_sgd(
         l2_norm_clip=dp.l2_norm_clip,
         noise_multiplier=dp.noise_multiplier,
         learning_rate=dp.learning_rate,
         momentum=dp.momentum,
-        gradient_accumulation_steps=lots.gradient_accumulation_steps,
         expected_lot_size=lots.expected_lot_size,
         sampling_rate=lots.sampling_rate,
         seed=seed,
+        **_front.dp_optimizer_kwargs(front, lots.gradient_accumulation_steps),
     )
 
 
@@ -233,9 +243,8 @@ def _require_accounting(factory):
 def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonprivate_batch_size,
               nonprivate_learning_rate, dp_optimizer_factory, nonprivate_optimizer_factory, loss,
               confidence, delta, seed, verbose):
-    import tf_keras as keras
-
     from keras_dpsgd.accounting import check_delta, default_delta
+    from keras_dpsgd.tools import _front
 
     n = len(train[0])
     if dp.batch_size > n:
@@ -250,15 +259,15 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     counts = np.bincount(train[1], minlength=num_classes)
     chance = float(counts.max() / n) if mode == "noise" else 1.0 / num_classes
     rng = np.random.default_rng(seed)
-    make_loss = loss or (lambda reduction: keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=reduction))
-    nonpriv_factory = nonprivate_optimizer_factory or (lambda: keras.optimizers.Adam(nonprivate_learning_rate))
+    front = _front.of_model(build_model())  # the Keras of the user's models (Keras 3 or tf_keras)
+    make_loss = loss or (lambda reduction: front.cross_entropy(per_example=reduction == "none"))
+    nonpriv_factory = nonprivate_optimizer_factory or (lambda: front.keras.optimizers.Adam(nonprivate_learning_rate))
     child = None if seed is None else int(rng.integers(2**31 - 1))
-    dp_factory = dp_optimizer_factory or (lambda lots: _default_dp_optimizer(dp, lots, child))
+    dp_factory = dp_optimizer_factory or (lambda lots: _default_dp_optimizer(front, dp, lots, child))
     if mode == "real":
         dp_factory = _require_accounting(dp_factory)
     common = dict(epochs=int(epochs), chance=chance, confidence=confidence, test=test, verbose=verbose,
-                  rng=rng, seeded=seed is not None)
+                  rng=rng, seeded=seed is not None, front=front)
     nonpriv, _, _ = train_run("non-private", build_model, lambda _: nonpriv_factory(), make_loss("auto"), train,
                               batch_size=nonprivate_batch_size, poisson=False, **common)
     dpres, dp_model, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train,
@@ -317,8 +326,10 @@ def memorization_test(
     """Trains the model on random noise with random labels, with and without DP (Three Tools, Sec. 2).
 
     Args:
-      build_model: callable returning a fresh, uncompiled tf_keras model whose
-        outputs are logits over `num_classes` classes.
+      build_model: callable returning a fresh, uncompiled model (Keras 3 or tf_keras:
+        the runs train with the model's Keras; a Keras 3 DP run gets
+        ``keras_dpsgd.keras3.make_private``) whose outputs are logits over
+        `num_classes` classes.
       input_shape: shape of one input (the real data's shape), e.g. (8, 8, 1).
       num_classes: number of classes K >= 2; chance accuracy is 1/K.
       dp: the DP run's settings (default :class:`DPSettings`()).
@@ -337,8 +348,9 @@ def memorization_test(
       nonprivate_optimizer_factory: optional callable returning the non-private optimizer.
       loss: optional callable taking a Keras reduction ("auto" for the
         non-private run, "none" for the DP run, which needs the per-example
-        loss) and returning the loss; default sparse categorical
-        cross-entropy on logits.
+        loss) and returning the loss (on Keras 3 map "auto" to
+        "sum_over_batch_size"); default sparse categorical cross-entropy on
+        logits.
       seed: optional seed of the noise data, sampling and DP noise (None: OS entropy).
       verbose: Keras fit verbosity.
 

@@ -1,0 +1,13 @@
+"""The audit's Keras callback on Keras 3 (the audit itself takes models of either Keras)."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_dpsgd.audit._callback import MembershipInferenceCallbackCore
+
+__all__ = ["MembershipInferenceCallback"]
+
+
+class MembershipInferenceCallback(MembershipInferenceCallbackCore, keras.callbacks.Callback):
+    __doc__ = MembershipInferenceCallbackCore.__doc__
