@@ -11,6 +11,11 @@
 Both read the model's ledger (:func:`keras_dpsgd.ledger.model_privacy_ledger`),
 which is checkpointed with the optimizer, so a resumed run continues ε.
 ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.sampling`.
+
+The same classes serve both Kerases: each is a ``keras.callbacks.Callback``
+(Keras 3) and a ``tf_keras.callbacks.Callback``, and dispatches on the Keras of
+the model it is given (a Keras 3 model made private with
+:func:`keras_dpsgd.keras3.make_private`, or a tf_keras model).
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Optional
 
+import keras
 import tensorflow as tf
-import tf_keras as keras
+import tf_keras
 
 from keras_dpsgd.ledger import (
     attach,
@@ -62,9 +68,19 @@ def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]
         )
 
 
-class _PrivacyCallback(keras.callbacks.Callback):
+def is_keras3_model(model: Any) -> bool:
+    """True for a Keras 3 model (``keras.Model``), False for a tf_keras one."""
+    return isinstance(model, keras.Model)
+
+
+class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
+    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads."""
+
     def __init__(self, target_delta, num_examples, batch_size, extra_events, accountant):
-        super().__init__()
+        keras.callbacks.Callback.__init__(self)  # Not tf_keras's: it assigns `model`, a property here.
+        self.validation_data = None
+        self._chief_worker_only = None
+        self._supports_tf_logs = False
         self.target_delta = target_delta
         self.num_examples = num_examples
         self.batch_size = batch_size
@@ -161,10 +177,13 @@ class WithinLimit(_PrivacyCallback):
     step fits at the start, fit takes no step at all (the first batch runs a
     no-op in place of the train step).
 
-    With ``steps_per_execution`` = s > 1 Keras runs s batches between
-    callbacks, so training stops when fewer than ceil(s / k) noised steps
-    remain (k = gradient accumulation steps): the budget still holds, but a
-    few affordable steps may be left unused.
+    ``steps_per_execution`` = s > 1 (Keras runs s batches between callbacks):
+
+    * Keras 3: exact. When fewer than s steps remain, the last execution runs
+      exactly the remaining steps (a train function rebuilt once for them).
+    * tf_keras: training stops when fewer than ceil(s / k) noised steps
+      remain (k = gradient accumulation steps): the budget still holds, but a
+      few affordable steps may be left unused.
 
     Args:
       target_epsilon: the budget ε > 0.
@@ -196,7 +215,7 @@ class WithinLimit(_PrivacyCallback):
         self.verbose = verbose
         self.stopped = False
         self.remaining: Optional[int] = None
-        self._restore_train_function = None
+        self._replaced: Optional[dict] = None  # what the last call swapped out (restored after it)
         self._params: Optional[tuple[float, float]] = None
 
     # ---------------------------------------------------------- bookkeeping
@@ -219,14 +238,20 @@ class WithinLimit(_PrivacyCallback):
         )
         self._budget_start = int(optimizer.noised_steps.numpy())
         self._last_steps = self._budget_start
-        self._needed = self._steps_needed_per_call(optimizer)
         self.remaining = self._budget
 
-    def _steps_needed_per_call(self, optimizer) -> int:
+    def _steps_per_execution(self) -> int:
+        if is_keras3_model(self.model):
+            return int(self.model.steps_per_execution)
         spe = getattr(self.model, "_steps_per_execution", None)
-        spe = int(spe.numpy()) if spe is not None else 1
+        return int(spe.numpy()) if spe is not None else 1
+
+    def _steps_needed_per_call(self, optimizer) -> int:
+        """Fewest noised steps the next call may take: 1 on Keras 3 (its last call is cut to fit)."""
+        if is_keras3_model(self.model):
+            return 1
         accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
-        return max(1, math.ceil(spe / accum))
+        return max(1, math.ceil(self._steps_per_execution() / accum))
 
     def _stop(self) -> None:
         self.model.stop_training = True
@@ -237,6 +262,34 @@ class WithinLimit(_PrivacyCallback):
                 f"WithinLimit: stopping training at epsilon = {eps:.4g} (delta = {delta:.3g}); one more "
                 f"step would exceed the target epsilon = {self.target_epsilon:g}."
             )
+
+    # ------------------------------------------------- the next call's steps
+    def _skip_next_call(self) -> None:
+        """Keras runs the next call even if stop_training is set now: a no-op step for it."""
+        model = self.model
+
+        def _skip_step(iterator):
+            return model.get_metrics_result()
+
+        self._replaced = {"train_function": model.train_function}
+        model.train_function = _skip_step
+
+    def _shorten_next_call(self, steps: int) -> None:
+        """Keras 3: the next call runs exactly `steps` (< steps_per_execution) steps."""
+        model = self.model
+        self._replaced = {"train_function": model.train_function, "steps_per_execution": model.steps_per_execution}
+        model.steps_per_execution = steps
+        model.make_train_function(force=True)
+
+    def _restore(self) -> bool:
+        """Puts back what the last call swapped out; True if it did."""
+        if self._replaced is None:
+            return False
+        replaced, self._replaced = self._replaced, None
+        if "steps_per_execution" in replaced:
+            self.model.steps_per_execution = replaced["steps_per_execution"]
+        self.model.train_function = replaced["train_function"]
+        return True
 
     # ------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
@@ -250,29 +303,20 @@ class WithinLimit(_PrivacyCallback):
         self._check_pending = True
 
     def on_train_batch_begin(self, batch, logs=None):
-        if not self._check_pending:
-            return
-        self._check_pending = False
         optimizer = self._optimizer()
-        self._recompute_budget(optimizer)
-        if self._budget < self._needed:
-            # Keras runs this batch even if stop_training is set now: swap in
-            # a no-op step for this one call (restored right after it).
-            model = self.model
-
-            def _skip_step(iterator):
-                return model.get_metrics_result()
-
-            self._restore_train_function = model.train_function
-            model.train_function = _skip_step
-            self._stop()
+        if self._check_pending:
+            self._check_pending = False
+            self._recompute_budget(optimizer)
+            if self.remaining < self._steps_needed_per_call(optimizer):
+                self._skip_next_call()
+                self._stop()
+                return
+        if is_keras3_model(self.model) and 0 < self.remaining < self._steps_per_execution():
+            self._shorten_next_call(self.remaining)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._restore_train_function is not None:
-            self.model.train_function = self._restore_train_function
-            self._restore_train_function = None
-            self.model.stop_training = True
-            return
+        if self._restore() and self.model.stop_training:
+            return  # the no-op call after a stop
         optimizer = self.model.optimizer
         params = self._current_params(optimizer)
         if params != self._params:
@@ -283,7 +327,7 @@ class WithinLimit(_PrivacyCallback):
         else:
             self._last_steps = int(optimizer.noised_steps.numpy())
             self.remaining = self._budget - (self._last_steps - self._budget_start)
-        if self.remaining < self._needed:
+        if self.remaining < self._steps_needed_per_call(optimizer):
             self._stop()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -293,6 +337,4 @@ class WithinLimit(_PrivacyCallback):
             sync_ledger_state(self.model, *self._params)
 
     def on_train_end(self, logs=None):
-        if self._restore_train_function is not None:
-            self.model.train_function = self._restore_train_function
-            self._restore_train_function = None
+        self._restore()
