@@ -93,7 +93,7 @@ def main(argv=None):
         lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=physical, seed=args.seed)
         opt = _models.dp_sgd(front, l2_norm_clip=d["clip"], noise_multiplier=row["noise_multiplier"], lots=lots,
                              learning_rate=lr, momentum=0.9, seed=args.seed)
-        model = _models.build_model(kind, xtr.shape[1:], 10, width=width, front_end=front)
+        model = _models.build_model(kind, xtr.shape[1:], 10, width=width, keras_module=_models.keras_module(front))
         model = _models.compile_private(model, opt, front)
         # The table's step count: ceil(epochs * N / L) lots.
         model.fit(lots.dataset(num_lots=row["steps"]), steps_per_epoch=row["steps"] * lots.gradient_accumulation_steps,

@@ -45,8 +45,7 @@ def keras_display(front: str) -> str:
     return f"Keras {label}" if front == "keras3" else label
 
 
-def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256,
-                front_end: str = "tf_keras"):
+def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256, keras_module=None):
     """Builds an uncompiled classifier that outputs logits.
 
     Args:
@@ -56,13 +55,16 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
       input_shape: shape of one example, e.g. (8, 8, 1).
       num_classes: number of output logits (>= 2).
       width: hidden units of the MLP (>= 1).
-      front_end: "tf_keras" (default) or "keras3"; a Keras 3 model still needs
-        ``keras_dpsgd.keras3.make_private`` before DP training.
+      keras_module: the Keras to build with (``keras`` for Keras 3); default tf_keras. A Keras 3
+        model still needs ``keras_dpsgd.keras3.make_private`` before DP training.
 
     Raises:
       ValueError: unknown name or arguments out of range.
     """
-    keras = keras_module(front_end)
+    if keras_module is None:
+        import tf_keras as keras
+    else:
+        keras = keras_module
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
     if isinstance(num_classes, bool) or int(num_classes) != num_classes or num_classes < 2:

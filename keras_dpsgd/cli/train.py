@@ -208,7 +208,7 @@ def train(args) -> dict:
         front, l2_norm_clip=args.l2_norm_clip, noise_multiplier=sigma, lots=lots,
         learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
     )
-    model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width, front_end=front)
+    model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras)
     # weighted: padding rows (sample_weight 0) do not count in the accuracy
     model = _models.compile_private(model, optimizer, front, weighted_metrics=["accuracy"])
     logger = PrivacyLogger(delta, accountant=args.accountant)
