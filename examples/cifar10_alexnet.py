@@ -7,8 +7,7 @@ each activation by its neighbouring *channels* of the same example, so it does
 not mix examples and per-example clipping still bounds each example's
 influence (unlike BatchNormalization, which the optimizer refuses).
 
-Training: DP-SGD with momentum on Poisson lots (split into physical batches
-with gradient accumulation), per-layer clipping with bound 2, stopped by
+Training: DP-SGD with momentum on Poisson lots, per-layer clipping with bound 2, stopped by
 :class:`keras_dpsgd.WithinLimit` at the target ε; ε is printed every epoch.
 As in examples/mnist_dpsgd.py, every trainable variable is clipped separately
 and noised with σ·√V so that the accounted effective noise multiplier is σ.
@@ -23,6 +22,13 @@ seen the private training set.
     python examples/cifar10_alexnet.py                           # needs CIFAR-10 (tfds downloads it once)
     python examples/cifar10_alexnet.py --public-model pub.keras  # frozen public conv layers
     python examples/cifar10_alexnet.py --smoke                   # offline: tfds mock data, tiny, < 60 s
+    TF_USE_LEGACY_KERAS=1 python examples/cifar10_alexnet.py     # on tf_keras
+
+Keras 3 by default (a model made private with ``keras_dpsgd.keras3.make_private``),
+tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule for ``tf.keras``);
+the first line printed says which. On tf_keras each lot is split into physical
+batches of ``--physical-batch-size`` rows (gradient accumulation, default 500);
+Keras 3's DP optimizers take no accumulation yet, so there each lot is one batch.
 """
 
 import argparse
@@ -34,7 +40,11 @@ from keras_dpsgd.cli import import_tensorflow_quietly
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
+
+from keras_dpsgd import _models  # noqa: E402
+
+FRONT_END = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
+keras = _models.keras_module(FRONT_END)
 
 CONV_LAYERS = ("conv1", "conv2")
 
@@ -88,7 +98,9 @@ def main(argv=None) -> int:
     p.add_argument("--noise-multiplier", type=float, default=6.0, help="σ_eff of one step")
     p.add_argument("--clip", type=float, default=2.0, help="per-variable clipping bound")
     p.add_argument("--lot-size", type=int, default=2000)
-    p.add_argument("--physical-batch-size", type=int, default=500)
+    p.add_argument("--physical-batch-size", type=int, default=None,
+                   help="rows per physical batch (tf_keras: gradient accumulation, default 500; Keras 3: one batch "
+                   "per lot, so leave it unset)")
     p.add_argument("--epochs", type=int, default=100, help="at most this many epochs (WithinLimit stops earlier)")
     p.add_argument("--learning-rate", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -101,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
     from keras_dpsgd._datasets import load_local, load_tfds
 
     if args.smoke:
@@ -109,13 +121,17 @@ def main(argv=None) -> int:
 
         with tfds.testing.mock_data(num_examples=64):
             data = load_tfds("cifar10")
-        args.epochs, args.lot_size, args.physical_batch_size, args.delta = 1, 16, 32, 1e-3
+        args.epochs, args.lot_size, args.delta = 1, 16, 1e-3
+        if FRONT_END == "tf_keras":
+            args.physical_batch_size = 32
     else:
         try:
             data = load_local(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         except ValueError as err:
             print(f"cifar10_alexnet.py: error: {err}", file=sys.stderr)
             return 2
+    if args.physical_batch_size is None and FRONT_END == "tf_keras" and not args.smoke:
+        args.physical_batch_size = 500
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
 
@@ -125,22 +141,25 @@ def main(argv=None) -> int:
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size,
                        physical_batch_size=args.physical_batch_size, seed=args.seed)
     num_vars = len(model.trainable_variables)
-    optimizer = DPSGDOptimizer(
-        [args.clip] * num_vars, [args.noise_multiplier * math.sqrt(num_vars)] * num_vars,
-        learning_rate=args.learning_rate, momentum=args.momentum,
-        gradient_accumulation_steps=lots.gradient_accumulation_steps, seed=args.seed)
-    lots.configure(optimizer)
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
-                  weighted_metrics=["accuracy"])
+    try:
+        optimizer = _models.dp_sgd(
+            FRONT_END, l2_norm_clip=[args.clip] * num_vars,
+            noise_multiplier=[args.noise_multiplier * math.sqrt(num_vars)] * num_vars, lots=lots,
+            learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed)
+    except ValueError as err:
+        print(f"cifar10_alexnet.py: error: {err}", file=sys.stderr)
+        return 2
+    model = _models.compile_private(model, optimizer, FRONT_END, weighted_metrics=["accuracy"])
     frozen = "frozen public conv layers, " if args.public_model else ""
+    print(_models.keras_display(FRONT_END))
     print(f"small AlexNet ({frozen}{num_vars} DP-trained variables): σ_eff = "
           f"{optimizer.effective_noise_multiplier:.4g}, clip {args.clip:g} per variable, lot {args.lot_size} "
           f"({lots.gradient_accumulation_steps} × {lots.physical_batch_size}), target ε = {args.target_epsilon:g}, "
           f"δ = {args.delta:g}")
     model.fit(lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
               callbacks=[PrivacyLogger(args.delta), WithinLimit(args.target_epsilon, args.delta)],
-              validation_data=(data.x_test, data.y_test), validation_batch_size=500, verbose=2)
+              validation_data=(data.x_test, data.y_test), validation_batch_size=500, verbose=2,
+              shuffle=False)  # Poisson lots are random already
     epsilon, delta = model_epsilon(model, target_delta=args.delta)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=500, verbose=0)
     print(f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "

@@ -18,6 +18,12 @@ the target ε, but they all touch the same data: together they cost more
     python examples/large_lots.py --smoke        # < 30 s
     python examples/large_lots.py --dataset cifar10   # paper scale: 60 epochs, ε = 20, lots 128/512/1024
     python examples/large_lots.py --plot lots.png     # the noise-per-example plot
+    TF_USE_LEGACY_KERAS=1 python examples/large_lots.py   # on tf_keras
+
+Keras 3 by default, tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule
+for ``tf.keras``; the output says which). Keras 3's DP optimizers take no
+gradient accumulation yet: there each lot is one physical batch (--max-batch-size
+only shapes the table), and the lots must fit in memory.
 """
 
 import argparse
@@ -47,28 +53,29 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import numpy as np
-    import tf_keras as keras
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots
+    from keras_dpsgd import PoissonLots, _models
     from keras_dpsgd.accounting import compute_epsilon, default_delta
     from keras_dpsgd.ledger import model_privacy_ledger
-    from keras_dpsgd.tools import (convnet_builder, large_lot_table, load_digits, load_tfds, mlp_builder,
-                                   plot_noise_per_example)
+    from keras_dpsgd.tools import large_lot_table, load_digits, load_tfds, plot_noise_per_example
 
     from keras_dpsgd._datasets import load_local_arrays as load_arrays
 
+    front = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
+
+    rng = np.random.default_rng(args.seed)
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
-        build = convnet_builder(xtr.shape[1:], 10, keras_module=keras)
+        kind, width = "cnn", 256
         d = dict(lots=[128, 512, 1024], epochs=60, eps=20.0, lr=0.01, base=128, cap=256, clip=1.0)
     else:
-        (xtr, ytr), (xte, yte) = load_digits()
+        (xtr, ytr), (xte, yte) = load_digits(rng)
         if args.smoke:
             xtr, ytr, xte, yte = xtr[:200], ytr[:200], xte[:100], yte[:100]
             d = dict(lots=[16, 48], epochs=1, eps=3.0, lr=0.05, base=16, cap=48, clip=1.0)
         else:
             d = dict(lots=[32, 128, 256], epochs=20, eps=3.0, lr=0.05, base=32, cap=64, clip=1.0)
-        build = mlp_builder(xtr.shape[1:], 10, width=32 if args.smoke else 128, depth=1, keras_module=keras)
+        kind, width = "mlp", 32 if args.smoke else 128
     lots_sizes = args.lot_sizes or d["lots"]
     epochs, eps = args.epochs or d["epochs"], args.target_epsilon or d["eps"]
     base_lr, base_lot = args.base_learning_rate or d["lr"], args.base_lot_size or d["base"]
@@ -82,31 +89,31 @@ def main(argv=None):
         plot_noise_per_example(table, args.plot)
 
     def train(row, lr):
-        lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=cap, seed=args.seed)
-        opt = DPSGDOptimizer(l2_norm_clip=d["clip"], noise_multiplier=row["noise_multiplier"], learning_rate=lr,
-                             momentum=0.9, gradient_accumulation_steps=lots.gradient_accumulation_steps,
-                             seed=args.seed)
-        lots.configure(opt)
-        model = build()
-        model.compile(optimizer=opt,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+        physical = cap if front == "tf_keras" else None  # Keras 3: one physical batch per lot
+        lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=physical, seed=args.seed)
+        opt = _models.dp_sgd(front, l2_norm_clip=d["clip"], noise_multiplier=row["noise_multiplier"], lots=lots,
+                             learning_rate=lr, momentum=0.9, seed=args.seed)
+        model = _models.build_model(kind, xtr.shape[1:], 10, width=width, keras_module=_models.keras_module(front))
+        model = _models.compile_private(model, opt, front)
         # The table's step count: ceil(epochs * N / L) lots.
         model.fit(lots.dataset(num_lots=row["steps"]), steps_per_epoch=row["steps"] * lots.gradient_accumulation_steps,
-                  epochs=1, verbose=0)
+                  epochs=1, verbose=0, shuffle=False)
         acc = float(np.mean(np.argmax(model.predict(xte, verbose=0), -1) == yte))
         spent = compute_epsilon(model_privacy_ledger(model), delta)
         return {"lot_size": row["lot_size"], "learning_rate": lr, "noise_multiplier": row["noise_multiplier"],
                 "noise_per_example": row["noise_per_example"], "steps": int(opt.noised_steps.numpy()),
-                "accumulation_steps": lots.gradient_accumulation_steps, "physical_batch_size": cap,
+                "accumulation_steps": lots.gradient_accumulation_steps, "physical_batch_size": lots.physical_batch_size,
                 "test_accuracy": acc, "epsilon": spent}
 
     runs = [train(row, row["learning_rate"]) for row in table]
     runs.append(dict(train(table[-1], base_lr), note="base learning rate (not scaled)"))
     if args.json:
-        print(json.dumps({"table": table, "runs": runs, "delta": delta, "target_epsilon": eps}))
+        print(json.dumps({"table": table, "runs": runs, "delta": delta, "target_epsilon": eps,
+                          "keras": _models.keras_label(front)}))
         return
-    print(f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; "
-          f"physical batches of <= {cap} rows")
+    batches = f"physical batches of <= {cap} rows" if front == "tf_keras" else "one physical batch per lot"
+    print(f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; {batches}; "
+          f"{_models.keras_display(front)}")
     print(f"{'lot':>6} {'sigma':>8} {'sigma/L':>9} {'lr':>8} {'accum':>6} {'steps':>6} {'epsilon':>8} {'test acc':>9}")
     for r in runs:
         print(f"{r['lot_size']:>6} {r['noise_multiplier']:>8.3f} {r['noise_per_example']:>9.4f} "

@@ -1,15 +1,48 @@
-"""Small tf_keras classifiers for ``keras-dpsgd train`` (logits out, no BatchNormalization).
+"""Small classifiers for ``keras-dpsgd train`` and the examples (logits out, no BatchNormalization), on either Keras.
 
 DP-SGD clips every example's gradient, so layers that mix the examples of a
 batch (BatchNormalization) are excluded; small models also suffer less from
 the noise, whose norm grows with the square root of the number of parameters.
+
+Which Keras: :func:`front_end` follows TensorFlow's rule for ``tf.keras``:
+Keras 3 unless ``TF_USE_LEGACY_KERAS`` is ``1``/``true``/``True`` (then tf_keras).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import Any, Sequence
 
 MODELS = ("mlp", "cnn")
+FRONT_ENDS = ("keras3", "tf_keras")
+
+
+def front_end() -> str:
+    """"keras3", or "tf_keras" where ``TF_USE_LEGACY_KERAS`` asks for it (TensorFlow's rule for tf.keras)."""
+    return "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS", None) in ("true", "True", "1") else "keras3"
+
+
+def keras_module(front: str) -> Any:
+    """The Keras package of a front end: ``keras`` (Keras 3) or ``tf_keras``."""
+    if front not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {list(FRONT_ENDS)}, got {front!r}")
+    if front == "keras3":
+        import keras
+    else:
+        import tf_keras as keras
+    return keras
+
+
+def keras_label(front: str) -> str:
+    """Which Keras ran, for reports: e.g. "3.15.0" (Keras 3) or "tf_keras 2.21.0"."""
+    version = keras_module(front).__version__
+    return version if front == "keras3" else f"tf_keras {version}"
+
+
+def keras_display(front: str) -> str:
+    """Which Keras ran, for people: "Keras 3.15.0" or "tf_keras 2.21.0"."""
+    label = keras_label(front)
+    return f"Keras {label}" if front == "keras3" else label
 
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256, keras_module=None):
@@ -22,7 +55,8 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
       input_shape: shape of one example, e.g. (8, 8, 1).
       num_classes: number of output logits (>= 2).
       width: hidden units of the MLP (>= 1).
-      keras_module: the Keras to build with (``keras`` for Keras 3); default tf_keras.
+      keras_module: the Keras to build with (``keras`` for Keras 3); default tf_keras. A Keras 3
+        model still needs ``keras_dpsgd.keras3.make_private`` before DP training.
 
     Raises:
       ValueError: unknown name or arguments out of range.
@@ -48,3 +82,48 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
         x = keras.layers.GlobalAveragePooling2D()(x)
     outputs = keras.layers.Dense(int(num_classes))(x)
     return keras.Model(inputs, outputs, name=f"dpsgd_{name}")
+
+
+def dp_sgd(front: str, *, l2_norm_clip: Any, noise_multiplier: Any, lots: Any, **kwargs) -> Any:
+    """A DP-SGD optimizer of the front end, configured for `lots` (a :class:`keras_dpsgd.PoissonLots`).
+
+    tf_keras takes the lots' gradient accumulation; Keras 3's optimizers take
+    none, so there a lot split into several physical batches is refused.
+
+    Raises:
+      ValueError: Keras 3 and ``lots.gradient_accumulation_steps`` > 1.
+    """
+    if front == "keras3":
+        from keras_dpsgd.keras3 import DPSGDOptimizer
+
+        if lots.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"physical_batch_size must be None on Keras 3 (one batch per lot), got {lots.physical_batch_size}, "
+                f"which splits each lot into {lots.gradient_accumulation_steps} batches (gradient accumulation, "
+                "not supported yet by Keras 3's DP optimizers): drop it, or run with TF_USE_LEGACY_KERAS=1 (tf_keras)"
+            )
+        optimizer = DPSGDOptimizer(l2_norm_clip, noise_multiplier, **kwargs)
+    else:
+        from keras_dpsgd.optimizer import DPSGDOptimizer
+
+        optimizer = DPSGDOptimizer(l2_norm_clip, noise_multiplier,
+                                   gradient_accumulation_steps=lots.gradient_accumulation_steps, **kwargs)
+    return lots.configure(optimizer)
+
+
+def compile_private(model: Any, optimizer: Any, front: str, **kwargs) -> Any:
+    """Compiles `model` for DP-SGD with a logits cross-entropy (per example), private on Keras 3 too.
+
+    On Keras 3 the model gets the private train step (``make_private``); the
+    accuracy is weighted, so padding rows of the lots (weight 0) do not count.
+    """
+    keras = keras_module(front)
+    if front == "keras3":
+        from keras_dpsgd.keras3 import make_private
+
+        model = make_private(model)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    else:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    model.compile(optimizer=optimizer, loss=loss, **kwargs)
+    return model

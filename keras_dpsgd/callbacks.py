@@ -181,9 +181,12 @@ class WithinLimit(_PrivacyCallback):
 
     * Keras 3: exact. When fewer than s steps remain, the last execution runs
       exactly the remaining steps (a train function rebuilt once for them).
-    * tf_keras: training stops when fewer than ceil(s / k) noised steps
-      remain (k = gradient accumulation steps): the budget still holds, but a
-      few affordable steps may be left unused.
+    * tf_keras: exact when s is a multiple of the gradient accumulation steps
+      k (every execution starts a lot): the last execution runs the remaining
+      lots' batches (the way tf_keras runs a short last execution of an epoch).
+      Otherwise training stops when fewer than ceil(s / k) noised steps
+      remain: the budget still holds, but a few affordable steps may be left
+      unused.
 
     Args:
       target_epsilon: the budget ε > 0.
@@ -246,12 +249,19 @@ class WithinLimit(_PrivacyCallback):
         spe = getattr(self.model, "_steps_per_execution", None)
         return int(spe.numpy()) if spe is not None else 1
 
+    @staticmethod
+    def _accumulation(optimizer) -> int:
+        return int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+
+    def _can_cut_calls(self, optimizer) -> bool:
+        """True where a call can be cut to the steps that remain: Keras 3, or tf_keras with s % k == 0."""
+        return is_keras3_model(self.model) or self._steps_per_execution() % self._accumulation(optimizer) == 0
+
     def _steps_needed_per_call(self, optimizer) -> int:
-        """Fewest noised steps the next call may take: 1 on Keras 3 (its last call is cut to fit)."""
-        if is_keras3_model(self.model):
+        """Fewest noised steps the next call may take: 1 where the last call is cut to fit."""
+        if self._can_cut_calls(optimizer):
             return 1
-        accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
-        return max(1, math.ceil(self._steps_per_execution() / accum))
+        return max(1, math.ceil(self._steps_per_execution() / self._accumulation(optimizer)))
 
     def _stop(self) -> None:
         self.model.stop_training = True
@@ -274,21 +284,29 @@ class WithinLimit(_PrivacyCallback):
         self._replaced = {"train_function": model.train_function}
         model.train_function = _skip_step
 
-    def _shorten_next_call(self, steps: int) -> None:
-        """Keras 3: the next call runs exactly `steps` (< steps_per_execution) steps."""
+    def _shorten_next_call(self, batches: int) -> None:
+        """The next call runs exactly `batches` (< steps_per_execution) batches."""
         model = self.model
-        self._replaced = {"train_function": model.train_function, "steps_per_execution": model.steps_per_execution}
-        model.steps_per_execution = steps
-        model.make_train_function(force=True)
+        if is_keras3_model(model):
+            self._replaced = {"train_function": model.train_function, "steps_per_execution": model.steps_per_execution}
+            model.steps_per_execution = batches
+            model.make_train_function(force=True)
+        else:  # tf_keras's multi-step function reads this variable at run time
+            variable = model._steps_per_execution
+            self._replaced = {"spe_variable": int(variable.numpy())}
+            variable.assign(batches)
 
     def _restore(self) -> bool:
         """Puts back what the last call swapped out; True if it did."""
         if self._replaced is None:
             return False
         replaced, self._replaced = self._replaced, None
+        if "spe_variable" in replaced:
+            self.model._steps_per_execution.assign(replaced["spe_variable"])
         if "steps_per_execution" in replaced:
             self.model.steps_per_execution = replaced["steps_per_execution"]
-        self.model.train_function = replaced["train_function"]
+        if "train_function" in replaced:
+            self.model.train_function = replaced["train_function"]
         return True
 
     # ------------------------------------------------------------- hooks
@@ -311,8 +329,10 @@ class WithinLimit(_PrivacyCallback):
                 self._skip_next_call()
                 self._stop()
                 return
-        if is_keras3_model(self.model) and 0 < self.remaining < self._steps_per_execution():
-            self._shorten_next_call(self.remaining)
+        if self._can_cut_calls(optimizer):
+            batches = self.remaining * (1 if is_keras3_model(self.model) else self._accumulation(optimizer))
+            if 0 < batches < self._steps_per_execution():
+                self._shorten_next_call(batches)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._restore() and self.model.stop_training:

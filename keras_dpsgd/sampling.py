@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Iterator, Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 from scipy import stats
@@ -82,7 +84,7 @@ def _check_num_lots(num_lots: Optional[int]) -> None:
 
 
 class PoissonLots:
-    """Lots drawn by Poisson sampling, as a ``tf.data.Dataset`` for ``fit``.
+    """Lots drawn by Poisson sampling, as a ``tf.data.Dataset`` (or a Keras 3 ``PyDataset``) for ``fit``.
 
     Every step draws a fresh, independent Poisson sample of the examples: each
     example is in the lot with probability q, independently of the other
@@ -104,6 +106,11 @@ class PoissonLots:
 
     ``fit(lots.dataset())`` without ``steps_per_epoch`` is refused by Keras
     before training: the default dataset is endless (see :meth:`dataset`).
+
+    The same dataset feeds a tf_keras model and a Keras 3 model made private
+    with :func:`keras_dpsgd.keras3.make_private` (whose optimizer takes no
+    gradient accumulation: leave `physical_batch_size` None there).
+    :meth:`as_py_dataset` gives the lots as a ``keras.utils.PyDataset``.
 
     The dataset yields ``(x, y, sample_weight)`` physical batches whose batch
     dimension is ``None`` in the element spec (so ``train_step`` is traced
@@ -370,6 +377,27 @@ class PoissonLots:
             tf.data.AUTOTUNE
         )
 
+    def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":
+        """The lots as a Keras 3 ``keras.utils.PyDataset``: endless, or `num_lots` lots per epoch.
+
+        Same batches as :meth:`dataset` (padded with zero rows of weight 0, the
+        batch dimension free), drawn in Python: ``fit(lots.as_py_dataset(
+        lots.lots_per_epoch), epochs=E)``. See :class:`PoissonLotsPyDataset`.
+
+        Raises:
+          ValueError: if a lot is split into several physical batches
+            (`physical_batch_size`): Keras 3's DP optimizers take no gradient
+            accumulation, and Keras reads batches ahead to learn their shapes.
+        """
+        _check_num_lots(num_lots)
+        if self._accum != 1:
+            raise ValueError(
+                f"as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps={self._accum} "
+                f"(physical_batch_size={self._physical}): Keras 3's DP optimizers take no gradient "
+                "accumulation; leave physical_batch_size None"
+            )
+        return PoissonLotsPyDataset(self, num_lots)
+
     def configure(self, optimizer: Any) -> Any:
         """Tells a DP optimizer how its lots are drawn; returns it.
 
@@ -425,3 +453,68 @@ class PoissonLots:
                 raise ValueError("sample_weight given twice: in the dataset and as an argument")
             kwargs["sample_weight"] = stacked[2]
         return cls(stacked[0], stacked[1], **kwargs)
+
+
+class PoissonLotsPyDataset(keras.utils.PyDataset):
+    """Poisson lots as a Keras 3 ``keras.utils.PyDataset`` (get one with :meth:`PoissonLots.as_py_dataset`).
+
+    Every ``__getitem__`` draws a fresh lot, whatever the index: lots are
+    independent, so their order means nothing and ``fit(shuffle=...)``
+    changes nothing. Keras draws two lots before training to learn the
+    batch shapes and does not train on them (the stream of fresh lots goes
+    on). Each epoch is `num_lots` fresh lots (or endless: pass
+    ``steps_per_epoch``).
+
+    One worker, in this process only: worker processes would copy the
+    sampler's generator and draw the same lots (no longer independent), so
+    ``workers`` other than 1 and ``use_multiprocessing=True`` are refused.
+    """
+
+    def __init__(self, lots: PoissonLots, num_lots: Optional[int] = None):
+        super().__init__(workers=1, use_multiprocessing=False)
+        _check_num_lots(num_lots)
+        self._lots = lots
+        self._num_lots = None if num_lots is None else int(num_lots)
+        self._stream = lots._numpy_batches(None)
+        self._lock = threading.Lock()
+
+    @property
+    def workers(self) -> int:
+        return 1
+
+    @workers.setter
+    def workers(self, value: int) -> None:
+        if value != 1:
+            raise ValueError(
+                f"workers must be 1 for Poisson lots, got {value!r}: several workers would draw lots out of "
+                "order or, as processes, the same lots"
+            )
+
+    @property
+    def use_multiprocessing(self) -> bool:
+        return False
+
+    @use_multiprocessing.setter
+    def use_multiprocessing(self, value: bool) -> None:
+        if value:
+            raise ValueError(
+                "use_multiprocessing must be False for Poisson lots, got True: each process would copy the "
+                "sampler's generator and draw the same lots"
+            )
+
+    @property
+    def num_batches(self) -> Optional[int]:
+        """`num_lots` (one batch per lot), or None for an endless stream."""
+        return self._num_lots
+
+    def __len__(self) -> int:
+        if self._num_lots is None:
+            raise TypeError("an endless PoissonLotsPyDataset has no len(); pass steps_per_epoch to fit")
+        return self._num_lots
+
+    def __getitem__(self, index: int) -> tuple:
+        """A fresh lot ``(x, y, sample_weight)`` (the index only bounds a finite dataset)."""
+        if self._num_lots is not None and not 0 <= index < self._num_lots:
+            raise IndexError(f"index must be in [0, {self._num_lots}), got {index!r}")
+        with self._lock:
+            return next(self._stream)

@@ -123,12 +123,13 @@ def test_within_limit_takes_no_step_when_the_budget_is_spent():
     assert _check_stopped_at_the_boundary(model, 1.0) > spent
 
 
-def test_within_limit_with_steps_per_execution_never_overshoots():
+def test_within_limit_with_steps_per_execution_stops_exactly():
+    target = 0.5 * (_eps(23) + _eps(24))  # 23 steps fit: executions of 4 + 4 + 2 per epoch, then 3 of a 4
     model = _model()
     model.compile(optimizer=FakeDPOptimizer(SIGMA, Q, Q * N), loss="mse", steps_per_execution=4)
-    _fit(model, [WithinLimit(1.0, DELTA, verbose=0)], epochs=50)
-    steps = int(model.optimizer.noised_steps.numpy())
-    assert _eps(steps) <= 1.0 < _eps(steps + 4)
+    _fit(model, [WithinLimit(target, DELTA, verbose=0)], epochs=50)
+    assert _check_stopped_at_the_boundary(model, target) == 23
+    assert int(model._steps_per_execution.numpy()) == 4  # put back after the cut call
 
 
 def test_within_limit_validation():

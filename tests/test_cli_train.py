@@ -64,8 +64,9 @@ def test_given_sigma_stops_within_budget(capsys):
 
 
 def test_save_writes_model_and_privacy_report(capsys, tmp_path):
-    import tf_keras as keras
+    import keras  # the CLI's default: Keras 3
 
+    import keras_dpsgd.keras3  # noqa: F401 (registers the DP optimizer classes for loading)
     from keras_dpsgd._datasets import load_digits
 
     out = tmp_path / "run"
@@ -77,6 +78,7 @@ def test_save_writes_model_and_privacy_report(capsys, tmp_path):
     ledger = PrivacyLedger.from_dict(report["ledger"])
     assert compute_epsilon(ledger, 1e-5) == pytest.approx(result["epsilon"], rel=1e-9)
     assert report["settings"]["noise_multiplier"] == result["noise_multiplier"]
+    assert result["keras"] == keras.__version__
     model = keras.models.load_model(out / "model.keras", compile=False)
     data = load_digits()
     acc = np.mean(np.argmax(model.predict(data.x_test, verbose=0), axis=-1) == data.y_test)
@@ -91,12 +93,13 @@ def test_text_output_has_summary(capsys):
     assert "test accuracy" in out and "planned steps" in out and "lr = 0.5," in out
 
 
-def test_tfds_dataset_through_mock_data(capsys):
+def test_tfds_dataset_through_mock_data(capsys, monkeypatch):
     tfds = pytest.importorskip("tensorflow_datasets")
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")  # tf_keras: physical batches with gradient accumulation
     with tfds.testing.mock_data(num_examples=64):
         result, _ = _run_json(capsys, "--dataset", "mnist", "--model", "cnn", "--epochs", "1", "--lot-size", "16",
                               "--physical-batch-size", "8", "--delta", "1e-3")
-    assert result["dataset"] == "mnist" and result["num_examples"] == 64
+    assert result["dataset"] == "mnist" and result["num_examples"] == 64 and result["keras"].startswith("tf_keras 2.")
     assert result["model"] == "cnn" and result["learning_rate"] == 2.0
     assert result["steps"] == 4 and result["epsilon"] <= result["target_epsilon"]
     assert 0.0 <= result["test_accuracy"] <= 1.0
@@ -125,6 +128,7 @@ def test_tfds_unavailable_is_one_line_error_exit_2(capsys, monkeypatch):
         (["--delta", "0.001"], "delta"),
         (["--momentum", "1.5"], "momentum must be in [0, 1)"),
         (["--noise-multiplier", "-1"], "noise_multiplier must be"),
+        (["--physical-batch-size", "64"], "physical_batch_size must be None on Keras 3 (one batch per lot), got 64"),
     ],
 )
 def test_bad_input_exit_2(capsys, argv, fragment):

@@ -59,7 +59,7 @@ def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
                                        "--save-model", trained_path)
     assert "frozen public conv layers, 6 DP-trained variables" in out
     assert steps == 4 and 0 < eps <= 8.0 and 0.0 <= acc <= 1.0
-    import tf_keras as keras
+    keras = example.keras  # the example's Keras: Keras 3 unless TF_USE_LEGACY_KERAS=1
 
     trained = keras.models.load_model(trained_path, compile=False)
     for name in example.CONV_LAYERS:  # frozen: exactly the public weights
@@ -71,9 +71,8 @@ def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
 
 
 def test_small_alexnet_architecture():
-    import tf_keras as keras
-
     example = _load_example("cifar10_alexnet")
+    keras = example.keras
     model = example.small_alexnet()
     kinds = [type(layer).__name__ for layer in model.layers[1:]]
     assert kinds == ["Conv2D", "MaxPooling2D", "LocalResponseNormalization", "Conv2D", "LocalResponseNormalization",

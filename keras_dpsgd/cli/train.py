@@ -4,7 +4,12 @@ The run is Abadi et al. (2016)'s Algorithm 1 with the library's parts:
 Poisson-sampled lots (:class:`keras_dpsgd.PoissonLots`), the DP-SGD optimizer
 (:class:`keras_dpsgd.DPSGDOptimizer`), ε in the Keras progress bar
 (:class:`keras_dpsgd.PrivacyLogger`) and the budget enforced by
-:class:`keras_dpsgd.WithinLimit`. Unless ``--noise-multiplier`` is given, σ is
+:class:`keras_dpsgd.WithinLimit`. It runs on Keras 3 (a model made private with
+``keras_dpsgd.keras3.make_private``) unless ``TF_USE_LEGACY_KERAS=1`` selects
+tf_keras, TensorFlow's rule for ``tf.keras``; the plan line and the JSON key
+"keras" ("3.15.0", "tf_keras 2.21.0") say which one ran. Keras 3's DP optimizers
+take no gradient accumulation: there ``--physical-batch-size`` smaller than a
+lot is refused (exit 2). Unless ``--noise-multiplier`` is given, σ is
 the smallest noise multiplier that keeps the planned number of steps within
 (target ε, δ) (``compute_noise_multiplier``, which never returns less than the
 exact value).
@@ -173,17 +178,20 @@ def _accuracy(model, x, y, batch: int = 1024) -> float:
 
 
 def train(args) -> dict:
-    """Runs one training job described by parsed CLI arguments; returns the result dict."""
-    _check_args(args)
-    import tf_keras as keras
+    """Runs one training job described by parsed CLI arguments; returns the result dict.
 
+    Keras 3 by default, tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's
+    rule for tf.keras); the result's "keras" key says which one ran.
+    """
+    _check_args(args)
     from keras_dpsgd import _models
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
     from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
-    from keras_dpsgd.optimizer import DPSGDOptimizer
     from keras_dpsgd.sampling import PoissonLots
 
+    front = _models.front_end()
+    keras = _models.keras_module(front)
     start = time.perf_counter()
     data = _load_data(args)
     for note in data.notes:
@@ -201,34 +209,31 @@ def train(args) -> dict:
     scaling = _dp_normalize.adapted_layer(args, data.x_train, keras, seed=args.seed)
     prior = scaling.privacy_events if scaling is not None else ()
     planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate, prior)
-    optimizer = DPSGDOptimizer(
-        l2_norm_clip=args.l2_norm_clip, noise_multiplier=sigma, learning_rate=args.learning_rate,
-        momentum=args.momentum, gradient_accumulation_steps=lots.gradient_accumulation_steps, seed=args.seed,
+    optimizer = _models.dp_sgd(
+        front, l2_norm_clip=args.l2_norm_clip, noise_multiplier=sigma, lots=lots,
+        learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
     )
-    lots.configure(optimizer)
-    model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width)
+    model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras)
     model = _dp_normalize.prepend(keras, scaling, model)  # its release is in the model's ledger
-    model.compile(
-        optimizer=optimizer,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
-        weighted_metrics=["accuracy"],  # weighted: padding rows (sample_weight 0) do not count
-    )
+    # weighted: padding rows (sample_weight 0) do not count in the accuracy
+    model = _models.compile_private(model, optimizer, front, weighted_metrics=["accuracy"])
     logger = PrivacyLogger(delta, accountant=args.accountant)
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
-    print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated))
+    print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated, _models.keras_display(front)))
     if scaling is not None:
         print(f"features standardized by a DP estimate (DPNormalization, σ = {args.dp_normalize:g}, clipped to "
               f"[{scaling.lower:g}, {scaling.upper:g}]): its release is in the ledger and in ε")
     model.fit(
         lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
         callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
-        validation_batch_size=1024, verbose=2 if args.json else 1,
+        validation_batch_size=1024, verbose=2 if args.json else 1, shuffle=False,  # lots are random already
     )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)
     steps = int(optimizer.noised_steps.numpy())
     result = {
         "dataset": data.name,
         "model": args.model,
+        "keras": _models.keras_label(front),
         "num_examples": n,
         "data_notes": list(data.notes),
         "epsilon": float(epsilon),
@@ -260,13 +265,13 @@ def train(args) -> dict:
     return result
 
 
-def _plan_text(args, name, n, delta, lots, planned, sigma, calibrated) -> str:
+def _plan_text(args, name, n, delta, lots, planned, sigma, calibrated, keras_display) -> str:
     how = "calibrated to the target" if calibrated else "given"
     return (
         f"DP-SGD on {name} (N = {n}): {planned} steps planned ({args.epochs} epochs of "
         f"{lots.lots_per_epoch} Poisson lots, expected size {args.lot_size}, q = {lots.sampling_rate:.4g}), "
         f"σ = {sigma:.4g} ({how}), C = {args.l2_norm_clip:g}; budget ε = {args.target_epsilon:g} at "
-        f"δ = {delta:.3g}"
+        f"δ = {delta:.3g}; {keras_display}"
     )
 
 
@@ -323,7 +328,7 @@ def _save(directory: str, model, ledger, result: dict) -> str:
     }
     temporary = {}
     try:
-        for name in SAVED_FILES:  # tf_keras picks the .keras format by the suffix
+        for name in SAVED_FILES:  # both Kerases pick the .keras format by the suffix
             suffix = ".keras" if name.endswith(".keras") else ".tmp"
             fd, temporary[name] = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=suffix)
             os.close(fd)
@@ -350,7 +355,8 @@ def run(args) -> dict:
         result = train(args)
         print(
             f"\n{result['dataset']}: test accuracy {result['test_accuracy']:.4f} at ε = {result['epsilon']:.4g} "
-            f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}\n"
+            f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}, "
+            f"{'Keras ' if not result['keras'].startswith('tf_keras') else ''}{result['keras']}\n"
             f"  {result['steps']} of {result['planned_steps']} planned steps, σ = {result['noise_multiplier']:.4g}, "
             f"C = {result['l2_norm_clip']:g}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
             + (f"\n  saved to {result['saved_to']}" if "saved_to" in result else "")

@@ -1,0 +1,57 @@
+"""``keras-dpsgd train`` in a fresh process on both Kerases: Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1.
+
+Bad input (exit 2, one line) on the default Keras is in tests/test_cli_train.py (in process).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train(tmp_path, legacy, *argv):
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    if legacy:
+        env["TF_USE_LEGACY_KERAS"] = "1"
+    return subprocess.run([sys.executable, "-m", "keras_dpsgd.cli", "train", *argv], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
+def test_train_and_save_on_each_keras(tmp_path, legacy):
+    out = tmp_path / "run"
+    proc = _train(tmp_path, legacy, "--json", "--epochs", "1", "--lot-size", "512", "--width", "16", "--seed", "1",
+                  "--delta", "1e-4", "--save", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    if legacy:
+        import tf_keras as keras
+
+        import keras_dpsgd.optimizer  # noqa: F401 (registers the tf_keras DP classes for loading)
+        assert result["keras"] == f"tf_keras {keras.__version__}" and "; tf_keras 2." in proc.stderr
+    else:
+        import keras
+
+        import keras_dpsgd.keras3  # noqa: F401 (registers the Keras 3 DP classes for loading)
+        assert result["keras"] == keras.__version__ and "; Keras 3." in proc.stderr
+    # 1 epoch of ceil(1347 / 512) = 3 lots; ε is the accountant's for the steps taken, within the target.
+    steps, q, sigma = result["steps"], result["sampling_rate"], result["noise_multiplier"]
+    assert steps == result["planned_steps"] == 3
+    assert result["epsilon"] == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(q, sigma, steps), 1e-4),
+                                              rel=1e-9)
+    assert result["epsilon"] <= result["target_epsilon"] + 1e-9
+    # The .keras file keeps the ledger: the loaded optimizer's steps give the same ε.
+    from keras_dpsgd.ledger import model_epsilon
+
+    with open(out / "privacy_report.json", encoding="utf-8") as f:
+        assert json.load(f)["epsilon"] == result["epsilon"]
+    model = keras.models.load_model(out / "model.keras")
+    assert int(model.optimizer.noised_steps.numpy()) == steps
+    assert model_epsilon(model, target_delta=1e-4)[0] == pytest.approx(result["epsilon"], rel=1e-9)
