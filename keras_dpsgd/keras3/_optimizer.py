@@ -10,6 +10,7 @@ step is refused at its first step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -20,6 +21,8 @@ import tensorflow as tf
 from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd._sanitizer import (
+    DPSanitizerMixin,
+    _EpochBoundary,
     _check_lot_size,
     _check_sampling_rate,
     _is_integer,
@@ -53,6 +56,8 @@ class _State:
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     sigmas: list = dataclasses.field(default_factory=list)
+    accumulation: int = 1  # Batches per lot (the DP gradient_accumulation_steps).
+    keras_view: int = 0  # > 0 while Keras's own code runs: it must see no accumulation of its own.
     pending: list = dataclasses.field(default_factory=list)
 
 
@@ -72,6 +77,7 @@ class DPKeras3Mixin:
         l2_norm_clip: Any,
         noise_multiplier: Any,
         *,
+        gradient_accumulation_steps: int = 1,
         expected_lot_size: float | None = None,
         sampling_rate: float | None = None,
         per_example_backend: str = "auto",
@@ -79,21 +85,21 @@ class DPKeras3Mixin:
         num_microbatches: None = None,
     ) -> None:
         check_num_microbatches(num_microbatches)
-        if self.gradient_accumulation_steps:
-            raise ValueError(
-                "gradient_accumulation_steps is not supported yet by keras_dpsgd's Keras 3 optimizers "
-                f"(got {self.gradient_accumulation_steps!r}): Keras 3 would average separately noised "
-                "batches, which is not one DP-SGD lot. Use a larger batch, or tf_keras's DP optimizers."
-            )
         if self.loss_scale_factor is not None:
             raise ValueError(
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
                 "the DP train step does not scale the loss"
             )
+        k = gradient_accumulation_steps
+        if not _is_integer(k) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
         if seed is not None and not _is_integer(seed):
             raise ValueError(f"seed must be None or an integer, got {seed!r}")
         clip = check_l2_norm_clip(l2_norm_clip)
         self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
+        self._dp.accumulation = int(k)
+        self.discarded_lots = 0
+        self.discarded_batches = 0
         self.per_example_backend = per_example_backend
         self._seed = None if seed is None else int(seed)
         self._sampling_rate = _check_sampling_rate(sampling_rate)
@@ -125,6 +131,41 @@ class DPKeras3Mixin:
         return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """k: batches per lot, accumulated by the DP step (:meth:`minimize`); released once per lot.
+
+        Keras's own ``gradient_accumulation_steps`` machinery (which would average k separately
+        noised batches) is never used: while Keras's code runs this reads None.
+        """
+        state = self.__dict__.get("_dp")
+        if state is None or state.keras_view:
+            return None
+        return state.accumulation
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Any) -> None:
+        if value:  # Keras's __init__ assigns its own argument here: None for a DP optimizer.
+            raise ValueError(
+                "Keras's own gradient_accumulation_steps would average k separately noised batches, which "
+                "is not one DP-SGD lot: pass gradient_accumulation_steps to the keras_dpsgd DP optimizer's "
+                f"constructor (the DP step accumulates the clipped sums), got {value!r} for Keras's"
+            )
+
+    @contextlib.contextmanager
+    def _keras_view(self):
+        """Keras's own code (build, apply) runs without its gradient accumulation."""
+        self._dp.keras_view += 1
+        try:
+            yield
+        finally:
+            self._dp.keras_view -= 1
+
+    @property
+    def iterations(self):
+        """Descent steps applied: lots (``apply`` runs once per lot)."""
+        return self._iterations
+
     @property
     def nonfinite_examples(self) -> tf.Variable:
         """Examples whose gradient was non-finite (zeroed): an un-noised statistic of the private data,
@@ -190,7 +231,8 @@ class DPKeras3Mixin:
     def build(self, variables):
         if self.built:
             return
-        super().build(variables)
+        with self._keras_view():
+            super().build(variables)
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
         bounds = _resolve_bounds(self._dp.l2_norm_clip, [_Named(getattr(v, "path", v.name)) for v in variables])
         sigmas = self._dp.noise_multiplier
@@ -198,12 +240,18 @@ class DPKeras3Mixin:
         self.clip_bounds = self.add_variable(
             (len(bounds),), initializer=keras.initializers.Constant(bounds), dtype="float32", name="clip_bounds"
         )
+        if self._dp.accumulation > 1:
+            # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
+            self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in variables]
+            self._accum_batches = self.add_variable((), initializer="zeros", dtype="int64", name="dp_accumulated_batches")
+            self._accum_examples = self.add_variable((), initializer="zeros", dtype="float32", name="dp_accumulated_examples")
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(
             l2_norm_clip=self._dp.l2_norm_clip,
             noise_multiplier=self._dp.noise_multiplier,
+            gradient_accumulation_steps=self._dp.accumulation,
             expected_lot_size=self._expected_lot_size,
             sampling_rate=self._sampling_rate,
             per_example_backend=self.per_example_backend,
@@ -219,7 +267,7 @@ class DPKeras3Mixin:
         tape: tf.GradientTape,
         regularization_grads: Sequence[tf.Tensor] | None = None,
     ) -> list[tf.Tensor]:
-        """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1).
+        """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1), for lots of one batch.
 
         1-3. per-example gradients, clip, sum (the per-example backend, ``_step.clip_factors``);
         4. noise N(0, σ_v² C_v²) (``_step.noise_stddevs``); 5. divide by L (``_step.normalize``);
@@ -233,7 +281,66 @@ class DPKeras3Mixin:
 
         Returns:
           One gradient per variable; pass them to ``apply`` (and nothing else).
+
+        Raises:
+          ValueError: with gradient_accumulation_steps > 1 (a lot is several batches: call
+            :meth:`minimize`), other variables than the optimizer's, or a multi-replica strategy.
         """
+        if self._dp.accumulation > 1:
+            raise ValueError(
+                f"with gradient_accumulation_steps = {self._dp.accumulation} a lot is several batches: call "
+                "keras_dpsgd.keras3.private_update(optimizer, per_example_loss, variables, tape) (or "
+                "optimizer.minimize), which accumulates the lot and applies it once"
+            )
+        tf_vars = self._checked_variables(variables)
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
+        return self._release(summed, num_examples, regularization_grads, tf_vars)
+
+    def minimize(
+        self,
+        per_example_loss: tf.Tensor,
+        variables: Sequence[Any],
+        tape: tf.GradientTape,
+        regularization_grads: Sequence[tf.Tensor] | None = None,
+        *,
+        model: Any = None,
+    ) -> None:
+        """One DP-SGD update, or one batch of a lot (``gradient_accumulation_steps`` = k > 1).
+
+        With k > 1 the clipped sums of k batches are accumulated; after the k-th the lot is
+        released once (noise drawn once, divided by L, one ``apply``) and ``noised_steps``
+        counts it. An incomplete lot is discarded, never released nor carried over, at every
+        epoch start and at the end of `model`'s ``fit``, and on load (``discard_partial_lot``).
+
+        Args:
+          per_example_loss, variables, tape, regularization_grads: as for :meth:`sanitize`.
+          model: the model being trained (its ``fit`` marks the lot boundaries); None in a
+            custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
+        """
+        if self._dp.accumulation == 1:
+            self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
+            return
+        tf_vars = self._checked_variables(variables)
+        self._watch_lot_boundaries(model)
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
+        for acc, s in zip(self._accumulators, summed):
+            acc.assign_add(tf.cast(s, acc.dtype))
+        self._accum_examples.assign_add(num_examples)
+        self._accum_batches.assign_add(1)
+
+        def release_lot():
+            lot = [tf.cast(acc.value, tf.float32) for acc in self._accumulators]
+            self.apply(self._release(lot, self._accum_examples.value, regularization_grads, tf_vars), variables)
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc.value))
+            self._accum_examples.assign(0.0)
+            self._accum_batches.assign(0)
+            return tf.constant(True)
+
+        tf.cond(self._accum_batches.value >= self._dp.accumulation, release_lot, lambda: tf.constant(False))
+
+    def _checked_variables(self, variables: Sequence[Any]) -> list[tf.Variable]:
+        """The TF variables of `variables`, which must be those the optimizer is built with."""
         variables = list(variables)
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies yet")
@@ -246,9 +353,16 @@ class DPKeras3Mixin:
                 f"bounds are per variable): got {[getattr(v, 'path', v.name) for v in variables]}, built with "
                 f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
             )
-        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+    def _group_bounds(self) -> tf.Tensor:
+        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
+        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
+
+    def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
         groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
-        bounds = self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
+        bounds = self._group_bounds()
         finite = []
 
         def factors(sq_norms):
@@ -257,12 +371,16 @@ class DPKeras3Mixin:
 
         summed, _ = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
-        stds = _step.noise_stddevs(self._dp.sigmas, bounds, groups)
+        return summed, tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+
+    def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
+        """Steps 4-5 on a lot's clipped sum, then the regularization gradient (no clip, no noise)."""
+        groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
+        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), groups)
         noised = [
             s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
             for v, s in enumerate(summed)
         ]
-        num_examples = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
         grads = _step.normalize(noised, num_examples, self._dp.lot)
         self.noised_steps.assign_add(1)
         if regularization_grads is not None:
@@ -284,7 +402,65 @@ class DPKeras3Mixin:
             if grad is not None and not any(grad is g for g in pending):
                 raise ValueError(NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
         del pending[:]
-        return super().apply(grads, trainable_variables)
+        with self._keras_view():
+            return super().apply(grads, trainable_variables)
+
+    # ------------------------------------------------------------------ lots
+    # One rule for both Kerases: the tf_keras sanitizer's (its docstring, "Lots").
+    discard_partial_lot = DPSanitizerMixin.discard_partial_lot
+
+    def load_own_variables(self, store):
+        """.keras loading; a lot saved mid-way is discarded (never resumed)."""
+        super().load_own_variables(store)
+        self.discard_partial_lot("saved in the loaded file")
+
+    def finalize_variable_values(self, var_list):
+        """Called by fit at its end: an incomplete last lot is discarded."""
+        self.discard_partial_lot("at the end of fit")
+        return super().finalize_variable_values(var_list)
+
+    def _fit_locals(self, model: Any) -> dict:
+        frame = ledger.fit_frame(model)
+        return frame.f_locals if frame is not None else {}
+
+    def _check_lot_alignment(self, model: Any) -> None:
+        """With Poisson lots (known q), fit's steps per epoch must hold whole lots."""
+        k = self._dp.accumulation
+        steps = getattr(self._fit_locals(model).get("epoch_iterator"), "num_batches", None)
+        if self._sampling_rate is not None and steps is not None and steps % k:
+            raise ValueError(
+                f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
+                f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
+                "every epoch would be discarded and shift every later lot of the stream; pass "
+                "steps_per_epoch=lots.steps_per_epoch"
+            )
+
+    def _on_fit_epoch_begin(self, model: Any) -> None:
+        """Called by fit at the start of every epoch (``_EpochBoundary``)."""
+        self._check_lot_alignment(model)
+        where = self._fit_locals(model)
+        if where.get("epoch") == where.get("initial_epoch"):  # the first epoch of this fit
+            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
+            return
+        if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
+            raise ValueError(
+                "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
+                "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
+                "and save BackupAndRestore checkpoints at epoch ends or every multiple of "
+                f"gradient_accumulation_steps = {self._dp.accumulation} batches"
+            )
+
+    def _watch_lot_boundaries(self, model: Any) -> None:
+        """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
+        if model is None:
+            return
+        self._check_lot_alignment(model)
+        where = self._fit_locals(model)
+        if where and where.get("epoch") == where.get("initial_epoch") and where.get("begin_step") == 0:
+            # Traced at the first step of this fit, after its first epoch began.
+            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
+        if "reset_metrics" not in vars(model):
+            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
 
 
 _DP_DOC = """
@@ -292,6 +468,12 @@ _DP_DOC = """
       l2_norm_clip: C > 0 (flat clipping), a list (one bound per trainable variable, in
         `model.trainable_variables` order) or a dict by variable path/name (per-layer clipping).
       noise_multiplier: σ >= 0 (one per variable allowed with per-layer clipping).
+      gradient_accumulation_steps: k >= 1 batches form one lot: the clipped sums of k batches
+        are accumulated by the DP step, noise is drawn and the update applied once per lot
+        (`noised_steps` counts lots). An incomplete lot is discarded (`discarded_lots`,
+        `discarded_batches`, a warning) at every epoch start and end of fit and on load, as
+        on tf_keras. Keras's own accumulation (which averages separately noised batches) is
+        never used.
       expected_lot_size: divide the noised sum by this L; None divides by the realized batch size.
       sampling_rate: q, read by the accountant.
       per_example_backend: "auto", "reference" or "fast".
@@ -299,8 +481,8 @@ _DP_DOC = """
       num_microbatches: None only (TF Privacy's default); any other value is refused.
 
     The model's train step must be private: `keras_dpsgd.keras3.make_private(model)`. Without it
-    the first step raises. Not supported yet on Keras 3: gradient_accumulation_steps,
-    loss_scale_factor, mixed_float16 loss scaling.
+    the first step raises. Not supported on Keras 3: loss_scale_factor, mixed_float16 loss
+    scaling.
 """
 
 _DP_CLASSES: dict[type, type] = {}
@@ -339,6 +521,7 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
         l2_norm_clip,
         noise_multiplier,
         *,
+        gradient_accumulation_steps=1,
         expected_lot_size=None,
         sampling_rate=None,
         per_example_backend="auto",
@@ -348,10 +531,11 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
     ):
         check_num_microbatches(num_microbatches)
         kwargs.setdefault("name", cls_name)
-        optimizer_cls.__init__(self, **kwargs)
+        optimizer_cls.__init__(self, **kwargs)  # Keras's own gradient accumulation stays off.
         self._init_dp(
             l2_norm_clip,
             noise_multiplier,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             expected_lot_size=expected_lot_size,
             sampling_rate=sampling_rate,
             per_example_backend=per_example_backend,
