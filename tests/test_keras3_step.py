@@ -335,3 +335,18 @@ def test_keras_own_gradient_accumulation_is_refused():
 
     with pytest.raises(ValueError, match="separately noised"):
         Raw()
+
+
+def test_jit_compiled_accumulated_lot_matches_loop():
+    """jit_compile=True with k = 2: the lot's release (a tf.cond around noise and apply) compiles with XLA."""
+    model, x, y = _compiled(_dense, 0.3, gradient_accumulation_steps=2)
+    x, y = np.concatenate([x, x[:1]]), np.concatenate([y, y[:1]])  # 8 examples: 2 batches of 4
+    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    expected = loop_clipped_mean(model, x, y, loss_fn, 0.3)
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    assert int(model.optimizer.noised_steps.numpy()) == 1 and model.jit_compile
