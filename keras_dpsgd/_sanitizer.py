@@ -43,9 +43,12 @@ Regularization: the gradient of a data-independent term is added to the
 sanitized gradient without clipping or noise (post-processing). Two routes:
 the optimizer's ``weight_decay`` argument (decoupled weight decay), or passing
 ``(per_example_loss, regularization_loss)`` to ``minimize``/``compute_gradients``
-with a persistent tape. tf_keras's own ``compile`` cannot add ``model.losses``
-to an unreduced loss (it raises "Shapes must be equal rank" in its
-compile_utils before the optimizer is called); activity regularizers and other
+with a persistent tape, or ``(per_example_loss, regularization_fn)`` with a
+function of the weights (differentiated on its own tape). tf_keras's own
+``compile`` cannot add ``model.losses`` to an unreduced loss (it raises "Shapes
+must be equal rank" in its compile_utils before the optimizer is called):
+``keras_dpsgd.tf_keras.make_private(model)`` keeps the weight regularizers
+apart (``keras_dpsgd._tf_keras_step``); activity regularizers and other
 ``add_loss`` terms depend on the data and must go into the per-example loss.
 """
 
@@ -540,7 +543,13 @@ class DPSanitizerMixin:
             loss, regularization = loss
         loss = per_example_loss(loss, tape, type(self).__name__)
         reg_grads = None
-        if regularization is not None:
+        if callable(regularization):  # A function of the weights only (``_tf_keras_step``): its own tape.
+            with tf.GradientTape() as reg_tape:
+                reg_tape.watch(var_list)
+                value = regularization()
+            reg_grads = reg_tape.gradient(value, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+        elif regularization is not None:
             if not getattr(tape, "_persistent", False):
                 raise ValueError(
                     "a (per_example_loss, regularization_loss) pair needs tf.GradientTape(persistent=True): "
