@@ -17,7 +17,11 @@ class Front:
     name: str
     keras: Any
     optimizer_cls: Callable
-    make_private: Callable  # model -> model (identity on tf_keras)
+    make_private: Callable  # model -> model: the front's make_private
+    always_private: bool  # Keras 3 needs make_private for every model; tf_keras only with weight regularizers
+
+    def private(self, model):
+        return self.make_private(model) if self.always_private else model
 
     def loss(self):
         return self.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -27,7 +31,7 @@ class Front:
         dp_kwargs.setdefault("noise_multiplier", 0.0)
         dp_kwargs.setdefault("seed", 1)
         opt = self.optimizer_cls(**dp_kwargs)
-        self.make_private(model)
+        self.private(model)
         model.compile(optimizer=opt, loss=self.loss())
         return model
 
@@ -37,15 +41,15 @@ def keras3_front() -> Front:
 
     import keras_dpsgd.keras3 as k3
 
-    return Front("keras3", keras, k3.DPSGDOptimizer, k3.make_private)
+    return Front("keras3", keras, k3.DPSGDOptimizer, k3.make_private, always_private=True)
 
 
 def tf_keras_front() -> Front:
     import tf_keras
 
-    import keras_dpsgd.optimizer as tfk_optimizer
+    import keras_dpsgd.tf_keras as tfk
 
-    return Front("tf_keras", tf_keras, tfk_optimizer.DPSGDOptimizer, lambda model: model)
+    return Front("tf_keras", tf_keras, tfk.DPSGDOptimizer, tfk.make_private, always_private=False)
 
 
 # ----------------------------------------------------------------------- models

@@ -2,7 +2,8 @@
 
 Exact clipped steps (σ = 0) against a one-example-at-a-time loop, flat and per-layer, batch 1;
 the noise std σC/B (statistical bound); an empty lot; lots of k batches (gradient accumulation);
-the ledger's ε against the accountant's.
+weight regularizers added un-clipped, data-dependent add_loss refused; the ledger's ε against
+the accountant's.
 """
 
 import numpy as np
@@ -59,7 +60,7 @@ def _noise_only(front, x, **dp_kwargs):
     model = _wide(front)
     y = model.predict(x, verbose=0) if len(x) else np.zeros((0, 250), "float32")
     model.compile(optimizer=front.optimizer_cls(learning_rate=1.0, seed=None, **dp_kwargs), loss=_mse(front))
-    front.make_private(model)
+    front.private(model)
     data = tf.data.Dataset.from_tensors((x, y))  # One batch of len(x) examples, possibly 0.
     before = model.trainable_variables[0].numpy().copy()
     model.fit(data, epochs=1, verbose=0)
@@ -121,7 +122,7 @@ def test_accumulated_lot_noise_is_drawn_once(front):
         l2_norm_clip=0.7, noise_multiplier=1.3, learning_rate=1.0, expected_lot_size=8.0, gradient_accumulation_steps=2
     )
     model.compile(optimizer=opt, loss=_mse(front))
-    front.make_private(model)
+    front.private(model)
     before = model.trainable_variables[0].numpy().copy()
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     _assert_std((before - model.trainable_variables[0].numpy()).ravel(), 1.3 * 0.7 / 8.0)
@@ -147,3 +148,31 @@ def test_ledger_epsilon_equals_the_accountant(front):
     eps, got_delta = model_epsilon(model, target_delta=delta)
     assert got_delta == delta
     assert eps == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(q, sigma, steps), delta), rel=1e-9)
+
+
+def _regularized(front, **layer_kwargs):
+    K = front.keras
+    model = K.Sequential([K.Input((5,)), K.layers.Dense(3, **layer_kwargs)])
+    model.compile(optimizer=front.optimizer_cls(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR), loss=front.loss())
+    return front.make_private(model)
+
+
+def test_weight_regularizer_gradient_is_added_unclipped(front):
+    """The step is the DP step of the data loss plus the exact ∇ 0.5·||W||² (no clip, no noise).
+
+    On tf_keras this failed before inside compile_utils ("Shapes must be equal rank").
+    """
+    model = _regularized(front, kernel_regularizer=front.keras.regularizers.L2(0.5))
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6)
+    expected = loop_clipped_mean(model, x, y, front.loss(), 0.1)
+    expected[0] = expected[0] + 2 * 0.5 * model.trainable_variables[0].numpy()
+    before, after = one_sgd_step(model, x, y, LR)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
+def test_data_dependent_add_loss_is_refused(front):
+    model = _regularized(front, activity_regularizer=front.keras.regularizers.L2(0.1))
+    with pytest.raises(ValueError, match="add_loss"):
+        model.fit(np.zeros((4, 5), "float32"), np.zeros(4), verbose=0)

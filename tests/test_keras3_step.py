@@ -81,33 +81,7 @@ def test_loss_by_name_and_function():
             np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
 
 
-def test_weight_regularization_is_added_unclipped():
-    rng = np.random.default_rng(3)
-    reg = keras.regularizers.L2(0.5)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, kernel_regularizer=reg)])
-    x = rng.normal(size=(6, 5)).astype("float32")
-    y = rng.integers(0, 3, size=6)
-    model.compile(
-        optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    k3.make_private(model)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    expected = loop_clipped_mean(model, x, y, loss_fn, 0.1)
-    expected[0] = expected[0] + 2 * 0.5 * model.trainable_variables[0].numpy()  # ∇ 0.5·||W||², no clip.
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
-
-
-def test_add_loss_of_data_is_refused():
-    model = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.1))]
-    )
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
-    k3.make_private(model)
-    with pytest.raises(ValueError, match="add_loss"):
-        model.fit(np.zeros((4, 5)), np.zeros((4, 3)), verbose=0)
+# Weight regularizers and the add_loss refusal: tests/test_behaviour.py (both Kerases).
 
 
 def test_per_layer_noise_std_is_sigma_c_over_lot():
