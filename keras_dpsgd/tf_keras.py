@@ -4,6 +4,7 @@ Code that names its Keras imports from here (``keras_dpsgd.tf_keras``) or from
 ``keras_dpsgd.keras3``; the top-level ``keras_dpsgd.DPSGDOptimizer`` is the tf_keras class today.
 """
 
+from keras_dpsgd._tf_keras_step import make_private
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
 
-__all__ = ["DPAdamOptimizer", "DPSGDOptimizer", "make_dp_optimizer"]
+__all__ = ["DPAdamOptimizer", "DPSGDOptimizer", "make_dp_optimizer", "make_private"]
