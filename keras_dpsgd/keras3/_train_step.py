@@ -414,8 +414,8 @@ def make_private(model: keras.Model) -> keras.Model:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
-            f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (tf_keras models need no "
-            "make_private: compile them with keras_dpsgd.optimizer's DP optimizers)"
+            f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (a tf_keras model: "
+            "keras_dpsgd.tf_keras.make_private, needed only for weight regularizers)"
         )
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
