@@ -172,12 +172,17 @@ def test_jit_compiled_step_matches_loop():
     assert model.jit_compile
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float16_unscaled"])
 def test_mixed_precision(policy):
-    keras.mixed_precision.set_global_policy(policy)
+    """bfloat16 trains; float16 loss scaling (a LossScaleOptimizer) is refused; float16 without it trains."""
+    keras.mixed_precision.set_global_policy(policy.replace("_unscaled", ""))
     try:
         model = k3.make_private(keras.Sequential([keras.Input((2,)), keras.layers.Dense(3)]))
-        model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.3, noise_multiplier=1.0), loss="mse")
+        model.compile(
+            optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.3, noise_multiplier=1.0),
+            loss="mse",
+            auto_scale_loss=policy != "mixed_float16_unscaled",
+        )
         x, y = np.ones((8, 2), "float32"), np.zeros((8, 3), "float32")
         if policy == "mixed_float16":
             with pytest.raises(ValueError, match="LossScaleOptimizer"):

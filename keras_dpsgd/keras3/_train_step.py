@@ -118,7 +118,9 @@ def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
         raise ValueError(
             "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
             "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
-            "or 'mixed_bfloat16' policy"
+            "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
+            "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
+            "gradient overflows is zeroed and counted in nonfinite_examples)"
         )
     raise ValueError(
         "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
