@@ -400,12 +400,20 @@ class DPSanitizerMixin:
         )
         return batches
 
+    def _fit_steps_per_epoch(self, model: Any) -> int | None:
+        """The steps per epoch of `model`'s running fit (tf_keras: its data handler's), or None."""
+        frame = ledger.fit_frame(model)
+        handler = frame.f_locals.get("data_handler") if frame is not None else None
+        return getattr(handler, "inferred_steps", None)
+
+    def _first_epoch_of_fit(self, model: Any) -> bool:
+        """At an epoch's start: True for the first epoch of this fit (tf_keras: no step taken yet)."""
+        return int(model._train_counter.numpy()) == 0
+
     def _check_lot_alignment(self, model: Any) -> None:
         """With Poisson lots (known q), fit's steps_per_epoch must hold whole lots."""
         k = self.gradient_accumulation_steps
-        frame = ledger.fit_frame(model)
-        handler = frame.f_locals.get("data_handler") if frame is not None else None
-        steps = getattr(handler, "inferred_steps", None)
+        steps = self._fit_steps_per_epoch(model)
         if self._sampling_rate is not None and steps is not None and steps % k:
             raise ValueError(
                 f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
@@ -417,7 +425,7 @@ class DPSanitizerMixin:
     def _on_fit_epoch_begin(self, model: Any) -> None:
         """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
         self._check_lot_alignment(model)
-        if int(model._train_counter.numpy()) == 0:  # the first epoch of this fit
+        if self._first_epoch_of_fit(model):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
             return
         if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
