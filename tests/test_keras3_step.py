@@ -46,6 +46,15 @@ def _compiled(factory, clip, backend="auto", noise=0.0, seed=0, **kwargs):
     return model, x, y
 
 
+def _assert_fit_step(model, x, y, expected, batch_size):
+    """One epoch of fit in batches of `batch_size` (unshuffled) moves the weights by LR · `expected`."""
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
 def _assert_step(model, x, y, clip, per_layer, sample_weight=None):
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     expected = loop_clipped_mean(model, x, y, loss_fn, clip, per_layer, sample_weight)
@@ -133,27 +142,34 @@ def test_nonfinite_examples_are_zeroed_and_counted():
     assert not any("nonfinite" in v.name for v in model.optimizer.variables)
 
 
+class OwnStep(keras.Model):
+    """A model with its own train_step: `update(optimizer, per_example_loss, variables, tape)`."""
+
+    def __init__(self, update):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.update = update
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
+        self.update(self.optimizer, loss, self.trainable_variables, tape)
+        return {"loss": tf.reduce_mean(loss)}
+
+
+def _sanitize_then_apply(optimizer, loss, variables, tape):
+    optimizer.apply(k3.sanitized_gradients(optimizer, loss, variables, tape), variables)
+
+
 def test_custom_train_step_with_sanitized_gradients():
-    class Own(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(3)
-
-        def call(self, x):
-            return self.dense(x)
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
-            grads = k3.sanitized_gradients(self.optimizer, loss, self.trainable_variables, tape)
-            self.optimizer.apply(grads, self.trainable_variables)
-            return {"loss": tf.reduce_mean(loss)}
-
     rng = np.random.default_rng(4)
     x = rng.normal(size=(5, 4)).astype("float32")
     y = rng.integers(0, 3, size=5)
-    model = Own()
+    model = OwnStep(_sanitize_then_apply)
     model(x[:1])
     model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=0.2, noise_multiplier=0.0, learning_rate=LR))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -237,10 +253,7 @@ def test_multi_output_loss_is_the_weighted_sum_per_example():
     def loss_fn(y_i, pred_i):
         return k3.per_example_loss(model, y_i, pred_i)
 
-    expected = loop_clipped_mean(model, x, y, loss_fn, 0.4)
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    _assert_fit_step(model, x, y, loop_clipped_mean(model, x, y, loss_fn, 0.4), batch_size=len(x))
 
 
 def test_masked_loss_is_the_mean_over_each_examples_unmasked_steps():
@@ -264,42 +277,20 @@ def test_masked_loss_is_the_mean_over_each_examples_unmasked_steps():
     by_hand = (ce * mask).sum(1) / mask.sum(1)
     np.testing.assert_allclose(k3.per_example_loss(model, y, pred).numpy(), by_hand, rtol=1e-5)
     # The oracle: Keras's own masked loss of one example (its unmasked steps' mean), one at a time.
-    expected = loop_clipped_mean(model, x, y, loss, 0.5)
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    _assert_fit_step(model, x, y, loop_clipped_mean(model, x, y, loss, 0.5), batch_size=len(x))
 
 
 def test_custom_train_step_accumulates_with_private_update():
-    class Own(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(3)
-
-        def call(self, x):
-            return self.dense(x)
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
-            k3.private_update(self.optimizer, loss, self.trainable_variables, tape)
-            return {"loss": tf.reduce_mean(loss)}
-
     rng = np.random.default_rng(4)
     x = rng.normal(size=(6, 4)).astype("float32")
     y = rng.integers(0, 3, size=6)
-    model = Own()
+    model = OwnStep(k3.private_update)
     model(x[:1])
     opt = k3.DPSGDOptimizer(l2_norm_clip=0.2, noise_multiplier=0.0, learning_rate=LR, gradient_accumulation_steps=3)
     model.compile(optimizer=opt)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     expected = loop_clipped_mean(model, x, y, loss_fn, 0.2)
-    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
-    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
-    after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    _assert_fit_step(model, x, y, expected, batch_size=2)
     assert int(opt.noised_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 1
     with pytest.raises(ValueError, match="private_update"):
         with tf.GradientTape() as tape:
@@ -323,9 +314,5 @@ def test_jit_compiled_accumulated_lot_matches_loop():
     model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     expected = loop_clipped_mean(model, x, y, loss_fn, 0.3)
-    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
-    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    _assert_fit_step(model, x, y, expected, batch_size=4)
     assert int(model.optimizer.noised_steps.numpy()) == 1 and model.jit_compile

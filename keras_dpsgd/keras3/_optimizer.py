@@ -419,44 +419,27 @@ class DPKeras3Mixin:
         self.discard_partial_lot("at the end of fit")
         return super().finalize_variable_values(var_list)
 
+    # The lot boundaries of fit: the tf_keras rule, over Keras 3's fit (its epoch loop's locals).
+    _check_lot_alignment = DPSanitizerMixin._check_lot_alignment
+    _on_fit_epoch_begin = DPSanitizerMixin._on_fit_epoch_begin
+
     def _fit_locals(self, model: Any) -> dict:
         frame = ledger.fit_frame(model)
         return frame.f_locals if frame is not None else {}
 
-    def _check_lot_alignment(self, model: Any) -> None:
-        """With Poisson lots (known q), fit's steps per epoch must hold whole lots."""
-        k = self._dp.accumulation
-        steps = getattr(self._fit_locals(model).get("epoch_iterator"), "num_batches", None)
-        if self._sampling_rate is not None and steps is not None and steps % k:
-            raise ValueError(
-                f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
-                f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
-                "every epoch would be discarded and shift every later lot of the stream; pass "
-                "steps_per_epoch=lots.steps_per_epoch"
-            )
+    def _fit_steps_per_epoch(self, model: Any) -> int | None:
+        return getattr(self._fit_locals(model).get("epoch_iterator"), "num_batches", None)
 
-    def _on_fit_epoch_begin(self, model: Any) -> None:
-        """Called by fit at the start of every epoch (``_EpochBoundary``)."""
-        self._check_lot_alignment(model)
+    def _first_epoch_of_fit(self, model: Any) -> bool:
         where = self._fit_locals(model)
-        if where.get("epoch") == where.get("initial_epoch"):  # the first epoch of this fit
-            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
-            return
-        if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
-            raise ValueError(
-                "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
-                "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
-                "and save BackupAndRestore checkpoints at epoch ends or every multiple of "
-                f"gradient_accumulation_steps = {self._dp.accumulation} batches"
-            )
+        return bool(where) and where.get("epoch") == where.get("initial_epoch")
 
     def _watch_lot_boundaries(self, model: Any) -> None:
         """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
         if model is None:
             return
         self._check_lot_alignment(model)
-        where = self._fit_locals(model)
-        if where and where.get("epoch") == where.get("initial_epoch") and where.get("begin_step") == 0:
+        if self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0:
             # Traced at the first step of this fit, after its first epoch began.
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
         if "reset_metrics" not in vars(model):
