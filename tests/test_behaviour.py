@@ -176,3 +176,35 @@ def test_data_dependent_add_loss_is_refused(front):
     model = _regularized(front, activity_regularizer=front.keras.regularizers.L2(0.1))
     with pytest.raises(ValueError, match="add_loss"):
         model.fit(np.zeros((4, 5), "float32"), np.zeros(4), verbose=0)
+
+
+def test_interrupted_lot_is_discarded_before_the_next_fit(front):
+    class Interrupt(front.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                raise KeyboardInterrupt
+
+    model, x, y = _accumulated(front, 2, 4, l2_norm_clip=1.0, noise_multiplier=1.1)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[Interrupt()])
+    opt = model.optimizer
+    assert int(opt._accum_batches.numpy()) == 1  # one batch of a lot left by the interrupted fit
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)
+    # The released lot holds this fit's 2 batches only, none of the interrupted one.
+    assert int(opt.noised_steps.numpy()) == 1
+    assert (opt.discarded_lots, opt.discarded_batches) == (1, 1)
+
+
+def test_poisson_lots_with_steps_per_epoch_not_a_multiple_of_the_lot_are_refused(front):
+    from keras_dpsgd import PoissonLots
+
+    model, x, y = built(front, "dense")
+    x, y = np.concatenate([x] * 10), np.concatenate([y] * 10)
+    lots = PoissonLots(x, y, expected_lot_size=8, physical_batch_size=4)
+    k = lots.gradient_accumulation_steps
+    assert k > 1
+    opt = lots.configure(front.optimizer_cls(l2_norm_clip=1.0, noise_multiplier=1.1, gradient_accumulation_steps=k))
+    front.private(model)
+    model.compile(optimizer=opt, loss=front.loss())
+    with pytest.raises(ValueError, match="steps_per_epoch"):
+        model.fit(lots.dataset(), steps_per_epoch=k + 1, epochs=1, verbose=0)

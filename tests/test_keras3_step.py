@@ -316,3 +316,21 @@ def test_jit_compiled_accumulated_lot_matches_loop():
     expected = loop_clipped_mean(model, x, y, loss_fn, 0.3)
     _assert_fit_step(model, x, y, expected, batch_size=4)
     assert int(model.optimizer.noised_steps.numpy()) == 1 and model.jit_compile
+
+
+def test_a_keras_file_saved_mid_lot_loads_no_partial_lot(tmp_path):
+    class Interrupt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise KeyboardInterrupt
+
+    model, x, y = _compiled(_dense, 0.3, gradient_accumulation_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[Interrupt()])
+    assert int(model.optimizer._accum_batches.numpy()) == 1
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer.gradient_accumulation_steps == 2
+    assert int(loaded.optimizer._accum_batches.numpy()) == 0
+    assert all(not np.any(a.numpy()) for a in loaded.optimizer._accumulators)
+    assert loaded.optimizer.discarded_lots == 1
