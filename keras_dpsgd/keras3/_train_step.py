@@ -10,6 +10,10 @@ so the per-example step is on the model side: :func:`make_private` gives a model
    un-noised: a function of the weights only, so post-processing;
 4. applies the optimizer's descent rule (``optimizer.apply``) and updates the metrics as Keras does.
 
+With the optimizer's ``gradient_accumulation_steps`` = k > 1, steps 2-4 run once per lot of k
+batches (``DPKeras3Mixin.minimize``): the clipped sums are accumulated, noise is drawn once and
+the descent rule applied once; :func:`private_update` is the same for a model's own step.
+
 Compile alone cannot install this step: Keras 3 offers no supported hook that sees the
 per-example loss and the tape (``optimizer.scale_loss`` gets the reduced scalar, after sample
 weights, masks and ``model.losses`` were folded in), so :func:`make_private` is required and a DP
