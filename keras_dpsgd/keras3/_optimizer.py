@@ -369,9 +369,18 @@ class DPKeras3Mixin:
             finite.append(_step.finite_rows(sq_norms))
             return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
 
-        summed, _ = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
+        summed, sq_norms = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
+        self.on_per_example_sq_norms(sq_norms)
         return summed, tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+
+    def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
+        """Hook called once per batch (every batch of a lot) inside the traced step with sq_norms [B, V].
+
+        As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``): override to observe the
+        per-example squared norms (e.g. adaptive clipping's norm query); anything derived from
+        them is a release of its own that must be noised and recorded. Default: nothing.
+        """
 
     def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
         """Steps 4-5 on a lot's clipped sum, then the regularization gradient (no clip, no noise)."""
