@@ -43,9 +43,12 @@ Regularization: the gradient of a data-independent term is added to the
 sanitized gradient without clipping or noise (post-processing). Two routes:
 the optimizer's ``weight_decay`` argument (decoupled weight decay), or passing
 ``(per_example_loss, regularization_loss)`` to ``minimize``/``compute_gradients``
-with a persistent tape. tf_keras's own ``compile`` cannot add ``model.losses``
-to an unreduced loss (it raises "Shapes must be equal rank" in its
-compile_utils before the optimizer is called); activity regularizers and other
+with a persistent tape, or ``(per_example_loss, regularization_fn)`` with a
+function of the weights (differentiated on its own tape). tf_keras's own
+``compile`` cannot add ``model.losses`` to an unreduced loss (it raises "Shapes
+must be equal rank" in its compile_utils before the optimizer is called):
+``keras_dpsgd.tf_keras.make_private(model)`` keeps the weight regularizers
+apart (``keras_dpsgd._tf_keras_step``); activity regularizers and other
 ``add_loss`` terms depend on the data and must go into the per-example loss.
 """
 
@@ -374,12 +377,20 @@ class DPSanitizerMixin:
         )
         return batches
 
+    def _fit_steps_per_epoch(self, model: Any) -> int | None:
+        """The steps per epoch of `model`'s running fit (tf_keras: its data handler's), or None."""
+        frame = ledger.fit_frame(model)
+        handler = frame.f_locals.get("data_handler") if frame is not None else None
+        return getattr(handler, "inferred_steps", None)
+
+    def _first_epoch_of_fit(self, model: Any) -> bool:
+        """At an epoch's start: True for the first epoch of this fit (tf_keras: no step taken yet)."""
+        return int(model._train_counter.numpy()) == 0
+
     def _check_lot_alignment(self, model: Any) -> None:
         """With Poisson lots (known q), fit's steps_per_epoch must hold whole lots."""
         k = self.gradient_accumulation_steps
-        frame = ledger.fit_frame(model)
-        handler = frame.f_locals.get("data_handler") if frame is not None else None
-        steps = getattr(handler, "inferred_steps", None)
+        steps = self._fit_steps_per_epoch(model)
         if self._sampling_rate is not None and steps is not None and steps % k:
             raise ValueError(
                 f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
@@ -391,7 +402,7 @@ class DPSanitizerMixin:
     def _on_fit_epoch_begin(self, model: Any) -> None:
         """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
         self._check_lot_alignment(model)
-        if int(model._train_counter.numpy()) == 0:  # the first epoch of this fit
+        if self._first_epoch_of_fit(model):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
             return
         if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
@@ -517,7 +528,13 @@ class DPSanitizerMixin:
             loss, regularization = loss
         loss = per_example_loss(loss, tape, type(self).__name__)
         reg_grads = None
-        if regularization is not None:
+        if callable(regularization):  # A function of the weights only (``_tf_keras_step``): its own tape.
+            with tf.GradientTape() as reg_tape:
+                reg_tape.watch(var_list)
+                value = regularization()
+            reg_grads = reg_tape.gradient(value, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+        elif regularization is not None:
             if not getattr(tape, "_persistent", False):
                 raise ValueError(
                     "a (per_example_loss, regularization_loss) pair needs tf.GradientTape(persistent=True): "

@@ -4,6 +4,7 @@ Code that names its Keras imports from here (``keras_dpsgd.tf_keras``) or from
 ``keras_dpsgd.keras3``; the top-level ``keras_dpsgd.DPSGDOptimizer`` is the tf_keras class today.
 """
 
+from keras_dpsgd._tf_keras_step import make_private
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
 from keras_dpsgd.tools._adaptive_tf import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
 
@@ -14,4 +15,5 @@ __all__ = [
     "DPSGDOptimizer",
     "make_adaptive_optimizer",
     "make_dp_optimizer",
+    "make_private",
 ]

@@ -15,9 +15,10 @@ def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight
     total = [np.zeros(v.shape, np.float64) for v in variables]
     batch = len(x)
     for i in range(batch):
+        y_i = tf.nest.map_structure(lambda a: a[i : i + 1], y)  # y may be a list or dict (several outputs)
         with tf.GradientTape() as tape:
             pred = model(x[i : i + 1], training=True)
-            loss = tf.reduce_mean(loss_fn(y[i : i + 1], pred))
+            loss = tf.reduce_mean(loss_fn(y_i, pred))
             if sample_weight is not None:
                 loss = loss * float(sample_weight[i])
         grads = [np.asarray(tf.convert_to_tensor(g), np.float64) for g in tape.gradient(loss, variables)]

@@ -9,7 +9,7 @@ Usage: a DP optimizer and one call that gives the model the private train step::
     model.fit(x, y, batch_size=256)
 
 The loss may be given reduced or not (the private step takes it unreduced). A model with its own
-``train_step`` calls :func:`sanitized_gradients` instead.
+``train_step`` calls :func:`private_update` (or :func:`sanitized_gradients`) instead.
 """
 
 from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
@@ -21,6 +21,7 @@ from keras_dpsgd.keras3._train_step import (
     is_private,
     make_private,
     per_example_loss,
+    private_update,
     refuse_adapted_preprocessing,
     refuse_example_mixing,
     sanitized_gradients,
@@ -41,6 +42,7 @@ __all__ = [
     "make_private",
     "MembershipInferenceCallback",
     "per_example_loss",
+    "private_update",
     "refuse_adapted_preprocessing",
     "refuse_example_mixing",
     "sanitized_gradients",

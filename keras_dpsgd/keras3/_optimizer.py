@@ -10,6 +10,7 @@ step is refused at its first step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Sequence
@@ -20,6 +21,8 @@ import tensorflow as tf
 from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd._sanitizer import (
+    DPSanitizerMixin,
+    _EpochBoundary,
     _check_lot_size,
     _check_sampling_rate,
     _is_integer,
@@ -54,6 +57,8 @@ class _State:
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     sigmas: list = dataclasses.field(default_factory=list)
+    accumulation: int = 1  # Batches per lot (the DP gradient_accumulation_steps).
+    keras_view: int = 0  # > 0 while Keras's own code runs: it must see no accumulation of its own.
     pending: list = dataclasses.field(default_factory=list)
 
 
@@ -73,6 +78,7 @@ class DPKeras3Mixin:
         l2_norm_clip: Any,
         noise_multiplier: Any,
         *,
+        gradient_accumulation_steps: int = 1,
         expected_lot_size: float | None = None,
         sampling_rate: float | None = None,
         per_example_backend: str = "auto",
@@ -80,21 +86,21 @@ class DPKeras3Mixin:
         num_microbatches: None = None,
     ) -> None:
         check_num_microbatches(num_microbatches)
-        if self.gradient_accumulation_steps:
-            raise ValueError(
-                "gradient_accumulation_steps is not supported yet by keras_dpsgd's Keras 3 optimizers "
-                f"(got {self.gradient_accumulation_steps!r}): Keras 3 would average separately noised "
-                "batches, which is not one DP-SGD lot. Use a larger batch, or tf_keras's DP optimizers."
-            )
         if self.loss_scale_factor is not None:
             raise ValueError(
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
                 "the DP train step does not scale the loss"
             )
+        k = gradient_accumulation_steps
+        if not _is_integer(k) or k < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
         if seed is not None and not _is_integer(seed):
             raise ValueError(f"seed must be None or an integer, got {seed!r}")
         clip = check_l2_norm_clip(l2_norm_clip)
         self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
+        self._dp.accumulation = int(k)
+        self.discarded_lots = 0
+        self.discarded_batches = 0
         self.per_example_backend = per_example_backend
         self._seed = None if seed is None else int(seed)
         self._sampling_rate = _check_sampling_rate(sampling_rate)
@@ -129,6 +135,41 @@ class DPKeras3Mixin:
         return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """k: batches per lot, accumulated by the DP step (:meth:`minimize`); released once per lot.
+
+        Keras's own ``gradient_accumulation_steps`` machinery (which would average k separately
+        noised batches) is never used: while Keras's code runs this reads None.
+        """
+        state = self.__dict__.get("_dp")
+        if state is None or state.keras_view:
+            return None
+        return state.accumulation
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: Any) -> None:
+        if value:  # Keras's __init__ assigns its own argument here: None for a DP optimizer.
+            raise ValueError(
+                "Keras's own gradient_accumulation_steps would average k separately noised batches, which "
+                "is not one DP-SGD lot: pass gradient_accumulation_steps to the keras_dpsgd DP optimizer's "
+                f"constructor (the DP step accumulates the clipped sums), got {value!r} for Keras's"
+            )
+
+    @contextlib.contextmanager
+    def _keras_view(self):
+        """Keras's own code (build, apply) runs without its gradient accumulation."""
+        self._dp.keras_view += 1
+        try:
+            yield
+        finally:
+            self._dp.keras_view -= 1
+
+    @property
+    def iterations(self):
+        """Descent steps applied: lots (``apply`` runs once per lot)."""
+        return self._iterations
+
     @property
     def nonfinite_examples(self) -> tf.Variable:
         """Examples whose gradient was non-finite (zeroed): an un-noised statistic of the private data,
@@ -192,7 +233,8 @@ class DPKeras3Mixin:
     def build(self, variables):
         if self.built:
             return
-        super().build(variables)
+        with self._keras_view():
+            super().build(variables)
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
         bounds = _resolve_bounds(self._dp.l2_norm_clip, [_Named(getattr(v, "path", v.name)) for v in variables])
         sigmas = self._dp.noise_multiplier
@@ -200,12 +242,18 @@ class DPKeras3Mixin:
         self.clip_bounds = self.add_variable(
             (len(bounds),), initializer=keras.initializers.Constant(bounds), dtype="float32", name="clip_bounds"
         )
+        if self._dp.accumulation > 1:
+            # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
+            self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in variables]
+            self._accum_batches = self.add_variable((), initializer="zeros", dtype="int64", name="dp_accumulated_batches")
+            self._accum_examples = self.add_variable((), initializer="zeros", dtype="float32", name="dp_accumulated_examples")
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(
             l2_norm_clip=self._dp.l2_norm_clip,
             noise_multiplier=self._dp.noise_multiplier,
+            gradient_accumulation_steps=self._dp.accumulation,
             expected_lot_size=self._expected_lot_size,
             sampling_rate=self._sampling_rate,
             per_example_backend=self.per_example_backend,
@@ -221,7 +269,7 @@ class DPKeras3Mixin:
         tape: tf.GradientTape,
         regularization_grads: Sequence[tf.Tensor] | None = None,
     ) -> list[tf.Tensor]:
-        """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1).
+        """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1), for lots of one batch.
 
         1-3. per-example gradients, clip, sum (the per-example backend, ``_step.clip_factors``);
         4. noise N(0, σ_v² C_v²) (``_step.noise_stddevs``); 5. divide by L (``_step.normalize``);
@@ -235,7 +283,66 @@ class DPKeras3Mixin:
 
         Returns:
           One gradient per variable; pass them to ``apply`` (and nothing else).
+
+        Raises:
+          ValueError: with gradient_accumulation_steps > 1 (a lot is several batches: call
+            :meth:`minimize`), other variables than the optimizer's, or a multi-replica strategy.
         """
+        if self._dp.accumulation > 1:
+            raise ValueError(
+                f"with gradient_accumulation_steps = {self._dp.accumulation} a lot is several batches: call "
+                "keras_dpsgd.keras3.private_update(optimizer, per_example_loss, variables, tape) (or "
+                "optimizer.minimize), which accumulates the lot and applies it once"
+            )
+        tf_vars = self._checked_variables(variables)
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
+        return self._release(summed, num_examples, regularization_grads, tf_vars)
+
+    def minimize(
+        self,
+        per_example_loss: tf.Tensor,
+        variables: Sequence[Any],
+        tape: tf.GradientTape,
+        regularization_grads: Sequence[tf.Tensor] | None = None,
+        *,
+        model: Any = None,
+    ) -> None:
+        """One DP-SGD update, or one batch of a lot (``gradient_accumulation_steps`` = k > 1).
+
+        With k > 1 the clipped sums of k batches are accumulated; after the k-th the lot is
+        released once (noise drawn once, divided by L, one ``apply``) and ``noised_steps``
+        counts it. An incomplete lot is discarded, never released nor carried over, at every
+        epoch start and at the end of `model`'s ``fit``, and on load (``discard_partial_lot``).
+
+        Args:
+          per_example_loss, variables, tape, regularization_grads: as for :meth:`sanitize`.
+          model: the model being trained (its ``fit`` marks the lot boundaries); None in a
+            custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
+        """
+        if self._dp.accumulation == 1:
+            self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
+            return
+        tf_vars = self._checked_variables(variables)
+        self._watch_lot_boundaries(model)
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
+        for acc, s in zip(self._accumulators, summed):
+            acc.assign_add(tf.cast(s, acc.dtype))
+        self._accum_examples.assign_add(num_examples)
+        self._accum_batches.assign_add(1)
+
+        def release_lot():
+            lot = [tf.cast(acc.value, tf.float32) for acc in self._accumulators]
+            self.apply(self._release(lot, self._accum_examples.value, regularization_grads, tf_vars), variables)
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc.value))
+            self._accum_examples.assign(0.0)
+            self._accum_batches.assign(0)
+            return tf.constant(True)
+
+        tf.cond(self._accum_batches.value >= self._dp.accumulation, release_lot, lambda: tf.constant(False))
+
+    def _checked_variables(self, variables: Sequence[Any]) -> list[tf.Variable]:
+        """The TF variables of `variables`, which must be those the optimizer is built with."""
         variables = list(variables)
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies yet")
@@ -248,7 +355,14 @@ class DPKeras3Mixin:
                 f"bounds are per variable): got {[getattr(v, 'path', v.name) for v in variables]}, built with "
                 f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
             )
-        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+        return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+    def _group_bounds(self) -> tf.Tensor:
+        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
+        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
+
+    def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
+        """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
         groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
         bounds = self._group_bounds()
         finite = []
@@ -260,7 +374,11 @@ class DPKeras3Mixin:
         summed, sq_norms = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
-        num_examples = tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+        return summed, tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+
+    def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
+        """Steps 4-5 on a lot's clipped sum (hooks add_noise, normalize), then the regularization
+        gradient (no clip, no noise)."""
         grads = self.normalize(self.add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
         self.on_noised_step(num_examples)
@@ -275,8 +393,9 @@ class DPKeras3Mixin:
     # from the data is a release of its own, which must be noised and charged by the accountant
     # (through ``effective_noise_multiplier``).
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
-        """Hook: called once per step inside the traced step with ``sq_norms[i, v] = ||g_i[v]||²``
-        ([B, V]); the clip bounds in force are ``self.clip_bounds``. Default: nothing."""
+        """Hook: called once per batch (every batch of a lot) inside the traced step with
+        ``sq_norms[i, v] = ||g_i[v]||²`` ([B, V]); the clip bounds in force are ``self.clip_bounds``.
+        As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``). Default: nothing."""
 
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v."""
@@ -300,10 +419,6 @@ class DPKeras3Mixin:
         noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
         return _noise.standard_normal(shape, self._noise_key(index), dtype)
 
-    def _group_bounds(self) -> tf.Tensor:
-        """C_g of each clipping group (flat: clip_bounds holds C once per variable, take one)."""
-        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
-
     def _noise_key(self, index: int) -> tf.Tensor:
         if self._seed is None:
             return self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
@@ -317,7 +432,48 @@ class DPKeras3Mixin:
             if grad is not None and not any(grad is g for g in pending):
                 raise ValueError(NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
         del pending[:]
-        return super().apply(grads, trainable_variables)
+        with self._keras_view():
+            return super().apply(grads, trainable_variables)
+
+    # ------------------------------------------------------------------ lots
+    # One rule for both Kerases: the tf_keras sanitizer's (its docstring, "Lots").
+    discard_partial_lot = DPSanitizerMixin.discard_partial_lot
+
+    def load_own_variables(self, store):
+        """.keras loading; a lot saved mid-way is discarded (never resumed)."""
+        super().load_own_variables(store)
+        self.discard_partial_lot("saved in the loaded file")
+
+    def finalize_variable_values(self, var_list):
+        """Called by fit at its end: an incomplete last lot is discarded."""
+        self.discard_partial_lot("at the end of fit")
+        return super().finalize_variable_values(var_list)
+
+    # The lot boundaries of fit: the tf_keras rule, over Keras 3's fit (its epoch loop's locals).
+    _check_lot_alignment = DPSanitizerMixin._check_lot_alignment
+    _on_fit_epoch_begin = DPSanitizerMixin._on_fit_epoch_begin
+
+    def _fit_locals(self, model: Any) -> dict:
+        frame = ledger.fit_frame(model)
+        return frame.f_locals if frame is not None else {}
+
+    def _fit_steps_per_epoch(self, model: Any) -> int | None:
+        return getattr(self._fit_locals(model).get("epoch_iterator"), "num_batches", None)
+
+    def _first_epoch_of_fit(self, model: Any) -> bool:
+        where = self._fit_locals(model)
+        return bool(where) and where.get("epoch") == where.get("initial_epoch")
+
+    def _watch_lot_boundaries(self, model: Any) -> None:
+        """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
+        if model is None:
+            return
+        self._check_lot_alignment(model)
+        if self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0:
+            # Traced at the first step of this fit, after its first epoch began.
+            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
+        if "reset_metrics" not in vars(model):
+            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
 
 
 _DP_DOC = """
@@ -325,6 +481,12 @@ _DP_DOC = """
       l2_norm_clip: C > 0 (flat clipping), a list (one bound per trainable variable, in
         `model.trainable_variables` order) or a dict by variable path/name (per-layer clipping).
       noise_multiplier: σ >= 0 (one per variable allowed with per-layer clipping).
+      gradient_accumulation_steps: k >= 1 batches form one lot: the clipped sums of k batches
+        are accumulated by the DP step, noise is drawn and the update applied once per lot
+        (`noised_steps` counts lots). An incomplete lot is discarded (`discarded_lots`,
+        `discarded_batches`, a warning) at every epoch start and end of fit and on load, as
+        on tf_keras. Keras's own accumulation (which averages separately noised batches) is
+        never used.
       expected_lot_size: divide the noised sum by this L; None divides by the realized batch size.
       sampling_rate: q, read by the accountant.
       per_example_backend: "auto", "reference" or "fast".
@@ -332,8 +494,8 @@ _DP_DOC = """
       num_microbatches: None only (TF Privacy's default); any other value is refused.
 
     The model's train step must be private: `keras_dpsgd.keras3.make_private(model)`. Without it
-    the first step raises. Not supported yet on Keras 3: gradient_accumulation_steps,
-    loss_scale_factor, mixed_float16 loss scaling.
+    the first step raises. Not supported on Keras 3: loss_scale_factor, mixed_float16 loss
+    scaling.
 """
 
 _DP_CLASSES: dict[type, type] = {}
@@ -372,6 +534,7 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
         l2_norm_clip,
         noise_multiplier,
         *,
+        gradient_accumulation_steps=1,
         expected_lot_size=None,
         sampling_rate=None,
         per_example_backend="auto",
@@ -381,10 +544,11 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
     ):
         check_num_microbatches(num_microbatches)
         kwargs.setdefault("name", cls_name)
-        optimizer_cls.__init__(self, **kwargs)
+        optimizer_cls.__init__(self, **kwargs)  # Keras's own gradient accumulation stays off.
         self._init_dp(
             l2_norm_clip,
             noise_multiplier,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             expected_lot_size=expected_lot_size,
             sampling_rate=sampling_rate,
             per_example_backend=per_example_backend,

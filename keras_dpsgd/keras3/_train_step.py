@@ -10,6 +10,10 @@ so the per-example step is on the model side: :func:`make_private` gives a model
    un-noised: a function of the weights only, so post-processing;
 4. applies the optimizer's descent rule (``optimizer.apply``) and updates the metrics as Keras does.
 
+With the optimizer's ``gradient_accumulation_steps`` = k > 1, steps 2-4 run once per lot of k
+batches (``DPKeras3Mixin.minimize``): the clipped sums are accumulated, noise is drawn once and
+the descent rule applied once; :func:`private_update` is the same for a model's own step.
+
 Compile alone cannot install this step: Keras 3 offers no supported hook that sees the
 per-example loss and the tape (``optimizer.scale_loss`` gets the reduced scalar, after sample
 weights, masks and ``model.losses`` were folded in), so :func:`make_private` is required and a DP
@@ -31,6 +35,7 @@ from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
 __all__ = [
     "make_private",
+    "private_update",
     "sanitized_gradients",
     "per_example_loss",
     "refuse_example_mixing",
@@ -42,8 +47,10 @@ _PRIVATE_ATTR = "_keras_dpsgd_private"
 _OWN_STEP_MESSAGE = (
     "make_private cannot make {cls} private: it overrides {method}, which the private train step "
     "would ignore. In your own train_step, compute the per-example loss (shape [batch]) on a "
-    "tf.GradientTape and call grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, "
-    "self.trainable_variables, tape); then self.optimizer.apply(grads, self.trainable_variables)."
+    "tf.GradientTape and call keras_dpsgd.keras3.private_update(self.optimizer, loss, "
+    "self.trainable_variables, tape), which sanitizes and applies the gradients (or accumulates a lot); "
+    "or, for lots of one batch, grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, "
+    "self.trainable_variables, tape), then self.optimizer.apply(grads, self.trainable_variables)."
 )
 
 
@@ -115,7 +122,9 @@ def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
         raise ValueError(
             "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
             "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
-            "or 'mixed_bfloat16' policy"
+            "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
+            "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
+            "gradient overflows is zeroed and counted in nonfinite_examples)"
         )
     raise ValueError(
         "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
@@ -157,74 +166,117 @@ def _unreduced(identifier: Any) -> keras.losses.Loss:
     raise ValueError(f"cannot interpret the compiled loss {identifier!r} as a per-example loss")
 
 
-def _single_output_loss(model: keras.Model) -> Any:
+def _compiled_loss(model: keras.Model) -> Any:
     loss = getattr(model, "loss", None)
     if loss is None:
         raise ValueError("a private train step needs a compiled loss: model.compile(optimizer=..., loss=...)")
-    if isinstance(loss, (list, tuple, dict)):
-        if len(loss) != 1:
-            raise ValueError(
-                f"the private Keras 3 train step supports one loss (one output) for now, got {len(loss)}: "
-                "write a train_step that sums the per-example losses and calls "
-                "keras_dpsgd.keras3.sanitized_gradients"
-            )
-        loss = next(iter(loss.values())) if isinstance(loss, dict) else loss[0]
     return loss
 
 
-def per_example_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any = None) -> tf.Tensor:
-    """The compiled loss of `model`, one value per example ([B]), weighted by `sample_weight`.
+def _names(model: keras.Model, y_pred: Any, count: int) -> list:
+    """The key of each output: its dict key, else its name in ``model.output_names``, else its index."""
+    if isinstance(y_pred, dict):
+        return list(y_pred)
+    names = list(getattr(model, "output_names", None) or [])
+    return names if len(names) == count else list(range(count))
 
-    Non-batch axes (e.g. time steps) are averaged, the weighting of Keras's
-    "sum_over_batch_size" reduction; a float `loss_weights` multiplies the loss.
 
-    Raises:
-      ValueError: several outputs or losses, a mask on the output (its reduction is over the
-        whole batch), or a loss that cannot be taken unreduced.
-    """
-    if tf.nest.is_nested(y_pred) or tf.nest.is_nested(y):
-        y_pred = _unwrap_one(y_pred, "output")
-        y = _unwrap_one(y, "target")
-    if getattr(y_pred, "_keras_mask", None) is not None:
-        raise ValueError(
-            "the model's output carries a Keras mask (e.g. Embedding(mask_zero=True)): Keras reduces a "
-            "masked loss over the whole batch, which is not a per-example loss; not supported yet"
-        )
-    loss_fn = _unreduced(_single_output_loss(model))
-    values = loss_fn(y, y_pred, sample_weight)
-    values = tf.convert_to_tensor(values)
+def _pick(value: Any, name: Any, index: int, count: int, what: str) -> Any:
+    """The part of a per-output argument (loss, loss_weights, y, sample_weight) for one output."""
+    if isinstance(value, dict):
+        return value.get(name)
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{what} has {len(value)} entries for the model's {count} outputs")
+        return value[index]
+    return value
+
+
+def _outputs(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any) -> list[tuple]:
+    """(loss, weight, y_true, y_pred, sample_weight) of each output that has a loss."""
+    if isinstance(y_pred, dict):
+        preds = list(y_pred.values())
+    elif isinstance(y_pred, (list, tuple)):
+        preds = list(y_pred)
+    else:
+        preds = [y_pred]
+    count = len(preds)
+    names = _names(model, y_pred, count)
+    loss = _compiled_loss(model)
+    weights = getattr(getattr(model, "_compile_loss", None), "_user_loss_weights", None)
+    if count == 1:  # One output: a one-entry list or dict names it.
+        loss, weights = (_only(v) for v in (loss, weights))
+        y = _only(y) if tf.nest.is_nested(y) else y
+        sample_weight = _only(sample_weight) if isinstance(sample_weight, (list, tuple, dict)) else sample_weight
+    outputs = []
+    for i, (name, pred) in enumerate(zip(names, preds)):
+        fn = _pick(loss, name, i, count, "loss")
+        if fn is None:
+            continue  # Keras trains an output without a loss on nothing.
+        weight = _pick(weights, name, i, count, "loss_weights")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+            raise ValueError(f"each loss weight must be a number, got {weight!r} for output {name!r}")
+        target = y if count == 1 else _pick(y, name, i, count, "y")
+        weighting = sample_weight if count == 1 else _pick(sample_weight, name, i, count, "sample_weight")
+        outputs.append((fn, 1.0 if weight is None else float(weight), target, pred, weighting))
+    if not outputs:
+        raise ValueError(f"the compiled loss {loss!r} names none of the model's outputs {names}")
+    return outputs
+
+
+def _only(value: Any) -> Any:
+    if isinstance(value, dict):
+        return next(iter(value.values())) if len(value) == 1 else value
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else value
+    return value
+
+
+def _per_example_values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+    """One output's loss per example [B]: the mean over its non-batch (unmasked) elements."""
+    mask = getattr(y_pred, "_keras_mask", None)
+    if mask is not None:
+        y_pred = tf.identity(y_pred)  # The same values without the mask: it is applied once, below.
+    loss_fn = _unreduced(identifier)
+    values = tf.convert_to_tensor(loss_fn(y, y_pred, sample_weight))
     if values.shape.rank == 0:
         raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
-    if values.shape.rank > 1:
-        values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-    weights = _loss_weights(model)
-    if weights is not None:
-        values = values * tf.cast(weights, values.dtype)
-    return values
+    if values.shape.rank == 1:
+        return values
+    axes = list(range(1, values.shape.rank))
+    if mask is None:
+        return tf.reduce_mean(values, axis=axes)
+    mask = tf.cast(mask, values.dtype)
+    while mask.shape.rank < values.shape.rank:
+        mask = mask[..., None]
+    mask = tf.broadcast_to(mask, tf.shape(values))
+    return tf.reduce_sum(values * mask, axis=axes) / tf.maximum(tf.reduce_sum(mask, axis=axes), 1.0)
 
 
-def _unwrap_one(value: Any, what: str) -> Any:
-    flat = tf.nest.flatten(value)
-    if len(flat) != 1:
-        raise ValueError(
-            f"the private Keras 3 train step supports one {what} for now, got {len(flat)}: write a "
-            "train_step that sums the per-example losses and calls keras_dpsgd.keras3.sanitized_gradients"
-        )
-    return flat[0]
+def per_example_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any = None) -> tf.Tensor:
+    """The compiled loss of `model`, one value per example ([B]).
 
+    For each output with a loss: the loss of each element (reduction None), times the sample
+    weight; averaged over the example's non-batch axes (e.g. time steps), and where the output
+    carries a Keras mask (``Embedding(mask_zero=True)`` ...) over the example's unmasked
+    elements only: ``Σ_t m_it ℓ_it / max(1, Σ_t m_it)`` (an example with every element masked
+    has loss 0). The normalization is per example, never over the batch (Keras's own masked
+    reduction divides by the batch's count of unmasked elements, which would make one example's
+    loss depend on the others). Several outputs: ``Σ_o w_o ℓ_o(i)`` with the compiled
+    ``loss_weights`` w_o (default 1); `loss`, `loss_weights`, `y` and `sample_weight` may be
+    lists (output order) or dicts (output names), as in Keras.
 
-def _loss_weights(model: keras.Model) -> float | None:
-    compiled = getattr(model, "_compile_loss", None)
-    weights = getattr(compiled, "_user_loss_weights", None)
-    if weights is None:
-        return None
-    if isinstance(weights, (list, tuple)) and len(weights) == 1:
-        weights = weights[0]
-    if isinstance(weights, dict) and len(weights) == 1:
-        weights = next(iter(weights.values()))
-    if isinstance(weights, bool) or not isinstance(weights, (int, float)):
-        raise ValueError(f"loss_weights must be one number for the private train step, got {weights!r}")
-    return float(weights)
+    Raises:
+      ValueError: a loss or weight that does not match the outputs, or a loss that cannot be
+        taken unreduced.
+    """
+    outputs = _outputs(model, y, y_pred, sample_weight)
+    total = None
+    for fn, weight, target, pred, weighting in outputs:
+        values = _per_example_values(fn, target, pred, weighting)
+        values = values if weight == 1.0 else values * tf.cast(weight, values.dtype)
+        total = values if total is None else total + tf.cast(values, total.dtype)
+    return total
 
 
 def weight_regularization(model: keras.Model) -> tf.Tensor | None:
@@ -247,33 +299,8 @@ def _refuse_data_losses(model: keras.Model, num_weight_terms: int) -> None:
         )
 
 
-def sanitized_gradients(
-    optimizer: Any,
-    per_example_loss: tf.Tensor,
-    variables: Sequence[Any],
-    tape: tf.GradientTape,
-    *,
-    regularization_loss: tf.Tensor | None = None,
-) -> list[tf.Tensor]:
-    """The DP-SGD gradients of one step, for a model's own ``train_step``.
-
-    Args:
-      optimizer: the model's keras_dpsgd Keras 3 DP optimizer.
-      per_example_loss: the loss of each example, shape [B] (other axes are averaged), recorded
-        on `tape`.
-      variables: the trainable variables (``self.trainable_variables``).
-      tape: the GradientTape that recorded the forward pass; persistent if
-        `regularization_loss` is given.
-      regularization_loss: a scalar that depends on the weights only (never on the data), added
-        un-clipped and un-noised; None for none.
-
-    Returns:
-      One gradient per variable, to pass to ``optimizer.apply(grads, variables)``.
-
-    Raises:
-      ValueError: a non-DP optimizer, a reduced (scalar) loss, or a regularization loss with a
-        non-persistent tape.
-    """
+def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss):
+    """Checks the arguments of a model's own step; the regularization gradient (or None)."""
     optimizer = _check_dp_optimizer(optimizer)
     variables = list(variables)
     loss = tf.convert_to_tensor(per_example_loss)
@@ -293,7 +320,60 @@ def sanitized_gradients(
             )
         tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
         reg_grads = tape.gradient(regularization_loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return optimizer, loss, variables, reg_grads
+
+
+def sanitized_gradients(
+    optimizer: Any,
+    per_example_loss: tf.Tensor,
+    variables: Sequence[Any],
+    tape: tf.GradientTape,
+    *,
+    regularization_loss: tf.Tensor | None = None,
+) -> list[tf.Tensor]:
+    """The DP-SGD gradients of one step, for a model's own ``train_step`` (lots of one batch).
+
+    Args:
+      optimizer: the model's keras_dpsgd Keras 3 DP optimizer.
+      per_example_loss: the loss of each example, shape [B] (other axes are averaged), recorded
+        on `tape`.
+      variables: the trainable variables (``self.trainable_variables``).
+      tape: the GradientTape that recorded the forward pass; persistent if
+        `regularization_loss` is given.
+      regularization_loss: a scalar that depends on the weights only (never on the data), added
+        un-clipped and un-noised; None for none.
+
+    Returns:
+      One gradient per variable, to pass to ``optimizer.apply(grads, variables)``.
+
+    Raises:
+      ValueError: a non-DP optimizer, a reduced (scalar) loss, a regularization loss with a
+        non-persistent tape, or gradient_accumulation_steps > 1 (use :func:`private_update`).
+    """
+    optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     return optimizer.sanitize(loss, variables, tape, reg_grads)
+
+
+def private_update(
+    optimizer: Any,
+    per_example_loss: tf.Tensor,
+    variables: Sequence[Any],
+    tape: tf.GradientTape,
+    *,
+    regularization_loss: tf.Tensor | None = None,
+    model: keras.Model | None = None,
+) -> None:
+    """One DP-SGD update (sanitize, then apply), or one batch of a lot, for a model's own step.
+
+    The arguments are those of :func:`sanitized_gradients`; with the optimizer's
+    ``gradient_accumulation_steps`` = k > 1 the clipped sums of k batches make one lot, released
+    and applied once (``DPKeras3Mixin.minimize``). `model` (default: the model whose method calls
+    this, found on the call stack) marks the lot boundaries of its ``fit``.
+    """
+    optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
+    if model is None:
+        model = ledger.saving_model(optimizer)
+    optimizer.minimize(loss, variables, tape, reg_grads, model=model)
 
 
 def _private_train_step(self: keras.Model, data: Any) -> dict:
@@ -310,8 +390,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
         losses = per_example_loss(self, y, y_pred, sample_weight)
         _refuse_data_losses(self, num_weight_terms)
         regularization = weight_regularization(self)
-    grads = sanitized_gradients(optimizer, losses, variables, tape, regularization_loss=regularization)
-    optimizer.apply(grads, variables)
+    private_update(optimizer, losses, variables, tape, regularization_loss=regularization, model=self)
     total = tf.reduce_mean(losses)
     if regularization is not None:
         total = total + tf.cast(regularization, total.dtype)
@@ -341,8 +420,8 @@ def make_private(model: keras.Model) -> keras.Model:
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
-            f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (tf_keras models need no "
-            "make_private: compile them with keras_dpsgd.optimizer's DP optimizers)"
+            f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (a tf_keras model: "
+            "keras_dpsgd.tf_keras.make_private, needed only for weight regularizers)"
         )
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
