@@ -90,7 +90,7 @@ def compile_model(model, mode: str):
         opt = keras.optimizers.SGD(learning_rate=0.01)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     elif mode in ("fast", "reference", "fast-clip-only"):
-        from keras_dpsgd import DPSGDOptimizer
+        from keras_dpsgd.tf_keras import DPSGDOptimizer
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         opt = DPSGDOptimizer(

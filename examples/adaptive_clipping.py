@@ -89,7 +89,7 @@ def main(argv=None):
     names = [v.name[:-2] for v in model.trainable_variables]
     baseline = None
     if args.baseline:
-        from keras_dpsgd import DPSGDOptimizer
+        from keras_dpsgd.tf_keras import DPSGDOptimizer
         from keras_dpsgd.accounting import compute_noise_multiplier
 
         flat_sigma = compute_noise_multiplier(target_epsilon=args.target_epsilon, target_delta=delta,

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
     from keras_dpsgd._datasets import load_local, load_tfds
 
     if args.smoke:

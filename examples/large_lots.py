@@ -49,7 +49,8 @@ def main(argv=None):
     import numpy as np
     import tf_keras as keras
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots
+    from keras_dpsgd import PoissonLots
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
     from keras_dpsgd.accounting import compute_epsilon, default_delta
     from keras_dpsgd.ledger import model_privacy_ledger
     from keras_dpsgd.tools import (convnet_builder, large_lot_table, load_digits, load_tfds, mlp_builder,

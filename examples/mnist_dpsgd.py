@@ -1,7 +1,7 @@
 """Abadi et al. (2016) on MNIST: DP-PCA to 60 dimensions, 1000 ReLU units, DP-SGD.
 
 The paper's setup (Sec. 5.1): project the images onto 60 differentially
-private principal directions (:class:`keras_dpsgd.DPPCA`), one hidden layer of
+private principal directions (:class:`keras_dpsgd.tf_keras.DPPCA`), one hidden layer of
 1000 ReLU units, lots of 600, clipping bound 4 per layer, learning rate 0.1
 decaying linearly to 0.052 over 10 epochs. Three presets reproduce the paper's
 noise levels, each trained until its (ε, δ = 1e-5) budget is spent
@@ -88,7 +88,8 @@ def main(argv=None) -> int:
 
     import tf_keras as keras
 
-    from keras_dpsgd import DPPCA, DPSGDOptimizer, PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+    from keras_dpsgd.tf_keras import DPPCA, DPSGDOptimizer
     from keras_dpsgd._datasets import load_dataset, load_local, load_tfds
 
     sigma, target = PRESETS[args.preset]

@@ -149,7 +149,7 @@ def fitted_state_message(layer, state: str) -> str:
         "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
         "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
         "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
-        "use keras_dpsgd.DPNormalization, whose release is noised and accounted."
+        "use keras_dpsgd.tf_keras.DPNormalization, whose release is noised and accounted."
     )
 
 

@@ -7,7 +7,7 @@ def _fit(policy):
     keras.mixed_precision.set_global_policy(policy)
     try:
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Activation("linear", dtype="float32")])
-        model.compile(optimizer=keras_dpsgd.DPSGDOptimizer(1.0, 0.0, learning_rate=0.1),
+        model.compile(optimizer=keras_dpsgd.tf_keras.DPSGDOptimizer(1.0, 0.0, learning_rate=0.1),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
         x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32"); y = np.arange(8) % 3
         return model.fit(x, y, batch_size=4, epochs=1, verbose=0)

@@ -256,5 +256,5 @@ def test_every_public_tools_name_resolves():
     for name, module in keras_dpsgd._LAZY.items():
         if module == "keras_dpsgd.tools":
             assert getattr(keras_dpsgd, name) is getattr(tools, name)
-    assert keras_dpsgd.AdaptiveDPSGDOptimizer is AdaptiveDPSGDOptimizer
-    assert issubclass(AdaptiveDPSGDOptimizer, keras_dpsgd.DPSGDOptimizer)
+    assert keras_dpsgd.tf_keras.AdaptiveDPSGDOptimizer is AdaptiveDPSGDOptimizer
+    assert issubclass(AdaptiveDPSGDOptimizer, keras_dpsgd.tf_keras.DPSGDOptimizer)

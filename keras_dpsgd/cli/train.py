@@ -2,7 +2,7 @@
 
 The run is Abadi et al. (2016)'s Algorithm 1 with the library's parts:
 Poisson-sampled lots (:class:`keras_dpsgd.PoissonLots`), the DP-SGD optimizer
-(:class:`keras_dpsgd.DPSGDOptimizer`), ε in the Keras progress bar
+(:class:`keras_dpsgd.tf_keras.DPSGDOptimizer`), ε in the Keras progress bar
 (:class:`keras_dpsgd.PrivacyLogger`) and the budget enforced by
 :class:`keras_dpsgd.WithinLimit`. Unless ``--noise-multiplier`` is given, σ is
 the smallest noise multiplier that keeps the planned number of steps within
