@@ -21,6 +21,8 @@ import tf_keras as keras
 
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
 
+__all__ = ["DPPCA", "symmetric_gaussian_noise", "top_k_eigenvectors"]
+
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 PCA_LABEL = "dp-pca"

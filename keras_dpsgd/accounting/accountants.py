@@ -29,6 +29,15 @@ from keras_dpsgd.accounting.events import (
     flatten_events,
 )
 
+__all__ = [
+    "MomentsAccountant",
+    "PldAccountant",
+    "PrivacyAccountant",
+    "RdpAccountant",
+    "as_event_list",
+    "make_accountant",
+]
+
 ACCOUNTANTS = ("rdp", "moments", "pld")
 _PLD_HINT = "the PLD accountant needs dp_accounting: pip install keras-dpsgd[pld]"
 

@@ -19,6 +19,15 @@ from typing import Any, Iterable, Iterator, Union
 
 from keras_dpsgd.accounting import _validation as V
 
+__all__ = [
+    "ComposedEvent",
+    "GaussianEvent",
+    "PoissonSampledGaussianEvent",
+    "PrivacyLedger",
+    "event_from_dict",
+    "flatten_events",
+]
+
 
 def _check_sampling_rate(sampling_rate: float) -> float:
     return V.check_sampling_rate(sampling_rate)

@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
+__all__ = ["GradientCanaryMixin", "make_input_canaries", "per_example_loss", "with_gradient_canaries"]
+
 CANARY_KINDS = ("gradient", "ood", "mislabeled")
 
 

@@ -32,6 +32,13 @@ import numpy as np
 
 from keras_dpsgd.audit import statistics
 
+__all__ = [
+    "MembershipInferenceCallback",
+    "MembershipInferenceReport",
+    "attack_features",
+    "membership_inference",
+]
+
 METHODS = ("loss", "trained")
 _LOW_FPRS = (0.01, 0.001)
 

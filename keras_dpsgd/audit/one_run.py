@@ -22,6 +22,8 @@ import numpy as np
 from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit.canaries import CANARY_KINDS
 
+__all__ = ["CanaryAuditResult", "canary_audit", "mlp_builder"]
+
 
 @dataclasses.dataclass
 class CanaryAuditResult:

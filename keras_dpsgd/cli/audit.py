@@ -18,6 +18,8 @@ import sys
 
 from keras_dpsgd.cli import positive_int
 
+__all__ = ["audit", "register", "run"]
+
 _KINDS = ("gradient", "ood", "mislabeled")
 _PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
 

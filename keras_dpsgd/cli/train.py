@@ -31,6 +31,8 @@ import time
 
 from keras_dpsgd.cli import CommandFailed, add_json_flag, positive_float, positive_int
 
+__all__ = ["check_save_destination", "register", "run", "train"]
+
 DEFAULTS = {
     "dataset": "digits",
     "model": "mlp",
