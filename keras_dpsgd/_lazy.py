@@ -10,6 +10,7 @@ TensorFlow module that builds on it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -41,7 +42,9 @@ def attach(
     submodules = frozenset(submodules)
 
     def __getattr__(name: str) -> Any:
-        if name in submodules:
+        if name in submodules or (fallback is not None and _is_submodule(package, name)):
+            # A submodule is never a fallback name: `from package import submodule` asks here first,
+            # possibly in the middle of the package's own imports.
             return importlib.import_module(f"{package}.{name}")
         if name in exports:
             value = getattr(importlib.import_module(exports[name]), name)
@@ -56,3 +59,10 @@ def attach(
         return sorted(set(namespace) | set(sys.modules[package].__all__))
 
     return __getattr__, __dir__
+
+
+def _is_submodule(package: str, name: str) -> bool:
+    """Whether `package`.`name` is a module of the package (found without importing it)."""
+    if not name.isidentifier():
+        return False
+    return importlib.util.find_spec(f"{package}.{name}") is not None

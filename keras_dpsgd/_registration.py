@@ -38,6 +38,7 @@ _KERAS_PACKAGES = {"tf_keras": TF_KERAS, "keras": KERAS3}
 _WATCHED = ("tensorflow", "keras", "tf_keras")
 _LOG = logging.getLogger("keras_dpsgd")
 
+_ORDER = (TF_KERAS, KERAS3)
 _wanted: set = set()  # front ends whose Keras is imported and whose classes are not registered yet
 
 
@@ -69,7 +70,8 @@ def _register_wanted(just_imported: str = "") -> None:
     `just_imported` has finished executing but is still marked as importing.
     """
     while _wanted and not _import_under_way(excluding=just_imported):
-        front_end = _wanted.pop()
+        front_end = min(_wanted, key=_ORDER.index)  # a fixed order, whatever the string hashes
+        _wanted.discard(front_end)
         try:
             register(front_end)
         except Exception as err:  # never break the user's import
