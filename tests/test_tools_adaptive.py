@@ -186,7 +186,7 @@ def test_validation_and_serialization():
     assert clone.effective_noise_multiplier == opt.effective_noise_multiplier
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert isinstance(restored, AdaptiveDPSGDOptimizer)
-    adam_cls = make_adaptive_optimizer(__import__("keras_dpsgd").DPAdamOptimizer)
+    adam_cls = make_adaptive_optimizer(__import__("keras_dpsgd").tf_keras.DPAdamOptimizer)
     adam = adam_cls([1.0, 1.0], 1.0, 2.0, learning_rate=0.01)
     assert adam.effective_noise_multiplier == pytest.approx((2 + 2 / 4) ** -0.5)
 
