@@ -89,7 +89,7 @@ def _schedule(args, steps_per_epoch: int):
 
 
 def _pca(args, data, noise: float, rate: float):
-    from keras_dpsgd import DPPCA
+    from keras_dpsgd.tf_keras import DPPCA
 
     if not args.pca_components:
         return None
@@ -113,7 +113,8 @@ def _calibrated_sigma(args, q: float, steps: int, num_vars: int) -> float:
 def run_private(args, data) -> dict:
     import tf_keras as keras
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots, WithinLimit, model_epsilon
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     start = time.perf_counter()
     pca = _pca(args, data, args.pca_noise, args.pca_sampling_rate)

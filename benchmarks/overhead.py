@@ -6,6 +6,7 @@ Usage::
     python benchmarks/overhead.py --memory             # + peak memory, one fresh process per configuration
     python benchmarks/overhead.py --max-batch --max-batch-limit 4096 --memory-budget-mib 8000
     python benchmarks/overhead.py --modes fast fast-clip-only   # how much of the overhead is the noise
+    python benchmarks/overhead.py --keras 3            # the same models on Keras 3 (make_private)
 
 What is measured:
 
@@ -15,6 +16,10 @@ What is measured:
   and the same process, and are interleaved in rounds so that load on a shared machine hits them
   alike. Ratio = DP median / non-private median. Non-private: ``keras.optimizers.SGD`` with the mean
   loss; DP: ``DPSGDOptimizer(l2_norm_clip=1, noise_multiplier=1.1)`` with the per-example loss.
+  ``--keras tf_keras`` (default): tf_keras models and ``keras_dpsgd.tf_keras.DPSGDOptimizer``;
+  ``--keras 3``: the same models built with Keras 3 (``import keras``), made private with
+  ``keras_dpsgd.keras3.make_private`` and compiled with ``keras_dpsgd.keras3.DPSGDOptimizer``,
+  against a non-private Keras 3 ``fit``.
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
   the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
@@ -42,11 +47,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODES = ("nonprivate", "fast", "reference", "fast-clip-only")
 DEFAULT_BATCH = {"mlp": 256, "alexnet": 128}
+KERASES = ("tf_keras", "3")
+_KERAS = {"which": "tf_keras"}  # set by --keras (and by the memory child's argv)
 
 
 def _keras():
-    import tf_keras as keras
-
+    if _KERAS["which"] == "3":
+        import keras
+    else:
+        import tf_keras as keras
     return keras
 
 
@@ -90,7 +99,12 @@ def compile_model(model, mode: str):
         opt = keras.optimizers.SGD(learning_rate=0.01)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     elif mode in ("fast", "reference", "fast-clip-only"):
-        from keras_dpsgd import DPSGDOptimizer
+        if _KERAS["which"] == "3":
+            from keras_dpsgd.keras3 import DPSGDOptimizer, make_private
+
+            model = make_private(model)
+        else:
+            from keras_dpsgd.tf_keras import DPSGDOptimizer
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         opt = DPSGDOptimizer(
@@ -131,34 +145,55 @@ def time_steps(model, x, y, batch: int, steps: int) -> list[float]:
     return timer.times
 
 
-def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: int, modes) -> dict:
-    """Interleaved rounds of (non-private, fast, reference) fits in this process."""
-    x, y = make_data(name, batch, max(steps, reference_steps))
-    weights = build_model(name).get_weights()
-    models = {}
-    for mode in modes:
-        model = compile_model(build_model(name), mode)
-        model.set_weights(weights)
-        time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
-        models[mode] = model
-    times = {mode: [] for mode in modes}
-    for r in range(rounds):
-        for mode in modes:
-            n = reference_steps if mode == "reference" else steps
-            times[mode] += time_steps(models[mode], x, y, batch, n)
-            print(f"[overhead] {name} round {r} {mode}: median so far "
-                  f"{statistics.median(times[mode]):.4f} s", file=sys.stderr, flush=True)
-    out = {"batch": batch}
+def _summary(times: dict) -> dict:
+    out = {}
     base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
     for mode, ts in times.items():
         med = statistics.median(ts)
-        out[mode] = {"median_step_s": med, "mean_step_s": statistics.fmean(ts), "steps": len(ts)}
+        out[mode] = {"median_step_s": med, "min_step_s": min(ts), "mean_step_s": statistics.fmean(ts),
+                     "steps": len(ts)}
         if base and mode != "nonprivate":
             out[mode]["ratio"] = med / base
-    fast_model = models.get("fast")
-    if fast_model is not None:
-        backend = fast_model.optimizer._backend
-        out["fast"]["fallback_variables"] = list(getattr(backend, "last_fallback", []))
+            out[mode]["ratio_of_min"] = min(ts) / min(times["nonprivate"])
+    return out
+
+
+def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: int, modes,
+               kerases=("tf_keras",)) -> dict:
+    """Interleaved rounds of (non-private, fast, reference) fits in this process, for each Keras.
+
+    With several Kerases, all their models are interleaved in the same rounds (the same load hits
+    them alike) and the result has one entry per Keras.
+    """
+    x, y = make_data(name, batch, max(steps, reference_steps))
+    configs = [(keras_name, mode) for keras_name in kerases for mode in modes]
+    weights, models = None, {}
+    for keras_name, mode in configs:
+        _KERAS["which"] = keras_name
+        model = build_model(name)
+        weights = weights or model.get_weights()
+        model = compile_model(model, mode)
+        model.set_weights(weights)
+        time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
+        models[keras_name, mode] = model
+    times = {config: [] for config in configs}
+    for r in range(rounds):
+        for keras_name, mode in configs:
+            _KERAS["which"] = keras_name
+            n = reference_steps if mode == "reference" else steps
+            times[keras_name, mode] += time_steps(models[keras_name, mode], x, y, batch, n)
+            print(f"[overhead] {name} round {r} {keras_name} {mode}: median so far "
+                  f"{statistics.median(times[keras_name, mode]):.4f} s", file=sys.stderr, flush=True)
+    out = {"batch": batch}
+    for keras_name in kerases:
+        res = _summary({mode: times[keras_name, mode] for mode in modes})
+        backend = getattr(getattr(models.get((keras_name, "fast")), "optimizer", None), "_backend", None)
+        if backend is not None:  # tf_keras: the variables the fast backend handed to the reference one
+            res["fast"]["fallback_variables"] = list(getattr(backend, "last_fallback", []))
+        if len(kerases) == 1:
+            out.update(res)
+        else:
+            out[keras_name] = res
     return out
 
 
@@ -195,7 +230,7 @@ def child_memory(name: str, mode: str, batch: int, steps: int) -> dict:
 
 
 def spawn_memory(name: str, mode: str, batch: int, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--_child", name, mode, str(batch), str(steps)]
+    cmd = [sys.executable, __file__, "--_child", name, mode, str(batch), str(steps), _KERAS["which"]]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"failed": True, "returncode": proc.returncode, "stderr_tail": proc.stderr[-300:]}
@@ -218,6 +253,9 @@ def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, s
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=["mlp", "alexnet"])
+    parser.add_argument("--keras", nargs="+", default=["tf_keras"], choices=list(KERASES),
+                        help="tf_keras (default) or 3: Keras 3 models made private with keras_dpsgd.keras3; "
+                        "both (--keras tf_keras 3): interleaved in the same rounds, one result each")
     parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=list(MODES),
                         help="fast-clip-only: the fast backend with sigma = 0 (the cost of clipping "
                         "alone, without the noise draw)")
@@ -235,10 +273,14 @@ def main(argv=None) -> dict:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if "nonprivate" not in args.modes:
         args.modes = ["nonprivate"] + args.modes
-    report = {"load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(), "results": {}}
+    if len(args.keras) > 1 and (args.memory or args.max_batch):
+        raise ValueError("--memory and --max-batch measure one Keras at a time: give one --keras")
+    _KERAS["which"] = args.keras[0]
+    report = {"keras": args.keras, "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(),
+              "results": {}}
     for name in args.models:
         batch = DEFAULT_BATCH[name]
-        res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes)
+        res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes, args.keras)
         if args.memory:
             mem = {m: spawn_memory(name, m, batch, args.memory_steps) for m in args.modes}
             base = mem["nonprivate"].get("delta_mib")
@@ -257,8 +299,8 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--_child":
-        _, _, model_name, mode_name, batch_s, steps_s = sys.argv
+    if len(sys.argv) == 7 and sys.argv[1] == "--_child":
+        _, _, model_name, mode_name, batch_s, steps_s, _KERAS["which"] = sys.argv
         print(json.dumps(child_memory(model_name, mode_name, int(batch_s), int(steps_s))))
     else:
         print(json.dumps(main(), indent=1))

@@ -1,16 +1,25 @@
-"""keras_dpsgd: differentially private training (DP-SGD) for tf_keras.
+"""keras_dpsgd: differentially private training (DP-SGD) for Keras 3 and tf_keras.
+
+Which Keras: the names that exist once per Keras (``DPSGDOptimizer``,
+``DPAdamOptimizer``, ``make_dp_optimizer``, ``DPPCA``, ...) follow ``tf.keras``:
+Keras 3 unless ``TF_USE_LEGACY_KERAS`` is "1", "true" or "True" (TensorFlow's
+rule), then tf_keras. Code that names its Keras imports from
+``keras_dpsgd.keras3`` or ``keras_dpsgd.tf_keras``; the top level re-exports
+from their ``__all__`` (:mod:`keras_dpsgd._which_keras`). The other names
+(accounting, ``PoissonLots``, callbacks, the ledger, the Keras-neutral tools)
+are the same for both.
 
 Public names are imported lazily so that ``import keras_dpsgd.accounting``
 works without TensorFlow installed (the accountant is pure numpy/scipy).
 """
 
-import importlib
+from keras_dpsgd import _lazy, _which_keras
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it. TensorFlow-dependent modules are only
-# imported when one of their names is first used.
-_LAZY = {
+# Keras-neutral public name -> module that defines it. TensorFlow-dependent
+# modules are only imported when one of their names is first used.
+_NEUTRAL = {
     # accounting (pure numpy/scipy)
     "PoissonSampledGaussianEvent": "keras_dpsgd.accounting",
     "GaussianEvent": "keras_dpsgd.accounting",
@@ -28,57 +37,43 @@ _LAZY = {
     "default_delta": "keras_dpsgd.accounting",
     "check_delta": "keras_dpsgd.accounting",
     "effective_noise_multiplier": "keras_dpsgd.accounting",
-    # optimizer
-    "DPSGDOptimizer": "keras_dpsgd.optimizer",
-    "DPAdamOptimizer": "keras_dpsgd.optimizer",
-    "make_dp_optimizer": "keras_dpsgd.optimizer",
-    # data sampling and callbacks
+    # data sampling, callbacks and the ledger
     "PoissonLots": "keras_dpsgd.sampling",
     "PrivacyLogger": "keras_dpsgd.callbacks",
     "WithinLimit": "keras_dpsgd.callbacks",
     "model_privacy_ledger": "keras_dpsgd.ledger",
     "model_epsilon": "keras_dpsgd.ledger",
     "steps_remaining": "keras_dpsgd.ledger",
-    # pca
-    "DPPCA": "keras_dpsgd.pca",
-    # normalization (DP moments; preprocessing fitted on data is refused unless marked public)
-    "DPNormalization": "keras_dpsgd.normalization",
+    # preprocessing fitted on public data (marks a layer of either Keras)
     "mark_public": "keras_dpsgd.normalization",
-    # tools (Three Tools for Practical Differential Privacy)
+    # tools (Three Tools for Practical Differential Privacy): the privacy arithmetic
     "memorization_test": "keras_dpsgd.tools",
     "real_task_test": "keras_dpsgd.tools",
-    "AdaptiveDPSGDOptimizer": "keras_dpsgd.tools",
-    "make_adaptive_optimizer": "keras_dpsgd.tools",
-    "initial_clip_bounds": "keras_dpsgd.tools",
-    "ClipBoundsLogger": "keras_dpsgd.tools",
     "calibrate_adaptive_noise_multiplier": "keras_dpsgd.tools",
     "scale_learning_rate": "keras_dpsgd.tools",
     "large_lot_table": "keras_dpsgd.tools",
 }
 
-_SUBMODULES = ("accounting", "keras3", "tf_keras")
-
-__all__ = sorted(_LAZY) + list(_SUBMODULES)
+_SUBMODULES = ("accounting", "audit", "keras3", "tf_keras", "tools")
 
 
-def __getattr__(name):
-    if name in _SUBMODULES:
-        return importlib.import_module(f"keras_dpsgd.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_dpsgd' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+def _public_names() -> list:
+    """The neutral names, the submodules and the active Keras's front-end names (imports TensorFlow)."""
+    front_end = _which_keras.front_end_names(_which_keras.active_front_end())
+    return sorted(set(_NEUTRAL) | set(_SUBMODULES) | set(front_end))
 
 
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+def _front_end_or_all(name: str):
+    return _public_names() if name == "__all__" else _which_keras.front_end_attribute(name)
 
 
-# Serializable tf_keras classes (issue 12, hole 6a): registered as soon as tf_keras is
-# imported, so that load_model works after `import keras_dpsgd` alone; importing
+# `__all__` is computed on first use: it holds the names of the Keras that tf.keras is.
+__getattr__, __dir__ = _lazy.attach(__name__, _NEUTRAL, submodules=_SUBMODULES, fallback=_front_end_or_all)
+
+
+# Serializable classes (issue 12, hole 6a): registered as soon as tf_keras (or Keras 3) is imported,
+# so that loading a saved model works after `import keras_dpsgd` alone; importing
 # keras_dpsgd.accounting still does not import TensorFlow.
 from keras_dpsgd import _registration  # noqa: E402
 
-_registration.register_when_tf_keras_is_imported()
+_registration.register_when_keras_is_imported()

@@ -38,6 +38,8 @@ from keras_dpsgd.ledger import (
     sync_ledger_state,
 )
 
+__all__ = ["PrivacyLogger", "WithinLimit"]
+
 
 def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]) -> None:
     """Refuses an N larger than fit's training set (validation_split): q = B/N would be too small.

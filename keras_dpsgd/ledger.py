@@ -93,6 +93,26 @@ from keras_dpsgd.accounting import (
     max_steps_within_budget,
 )
 
+__all__ = [
+    "LedgerState",
+    "attach",
+    "fit_frame",
+    "is_dp_optimizer",
+    "layer_events",
+    "ledger_state_holders",
+    "model_epsilon",
+    "model_privacy_ledger",
+    "noised_steps",
+    "optimizer_events",
+    "refuse_lost_history",
+    "resolve_delta",
+    "resolve_num_examples",
+    "resolve_sampling_rate",
+    "saving_model",
+    "steps_remaining",
+    "sync_ledger_state",
+]
+
 _LOG = logging.getLogger("keras_dpsgd")
 _WARNED: set = set()
 _STATE_ATTR = "_dpsgd_ledger_state"

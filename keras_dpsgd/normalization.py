@@ -30,6 +30,14 @@ from keras_dpsgd import _adapt
 from keras_dpsgd.accounting import PrivacyLedger
 from keras_dpsgd.accounting._validation import is_integer, is_real
 
+__all__ = [
+    "DPNormalization",
+    "fitted_state_message",
+    "is_marked_public",
+    "mark_public",
+    "refuse_adapted_preprocessing",
+]
+
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 NORMALIZATION_LABEL = "dp-normalization"

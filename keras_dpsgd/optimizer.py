@@ -3,7 +3,7 @@
 Usage: the only change from non-private Keras training is the optimizer and an
 unreduced (per-example) loss::
 
-    opt = keras_dpsgd.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
+    opt = keras_dpsgd.tf_keras.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                      learning_rate=0.1)
     model.compile(optimizer=opt,
                   loss=keras.losses.SparseCategoricalCrossentropy(

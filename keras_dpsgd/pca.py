@@ -22,6 +22,8 @@ import tf_keras as keras
 from keras_dpsgd import _adapt
 from keras_dpsgd.accounting import PrivacyLedger
 
+__all__ = ["DPPCA", "symmetric_gaussian_noise", "top_k_eigenvectors"]
+
 _PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 PCA_LABEL = "dp-pca"

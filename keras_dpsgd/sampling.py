@@ -57,6 +57,8 @@ from scipy import stats
 
 from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
 
+__all__ = ["PoissonLots"]
+
 _LOG = logging.getLogger("keras_dpsgd")
 
 

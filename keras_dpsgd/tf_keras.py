@@ -1,18 +1,32 @@
-"""keras_dpsgd for tf_keras (Keras 2, ``import tf_keras``): the DP optimizers by explicit name.
+"""keras_dpsgd for tf_keras (Keras 2, ``import tf_keras``): every tf_keras-specific name, explicitly.
 
-Code that names its Keras imports from here (``keras_dpsgd.tf_keras``) or from
-``keras_dpsgd.keras3``; the top-level ``keras_dpsgd.DPSGDOptimizer`` is the tf_keras class today.
+Code that names its Keras imports from here or from ``keras_dpsgd.keras3``.
+The top-level ``keras_dpsgd.DPSGDOptimizer`` (and every other name listed in
+``__all__`` here) is this module's when ``TF_USE_LEGACY_KERAS`` makes tf.keras
+the legacy Keras, and ``keras_dpsgd.keras3``'s otherwise.
 """
 
 from keras_dpsgd._tf_keras_step import make_private
+from keras_dpsgd.normalization import DPNormalization
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
-from keras_dpsgd.tools._adaptive_tf import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
+from keras_dpsgd.pca import DPPCA
+from keras_dpsgd.tools._adaptive_tf import (
+    AdaptiveClippingMixin,
+    AdaptiveDPSGDOptimizer,
+    ClipBoundsLogger,
+    initial_clip_bounds,
+    make_adaptive_optimizer,
+)
 
 __all__ = [
+    "AdaptiveClippingMixin",
     "AdaptiveDPSGDOptimizer",
     "ClipBoundsLogger",
     "DPAdamOptimizer",
+    "DPNormalization",
+    "DPPCA",
     "DPSGDOptimizer",
+    "initial_clip_bounds",
     "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",

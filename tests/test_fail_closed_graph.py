@@ -11,7 +11,7 @@ import tensorflow as tf
 import tf_keras as keras
 from _fast_helpers import assert_same, flat_factors, per_example_loss, run_traced
 
-from keras_dpsgd import DPSGDOptimizer
+from keras_dpsgd.tf_keras import DPSGDOptimizer
 from keras_dpsgd._fast import FastBackend
 from keras_dpsgd._per_example import ReferenceBackend
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, model_epsilon
+from keras_dpsgd import PoissonLots, PrivacyLogger, model_epsilon
+from keras_dpsgd.tf_keras import DPSGDOptimizer
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
 N, B, SIGMA, DELTA = 24, 4, 1.1, 1e-3

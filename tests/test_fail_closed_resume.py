@@ -33,7 +33,8 @@ SAVE = textwrap.dedent(
     import os, sys
     import numpy as np
     import tf_keras as keras
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots
+    from keras_dpsgd import PoissonLots
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
     lots = PoissonLots(x, (x[:, :1] > 0).astype(np.float32), expected_lot_size=8)
@@ -74,7 +75,8 @@ WORKER = textwrap.dedent(
     import json, os, signal, sys
     import numpy as np
     import tf_keras as keras
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, model_privacy_ledger
+    from keras_dpsgd import PoissonLots, PrivacyLogger, model_privacy_ledger
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     mode, order, directory = sys.argv[1], sys.argv[2], sys.argv[3]
     x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from keras_dpsgd import DPSGDOptimizer
+from keras_dpsgd.tf_keras import DPSGDOptimizer
 from keras_dpsgd._fast import FastBackend
 
 L = keras.layers

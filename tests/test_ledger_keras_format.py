@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from keras_dpsgd import DPSGDOptimizer, PoissonLots, model_epsilon, model_privacy_ledger
+from keras_dpsgd import PoissonLots, model_epsilon, model_privacy_ledger
+from keras_dpsgd.tf_keras import DPSGDOptimizer
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
 N, SIGMA, DELTA = 64, 1.1, 1e-4

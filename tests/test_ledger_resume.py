@@ -17,7 +17,8 @@ WORKER = textwrap.dedent(
     import json, os, signal, sys
     import numpy as np
     import tf_keras as keras
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, PrivacyLogger, model_privacy_ledger
+    from keras_dpsgd import PoissonLots, PrivacyLogger, model_privacy_ledger
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     mode, directory, epochs, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     N, LOT, SIGMA, DELTA = {N}, {LOT}, {SIGMA}, {DELTA}
@@ -90,7 +91,8 @@ def test_kill_and_resume_continues_the_ledger(tmp_path):
     import numpy as np
     import tf_keras as keras
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots, model_privacy_ledger
+    from keras_dpsgd import PoissonLots, model_privacy_ledger
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     rng = np.random.default_rng(1)
     x = rng.normal(size=(N, 3)).astype(np.float32)
@@ -108,7 +110,8 @@ def _dp_model():
     import numpy as np
     import tf_keras as keras
 
-    from keras_dpsgd import DPSGDOptimizer, PoissonLots
+    from keras_dpsgd import PoissonLots
+    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     x = np.random.default_rng(2).normal(size=(N, 3)).astype(np.float32)
     lots = PoissonLots(x, (x[:, :1] > 0).astype(np.float32), expected_lot_size=LOT)

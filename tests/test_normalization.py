@@ -167,7 +167,7 @@ def test_the_release_is_in_the_ledger_and_in_epsilon(tmp_path):
     np.testing.assert_array_equal(layer.variance.numpy(), norm.variance.numpy())
     np.testing.assert_array_equal(loaded.predict(X, verbose=0), model.predict(X, verbose=0))
     assert model_privacy_ledger(loaded).events[:1] == (GaussianEvent(4.0, count=1, label="dp-normalization"),)
-    assert keras_dpsgd.DPNormalization is DPNormalization and keras_dpsgd.mark_public is mark_public
+    assert keras_dpsgd.tf_keras.DPNormalization is DPNormalization and keras_dpsgd.mark_public is mark_public
 
 
 # ------------------------------------------------------------------ the refusal

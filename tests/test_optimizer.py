@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd import DPAdamOptimizer, DPSGDOptimizer
+from keras_dpsgd.tf_keras import DPAdamOptimizer, DPSGDOptimizer
 
 LR = 0.5
 

@@ -8,7 +8,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import keras_dpsgd
-from keras_dpsgd import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
+from keras_dpsgd.tf_keras import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
 from keras_dpsgd import _per_example
 
 

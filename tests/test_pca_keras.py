@@ -29,7 +29,7 @@ def _model(layer, shape=(5, 4)):
 
 
 def test_public_name_and_get_config_round_trip():
-    assert keras_dpsgd.DPPCA is DPPCA
+    assert keras_dpsgd.tf_keras.DPPCA is DPPCA
     layer = DPPCA(4, 1.5, sampling_rate=0.25, normalize_inputs=True, seed=9, name="pca")
     config = layer.get_config()
     assert {k: config[k] for k in ("n_components", "noise_multiplier", "sampling_rate", "normalize_inputs")} == {

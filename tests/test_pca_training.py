@@ -4,7 +4,7 @@ import numpy as np
 import tf_keras as keras
 from sklearn.datasets import load_digits
 
-from keras_dpsgd import DPPCA, DPSGDOptimizer
+from keras_dpsgd.tf_keras import DPPCA, DPSGDOptimizer
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.ledger import model_privacy_ledger
 

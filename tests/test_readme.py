@@ -30,10 +30,17 @@ def test_the_two_commands_come_first_and_match_ci():
     assert test_command in ci_lines
 
 
-def test_quickstart_snippet_runs_and_stays_within_budget(capsys):
-    text = _readme()
-    marker = text.index("<!-- readme-quickstart -->")
-    code = _blocks(text[marker:], "python")[0]
+# The Keras 3 quick start (first) and the tf_keras one below it: (marker, index of its diff block).
+_QUICKSTARTS = [("<!-- readme-quickstart -->", 0), ("<!-- readme-quickstart-tf-keras -->", 1)]
+
+
+def _snippet(text: str, marker: str) -> str:
+    return _blocks(text[text.index(marker):], "python")[0]
+
+
+@pytest.mark.parametrize("marker", [m for m, _ in _QUICKSTARTS])
+def test_quickstart_snippet_runs_and_stays_within_budget(marker, capsys):
+    code = _snippet(_readme(), marker)
     namespace = {"__name__": "readme_quickstart"}
     exec(compile(code, "README.md quickstart", "exec"), namespace)  # noqa: S102
     out = capsys.readouterr().out
@@ -45,12 +52,12 @@ def test_quickstart_snippet_runs_and_stays_within_budget(capsys):
     assert accuracy > 0.5  # chance is 0.1; typically about 0.9
 
 
-def test_diff_block_matches_the_runnable_snippet():
+@pytest.mark.parametrize("marker, diff_index", _QUICKSTARTS)
+def test_diff_block_matches_the_runnable_snippet(marker, diff_index):
     text = _readme()
-    diff = _blocks(text, "diff")[0]
+    diff = _blocks(text, "diff")[diff_index]
     added = [line[1:].strip() for line in diff.splitlines() if line.startswith("+")]
-    code = _blocks(text[text.index("<!-- readme-quickstart -->"):], "python")[0]
-    flat = " ".join(code.split())
+    flat = " ".join(_snippet(text, marker).split())
     for line in added:
         if line.startswith(("model.fit(", "callbacks=")):
             continue  # the runnable version adds verbose=2

@@ -35,6 +35,17 @@ from keras_dpsgd.accounting.events import (
     flatten_events,
 )
 
+__all__ = [
+    "MomentsAccountant",
+    "PldAccountant",
+    "PrivacyAccountant",
+    "RdpAccountant",
+    "accountant_names",
+    "as_event_list",
+    "make_accountant",
+    "register_accountant",
+]
+
 # The built-in accountants' names (``accountant_names()`` also lists registered ones).
 ACCOUNTANTS = ("rdp", "moments", "pld")
 _REGISTRY: dict[str, Callable[[], "PrivacyAccountant"]] = {}

@@ -31,6 +31,8 @@ import numpy as np
 
 from keras_dpsgd import _validate as V
 
+__all__ = ["check_conversion", "delta_from_rdp", "epsilon_from_rdp", "epsilon_per_order"]
+
 CONVERSIONS = ("tight", "classic")
 
 

@@ -19,6 +19,15 @@ from typing import Any, Iterable, Iterator, Sequence, Union
 
 from keras_dpsgd import _validate as V
 
+__all__ = [
+    "ComposedEvent",
+    "GaussianEvent",
+    "PoissonSampledGaussianEvent",
+    "PrivacyLedger",
+    "event_from_dict",
+    "flatten_events",
+]
+
 
 def _check_sampling_rate(sampling_rate: float) -> float:
     return V.in_range(0, 1, "(]", sampling_rate=sampling_rate)

@@ -19,6 +19,21 @@ from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import accountants as A
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent, composed_noise_multiplier
 
+__all__ = [
+    "batch_table",
+    "calibrate_noise_multiplier",
+    "check_delta",
+    "compute_epsilon",
+    "compute_epsilon_and_order",
+    "compute_noise_multiplier",
+    "default_delta",
+    "effective_noise_multiplier",
+    "max_epochs_from_steps",
+    "max_epochs_within_budget",
+    "max_steps_within_budget",
+    "steps_for_epochs",
+]
+
 _SIGMA_RTOL = 1e-7
 _SIGMA_MAX = 1e7
 _MAX_STEPS_CAP = 10**15

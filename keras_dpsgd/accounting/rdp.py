@@ -41,6 +41,8 @@ from scipy import special
 
 from keras_dpsgd import _validate as V
 
+__all__ = ["check_orders", "rdp_gaussian", "rdp_poisson_subsampled_gaussian"]
+
 # dp_accounting's default grid (RdpAccountant.DEFAULT_RDP_ORDERS): 1.1..10.9 by
 # 0.1, 11..63, 128, 256, 512, 1024. Built the same way so the floats coincide.
 DEFAULT_ORDERS: tuple[float, ...] = tuple(

@@ -22,7 +22,7 @@ Names are imported lazily: the statistics import neither TensorFlow nor
 scikit-learn.
 """
 
-import importlib
+from keras_dpsgd import _lazy
 
 _LAZY = {
     # statistics (pure numpy/scipy)
@@ -51,15 +51,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_dpsgd.audit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)

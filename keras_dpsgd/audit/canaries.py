@@ -38,6 +38,8 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate as V
 
+__all__ = ["GradientCanaryMixin", "make_input_canaries", "per_example_loss", "with_gradient_canaries"]
+
 CANARY_KINDS = ("gradient", "ood", "mislabeled")
 
 

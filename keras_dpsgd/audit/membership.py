@@ -34,6 +34,13 @@ from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit._callback import MembershipInferenceCallbackCore
 
+__all__ = [
+    "MembershipInferenceCallback",
+    "MembershipInferenceReport",
+    "attack_features",
+    "membership_inference",
+]
+
 METHODS = ("loss", "trained")
 _LOW_FPRS = (0.01, 0.001)
 

@@ -23,6 +23,8 @@ from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit.canaries import CANARY_KINDS
 
+__all__ = ["CanaryAuditResult", "canary_audit", "mlp_builder"]
+
 
 @dataclasses.dataclass
 class CanaryAuditResult:

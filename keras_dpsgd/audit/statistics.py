@@ -36,6 +36,20 @@ from scipy import special, stats
 
 from keras_dpsgd import _validate as V
 
+__all__ = [
+    "check_confidence",
+    "clopper_pearson_interval",
+    "clopper_pearson_lower",
+    "clopper_pearson_upper",
+    "epsilon_from_rates",
+    "epsilon_lower_bound_from_counts",
+    "one_run_audit",
+    "one_run_epsilon",
+    "one_run_guesses",
+    "one_run_p_value",
+    "roc_auc",
+]
+
 
 # ------------------------------------------------------------- validation
 def _check_count(name: str, value, low: int, high: int | None = None) -> int:

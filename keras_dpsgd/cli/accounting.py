@@ -32,6 +32,8 @@ from keras_dpsgd.accounting.accountants import accountant_names
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent
 from keras_dpsgd.cli import add_json_flag, add_option
 
+__all__ = ["register", "run_batch_table", "run_epsilon", "run_noise"]
+
 _ACCOUNTANT_HELP = (
     "rdp: RDP with the tight conversion (default); moments: Abadi et al. 2016 (integer orders <= 32, "
     "classic conversion); pld: privacy loss distributions (needs dp_accounting: pip install keras-dpsgd[pld])"

@@ -21,6 +21,8 @@ import sys
 
 from keras_dpsgd.cli import positive_int
 
+__all__ = ["audit", "register", "run"]
+
 _KINDS = ("gradient", "ood", "mislabeled")
 _PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
 _KERAS_NAMES = {"keras3": "Keras 3", "tf_keras": "tf_keras (TF_USE_LEGACY_KERAS=1)"}

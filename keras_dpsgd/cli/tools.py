@@ -20,6 +20,8 @@ from __future__ import annotations
 from keras_dpsgd.accounting.accountants import accountant_names
 from keras_dpsgd.cli import add_json_flag, add_option, model_choice, positive_float, positive_int
 
+__all__ = ["register"]
+
 # Shape and class count of the data sets the CLI knows (noise mode needs only these).
 _DATASETS = {"digits": ((8, 8, 1), 10), "cifar10": ((32, 32, 3), 10), "mnist": ((28, 28, 1), 10)}
 

@@ -2,7 +2,7 @@
 
 The run is Abadi et al. (2016)'s Algorithm 1 with the library's parts:
 Poisson-sampled lots (:class:`keras_dpsgd.PoissonLots`), the DP-SGD optimizer
-(:class:`keras_dpsgd.DPSGDOptimizer`), ε in the Keras progress bar
+(:class:`keras_dpsgd.tf_keras.DPSGDOptimizer`), ε in the Keras progress bar
 (:class:`keras_dpsgd.PrivacyLogger`) and the budget enforced by
 :class:`keras_dpsgd.WithinLimit`. It runs on Keras 3 (a model made private with
 ``keras_dpsgd.keras3.make_private``) unless ``TF_USE_LEGACY_KERAS=1`` selects
@@ -35,6 +35,8 @@ import tempfile
 import time
 
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
+
+__all__ = ["check_save_destination", "register", "run", "train"]
 
 DEFAULTS = {
     "dataset": "digits",

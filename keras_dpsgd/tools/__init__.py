@@ -11,7 +11,7 @@ Names are imported lazily: the pure-Python parts (large lots, the adaptive
 clipping arithmetic) do not import TensorFlow.
 """
 
-import importlib
+from keras_dpsgd import _lazy
 
 _LAZY = {
     # memorization test
@@ -44,15 +44,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'keras_dpsgd.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy.attach(__name__, _LAZY)

@@ -64,7 +64,7 @@ def make_adaptive_optimizer(dp_optimizer_cls: type) -> type:
     """Adds adaptive per-layer clipping to a tf_keras DP optimizer class (e.g. `DPAdamOptimizer`).
 
     Args:
-      dp_optimizer_cls: a class from `keras_dpsgd.optimizer.make_dp_optimizer` or `DPSGDOptimizer`.
+      dp_optimizer_cls: a class from `keras_dpsgd.tf_keras.make_dp_optimizer` or `DPSGDOptimizer`.
 
     Returns:
       A class taking (l2_norm_clip, noise_multiplier, norm_noise_multiplier,

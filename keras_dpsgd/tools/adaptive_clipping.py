@@ -55,8 +55,10 @@ diverge (bounds blow up, then collapse to ``min_clip_bound``). Larger lots, a
 smaller learning rate or a smaller model avoid the feedback; watch the bounds
 with :class:`ClipBoundsLogger`.
 
-This module is pure Python; the TensorFlow parts live in
-:mod:`keras_dpsgd.tools._adaptive_tf` and are re-exported lazily.
+This module is pure Python; the optimizers, :func:`initial_clip_bounds` and
+:class:`ClipBoundsLogger` are in :mod:`keras_dpsgd.tools` (and
+:mod:`keras_dpsgd.tf_keras`), which import TensorFlow. (This module does not
+re-export them: the TensorFlow module builds on this one, not the reverse.)
 """
 
 from __future__ import annotations
@@ -64,21 +66,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-_TF_NAMES = {
-    "AdaptiveClippingMixin",
-    "AdaptiveDPSGDOptimizer",
-    "make_adaptive_optimizer",
-    "initial_clip_bounds",
-    "ClipBoundsLogger",
-}
-
-
-def __getattr__(name):
-    if name in _TF_NAMES:
-        from keras_dpsgd.tools import _adaptive_tf
-
-        return getattr(_adaptive_tf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["adaptive_clipping_event", "calibrate_adaptive_noise_multiplier", "composed_noise_multiplier"]
 
 
 def _check_sigmas(name: str, values: Sequence[float]) -> list[float]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+__all__ = ["large_lot_table", "plan_gradient_accumulation", "plot_noise_per_example", "scale_learning_rate"]
+
 
 def _check_positive(name: str, value: float) -> float:
     try:

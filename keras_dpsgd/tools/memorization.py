@@ -45,6 +45,15 @@ import numpy as np
 from keras_dpsgd.tools import _data
 from keras_dpsgd.tools._training import RunResult, train_run
 
+__all__ = [
+    "DPSettings",
+    "MemorizationReport",
+    "convnet_builder",
+    "memorization_test",
+    "mlp_builder",
+    "real_task_test",
+]
+
 NOISE_PRIVACY_NOTE = (
     "The memorization test trains on uniform random noise with uniform random labels: it touches no real "
     "data and costs none of the data's privacy budget. The DP run's epsilon is nominal: what the same "
