@@ -159,11 +159,11 @@ for name in sorted(set(k3.__all__) - set(tfk.__all__)):
     else:
         raise AssertionError(f"keras_dpsgd.{name} was handed to a tf_keras user")
 try:
-    from keras_dpsgd import make_private  # noqa: F401
+    from keras_dpsgd import private_update  # noqa: F401
 except ImportError as err:  # the message survives `from ... import`
     assert "unset TF_USE_LEGACY_KERAS" in str(err), err
 else:
-    raise AssertionError("make_private imported under tf_keras")
+    raise AssertionError("private_update imported under tf_keras")
 x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
 y = np.arange(8) % 3
 model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3)])
