@@ -31,12 +31,11 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd._fast import _graph, _uses
+from keras_dpsgd._fast._reference import ReferenceBackend
 
 
-def _reference_backend():
+def _reference_backend() -> ReferenceBackend:
     """The optimizer's reference backend (per-example jacobians of every variable)."""
-    from keras_dpsgd._per_example import ReferenceBackend
-
     return ReferenceBackend()
 
 
@@ -56,6 +55,16 @@ def _grad_for(y: tf.Tensor, grad) -> tf.Tensor:
     grad = tf.convert_to_tensor(grad)
     grad.set_shape(y.shape)
     return grad
+
+
+def _outputs(site) -> tuple:
+    return site.y if isinstance(site.y, tuple) else (site.y,)
+
+
+def _site_grads(site, grads: list, index: dict):
+    """∂(Σℓ)/∂y for the site's output(s), in the structure of ``site.y``."""
+    got = tuple(_grad_for(y, grads[index[y.ref()]]) for y in _outputs(site))
+    return got if isinstance(site.y, tuple) else got[0]
 
 
 class FastBackend:
@@ -143,9 +152,10 @@ class FastBackend:
         ys, index = [], {}
         for sites in plans:
             for site in sites or ():
-                if site.y.ref() not in index:
-                    index[site.y.ref()] = len(ys)
-                    ys.append(site.y)
+                for y in _outputs(site):
+                    if y.ref() not in index:
+                        index[y.ref()] = len(ys)
+                        ys.append(y)
         grads = []
         if ys:
             grads = tf.gradients(
@@ -162,6 +172,6 @@ class FastBackend:
             elif not sites:
                 groups.append(None)  # The loss does not depend on this variable.
             else:
-                uses = [site.make(_grad_for(site.y, grads[index[site.y.ref()]]), batch) for site in sites]
+                uses = [site.make(_site_grads(site, grads, index), batch) for site in sites]
                 groups.append(_uses.make_group(uses, var.shape))
         return groups

@@ -1,29 +1,81 @@
-"""Per-op handlers: how one use of a variable turns ∂L/∂(op output) into a per-example use.
+"""Per-example rules: how one use of a variable turns ∂L/∂(op output) into a per-example use.
 
-Each handler gets the using op, the input index of the (reshaped/cast) variable value ``w``, the
-variable, the batch-major map of ``_graph.batch_major_ops`` and the static batch size, and returns
-a :class:`Site` or None (unknown or ambiguous use: the variable falls back to jacobians).
+The contract of a rule (``register_rule`` adds one, keyed by op type):
+
+    rule(op, index, w, var, clean, static_batch) -> Site | None
+
+* ``op``: the op that uses the variable, ``op.inputs[index] is w``; ``w`` is the variable's
+  value (after ReadVariableOp and value-preserving reshapes/casts), or its resource handle for an
+  op that reads the variable itself (ResourceGather);
+* ``var``: the ``tf.Variable``; ``clean``: the ``_rows.Analysis`` of the step (``clean.clean(t)``:
+  ``t`` is proven batch-major, example ``i`` owns a contiguous block of rows); ``static_batch``:
+  the batch size if known at trace time.
+* It returns None when it does not recognize the use (then the variable gets exact per-example
+  jacobians: a rule may decline, it must never guess), else a :class:`Site`: the op output(s)
+  ``y`` whose gradient ∂(Σ_i ℓ_i)/∂y the backend computes (row ``i`` of it is ∂ℓ_i/∂y), and
+  ``make(grad, batch)`` turning that gradient into one *use* of ``_uses`` (``OuterUse``: the
+  per-example gradient is ``A_iᵀ G_i``; ``IndexUse``: rows of a table; ``DenseUse`` or
+  ``PiecesUse``: the per-example gradient itself, [B, *var.shape]). From the uses the backend gets
+  the per-example squared norms ``‖∂ℓ_i/∂var‖²`` and, once clipped, the sum
+  ``Σ_i c_i ∂ℓ_i/∂var`` (ghost norms and book-keeping, ``_uses``).
+
+A rule must be exact: its use, summed with the variable's other uses, is ∂ℓ_i/∂var for every
+example ``i``. Where the op's attributes allow something it does not handle, it returns None.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd._fast import _conv, _uses
 
-MakeUse = Callable[[tf.Tensor, tf.Tensor], object]
+MakeUse = Callable[..., object]
 
 
 @dataclasses.dataclass
 class Site:
-    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use."""
+    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use.
 
-    y: tf.Tensor
+    ``y`` may be a tuple of tensors (an op with several outputs the loss may depend on); ``make``
+    then receives the tuple of their gradients.
+    """
+
+    y: object  # tf.Tensor or tuple of tf.Tensor
     make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse | PiecesUse
+
+
+Rule = Callable[..., Optional[Site]]
+_RULES: dict[str, Rule] = {}
+
+
+def register_rule(*op_types: str) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule`` is the per-example rule of ops of these types (see the module doc).
+
+    Raises:
+      ValueError: no op type given, or one already has a rule (one rule per op type).
+    """
+    if not op_types:
+        raise ValueError("register_rule needs at least one op type, got none")
+
+    def register(rule: Rule) -> Rule:
+        for op_type in op_types:
+            if op_type in _RULES:
+                raise ValueError(
+                    f"op type {op_type!r} already has the per-example rule {_RULES[op_type].__name__}"
+                )
+            _RULES[op_type] = rule
+        return rule
+
+    return register
+
+
+def rule_for(op_type: str) -> Optional[Rule]:
+    """The registered per-example rule of ``op_type``, or None."""
+    return _RULES.get(op_type)
 
 
 def _batch_major(t: tf.Tensor, static_batch) -> bool:
@@ -49,6 +101,7 @@ def _f32(t: tf.Tensor) -> tf.Tensor:
     return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
 
 
+@register_rule("MatMul")
 def _matmul(op, index, w, var, clean, static_batch):
     """y = a @ w (Dense on 2-D inputs; on [B, T, D] through tf.tensordot's reshape)."""
     if index != 1 or op.get_attr("transpose_a"):
@@ -68,6 +121,7 @@ def _matmul(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("BatchMatMulV2", "BatchMatMulV3")
 def _batch_matmul(op, index, w, var, clean, static_batch):
     """y = x @ w with x of shape [B, ..., D] and a 2-D weight broadcast over the batch."""
     if index != 1 or w.shape.rank != 2 or op.get_attr("adj_x"):
@@ -88,6 +142,7 @@ def _batch_matmul(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("Conv2D")
 def _conv2d(op, index, w, var, clean, static_batch):
     """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
 
@@ -137,8 +192,9 @@ def _index_site(ids, y, var, vocab_dim):
     return Site(y, make)
 
 
-def gather_site(op, index, var, clean, static_batch):
-    """ResourceGather on the handle: an Embedding lookup (rows of a [V, D] table)."""
+@register_rule("ResourceGather")
+def _resource_gather(op, index, w, var, clean, static_batch):
+    """ResourceGather on the handle ``w``: an Embedding lookup (rows of a [V, D] table)."""
     if op.type != "ResourceGather" or index != 0 or op.get_attr("batch_dims") != 0:
         return None
     if var.shape.rank != 2:
@@ -149,6 +205,7 @@ def gather_site(op, index, var, clean, static_batch):
     return _index_site(ids, y, var, int(var.shape[1]))
 
 
+@register_rule("GatherV2")
 def _gather_v2(op, index, w, var, clean, static_batch):
     """GatherV2 on the variable's value along axis 0 (tf.gather(table, ids))."""
     if index != 0 or op.get_attr("batch_dims") != 0 or w.shape.rank != 2:
@@ -162,6 +219,7 @@ def _gather_v2(op, index, w, var, clean, static_batch):
     return _index_site(ids, y, var, int(w.shape[1]))
 
 
+@register_rule("BiasAdd", "Add", "AddV2", "Sub", "Mul")
 def _elementwise(op, index, w, var, clean, static_batch):
     """Bias adds and scales: y = x + w, x - w, w - x, x * w (LayerNormalization γ and β).
 
@@ -200,6 +258,7 @@ def _elementwise(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("Einsum")
 def _einsum(op, index, w, var, clean, static_batch):
     """Two-operand einsum with the weight (EinsumDense, MultiHeadAttention projections).
 
@@ -243,18 +302,3 @@ def _einsum(op, index, w, var, clean, static_batch):
         )
 
     return Site(y, make)
-
-
-HANDLERS = {
-    "Einsum": _einsum,
-    "MatMul": _matmul,
-    "BatchMatMulV2": _batch_matmul,
-    "BatchMatMulV3": _batch_matmul,
-    "Conv2D": _conv2d,
-    "GatherV2": _gather_v2,
-    "BiasAdd": _elementwise,
-    "Add": _elementwise,
-    "AddV2": _elementwise,
-    "Sub": _elementwise,
-    "Mul": _elementwise,
-}
