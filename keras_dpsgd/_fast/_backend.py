@@ -67,6 +67,30 @@ def _site_grads(site, grads: list, index: dict):
     return got if isinstance(site.y, tuple) else got[0]
 
 
+def _output_grads(total: tf.Tensor, ys: list, plans: list) -> list:
+    """``∂total/∂y`` for each y, backpropagating through the sites' copies (``Site.through``).
+
+    With copies ``c`` of op outputs ``o`` (same function of the same inputs), the gradient of any
+    tensor is that of ``total`` with the ``o`` held constant plus ``∂total/∂o · ∂c/∂(tensor)``:
+    one backward pass, ``tf.gradients([total, c], ys, grad_ys=[1, ∂total/∂o], stop_gradients=o)``.
+    """
+    zero = tf.UnconnectedGradients.ZERO
+    throughs = {}
+    for sites in plans:
+        for site in sites or ():
+            if site.through is not None:
+                throughs.setdefault(site.through[0][0].ref(), site.through)
+    if not throughs:
+        return tf.gradients(total, ys, unconnected_gradients=zero)
+    originals = [t for o, _ in throughs.values() for t in o]
+    copies = [t for _, c in throughs.values() for t in c]
+    at_originals = tf.gradients(total, originals, unconnected_gradients=zero)
+    return tf.gradients(
+        [total] + copies, ys, grad_ys=[tf.ones_like(total)] + at_originals,
+        stop_gradients=originals, unconnected_gradients=zero,
+    )
+
+
 class FastBackend:
     """Per-example clipped gradient sums from ghost norms (Goodfellow 2015; Li et al. 2022;
     Bu et al. 2023), with per-example jacobians for the variables it cannot analyze.
@@ -156,11 +180,7 @@ class FastBackend:
                     if y.ref() not in index:
                         index[y.ref()] = len(ys)
                         ys.append(y)
-        grads = []
-        if ys:
-            grads = tf.gradients(
-                tf.reduce_sum(loss), ys, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
+        grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
         self.last_fallback = [v.name for v in fallback]
         jacobians = iter(per_example_jacobians(loss, fallback, tape))

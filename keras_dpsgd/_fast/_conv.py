@@ -82,6 +82,31 @@ def per_example_kernel_grads(
     return _chained(lambda row: tf.einsum("bhwkc,bhwo->bkco", shifted[:, row], g), [(row,) for row in rows])
 
 
+def per_example_depthwise_grads(
+    x: tf.Tensor, g: tf.Tensor, kernel: tuple[int, int], strides, rates, padding: str
+) -> list[tf.Tensor]:
+    """Per-example kernel gradients of an NHWC depthwise convolution, one piece per kernel row.
+
+    For a ``[kh, kw, cin, m]`` kernel (channel multiplier ``m``; output channel ``c·m + j`` is
+    input channel ``c`` convolved with ``w[:, :, c, j]``), example ``i``'s gradient at tap
+    ``(r, s)`` is ``Σ_t x_i[t·stride + (r, s)·rate, c] · g_i[t, c·m + j]``: per channel, no sum over
+    the input channels. Returns ``kh`` tensors [B, kw, cin, m] (their per-example flattenings,
+    concatenated, are the row-major flattening of the kernel's gradient).
+
+    Args: as :func:`per_example_kernel_grads`; ``g`` is [B, Ho, Wo, cin·m].
+    """
+    kh, kw = kernel
+    (_, h, w, cin), (_, ho, wo, cout) = x.shape.as_list(), g.shape.as_list()
+    sh, sw, rh, rw = strides[1], strides[2], rates[1], rates[2]
+    top, bottom = _pads(h, ho, kh, sh, rh, padding)
+    left, right = _pads(w, wo, kw, sw, rw, padding)
+    x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
+    g5 = tf.reshape(g, tf.stack([tf.shape(g)[0], ho, wo, cin, cout // cin]))
+    rows = [_window(r * rh, ho, sh) for r in range(kh)]
+    shifted = tf.stack([x[:, :, _window(s * rw, wo, sw), :] for s in range(kw)], axis=3)  # [B, Hp, Wo, kw, cin]
+    return _chained(lambda row: tf.einsum("bhwkc,bhwcm->bkcm", shifted[:, row], g5), [(row,) for row in rows])
+
+
 def _chained(piece, args: list) -> list[tf.Tensor]:
     """``[piece(*a) for a in args]``, each started after the previous one finished.
 

@@ -15,7 +15,8 @@ The contract of a rule (``register_rule`` adds one, keyed by op type):
   ``y`` whose gradient ∂(Σ_i ℓ_i)/∂y the backend computes (row ``i`` of it is ∂ℓ_i/∂y), and
   ``make(grad, batch)`` turning that gradient into one *use* of ``_uses`` (``OuterUse``: the
   per-example gradient is ``A_iᵀ G_i``; ``IndexUse``: rows of a table; ``DenseUse`` or
-  ``PiecesUse``: the per-example gradient itself, [B, *var.shape]). From the uses the backend gets
+  ``PiecesUse``: the per-example gradient itself, [B, *var.shape]). ``through`` (optional) lets
+  ``y`` live in a recomputed copy of the op (see :class:`Site`). From the uses the backend gets
   the per-example squared norms ``‖∂ℓ_i/∂var‖²`` and, once clipped, the sum
   ``Σ_i c_i ∂ℓ_i/∂var`` (ghost norms and book-keeping, ``_uses``).
 
@@ -31,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _conv, _uses
+from keras_dpsgd._fast import _conv, _recurrent, _uses
 
 MakeUse = Callable[..., object]
 
@@ -46,6 +47,10 @@ class Site:
 
     y: object  # tf.Tensor or tuple of tf.Tensor
     make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse | PiecesUse
+    # Optional (originals, copies): the op's outputs and a recomputation of them from the op's
+    # inputs (same function) in which ``y`` lives; gradients are backpropagated through the copies
+    # instead of the op (the recurrent rule: ``y`` are the pre-activations of each time step).
+    through: Optional[tuple] = None
 
 
 Rule = Callable[..., Optional[Site]]
@@ -183,6 +188,31 @@ def _conv2d(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("DepthwiseConv2dNative")
+def _depthwise_conv2d(op, index, w, var, clean, static_batch):
+    """DepthwiseConv2D (and the depthwise half of SeparableConv2D): per-example kernel gradients
+    from slices of the input, per channel (``_conv.per_example_depthwise_grads``)."""
+    if index != 1 or op.get_attr("data_format") != b"NHWC":
+        return None
+    padding = op.get_attr("padding").decode()
+    strides, rates = list(op.get_attr("strides")), list(op.get_attr("dilations"))
+    x, y = op.inputs[0], op.outputs[0]
+    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
+        return None
+    if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
+        return None
+    kh, kw, cin, mult = (int(s) for s in w.shape)
+    if x.shape[3] != cin or y.shape[3] != cin * mult or not _conv.geometry_known(x, y):
+        return None
+    if not clean.clean(x) or not _batch_major(x, static_batch):
+        return None
+
+    def make(g, batch):
+        return _uses.PiecesUse(_conv.per_example_depthwise_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding))
+
+    return Site(y, make)
+
+
 def _index_site(ids, y, var, vocab_dim):
     def make(g, batch):
         ids2 = tf.reshape(ids, tf.stack([batch, -1]))
@@ -302,3 +332,9 @@ def _einsum(op, index, w, var, clean, static_batch):
         )
 
     return Site(y, make)
+
+
+@register_rule("PartitionedCall", "StatefulPartitionedCall")
+def _recurrent_call(op, index, w, var, clean, static_batch):
+    """tf_keras LSTM/GRU kernels, recurrent kernels and biases (``_recurrent``)."""
+    return _recurrent.site_for(op, index, w, var, clean, static_batch, Site)
