@@ -90,8 +90,8 @@ def per_example_depthwise_grads(
     For a ``[kh, kw, cin, m]`` kernel (channel multiplier ``m``; output channel ``c·m + j`` is
     input channel ``c`` convolved with ``w[:, :, c, j]``), example ``i``'s gradient at tap
     ``(r, s)`` is ``Σ_t x_i[t·stride + (r, s)·rate, c] · g_i[t, c·m + j]``: per channel, no sum over
-    the input channels. Returns ``kh`` tensors [B, kw, cin, m] (their per-example flattenings,
-    concatenated, are the row-major flattening of the kernel's gradient).
+    the input channels. Returns ``kh·kw`` tensors [B, cin, m], one per tap (their per-example
+    flattenings, concatenated, are the row-major flattening of the kernel's gradient).
 
     Args: as :func:`per_example_kernel_grads`; ``g`` is [B, Ho, Wo, cin·m].
     """
@@ -102,9 +102,12 @@ def per_example_depthwise_grads(
     left, right = _pads(w, wo, kw, sw, rw, padding)
     x = tf.pad(x, [[0, 0], [top, bottom], [left, right], [0, 0]])
     g5 = tf.reshape(g, tf.stack([tf.shape(g)[0], ho, wo, cin, cout // cin]))
-    rows = [_window(r * rh, ho, sh) for r in range(kh)]
-    shifted = tf.stack([x[:, :, _window(s * rw, wo, sw), :] for s in range(kw)], axis=3)  # [B, Hp, Wo, kw, cin]
-    return _chained(lambda row: tf.einsum("bhwkc,bhwcm->bkcm", shifted[:, row], g5), [(row,) for row in rows])
+    taps = [(_window(r * rh, ho, sh), _window(s * rw, wo, sw)) for r in range(kh) for s in range(kw)]
+    # One multiply-and-reduce per tap (an einsum with the channel as a batch axis would transpose
+    # the whole input and gradient for every tap: 8x slower on CPU for a 32x32x32 input).
+    return _chained(
+        lambda row, col: tf.reduce_sum(x[:, row, col, :, None] * g5, axis=[1, 2]), taps
+    )
 
 
 def _chained(piece, args: list) -> list[tf.Tensor]:
