@@ -147,13 +147,8 @@ def _batch_matmul(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
-@register_rule("Conv2D")
-def _conv2d(op, index, w, var, clean, static_batch):
-    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
-
-    Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
-    else per-example kernel gradients from input slices (``_conv``).
-    """
+def _conv_geometry(op, index, w):
+    """(x, y, strides, rates, padding) of an NHWC convolution using kernel ``w``, or None."""
     if index != 1 or op.get_attr("data_format") != b"NHWC":
         return None
     padding = op.get_attr("padding").decode()
@@ -163,6 +158,20 @@ def _conv2d(op, index, w, var, clean, static_batch):
         return None
     if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
         return None
+    return x, y, strides, rates, padding
+
+
+@register_rule("Conv2D")
+def _conv2d(op, index, w, var, clean, static_batch):
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
+
+    Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
+    else per-example kernel gradients from input slices (``_conv``).
+    """
+    geometry = _conv_geometry(op, index, w)
+    if geometry is None:
+        return None
+    x, y, strides, rates, padding = geometry
     kh, kw, cin, cout = (int(s) for s in w.shape)
     if x.shape[3] != cin or not clean.clean(x) or not _batch_major(x, static_batch):
         return None
@@ -192,15 +201,10 @@ def _conv2d(op, index, w, var, clean, static_batch):
 def _depthwise_conv2d(op, index, w, var, clean, static_batch):
     """DepthwiseConv2D (and the depthwise half of SeparableConv2D): per-example kernel gradients
     from slices of the input, per channel (``_conv.per_example_depthwise_grads``)."""
-    if index != 1 or op.get_attr("data_format") != b"NHWC":
+    geometry = _conv_geometry(op, index, w)
+    if geometry is None:
         return None
-    padding = op.get_attr("padding").decode()
-    strides, rates = list(op.get_attr("strides")), list(op.get_attr("dilations"))
-    x, y = op.inputs[0], op.outputs[0]
-    if padding not in ("SAME", "VALID") or strides[0] != 1 or strides[3] != 1:
-        return None
-    if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
-        return None
+    x, y, strides, rates, padding = geometry
     kh, kw, cin, mult = (int(s) for s in w.shape)
     if x.shape[3] != cin or y.shape[3] != cin * mult or not _conv.geometry_known(x, y):
         return None
