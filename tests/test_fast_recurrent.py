@@ -109,3 +109,14 @@ def test_simple_rnn_unrolled_and_stacked_lstms():
     stacked = keras.Sequential([L.LSTM(2, return_sequences=True), L.LSTM(2), L.Dense(2)])
     stacked(x[:1])
     check(stacked, x, y, fallback=stacked.trainable_variables, reference=False)
+
+
+def test_a_path_around_the_lstm_takes_the_reference_path():
+    """Dense -> (LSTM, and a pooled skip around it) -> Dense: the lower Dense's gradient also flows
+    around the layer, which the copy does not cover: the step keeps exact jacobians."""
+    inputs = keras.Input((3, 2))
+    h = L.Dense(3)(inputs)
+    out = L.Dense(2)(L.Concatenate()([L.LSTM(2)(h), L.GlobalAveragePooling1D()(h)]))
+    model = keras.Model(inputs, out)
+    x, y = _sequence_data(2, 3, 2, (2,), masked=False, seed=7)
+    check(model, x, y, fallback=model.trainable_variables, reference=False)
