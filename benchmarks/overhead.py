@@ -31,6 +31,11 @@ What is measured:
 
 Models (Abadi et al. 2016): MLP 784-1000-10 (ReLU) at B=256; small AlexNet on 32x32x3 at B=128:
 conv 5x5x64 (SAME, ReLU), max-pool 3/2, conv 5x5x64 (SAME, ReLU), max-pool 3/2, dense 384, 192, 10.
+Issue 18's models, B=64: ``lstm`` / ``gru``: Embedding(5000, 64) -> LSTM(64) / GRU(64) -> Dense(2)
+on T=64 ids; ``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
+Conv2D(64, 1) -> global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
+MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
+residual + LayerNormalization -> average pool -> Dense(2).
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODES = ("nonprivate", "fast", "reference", "fast-clip-only")
-DEFAULT_BATCH = {"mlp": 256, "alexnet": 128}
+DEFAULT_BATCH = {"mlp": 256, "alexnet": 128, "lstm": 64, "gru": 64, "depthwise": 64, "transformer": 64}
+MODEL_NAMES = tuple(DEFAULT_BATCH)
+TEXT_MODELS = ("lstm", "gru", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
+VOCABULARY, SEQUENCE_LENGTH = 5000, 64
 KERASES = ("tf_keras", "3")
 _KERAS = {"which": "tf_keras"}  # set by --keras (and by the memory child's argv)
 
@@ -80,16 +88,47 @@ def build_model(name: str):
                 layers.Dense(10),
             ]
         )
-    raise ValueError(f"model must be one of ('mlp', 'alexnet'), got {name!r}")
+    if name in ("lstm", "gru"):
+        recurrent = layers.LSTM if name == "lstm" else layers.GRU
+        return keras.Sequential(
+            [
+                keras.Input((SEQUENCE_LENGTH,), dtype="int32"),
+                layers.Embedding(VOCABULARY, 64),
+                recurrent(64),
+                layers.Dense(2),
+            ]
+        )
+    if name == "depthwise":
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(32, 3, padding="same", activation="relu"),
+                layers.DepthwiseConv2D(3, padding="same", activation="relu"),
+                layers.Conv2D(64, 1, activation="relu"),
+                layers.GlobalAveragePooling2D(),
+                layers.Dense(10),
+            ]
+        )
+    if name == "transformer":
+        ids = keras.Input((SEQUENCE_LENGTH,), dtype="int32")
+        h = layers.Embedding(VOCABULARY, 64)(ids)
+        h = layers.LayerNormalization()(h + layers.MultiHeadAttention(4, 32)(h, h))
+        h = layers.LayerNormalization()(h + layers.Dense(64)(layers.Dense(128, activation="relu")(h)))
+        return keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(h)))
+    raise ValueError(f"model must be one of {MODEL_NAMES}, got {name!r}")
 
 
 def make_data(name: str, batch: int, batches: int, seed: int = 0):
     import numpy as np
 
     gen = np.random.default_rng(seed)
+    n = batch * batches
+    if name in TEXT_MODELS:
+        x = gen.integers(0, VOCABULARY, size=(n, SEQUENCE_LENGTH)).astype("int32")
+        return x, gen.integers(0, 2, size=(n,)).astype("int32")
     shape = (784,) if name == "mlp" else (32, 32, 3)
-    x = gen.normal(size=(batch * batches, *shape)).astype("float32")
-    y = gen.integers(0, 10, size=(batch * batches,)).astype("int32")
+    x = gen.normal(size=(n, *shape)).astype("float32")
+    y = gen.integers(0, 10, size=(n,)).astype("int32")
     return x, y
 
 
@@ -252,7 +291,7 @@ def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, s
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=["mlp", "alexnet"])
+    parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=list(MODEL_NAMES))
     parser.add_argument("--keras", nargs="+", default=["tf_keras"], choices=list(KERASES),
                         help="tf_keras (default) or 3: Keras 3 models made private with keras_dpsgd.keras3; "
                         "both (--keras tf_keras 3): interleaved in the same rounds, one result each")

@@ -98,3 +98,11 @@ def test_conv1d_many_channels():
     model = keras.Sequential([L.Conv1D(6, 3, strides=2, padding="same"), L.Flatten(), L.Dense(2)])
     model(x[:1])
     check(model, x, y)
+
+
+def test_pointwise_conv_with_few_channels_keeps_the_kernel_shape():
+    """A 1 x k kernel on < 32 channels is one piece [B, k, cin, cout]: the clipped sum must still
+    be shaped [1, k, cin, cout] (it came back as [k, cin, cout] before)."""
+    model = keras.Sequential([keras.Input((5, 5, 3)), keras.layers.Conv2D(4, 1), keras.layers.Flatten(), keras.layers.Dense(2)])
+    x, y = data((3, 5, 5, 3), (3, 2), seed=7)
+    check(model, x, y, reference=False)

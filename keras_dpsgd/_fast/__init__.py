@@ -4,8 +4,11 @@
 ``clipped_sum(loss, var_list, tape, clip_factors) -> (summed, sq_norms)``. It gives the same
 numbers as the per-example jacobian (reference) path, without materializing per-example
 gradients for the layers that carry most parameters. See ``_backend`` for the algorithm.
+``ReferenceBackend`` (``_reference``) is the always-exact per-example jacobian path it falls back
+to. How a new op gets a per-example rule: ``_handlers.register_rule``.
 """
 
 from keras_dpsgd._fast._backend import FastBackend
+from keras_dpsgd._fast._reference import ReferenceBackend
 
-__all__ = ["FastBackend"]
+__all__ = ["FastBackend", "ReferenceBackend"]

@@ -31,12 +31,11 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd._fast import _graph, _uses
+from keras_dpsgd._fast._reference import ReferenceBackend
 
 
-def _reference_backend():
+def _reference_backend() -> ReferenceBackend:
     """The optimizer's reference backend (per-example jacobians of every variable)."""
-    from keras_dpsgd._per_example import ReferenceBackend
-
     return ReferenceBackend()
 
 
@@ -56,6 +55,75 @@ def _grad_for(y: tf.Tensor, grad) -> tf.Tensor:
     grad = tf.convert_to_tensor(grad)
     grad.set_shape(y.shape)
     return grad
+
+
+def _outputs(site) -> tuple:
+    return site.y if isinstance(site.y, tuple) else (site.y,)
+
+
+def _site_grads(site, grads: list, index: dict):
+    """∂(Σℓ)/∂y for the site's output(s), in the structure of ``site.y``."""
+    got = tuple(_grad_for(y, grads[index[y.ref()]]) for y in _outputs(site))
+    return got if isinstance(site.y, tuple) else got[0]
+
+
+def _output_grads(total: tf.Tensor, ys: list, plans: list):
+    """``∂total/∂y`` for each y, backpropagating through the sites' copies (``Site.through``).
+
+    With copies ``c`` of op outputs ``o`` (same function of the same inputs), the gradient of a
+    tensor upstream of the op (or inside the copy), whose every path to ``total`` passes through
+    the op, is ``∂total/∂o · ∂c/∂(tensor)``; the op's own gradient is never built (``tf.gradients`` would
+    differentiate a function-call op even as a stop op, and tf_keras's LSTM/GRU function has no
+    gradient function in ``Model.fit``'s graph). Returns None where a tensor reaches ``total``
+    also around the op, or where one op is upstream of another (then the caller uses the reference
+    path).
+    """
+    zero = tf.UnconnectedGradients.ZERO
+    throughs = {}
+    for sites in plans:
+        for site in sites or ():
+            if site.through is not None:
+                throughs.setdefault(site.through[0][0].ref(), site.through)
+    if not throughs:
+        return tf.gradients(total, ys, unconnected_gradients=zero)
+    originals = [t for o, _ in throughs.values() for t in o]
+    copies = [t for _, c in throughs.values() for t in c]
+    calls = {t.op for t in originals}
+    upstream = set().union(*(_graph.ancestors(t) for op in calls for t in op.inputs))
+    if calls & upstream:
+        return None  # Stacked recurrent layers: the lower one's output gradient needs the upper's.
+    to_total = _graph.ancestors(total)
+    up = [k for k, y in enumerate(ys) if y.op in upstream or y.op not in to_total]
+    if any(_reaches_around(ys[k].op, total.op, calls, to_total) for k in up):
+        return None
+    down = [k for k in range(len(ys)) if k not in set(up)]
+    grads = [None] * len(ys)
+    at = tf.gradients(total, [ys[k] for k in down] + originals, unconnected_gradients=zero)
+    for k, g in zip(down, at):
+        grads[k] = g
+    if up:
+        through = tf.gradients(
+            copies, [ys[k] for k in up], grad_ys=at[len(down):], unconnected_gradients=zero
+        )
+        for k, g in zip(up, through):
+            grads[k] = g
+    return grads
+
+
+def _reaches_around(start, target, calls: set, within: set) -> bool:
+    """Whether ``target`` is reachable from ``start`` along data edges through ``within``,
+    avoiding ``calls``."""
+    seen, stack = {start}, [start]
+    while stack:
+        op = stack.pop()
+        if op is target:
+            return True
+        for t in op.outputs:
+            for consumer in t.consumers():
+                if consumer not in seen and consumer in within and consumer not in calls:
+                    seen.add(consumer)
+                    stack.append(consumer)
+    return False
 
 
 class FastBackend:
@@ -110,15 +178,16 @@ class FastBackend:
             raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
         analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.
         checks = _graph.runtime_checks(loss, analysis)
-        if not analysis.clean(loss):
-            # Reordered rows or an op outside the allowlist: per-example jacobians are exact
-            # (the loss is per example), ghost norms might mis-group the rows.
+        # Reordered rows or an op outside the allowlist (ghost norms might mis-group the rows), or
+        # a recurrent copy that cannot stand for its layer (``_output_grads``): per-example
+        # jacobians are exact (the loss is per example).
+        groups = self._groups(loss, var_list, tape, analysis) if analysis.clean(loss) else None
+        if groups is None:
             self.last_fallback = [v.name for v in var_list]
             summed, sq_norms = _reference_backend().clipped_sum(
                 loss, var_list, tape, clip_factors, checked=True
             )
             return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
-        groups = self._groups(loss, var_list, tape, analysis)
         batch = tf.shape(loss)[0]
         sq_norms = tf.stack(
             [g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1
@@ -132,7 +201,7 @@ class FastBackend:
                 summed.append(tf.cast(group.clipped_sum(factors[:, v]), var.dtype))
         return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
 
-    def _groups(self, loss, var_list, tape, clean) -> list:
+    def _groups(self, loss, var_list, tape, clean) -> list | None:
         ops = _graph.ancestors(loss)
         static_batch = loss.shape[0]
         plans = []
@@ -143,14 +212,13 @@ class FastBackend:
         ys, index = [], {}
         for sites in plans:
             for site in sites or ():
-                if site.y.ref() not in index:
-                    index[site.y.ref()] = len(ys)
-                    ys.append(site.y)
-        grads = []
-        if ys:
-            grads = tf.gradients(
-                tf.reduce_sum(loss), ys, unconnected_gradients=tf.UnconnectedGradients.ZERO
-            )
+                for y in _outputs(site):
+                    if y.ref() not in index:
+                        index[y.ref()] = len(ys)
+                        ys.append(y)
+        grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
+        if grads is None:
+            return None
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
         self.last_fallback = [v.name for v in fallback]
         jacobians = iter(per_example_jacobians(loss, fallback, tape))
@@ -162,6 +230,6 @@ class FastBackend:
             elif not sites:
                 groups.append(None)  # The loss does not depend on this variable.
             else:
-                uses = [site.make(_grad_for(site.y, grads[index[site.y.ref()]]), batch) for site in sites]
+                uses = [site.make(_site_grads(site, grads, index), batch) for site in sites]
                 groups.append(_uses.make_group(uses, var.shape))
         return groups

@@ -4,7 +4,7 @@ Inside the ``FuncGraph`` of the train step, every variable is a captured resourc
 follow it through ``ReadVariableOp`` and value-preserving ops (Identity, Cast, reshapes) to the
 ops that *use* it, keeping only ops from which the loss is reachable (gradient flows only along
 those). A variable is handled by the fast path only if *every* use is one of the known ops of
-``_handlers`` and its activation side depends on the input data; otherwise it falls back to
+``_handlers`` (``register_rule``) and its activation side depends on the input data; otherwise it falls back to
 per-example jacobians (never to anything weaker).
 
 Activations that feed a handled op must be *proven* batch-major by ``_rows`` (an allowlist of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_dpsgd._fast import _rows
-from keras_dpsgd._fast._handlers import HANDLERS, gather_site
+from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
@@ -156,19 +156,16 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
             for index, inp in enumerate(consumer.inputs):
                 if inp is not t:
                     continue
-                if t.dtype == tf.resource:
-                    if consumer.type == "ReadVariableOp":
-                        stack.append(consumer.outputs[0])
-                        continue
-                    site = gather_site(consumer, index, var, clean, static_batch)
-                elif consumer.type in _TRANSPARENT and index == 0:
+                if t.dtype == tf.resource and consumer.type == "ReadVariableOp":
                     stack.append(consumer.outputs[0])
                     continue
-                elif consumer.type in _NO_GRADIENT:
+                if t.dtype != tf.resource and consumer.type in _TRANSPARENT and index == 0:
+                    stack.append(consumer.outputs[0])
                     continue
-                else:
-                    handler = HANDLERS.get(consumer.type)
-                    site = handler(consumer, index, t, var, clean, static_batch) if handler else None
+                if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
+                    continue
+                rule = rule_for(consumer.type)
+                site = rule(consumer, index, t, var, clean, static_batch) if rule else None
                 if site is None:
                     return None
                 sites.append(site)

@@ -1,29 +1,86 @@
-"""Per-op handlers: how one use of a variable turns ∂L/∂(op output) into a per-example use.
+"""Per-example rules: how one use of a variable turns ∂L/∂(op output) into a per-example use.
 
-Each handler gets the using op, the input index of the (reshaped/cast) variable value ``w``, the
-variable, the batch-major map of ``_graph.batch_major_ops`` and the static batch size, and returns
-a :class:`Site` or None (unknown or ambiguous use: the variable falls back to jacobians).
+The contract of a rule (``register_rule`` adds one, keyed by op type):
+
+    rule(op, index, w, var, clean, static_batch) -> Site | None
+
+* ``op``: the op that uses the variable, ``op.inputs[index] is w``; ``w`` is the variable's
+  value (after ReadVariableOp and value-preserving reshapes/casts), or its resource handle for an
+  op that reads the variable itself (ResourceGather);
+* ``var``: the ``tf.Variable``; ``clean``: the ``_rows.Analysis`` of the step (``clean.clean(t)``:
+  ``t`` is proven batch-major, example ``i`` owns a contiguous block of rows); ``static_batch``:
+  the batch size if known at trace time.
+* It returns None when it does not recognize the use (then the variable gets exact per-example
+  jacobians: a rule may decline, it must never guess), else a :class:`Site`: the op output(s)
+  ``y`` whose gradient ∂(Σ_i ℓ_i)/∂y the backend computes (row ``i`` of it is ∂ℓ_i/∂y), and
+  ``make(grad, batch)`` turning that gradient into one *use* of ``_uses`` (``OuterUse``: the
+  per-example gradient is ``A_iᵀ G_i``; ``IndexUse``: rows of a table; ``DenseUse`` or
+  ``PiecesUse``: the per-example gradient itself, [B, *var.shape]). ``through`` (optional) lets
+  ``y`` live in a recomputed copy of the op (see :class:`Site`). From the uses the backend gets
+  the per-example squared norms ``‖∂ℓ_i/∂var‖²`` and, once clipped, the sum
+  ``Σ_i c_i ∂ℓ_i/∂var`` (ghost norms and book-keeping, ``_uses``).
+
+A rule must be exact: its use, summed with the variable's other uses, is ∂ℓ_i/∂var for every
+example ``i``. Where the op's attributes allow something it does not handle, it returns None.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _conv, _uses
+from keras_dpsgd._fast import _conv, _recurrent, _uses
 
-MakeUse = Callable[[tf.Tensor, tf.Tensor], object]
+MakeUse = Callable[..., object]
 
 
 @dataclasses.dataclass
 class Site:
-    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use."""
+    """One use of a variable: output ``y`` of the using op and how to turn ∂L/∂y into a use.
 
-    y: tf.Tensor
+    ``y`` may be a tuple of tensors (an op with several outputs the loss may depend on); ``make``
+    then receives the tuple of their gradients.
+    """
+
+    y: object  # tf.Tensor or tuple of tf.Tensor
     make: MakeUse  # (grad wrt y, batch size) -> OuterUse | IndexUse | DenseUse | PiecesUse
+    # Optional (originals, copies): the op's outputs and a recomputation of them from the op's
+    # inputs (same function) in which ``y`` lives; gradients are backpropagated through the copies
+    # instead of the op (the recurrent rule: ``y`` are the pre-activations of each time step).
+    through: Optional[tuple] = None
+
+
+Rule = Callable[..., Optional[Site]]
+_RULES: dict[str, Rule] = {}
+
+
+def register_rule(*op_types: str) -> Callable[[Rule], Rule]:
+    """Decorator: ``rule`` is the per-example rule of ops of these types (see the module doc).
+
+    Raises:
+      ValueError: no op type given, or one already has a rule (one rule per op type).
+    """
+    if not op_types:
+        raise ValueError("register_rule needs at least one op type, got none")
+
+    def register(rule: Rule) -> Rule:
+        for op_type in op_types:
+            if op_type in _RULES:
+                raise ValueError(
+                    f"op type {op_type!r} already has the per-example rule {_RULES[op_type].__name__}"
+                )
+            _RULES[op_type] = rule
+        return rule
+
+    return register
+
+
+def rule_for(op_type: str) -> Optional[Rule]:
+    """The registered per-example rule of ``op_type``, or None."""
+    return _RULES.get(op_type)
 
 
 def _batch_major(t: tf.Tensor, static_batch) -> bool:
@@ -49,6 +106,7 @@ def _f32(t: tf.Tensor) -> tf.Tensor:
     return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
 
 
+@register_rule("MatMul")
 def _matmul(op, index, w, var, clean, static_batch):
     """y = a @ w (Dense on 2-D inputs; on [B, T, D] through tf.tensordot's reshape)."""
     if index != 1 or op.get_attr("transpose_a"):
@@ -68,6 +126,7 @@ def _matmul(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("BatchMatMulV2", "BatchMatMulV3")
 def _batch_matmul(op, index, w, var, clean, static_batch):
     """y = x @ w with x of shape [B, ..., D] and a 2-D weight broadcast over the batch."""
     if index != 1 or w.shape.rank != 2 or op.get_attr("adj_x"):
@@ -88,12 +147,8 @@ def _batch_matmul(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
-def _conv2d(op, index, w, var, clean, static_batch):
-    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
-
-    Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
-    else per-example kernel gradients from input slices (``_conv``).
-    """
+def _conv_geometry(op, index, w):
+    """(x, y, strides, rates, padding) of an NHWC convolution using kernel ``w``, or None."""
     if index != 1 or op.get_attr("data_format") != b"NHWC":
         return None
     padding = op.get_attr("padding").decode()
@@ -103,6 +158,20 @@ def _conv2d(op, index, w, var, clean, static_batch):
         return None
     if rates[0] != 1 or rates[3] != 1 or w.shape.rank != 4 or x.shape.rank != 4:
         return None
+    return x, y, strides, rates, padding
+
+
+@register_rule("Conv2D")
+def _conv2d(op, index, w, var, clean, static_batch):
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
+
+    Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
+    else per-example kernel gradients from input slices (``_conv``).
+    """
+    geometry = _conv_geometry(op, index, w)
+    if geometry is None:
+        return None
+    x, y, strides, rates, padding = geometry
     kh, kw, cin, cout = (int(s) for s in w.shape)
     if x.shape[3] != cin or not clean.clean(x) or not _batch_major(x, static_batch):
         return None
@@ -128,6 +197,26 @@ def _conv2d(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("DepthwiseConv2dNative")
+def _depthwise_conv2d(op, index, w, var, clean, static_batch):
+    """DepthwiseConv2D (and the depthwise half of SeparableConv2D): per-example kernel gradients
+    from slices of the input, per channel (``_conv.per_example_depthwise_grads``)."""
+    geometry = _conv_geometry(op, index, w)
+    if geometry is None:
+        return None
+    x, y, strides, rates, padding = geometry
+    kh, kw, cin, mult = (int(s) for s in w.shape)
+    if x.shape[3] != cin or y.shape[3] != cin * mult or not _conv.geometry_known(x, y):
+        return None
+    if not clean.clean(x) or not _batch_major(x, static_batch):
+        return None
+
+    def make(g, batch):
+        return _uses.PiecesUse(_conv.per_example_depthwise_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding))
+
+    return Site(y, make)
+
+
 def _index_site(ids, y, var, vocab_dim):
     def make(g, batch):
         ids2 = tf.reshape(ids, tf.stack([batch, -1]))
@@ -137,8 +226,9 @@ def _index_site(ids, y, var, vocab_dim):
     return Site(y, make)
 
 
-def gather_site(op, index, var, clean, static_batch):
-    """ResourceGather on the handle: an Embedding lookup (rows of a [V, D] table)."""
+@register_rule("ResourceGather")
+def _resource_gather(op, index, w, var, clean, static_batch):
+    """ResourceGather on the handle ``w``: an Embedding lookup (rows of a [V, D] table)."""
     if op.type != "ResourceGather" or index != 0 or op.get_attr("batch_dims") != 0:
         return None
     if var.shape.rank != 2:
@@ -149,6 +239,7 @@ def gather_site(op, index, var, clean, static_batch):
     return _index_site(ids, y, var, int(var.shape[1]))
 
 
+@register_rule("GatherV2")
 def _gather_v2(op, index, w, var, clean, static_batch):
     """GatherV2 on the variable's value along axis 0 (tf.gather(table, ids))."""
     if index != 0 or op.get_attr("batch_dims") != 0 or w.shape.rank != 2:
@@ -162,6 +253,7 @@ def _gather_v2(op, index, w, var, clean, static_batch):
     return _index_site(ids, y, var, int(w.shape[1]))
 
 
+@register_rule("BiasAdd", "Add", "AddV2", "Sub", "Mul")
 def _elementwise(op, index, w, var, clean, static_batch):
     """Bias adds and scales: y = x + w, x - w, w - x, x * w (LayerNormalization γ and β).
 
@@ -200,6 +292,7 @@ def _elementwise(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
+@register_rule("Einsum")
 def _einsum(op, index, w, var, clean, static_batch):
     """Two-operand einsum with the weight (EinsumDense, MultiHeadAttention projections).
 
@@ -245,16 +338,7 @@ def _einsum(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
-HANDLERS = {
-    "Einsum": _einsum,
-    "MatMul": _matmul,
-    "BatchMatMulV2": _batch_matmul,
-    "BatchMatMulV3": _batch_matmul,
-    "Conv2D": _conv2d,
-    "GatherV2": _gather_v2,
-    "BiasAdd": _elementwise,
-    "Add": _elementwise,
-    "AddV2": _elementwise,
-    "Sub": _elementwise,
-    "Mul": _elementwise,
-}
+@register_rule("PartitionedCall", "StatefulPartitionedCall")
+def _recurrent_call(op, index, w, var, clean, static_batch):
+    """tf_keras LSTM/GRU kernels, recurrent kernels and biases (``_recurrent``)."""
+    return _recurrent.site_for(op, index, w, var, clean, static_batch, Site)

@@ -35,6 +35,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd._fast import _recurrent
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -512,6 +514,11 @@ def _fused_batch_norm(op, ins):
     return [r] + [stats] * (len(op.outputs) - 1)
 
 
+def _recurrent_call(op, ins):
+    """tf_keras's LSTM/GRU function call (``_recurrent.recognize``); any other call is opaque."""
+    return _recurrent.rows_rule(op, ins, OPAQUE, mixed)
+
+
 def _xent(op, ins):
     data = _data(ins)
     if any(r.axis != 0 for _, r in data) or len({r.order for _, r in data}) != 1:
@@ -572,6 +579,8 @@ _RULES = {
     "FusedBatchNormV3": _fused_batch_norm,
     "SparseSoftmaxCrossEntropyWithLogits": _xent,
     "SoftmaxCrossEntropyWithLogits": _xent,
+    "PartitionedCall": _recurrent_call,
+    "StatefulPartitionedCall": _recurrent_call,
 }
 # Ops whose data inputs are paired row by row: rows of two different orders must not meet.
 _PAIRING = _ELEMENTWISE | {"ConcatV2", "Pack", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "GatherV2", "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"}

@@ -207,8 +207,8 @@ class DenseGroup:
         return tf.add_n([row_sq_norms(q) for q in self.parts])
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
-        if len(self.parts) == 1:
-            return weighted_row_sum(self.parts[0], c)
+        if len(self.parts) == 1:  # A piece may hold the whole variable in another shape.
+            return tf.reshape(weighted_row_sum(self.parts[0], c), self.shape)
         flat = tf.concat([tf.reshape(weighted_row_sum(q, c), [-1]) for q in self.parts], axis=0)
         return tf.reshape(flat, self.shape)
 

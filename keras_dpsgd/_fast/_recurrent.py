@@ -1,0 +1,294 @@
+"""Per-example rules for tf_keras's LSTM and GRU layers (their ``standard_lstm``/``standard_gru`` call).
+
+In a traced step, ``tf_keras.layers.LSTM`` (and ``GRU`` with ``reset_after=True``) with the
+default activations, no recurrent dropout and ``unroll=False`` calls one function,
+``standard_lstm`` (``standard_gru``), as a ``PartitionedCall`` op whose inputs are the sequence
+``x`` [B, T, D], the initial states, the kernel K, the recurrent kernel R, the bias and the mask,
+and whose Python arguments (``time_major``, ``go_backwards``, ``zero_output_for_mask``,
+``return_sequences``, ``sequence_lengths``) are kept in the function's signature. The op is
+recognized from its function's name, its ``api_implements`` attribute and that signature; any
+other call (or any other argument value) is not, and stays on the reference path.
+
+An example's gradients are sums over the time steps of rank-one terms,
+
+    ∂ℓ_i/∂K = Σ_t x_itᵀ δ_it,    ∂ℓ_i/∂R = Σ_t h_i,t-1ᵀ δ_it,    ∂ℓ_i/∂b = Σ_t δ_it,
+
+with ``δ_it = ∂ℓ_i/∂z_it`` the gradient at the gate pre-activations ``z_t = x_t K + h_t-1 R + b``
+(the GRU has two, ``x_t K + b_in`` and ``h_t-1 R + b_rec``). The ``while`` loop of the layer keeps
+``δ`` inside; so the rule recomputes the recurrence, unrolled over the static length T, from the
+call's own inputs (the same function, the same ops), and the backend backpropagates through that
+copy instead of the call (``Site.through``): the call's output gradients ∂(Σ_i ℓ_i)/∂(outputs)
+flow into the copy, which gives ``δ`` and the gradients of the call's inputs (an Embedding below
+the LSTM) in the same backward pass, without the layer's own ``while``-loop gradient. The kernels' uses are then
+:class:`~keras_dpsgd._fast._uses.OuterUse` with T time steps (ghost norm or per-example
+materialization, whichever is cheaper for the shape), the bias a :class:`DenseUse`. A run-time
+assertion checks that the copy's last output equals the layer's (finite entries, float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import weakref
+from typing import Optional
+
+import tensorflow as tf
+
+from keras_dpsgd._fast import _uses
+
+_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+_ARGS = {
+    "lstm": (
+        "inputs", "init_h", "init_c", "kernel", "recurrent_kernel", "bias", "mask", "time_major",
+        "go_backwards", "sequence_lengths", "zero_output_for_mask", "return_sequences",
+    ),
+    "gru": (
+        "inputs", "init_h", "kernel", "recurrent_kernel", "bias", "mask", "time_major",
+        "go_backwards", "sequence_lengths", "zero_output_for_mask", "return_sequences",
+    ),
+}
+_STATES = {"lstm": ("init_h", "init_c"), "gru": ("init_h",)}
+_WEIGHTS = ("kernel", "recurrent_kernel", "bias")
+_FUNCTION_NAME = re.compile(r"^__inference_standard_(lstm|gru)_\d+$")
+# The recomputed recurrence must equal the layer's up to float rounding.
+_RTOL, _ATOL = 1e-3, 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A recognized ``standard_lstm``/``standard_gru`` call: its tensor inputs and flags."""
+
+    kind: str  # "lstm" or "gru"
+    op: tf.Operation
+    tensors: dict  # argument name -> the op's input tensor (mask absent when None)
+    go_backwards: bool
+    zero_output_for_mask: bool
+    return_sequences: bool
+
+    @property
+    def outputs(self) -> tuple:
+        """The float outputs: last output, output sequence, final state(s)."""
+        return tuple(self.op.outputs[: 2 + len(_STATES[self.kind])])
+
+    def index_of(self, name: str) -> int:
+        return next(i for i, t in enumerate(self.op.inputs) if t is self.tensors[name])
+
+
+def _signature(op) -> Optional[tuple]:
+    try:
+        fn = op.graph._get_function(op.get_attr("f").name)
+    except (ValueError, AttributeError, KeyError):
+        return None
+    graph = getattr(fn, "graph", None)
+    sig = getattr(graph, "structured_input_signature", None)
+    return sig
+
+
+def recognize(op) -> Optional[Call]:
+    """The call of ``standard_lstm``/``standard_gru`` that ``op`` is, or None."""
+    if op.type not in _CALL_OPS:
+        return None
+    try:
+        name = op.get_attr("f").name
+    except ValueError:
+        return None
+    match = _FUNCTION_NAME.match(name)
+    sig = _signature(op) if match else None
+    if sig is None or sig[1]:
+        return None
+    kind, args = match.group(1), sig[0]
+    fn = op.graph._get_function(name)
+    attrs = fn.cached_definition.attr if hasattr(fn, "cached_definition") else fn.definition.attr
+    implements = attrs["api_implements"].s.decode() if "api_implements" in attrs else ""
+    if not implements.startswith(kind + "_") or len(args) != len(_ARGS[kind]):
+        return None
+    values, tensors, k = dict(zip(_ARGS[kind], args)), {}, 0
+    for arg, value in values.items():
+        if isinstance(value, tf.TensorSpec):
+            if value.name != arg or k >= len(op.inputs):
+                return None
+            tensors[arg] = op.inputs[k]
+            k += 1
+    flags = ("time_major", "go_backwards", "zero_output_for_mask", "return_sequences")
+    if any(not isinstance(values[f], bool) for f in flags) or values["sequence_lengths"] is not None:
+        return None
+    if values["time_major"] or set(tensors) - {"mask"} != set(_ARGS[kind][:-6]):
+        return None
+    return Call(kind, op, tensors, values["go_backwards"], values["zero_output_for_mask"], values["return_sequences"])
+
+
+def _shapes_known(call: Call) -> bool:
+    x = call.tensors["inputs"]
+    return x.shape.rank == 3 and x.shape[1] is not None and x.shape[2] is not None and all(
+        call.tensors[w].shape.is_fully_defined() for w in _WEIGHTS
+    )
+
+
+# ----------------------------------------------------------------- rows (``_rows``)
+def rows_rule(op, ins, opaque, mixed):
+    """Rows of a recognized call's outputs: those of its (batch-major) data inputs.
+
+    The recurrence runs per example (row ``i`` of every output depends on row ``i`` of the
+    sequence, the mask and the initial states only); anything else is opaque.
+    """
+    call = recognize(op)
+    if call is None:
+        return opaque
+    data = {name: ins[call.index_of(name)] for name in call.tensors}
+    if any(data[w] is not None for w in _WEIGHTS):
+        return mixed(op, "runs a recurrence with weights computed from the batch")
+    inputs = [r for r in data.values() if r is not None]
+    if data["inputs"] is None or any(
+        r.axis != 0 or r.k != 1 or r.depth != 0 or r.order != data["inputs"].order for r in inputs
+    ):
+        return opaque
+    return [data["inputs"]] * len(call.outputs) + [opaque] * (len(op.outputs) - len(call.outputs))
+
+
+# ---------------------------------------------------------- the rule (``_handlers``)
+def site_for(op, index, w, var, clean, static_batch, site_cls):
+    """The use of K, R or the bias in a recognized call (None when not recognized)."""
+    call = recognize(op)
+    if call is None or w.dtype == tf.resource or not _shapes_known(call):
+        return None
+    name = next((n for n in _WEIGHTS if call.tensors[n] is op.inputs[index]), None)
+    if name is None or int(index) != call.index_of(name):
+        return None
+    if w.shape.num_elements() != var.shape.num_elements():
+        return None
+    x = call.tensors["inputs"]
+    if not clean.clean(x) or (static_batch is not None and x.shape[0] not in (None, static_batch)):
+        return None
+    for arg in ("mask",) + _STATES[call.kind]:
+        t = call.tensors.get(arg)
+        if t is not None and clean.rows.get(t.ref()) is not None and not clean.clean(t):
+            return None
+
+    copy = _copy_of(call)
+
+    def make(deltas, batch):
+        return copy.uses(deltas)[name]
+
+    return site_cls(copy.pre_flat, make, through=(call.outputs, copy.outputs))
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _copy_of(call: Call) -> "_Copy":
+    """The unrolled copy of one call (built once per call and traced graph)."""
+    per_graph = _CACHE.setdefault(call.op.graph, {})
+    if call.op.name not in per_graph:
+        per_graph[call.op.name] = _Copy(call)
+    return per_graph[call.op.name]
+
+
+def _f32(t):
+    return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
+
+
+def _lstm_step(x_t, states, kernel, recurrent_kernel, bias):
+    """One step of ``standard_lstm``; returns (pre-activations, new output, new states)."""
+    h, c = states
+    z = tf.matmul(x_t, kernel)
+    z += tf.matmul(h, recurrent_kernel)
+    z = tf.nn.bias_add(z, bias)
+    z0, z1, z2, z3 = tf.split(z, 4, axis=1)
+    c_new = tf.sigmoid(z1) * c + tf.sigmoid(z0) * tf.tanh(z2)
+    h_new = tf.sigmoid(z3) * tf.tanh(c_new)
+    return (z,), h_new, (h_new, c_new)
+
+
+def _gru_step(x_t, states, kernel, recurrent_kernel, bias):
+    """One step of ``standard_gru`` (reset_after); returns (pre-activations, output, states)."""
+    (h,) = states
+    input_bias, recurrent_bias = tf.unstack(bias)
+    mx = tf.nn.bias_add(tf.matmul(x_t, kernel), input_bias)
+    mi = tf.nn.bias_add(tf.matmul(h, recurrent_kernel), recurrent_bias)
+    x_z, x_r, x_h = tf.split(mx, 3, axis=1)
+    r_z, r_r, r_h = tf.split(mi, 3, axis=1)
+    z = tf.sigmoid(x_z + r_z)
+    r = tf.sigmoid(x_r + r_r)
+    hh = tf.tanh(x_h + r * r_h)
+    h_new = z * h + (1 - z) * hh
+    return (mx, mi), h_new, (h_new,)
+
+
+def _unrolled(call: Call):
+    """The recurrence of ``backend.rnn`` unrolled: (outputs like the call's, pre-acts, h_{t-1})."""
+    t = call.tensors
+    step = _lstm_step if call.kind == "lstm" else _gru_step
+    x, mask = t["inputs"], t.get("mask")
+    steps = range(int(x.shape[1]))
+    order = list(reversed(steps)) if call.go_backwards else list(steps)
+    states = tuple(t[s] for s in _STATES[call.kind])
+    prev = tf.zeros_like(states[0])
+    pre, h_prev, outs = [], [], []
+    for k in order:
+        h_prev.append(states[0])
+        z, out, new_states = step(x[:, k], states, t["kernel"], t["recurrent_kernel"], t["bias"])
+        pre.append(z)
+        if mask is not None:
+            m = tf.cast(mask[:, k], tf.bool)[:, None]
+            out = tf.where(m, out, tf.zeros_like(out) if call.zero_output_for_mask else prev)
+            new_states = tuple(tf.where(m, n, s) for n, s in zip(new_states, states))
+        outs.append(out)
+        prev, states = out, new_states
+    last = outs[-1]
+    seq = tf.stack(outs, axis=1) if call.return_sequences else last[:, None]
+    return (last, seq) + tuple(states), pre, h_prev, order
+
+
+class _Copy:
+    """The recurrence of one call, unrolled: its outputs (like the call's) and pre-activations."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.outputs, pre, h_prev, _ = _unrolled(call)
+        self.gates = len(pre[0])
+        self.pre_flat = tuple(z for zs in pre for z in zs)
+        self.h_seq = tf.stack([_f32(h) for h in h_prev], axis=1)
+        self._uses = {}
+
+    def uses(self, deltas: tuple) -> dict:
+        """Uses of K, R and the bias from ∂(Σℓ)/∂(pre-activations), in the order of ``pre_flat``."""
+        key = tuple(d.ref() for d in deltas)
+        if key not in self._uses:
+            self._uses[key] = self._make_uses(deltas)
+        return self._uses[key]
+
+    def _make_uses(self, deltas: tuple) -> dict:
+        call, n = self.call, self.gates
+        per_gate = [tf.stack([_f32(d) for d in deltas[j::n]], axis=1) for j in range(n)]  # [B, T, G]
+        with tf.control_dependencies(_same_as_layer(self.outputs[0], call.op.outputs[0])):
+            delta_x = tf.identity(per_gate[0])
+        delta_h = delta_x if n == 1 else per_gate[1]
+        x = _f32(call.tensors["inputs"])
+        x_seq = tf.reverse(x, [1]) if call.go_backwards else x
+        if n == 1:
+            bias = tf.reduce_sum(delta_x, axis=1)
+        else:
+            bias = tf.stack([tf.reduce_sum(delta_x, axis=1), tf.reduce_sum(delta_h, axis=1)], axis=1)
+        return {
+            "kernel": _uses.OuterUse(x_seq, delta_x),
+            "recurrent_kernel": _uses.OuterUse(self.h_seq, delta_h),
+            "bias": _uses.DenseUse(bias),
+        }
+
+
+def _same_as_layer(mine: tf.Tensor, theirs: tf.Tensor) -> list:
+    """Run-time check that the recomputed recurrence is the layer's (finite float32 entries)."""
+    if mine.dtype != tf.float32 or theirs.dtype != tf.float32:
+        return []
+    finite = tf.math.is_finite(mine) & tf.math.is_finite(theirs)
+    excess = tf.abs(mine - theirs) - (_ATOL + _RTOL * tf.abs(theirs))
+    worst = tf.reduce_max(tf.where(finite, excess, tf.zeros_like(excess)))
+    return [
+        tf.debugging.assert_less_equal(
+            worst, 0.0,
+            message=(
+                f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
+                "the layer's output; use per_example_backend='reference' and report this"
+            ),
+        )
+    ]

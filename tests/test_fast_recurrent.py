@@ -1,0 +1,122 @@
+"""Fast per-example clipping of recurrent and depthwise convolution layers (issue 18).
+
+Each case: the fast backend == a one-example-at-a-time loop (and, for the convolutions, == the
+reference jacobian path: through a recurrent ``while`` loop that path takes a minute, the loop is
+the oracle there), and no variable took the jacobian fallback (``check(..., fallback=())``).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+from _fast_helpers import check, data, per_layer_factors
+
+from keras_dpsgd.optimizer import DPSGDOptimizer
+
+L = keras.layers
+
+
+def _sequence_data(batch, steps, features, out, masked, seed=0):
+    x, y = data((batch, steps, features), (batch,) + out, seed=seed)
+    if masked:  # Masking(0.0) drops these steps: a tail, a head and a middle step.
+        x[0, steps - 2 :] = 0.0
+        if batch > 1:
+            x[1, :2] = 0.0
+            x[-1, 2] = 0.0
+    return x, y
+
+
+def _model(layer, masked):
+    return keras.Sequential(([L.Masking(0.0)] if masked else []) + [layer, L.Dense(2)])
+
+
+@pytest.mark.parametrize(
+    "make,return_sequences,masked,per_layer",
+    [
+        (L.LSTM, True, True, False),
+        (L.LSTM, False, False, True),
+        (L.GRU, False, True, True),
+        (L.GRU, True, False, False),
+    ],
+)
+def test_lstm_and_gru(make, return_sequences, masked, per_layer):
+    x, y = _sequence_data(3, 5, 3, (5, 2) if return_sequences else (2,), masked)
+    model = _model(make(4, return_sequences=return_sequences), masked)
+    factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]) if per_layer else None
+    check(model, x, y, factors=factors, reference=False)
+
+
+def test_bidirectional_masked():
+    """A forward LSTM and a backward GRU (``go_backwards``; Bidirectional reverses its outputs)."""
+    x, y = _sequence_data(3, 4, 2, (4, 2), masked=True, seed=1)
+    layer = L.Bidirectional(
+        L.LSTM(3, return_sequences=True), backward_layer=L.GRU(2, return_sequences=True, go_backwards=True)
+    )
+    check(_model(layer, masked=True), x, y, factors=per_layer_factors([0.05] * 8), reference=False)
+
+
+def test_batch_of_one():
+    x, y = _sequence_data(1, 3, 2, (2,), masked=False, seed=2)
+    check(_model(L.GRU(2), masked=False), x, y, reference=False)
+
+
+def test_depthwise_and_separable_convolutions():
+    """Depthwise kernels (multiplier 2, strided) are fast; a dilated Conv2D kernel, which TensorFlow
+    runs on SpaceToBatchND blocks, keeps exact jacobians (its bias is fast)."""
+    model = keras.Sequential(
+        [
+            keras.Input((7, 7, 4)),
+            L.DepthwiseConv2D(3, depth_multiplier=2, padding="same"),
+            L.DepthwiseConv2D(2, strides=2),
+            L.SeparableConv2D(4, 2, padding="same", depth_multiplier=2),
+            L.Conv2D(3, 2, dilation_rate=2),
+            L.Flatten(),
+            L.Dense(2),
+        ]
+    )
+    x, y = data((3, 7, 7, 4), (3, 2), seed=4)
+    dilated = [model.layers[3].kernel]
+    check(model, x, y, fallback=dilated, reference=True)
+    factors = per_layer_factors([0.05] * len(model.trainable_variables))
+    check(model, x, y, factors=factors, fallback=dilated, reference=False)
+
+
+def test_fit_takes_the_fast_path_for_an_lstm_text_model():
+    """In Model.fit, an Embedding(mask_zero) -> LSTM -> Dense step uses no jacobian fallback."""
+    ids = np.random.default_rng(5).integers(0, 20, size=(8, 6)).astype("int32")
+    ids[:3, 4:] = 0
+    labels = np.arange(8) % 2
+    model = keras.Sequential([L.Embedding(20, 4, mask_zero=True), L.LSTM(3), L.Dense(2)])
+    opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1)
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
+    )
+    model.fit(ids, labels, batch_size=4, epochs=1, verbose=0)
+    assert opt._backend.last_fallback == []
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
+    assert tf.executing_eagerly()
+
+
+def test_simple_rnn_unrolled_and_stacked_lstms():
+    """SimpleRNN(unroll=True) is plain matmuls per step: fast, but for the recurrent kernel (its
+    first use multiplies the initial zeros, not data): jacobians. Stacked LSTMs (the lower layer's
+    output gradient would need the upper layer's own gradient) take the exact reference path."""
+    x, y = _sequence_data(2, 3, 2, (2,), masked=True, seed=6)
+    unrolled = _model(L.SimpleRNN(3, unroll=True), masked=True)
+    unrolled(x[:1])
+    check(unrolled, x, y, fallback=[unrolled.layers[1].cell.recurrent_kernel], reference=False)
+    stacked = keras.Sequential([L.LSTM(2, return_sequences=True), L.LSTM(2), L.Dense(2)])
+    stacked(x[:1])
+    check(stacked, x, y, fallback=stacked.trainable_variables, reference=False)
+
+
+def test_a_path_around_the_lstm_takes_the_reference_path():
+    """Dense -> (LSTM, and a pooled skip around it) -> Dense: the lower Dense's gradient also flows
+    around the layer, which the copy does not cover: the step keeps exact jacobians."""
+    inputs = keras.Input((3, 2))
+    h = L.Dense(3)(inputs)
+    out = L.Dense(2)(L.Concatenate()([L.LSTM(2)(h), L.GlobalAveragePooling1D()(h)]))
+    model = keras.Model(inputs, out)
+    x, y = _sequence_data(2, 3, 2, (2,), masked=False, seed=7)
+    check(model, x, y, fallback=model.trainable_variables, reference=False)
