@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 import pytest
+import keras as keras3  # keras-dpsgd train runs on Keras 3 by default
 import tf_keras as keras
 
 from keras_dpsgd.accounting import (
@@ -79,7 +80,7 @@ def test_full_disk_after_training_prints_the_result_and_leaves_nothing_partial(c
             f.write(b"PK\x03\x04 truncated")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(keras.Model, "save", full_disk)
+    monkeypatch.setattr(keras3.Model, "save", full_disk)
     code = main(TRAIN + ["--save", str(out_dir)])
     captured = capsys.readouterr()
     assert code == 1
@@ -102,7 +103,7 @@ def test_save_replaces_earlier_files_atomically(capsys, tmp_path):
     assert sorted(os.listdir(out_dir)) == ["model.keras", "privacy_report.json"]
     report = json.loads((out_dir / "privacy_report.json").read_text())
     assert report["epsilon"] == result["epsilon"]
-    keras.models.load_model(out_dir / "model.keras", compile=False)
+    keras3.saving.load_model(out_dir / "model.keras", compile=False)
 
 
 # ------------------------------------------------------------------ δ >= 1/N, σ = ∞ on the command line

@@ -106,6 +106,8 @@ def train_run(
     optimizer = make_optimizer(lots)
     if lots is not None and hasattr(optimizer, "expected_lot_size"):
         lots.configure(optimizer)
+    if seeded:  # the initial weights too: a seeded run is reproducible whatever ran before it
+        _front.set_random_seed(int(rng.integers(2**31 - 1)))
     model = build_model()
     front = front or _front.of_model(model)
     if lots is not None and is_dp_optimizer(optimizer):
