@@ -114,7 +114,7 @@ def main(argv=None):
                     "epsilon": compute_epsilon(model_privacy_ledger(flat), delta),
                     "test_accuracy": float(np.mean(np.argmax(flat.predict(xte, verbose=0), -1) == yte))}
     result = {
-        "keras": front.name,
+        "keras": front.label,
         "dataset": args.dataset, "num_examples": n, "epochs": epochs, "lot_size": lot, "steps": steps,
         "noise_multiplier": sigma, "norm_noise_multiplier": args.norm_noise_multiplier,
         "effective_noise_multiplier": opt.effective_noise_multiplier, "epsilon": epsilon, "delta": delta,

@@ -26,9 +26,8 @@ seen the private training set.
 
 Keras 3 by default (a model made private with ``keras_dpsgd.keras3.make_private``),
 tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule for ``tf.keras``);
-the first line printed says which. On tf_keras each lot is split into physical
-batches of ``--physical-batch-size`` rows (gradient accumulation, default 500);
-Keras 3's DP optimizers take no accumulation yet, so there each lot is one batch.
+the first line printed says which. On both, each lot is split into physical
+batches of ``--physical-batch-size`` rows (gradient accumulation, default 500).
 """
 
 import argparse
@@ -99,8 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--clip", type=float, default=2.0, help="per-variable clipping bound")
     p.add_argument("--lot-size", type=int, default=2000)
     p.add_argument("--physical-batch-size", type=int, default=None,
-                   help="rows per physical batch (tf_keras: gradient accumulation, default 500; Keras 3: one batch "
-                   "per lot, so leave it unset)")
+                   help="rows per physical batch (gradient accumulation; default 500)")
     p.add_argument("--epochs", type=int, default=100, help="at most this many epochs (WithinLimit stops earlier)")
     p.add_argument("--learning-rate", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -122,15 +120,14 @@ def main(argv=None) -> int:
         with tfds.testing.mock_data(num_examples=64):
             data = load_tfds("cifar10")
         args.epochs, args.lot_size, args.delta = 1, 16, 1e-3
-        if FRONT_END == "tf_keras":
-            args.physical_batch_size = 32
+        args.physical_batch_size = 32
     else:
         try:
             data = load_local(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)
         except ValueError as err:
             print(f"cifar10_alexnet.py: error: {err}", file=sys.stderr)
             return 2
-    if args.physical_batch_size is None and FRONT_END == "tf_keras" and not args.smoke:
+    if args.physical_batch_size is None and not args.smoke:
         args.physical_batch_size = 500
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)

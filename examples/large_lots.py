@@ -21,9 +21,9 @@ the target ε, but they all touch the same data: together they cost more
     TF_USE_LEGACY_KERAS=1 python examples/large_lots.py   # on tf_keras
 
 Keras 3 by default, tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule
-for ``tf.keras``; the output says which). Keras 3's DP optimizers take no
-gradient accumulation yet: there each lot is one physical batch (--max-batch-size
-only shapes the table), and the lots must fit in memory.
+for ``tf.keras``; the output says which). On both, each lot is split into
+physical batches of at most --max-batch-size rows whose clipped sums are
+accumulated and noised once per lot.
 """
 
 import argparse
@@ -89,8 +89,7 @@ def main(argv=None):
         plot_noise_per_example(table, args.plot)
 
     def train(row, lr):
-        physical = cap if front == "tf_keras" else None  # Keras 3: one physical batch per lot
-        lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=physical, seed=args.seed)
+        lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=cap, seed=args.seed)
         opt = _models.dp_sgd(front, l2_norm_clip=d["clip"], noise_multiplier=row["noise_multiplier"], lots=lots,
                              learning_rate=lr, momentum=0.9, seed=args.seed)
         model = _models.build_model(kind, xtr.shape[1:], 10, width=width, keras_module=_models.keras_module(front))
@@ -111,8 +110,8 @@ def main(argv=None):
         print(json.dumps({"table": table, "runs": runs, "delta": delta, "target_epsilon": eps,
                           "keras": _models.keras_label(front)}))
         return
-    batches = f"physical batches of <= {cap} rows" if front == "tf_keras" else "one physical batch per lot"
-    print(f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; {batches}; "
+    print(f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; "
+          f"physical batches of <= {cap} rows; "
           f"{_models.keras_display(front)}")
     print(f"{'lot':>6} {'sigma':>8} {'sigma/L':>9} {'lr':>8} {'accum':>6} {'steps':>6} {'epsilon':>8} {'test acc':>9}")
     for r in runs:

@@ -42,9 +42,9 @@ def main(argv=None):
     from keras_dpsgd.tools import _front
 
     # The builders train on Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
-    front = _front.active().name
+    front = _front.active()
     if not args.json:
-        print("Keras 3" if front == "keras3" else "tf_keras (TF_USE_LEGACY_KERAS=1)")
+        print("Keras 3" if front.name == "keras3" else "tf_keras (TF_USE_LEGACY_KERAS=1)")
 
     if args.dataset == "cifar10":
         shape, classes, build = (32, 32, 3), 10, convnet_builder((32, 32, 3), 10)
@@ -67,7 +67,7 @@ def main(argv=None):
         settings = DPSettings(noise_multiplier=sigma, **dp)
         report = memorization_test(build, input_shape=shape, num_classes=classes, dp=settings, seed=args.seed,
                                    **scale)
-        results.append(dict(report.to_dict(), keras=front))
+        results.append(dict(report.to_dict(), keras=front.label))
         if not args.json:
             print(f"\n=== noise multiplier {sigma} ===")
             print(report.summary())
@@ -82,7 +82,7 @@ def main(argv=None):
         settings = DPSettings(noise_multiplier=sigmas[-1], **dp)
         report = real_task_test(build, train, test, num_classes=10, dp=settings, epochs=scale["epochs"],
                                 seed=args.seed)
-        results.append(dict(report.to_dict(), keras=front))
+        results.append(dict(report.to_dict(), keras=front.label))
         if not args.json:
             print("\n=== real task ===")
             print(report.summary())

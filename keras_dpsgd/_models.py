@@ -10,22 +10,27 @@ Keras 3 unless ``TF_USE_LEGACY_KERAS`` is ``1``/``true``/``True`` (then tf_keras
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
+from keras_dpsgd._which_keras import KERAS3, TF_KERAS, active_front_end
+
 MODELS = ("mlp", "cnn")
-FRONT_ENDS = ("keras3", "tf_keras")
+FRONT_ENDS = (KERAS3, TF_KERAS)
 
 
 def front_end() -> str:
-    """"keras3", or "tf_keras" where ``TF_USE_LEGACY_KERAS`` asks for it (TensorFlow's rule for tf.keras)."""
-    return "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS", None) in ("true", "True", "1") else "keras3"
+    """"keras3", or "tf_keras" where ``TF_USE_LEGACY_KERAS`` asks for it (:func:`active_front_end`)."""
+    return active_front_end()
+
+
+def _check_front(front: str) -> None:
+    if front not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {list(FRONT_ENDS)}, got {front!r}")
 
 
 def keras_module(front: str) -> Any:
     """The Keras package of a front end: ``keras`` (Keras 3) or ``tf_keras``."""
-    if front not in FRONT_ENDS:
-        raise ValueError(f"front_end must be one of {list(FRONT_ENDS)}, got {front!r}")
+    _check_front(front)
     if front == "keras3":
         import keras
     else:
@@ -84,31 +89,35 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
     return keras.Model(inputs, outputs, name=f"dpsgd_{name}")
 
 
+def dp_sgd_class(front: str) -> type:
+    """The DP-SGD optimizer class of a front end (``keras_dpsgd.keras3`` or ``keras_dpsgd.tf_keras``)."""
+    _check_front(front)
+    if front == "keras3":
+        from keras_dpsgd.keras3 import DPSGDOptimizer
+    else:
+        from keras_dpsgd.optimizer import DPSGDOptimizer
+    return DPSGDOptimizer
+
+
 def dp_sgd(front: str, *, l2_norm_clip: Any, noise_multiplier: Any, lots: Any, **kwargs) -> Any:
     """A DP-SGD optimizer of the front end, configured for `lots` (a :class:`keras_dpsgd.PoissonLots`).
 
-    tf_keras takes the lots' gradient accumulation; Keras 3's optimizers take
-    none, so there a lot split into several physical batches is refused.
-
-    Raises:
-      ValueError: Keras 3 and ``lots.gradient_accumulation_steps`` > 1.
+    Both front ends take the lots' gradient accumulation: a lot split into
+    ``lots.gradient_accumulation_steps`` physical batches is released once.
     """
-    if front == "keras3":
-        from keras_dpsgd.keras3 import DPSGDOptimizer
-
-        if lots.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"physical_batch_size must be None on Keras 3 (one batch per lot), got {lots.physical_batch_size}, "
-                f"which splits each lot into {lots.gradient_accumulation_steps} batches (gradient accumulation, "
-                "not supported yet by Keras 3's DP optimizers): drop it, or run with TF_USE_LEGACY_KERAS=1 (tf_keras)"
-            )
-        optimizer = DPSGDOptimizer(l2_norm_clip, noise_multiplier, **kwargs)
-    else:
-        from keras_dpsgd.optimizer import DPSGDOptimizer
-
-        optimizer = DPSGDOptimizer(l2_norm_clip, noise_multiplier,
-                                   gradient_accumulation_steps=lots.gradient_accumulation_steps, **kwargs)
+    optimizer = dp_sgd_class(front)(l2_norm_clip, noise_multiplier,
+                                    gradient_accumulation_steps=lots.gradient_accumulation_steps, **kwargs)
     return lots.configure(optimizer)
+
+
+def private(model: Any, front: str) -> Any:
+    """The model with the private train step (Keras 3: ``make_private``; tf_keras: the optimizer's own)."""
+    _check_front(front)
+    if front == "keras3":
+        from keras_dpsgd.keras3 import make_private
+
+        return make_private(model)
+    return model
 
 
 def compile_private(model: Any, optimizer: Any, front: str, **kwargs) -> Any:
@@ -118,10 +127,8 @@ def compile_private(model: Any, optimizer: Any, front: str, **kwargs) -> Any:
     accuracy is weighted, so padding rows of the lots (weight 0) do not count.
     """
     keras = keras_module(front)
+    model = private(model, front)
     if front == "keras3":
-        from keras_dpsgd.keras3 import make_private
-
-        model = make_private(model)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     else:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")

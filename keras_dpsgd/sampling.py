@@ -388,15 +388,17 @@ class PoissonLots:
 
         Raises:
           ValueError: if a lot is split into several physical batches
-            (`physical_batch_size`): Keras 3's DP optimizers take no gradient
-            accumulation, and Keras reads batches ahead to learn their shapes.
+            (`physical_batch_size`): Keras reads two batches ahead to learn
+            their shapes and does not train on them, so the physical batches
+            would no longer line up with the lots (use :meth:`dataset`).
         """
         _check_num_lots(num_lots)
         if self._accum != 1:
             raise ValueError(
                 f"as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps={self._accum} "
-                f"(physical_batch_size={self._physical}): Keras 3's DP optimizers take no gradient "
-                "accumulation; leave physical_batch_size None"
+                f"(physical_batch_size={self._physical}): Keras reads batches ahead to learn their shapes "
+                "and skips them, so the physical batches would straddle two lots; use lots.dataset() (it "
+                "accumulates exactly), or leave physical_batch_size None"
             )
         return PoissonLotsPyDataset(self, num_lots)
 

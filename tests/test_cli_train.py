@@ -121,6 +121,31 @@ def test_tfds_unavailable_is_one_line_error_exit_2(capsys, monkeypatch):
     assert "internet access" in lines[0] and "--dataset digits" in lines[0] and "Traceback" not in err
 
 
+def test_keras3_physical_batches_accumulate_lots_and_the_ledger_counts_lots(capsys, monkeypatch):
+    """Keras 3 (the default) with --physical-batch-size: each lot is k > 1 physical batches, noised once.
+
+    Before Keras 3 accumulated lots this was refused (exit 2)."""
+    import keras
+
+    from keras_dpsgd.sampling import PoissonLots
+
+    monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    argv = ("--epochs", "2", "--lot-size", "256", "--width", "32", "--noise-multiplier", "1.5", "--seed", "0")
+    split, err = _run_json(capsys, *argv, "--physical-batch-size", "64")
+    assert split["keras"] == keras.__version__ and "Keras 3." in err
+    lots = PoissonLots(np.zeros((1347, 1), "float32"), np.zeros(1347, "int64"), expected_lot_size=256,
+                       physical_batch_size=64)
+    assert lots.gradient_accumulation_steps > 1  # really split
+    # The ledger counts lots (2 epochs of 6), not physical batches (12 k): ε is that of 12 releases.
+    assert split["steps"] == split["planned_steps"] == 2 * lots.lots_per_epoch == 12
+    eps = compute_epsilon(PoissonSampledGaussianEvent(256 / 1347, 1.5, 12), split["delta"])
+    assert split["epsilon"] == pytest.approx(eps, rel=1e-9)
+    # Same seed, same lots and noise: the split run is the one-batch-per-lot run (up to summation order).
+    whole, _ = _run_json(capsys, *argv)
+    assert split["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=2 / 450)
+    assert split["test_accuracy"] > 0.5  # it learned (chance is 0.1)
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -128,7 +153,6 @@ def test_tfds_unavailable_is_one_line_error_exit_2(capsys, monkeypatch):
         (["--delta", "0.001"], "delta"),
         (["--momentum", "1.5"], "momentum must be in [0, 1)"),
         (["--noise-multiplier", "-1"], "noise_multiplier must be"),
-        (["--physical-batch-size", "64"], "physical_batch_size must be None on Keras 3 (one batch per lot), got 64"),
     ],
 )
 def test_bad_input_exit_2(capsys, argv, fragment):

@@ -30,14 +30,8 @@ def test_keras3_builders_follow_tf_use_legacy_keras(monkeypatch):
     assert not isinstance(mlp_builder(SHAPE, CLASSES, width=4)(), keras.Model)
 
 
-def test_keras3_physical_batches_accumulate_or_are_refused_with_the_fix():
-    from keras_dpsgd.tools import _front
-
+def test_keras3_physical_batches_accumulate_and_the_ledger_counts_lots():
     dp = DPSettings(batch_size=50, physical_batch_size=25)
     run = lambda: memorization_test(mlp_builder(SHAPE, CLASSES, width=4, keras_module=keras),  # noqa: E731
                                     input_shape=SHAPE, num_classes=CLASSES, dp=dp, num_examples=100, epochs=1, seed=0)
-    if not _front._keras3_accumulates():
-        with pytest.raises(ValueError, match="physical_batch_size"):
-            run()
-        return
-    assert run().dp.noised_steps == 2  # two lots of two physical batches each
+    assert run().dp.noised_steps == 2  # two lots (of two physical batches each), not four batches

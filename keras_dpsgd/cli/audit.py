@@ -9,7 +9,8 @@ bound ε_emp (Steinke, Nasr, Jagielski 2023). ε_emp > ε is a bug.
 The audit run is a training run on the data: the ε it prints is its own.
 
 It trains on Keras 3 (``keras_dpsgd.keras3``) unless ``TF_USE_LEGACY_KERAS=1`` selects tf_keras,
-as ``tf.keras`` does; the output says which (``--json`` key ``keras``: "keras3" or "tf_keras").
+as ``tf.keras`` does; the output says which (``--json`` key ``keras``, as ``keras-dpsgd train``
+writes it: "3.15.0" or "tf_keras 2.21.0").
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ __all__ = ["audit", "register", "run"]
 
 _KINDS = ("gradient", "ood", "mislabeled")
 _PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
-_KERAS_NAMES = {"keras3": "Keras 3", "tf_keras": "tf_keras (TF_USE_LEGACY_KERAS=1)"}
 
 
 def _confidence(text: str) -> float:
@@ -105,13 +105,14 @@ def _audit(args, data, noise_multiplier):
 
 def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
-    from keras_dpsgd import _datasets
+    from keras_dpsgd import _datasets, _models
 
     _check(args)
     given = args.noise_multiplier
     data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
     result = _audit(args, data, given)
     out = result.to_dict()
+    out["keras"] = _models.keras_label(result.keras)  # the form of `keras-dpsgd train --json`
     if args.plot:
         points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
         base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
@@ -151,6 +152,8 @@ def _plot(path: str, points, result) -> str:
 
 
 def run(args) -> dict:
+    from keras_dpsgd import _models
+
     if args.json:
         with contextlib.redirect_stdout(sys.stderr):
             return _select(audit(args))
@@ -159,7 +162,7 @@ def run(args) -> dict:
         f"\nreported ε = {out['epsilon']:.4g}, empirical lower bound ε_emp = {out['epsilon_lower_bound']:.4g} "
         f"at {out['confidence']:.0%} confidence (δ = {out['delta']:.3g}, {out['canaries']} canaries, "
         f"{out['method']}, AUC {out['auc']:.3f}, {out['correct']} of {out['guesses']} guesses right, "
-        f"σ = {out['noise_multiplier']:.4g}, {_KERAS_NAMES[out['keras']]})\n{out['verdict']}"
+        f"σ = {out['noise_multiplier']:.4g}, {_models.keras_display(_models.front_end())})\n{out['verdict']}"
         + (f"\nplot written to {out['plot']}" if "plot" in out else "")
     )
     return _select(out)

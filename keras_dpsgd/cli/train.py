@@ -7,9 +7,9 @@ Poisson-sampled lots (:class:`keras_dpsgd.PoissonLots`), the DP-SGD optimizer
 :class:`keras_dpsgd.WithinLimit`. It runs on Keras 3 (a model made private with
 ``keras_dpsgd.keras3.make_private``) unless ``TF_USE_LEGACY_KERAS=1`` selects
 tf_keras, TensorFlow's rule for ``tf.keras``; the plan line and the JSON key
-"keras" ("3.15.0", "tf_keras 2.21.0") say which one ran. Keras 3's DP optimizers
-take no gradient accumulation: there ``--physical-batch-size`` smaller than a
-lot is refused (exit 2). Unless ``--noise-multiplier`` is given, σ is
+"keras" ("3.15.0", "tf_keras 2.21.0") say which one ran. ``--physical-batch-size``
+splits every lot into physical batches whose clipped sums are accumulated and
+noised once per lot, on either Keras. Unless ``--noise-multiplier`` is given, σ is
 the smallest noise multiplier that keeps the planned number of steps within
 (target ε, δ) (``compute_noise_multiplier``, which never returns less than the
 exact value).
