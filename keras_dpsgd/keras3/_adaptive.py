@@ -31,7 +31,7 @@ class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
         if self.built:
             return
         super().build(variables)
-        # Σ_i min(‖g_i^v‖, β C_v) of the current lot (zero between steps: Keras 3 has one batch per lot).
+        # Σ_i min(‖g_i^v‖, β C_v) of the current lot (summed over the lot's batches, zeroed after each release and when a partial lot is discarded).
         self._norm_sums = self.add_variable(
             (len(variables),), initializer="zeros", dtype="float32", name="adaptive_norm_sums"
         )
