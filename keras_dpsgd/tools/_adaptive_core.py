@@ -10,7 +10,6 @@ noise from the optimizer's stream) and ``_adaptive_normalize`` (the gradient's n
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
