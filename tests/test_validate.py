@@ -82,6 +82,12 @@ def _tools():
     return _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
 
 
+def _dp_settings(**kw):
+    from keras_dpsgd.tools.memorization import DPSettings
+
+    return DPSettings(**kw)
+
+
 def _build_model(**kw):
     from keras_dpsgd._models import build_model
 
@@ -206,6 +212,10 @@ CASES = [
      0.0, ""),
     (lambda lot_size: _tools()[4].plan_gradient_accumulation(lot_size, 32), "lot_size", 0, ""),
     (lambda max_batch_size: _tools()[4].plan_gradient_accumulation(256, max_batch_size), "max_batch_size", 0, ""),
+    (lambda **kw: _dp_settings(**kw), "batch_size", 0, ""),
+    (lambda **kw: _dp_settings(**kw), "momentum", 1.0, ""),
+    (lambda **kw: _dp_settings(**kw), "l2_norm_clip", 0.0, ""),
+    (lambda **kw: _dp_settings(**kw), "physical_batch_size", 0, "none"),
 ]
 
 
