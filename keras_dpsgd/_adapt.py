@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd import _validate
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
 
 DEFAULT_ADAPT_BATCH_SIZE = 1024
@@ -110,17 +111,16 @@ def stream_batches(data: Any, batch_size: Optional[int], steps: Optional[int], u
     Arrays and tensors are cut into consecutive batches of `batch_size` rows (no shuffling); a
     dataset is read as it is. `steps` (None: all) bounds the number of batches.
     """
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
-        raise ValueError(f"steps must be None or an integer >= 1, got {steps!r}")
+    if steps is not None:
+        _validate.integer_at_least(1, steps=steps)
     if isinstance(data, tf.data.Dataset):
         if batch_size is not None:
             raise ValueError(f"batch_size must be None for a tf.data.Dataset (it is batched already), got {batch_size!r}")
         batches = iter(data)
     else:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        batch_size = _validate.integer_at_least(1, batch_size=batch_size)
         num = int(data.shape[0])
-        batches = (data[start:start + batch_size] for start in range(0, num, int(batch_size)))
+        batches = (data[start:start + batch_size] for start in range(0, num, batch_size))
     for index, batch in enumerate(batches):
         if steps is not None and index >= steps:
             break
@@ -195,9 +195,9 @@ class DPReleaseMixin:
     _LABEL = ""
 
     def _init_release(self, noise_multiplier: float, sampling_rate: float, seed: Optional[int]) -> None:
-        self.noise_multiplier = float(noise_multiplier)
-        self.sampling_rate = float(sampling_rate)
-        self.seed = None if seed is None else int(seed)
+        self.noise_multiplier = _validate.nonnegative(noise_multiplier=noise_multiplier)
+        self.sampling_rate = _validate.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+        self.seed = None if seed is None else _validate.integer_at_least(0, seed=seed)
         self.input_dim: Optional[int] = None
         self._acc: Optional[Accumulator] = None
         self._noise_rng: Optional[np.random.Generator] = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from keras_dpsgd import _validate
 from keras_dpsgd._which_keras import KERAS3, TF_KERAS, active_front_end
 
 MODELS = ("mlp", "cnn")
@@ -72,10 +73,8 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
         keras = keras_module
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
-    if isinstance(num_classes, bool) or int(num_classes) != num_classes or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
-    if isinstance(width, bool) or int(width) != width or width < 1:
-        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    num_classes = _validate.integer_at_least(2, num_classes=num_classes)
+    width = _validate.integer_at_least(1, width=width)
     inputs = keras.Input(shape=tuple(input_shape))
     if name == "mlp":
         x = keras.layers.Flatten()(inputs)

@@ -62,7 +62,6 @@ import tensorflow as tf
 
 from keras_dpsgd import _noise, _step, ledger
 from keras_dpsgd import _validate as V
-from keras_dpsgd._validate import is_integer as _is_integer  # noqa: F401  (imported by keras3/_optimizer)
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._per_example import (
@@ -143,12 +142,24 @@ def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple
     return (noise_multiplier,) * len(l2_norm_clip)
 
 
-def _check_lot_size(value: Any) -> float | None:
+def check_lot_size(value: Any) -> float | None:
+    """expected_lot_size: None or a finite number > 0 (both front ends)."""
     return None if value is None else V.positive(expected_lot_size=value)
 
 
-def _check_sampling_rate(value: Any) -> float | None:
+def check_sampling_rate(value: Any) -> float | None:
+    """sampling_rate: None or a number in (0, 1] (both front ends)."""
     return None if value is None else V.in_range(0, 1, "(]", sampling_rate=value)
+
+
+def check_seed(value: Any) -> int | None:
+    """seed: None or an int64 (both front ends)."""
+    return None if value is None else V.integer_in_range(-(2**63), 2**63 - 1, seed=value)
+
+
+def check_accumulation_steps(value: Any) -> int:
+    """gradient_accumulation_steps: an integer >= 1 (both front ends)."""
+    return V.integer_at_least(1, gradient_accumulation_steps=value)
 
 
 def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
@@ -199,11 +210,11 @@ class DPSanitizerMixin:
         # NoDependency: plain lists/dicts (not trackable wrappers) in get_config.
         self._l2_norm_clip = self._no_dependency(check_l2_norm_clip(l2_norm_clip))
         self._noise_multiplier = self._no_dependency(check_noise_multiplier(noise_multiplier, self._l2_norm_clip))
-        self.gradient_accumulation_steps = V.integer_at_least(1, gradient_accumulation_steps=gradient_accumulation_steps)
-        self._seed = None if seed is None else V.integer_in_range(-(2**63), 2**63 - 1, seed=seed)
+        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        self._seed = check_seed(seed)
         self.per_example_backend = per_example_backend
         self._backend = self._no_dependency(resolve_backend(per_example_backend))
-        self._sampling_rate = _check_sampling_rate(sampling_rate)
+        self._sampling_rate = check_sampling_rate(sampling_rate)
         with tf.init_scope():
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
             # A count over the private data, not noised: a local diagnostic outside
@@ -271,7 +282,7 @@ class DPSanitizerMixin:
 
     @expected_lot_size.setter
     def expected_lot_size(self, value: float | None) -> None:
-        self._expected_lot_size = _check_lot_size(value)
+        self._expected_lot_size = check_lot_size(value)
         self._lot_size.assign(0.0 if value is None else float(value))
 
     @property
@@ -280,7 +291,7 @@ class DPSanitizerMixin:
 
     @sampling_rate.setter
     def sampling_rate(self, value: float | None) -> None:
-        new = _check_sampling_rate(value)
+        new = check_sampling_rate(value)
         if self._sampling_rate is not None and new != self._sampling_rate:
             self._fold_into_ledger_bounds(self._sampling_rate)
         self._sampling_rate = new

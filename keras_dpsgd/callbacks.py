@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 import tf_keras
 
+from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
     attach,
     fit_frame,
@@ -84,8 +85,8 @@ class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
         self._chief_worker_only = None
         self._supports_tf_logs = False
         self.target_delta = target_delta
-        self.num_examples = num_examples
-        self.batch_size = batch_size
+        self.num_examples = None if num_examples is None else _validate.integer_at_least(1, num_examples=num_examples)
+        self.batch_size = None if batch_size is None else _validate.integer_at_least(1, batch_size=batch_size)
         self.extra_events = tuple(extra_events)
         self.accountant = accountant
 
@@ -213,10 +214,7 @@ class WithinLimit(_PrivacyCallback):
         verbose: int = 1,
     ):
         super().__init__(target_delta, num_examples, batch_size, extra_events, accountant)
-        eps = float(target_epsilon)
-        if not eps > 0 or math.isnan(eps):
-            raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}")
-        self.target_epsilon = eps
+        self.target_epsilon = _validate.in_range(0, math.inf, "(]", target_epsilon=target_epsilon)
         self.verbose = verbose
         self.stopped = False
         self.remaining: Optional[int] = None

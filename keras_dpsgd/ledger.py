@@ -80,7 +80,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _ledger_state as S
+from keras_dpsgd import _ledger_state as S, _validate
 from keras_dpsgd.accounting import (
     GaussianEvent,
     PoissonSampledComposedGaussianEvent,
@@ -457,11 +457,7 @@ def noised_steps(optimizer: Any) -> int:
 
 
 def _int_arg(value: Any, name: str) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return None if value is None else _validate.integer_at_least(1, **{name: value})
 
 
 def resolve_num_examples(optimizer: Any, num_examples: Optional[int] = None) -> Optional[int]:

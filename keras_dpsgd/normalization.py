@@ -26,9 +26,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd import _adapt
+from keras_dpsgd import _adapt, _validate
 from keras_dpsgd.accounting import PrivacyLedger
-from keras_dpsgd.accounting._validation import is_integer, is_real
 
 __all__ = [
     "DPNormalization",
@@ -173,15 +172,6 @@ def is_marked_public(layer) -> bool:
 
 
 # ----------------------------------------------------------------- DPNormalization
-def _check_real(name: str, value, *, low: float, inclusive: bool) -> float:
-    if not is_real(value):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    ok = value >= low if inclusive else value > low
-    if not (math.isfinite(value) and ok):
-        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
-    return float(value)
-
-
 def _check_bound(name: str, value) -> Union[float, list]:
     array = np.asarray(value, dtype=np.float64) if not isinstance(value, (str, bool)) else None
     if array is None or array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array)):
@@ -198,7 +188,7 @@ def _check_clipping(lower, upper, l2_norm_clip):
     if l2_norm_clip is not None:
         if lower is not None or upper is not None:
             raise ValueError("give either lower and upper, or l2_norm_clip, not both")
-        return None, None, _check_real("l2_norm_clip", l2_norm_clip, low=0.0, inclusive=False)
+        return None, None, _validate.positive(l2_norm_clip=l2_norm_clip)
     if lower is None or upper is None:
         raise ValueError(
             "DPNormalization needs public clipping bounds: lower and upper (per feature or scalars), "
@@ -262,19 +252,13 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         min_std: Optional[float] = None,
         **kwargs,
     ):
-        sigma = _check_real("noise_multiplier", noise_multiplier, low=0.0, inclusive=True)
         lower, upper, l2_norm_clip = _check_clipping(lower, upper, l2_norm_clip)
-        q = _check_real("sampling_rate", sampling_rate, low=0.0, inclusive=False)
-        if q > 1.0:
-            raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-        if seed is not None and (not is_integer(seed) or seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
         if min_std is not None:
-            min_std = _check_real("min_std", min_std, low=0.0, inclusive=False)
+            min_std = _validate.positive(min_std=min_std)
         super().__init__(**kwargs)
         self.lower, self.upper, self.l2_norm_clip = lower, upper, l2_norm_clip
         self.min_std = min_std
-        self._init_release(sigma, q, seed)
+        self._init_release(noise_multiplier, sampling_rate, seed)
         self.last_release: Optional[dict] = None
 
     # ---- the mechanism, in numpy (float64) -----------------------------------

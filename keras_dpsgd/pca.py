@@ -11,7 +11,6 @@ is zeroed once the noisy release has been made.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import numpy as np
@@ -19,7 +18,7 @@ import scipy.linalg
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd import _adapt
+from keras_dpsgd import _adapt, _validate
 from keras_dpsgd.accounting import PrivacyLedger
 
 __all__ = ["DPPCA", "symmetric_gaussian_noise", "top_k_eigenvectors"]
@@ -95,26 +94,6 @@ def _normalize_rows(x: tf.Tensor) -> tf.Tensor:
     return tf.math.divide_no_nan(x, tf.norm(x, axis=1, keepdims=True))
 
 
-def _check_args(n_components, noise_multiplier, sampling_rate, seed) -> None:
-    if isinstance(n_components, bool) or not isinstance(n_components, (int, np.integer)):
-        raise TypeError(f"n_components must be an integer >= 1, got {n_components!r}")
-    if n_components < 1:
-        raise ValueError(f"n_components must be an integer >= 1, got {n_components}")
-    if isinstance(noise_multiplier, bool) or not isinstance(noise_multiplier, (int, float, np.number)):
-        raise TypeError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
-    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, float, np.number)):
-        raise TypeError(f"sampling_rate must be a number in (0, 1], got {sampling_rate!r}")
-    if not 0.0 < sampling_rate <= 1.0:
-        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate}")
-    if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be None or an integer >= 0, got {seed!r}")
-        if seed < 0:
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed}")
-
-
 class PCAMechanism(_adapt.DPReleaseMixin):
     """DP-PCA for any Keras front end (the docstring of :class:`DPPCA` says what it does)."""
 
@@ -129,9 +108,9 @@ class PCAMechanism(_adapt.DPReleaseMixin):
         seed: Optional[int] = None,
         **kwargs,
     ):
-        _check_args(n_components, noise_multiplier, sampling_rate, seed)
+        n_components = _validate.integer_at_least(1, n_components=n_components)
         super().__init__(**kwargs)
-        self.n_components = int(n_components)
+        self.n_components = n_components
         self.normalize_inputs = bool(normalize_inputs)
         self._init_release(noise_multiplier, sampling_rate, seed)
 

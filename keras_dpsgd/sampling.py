@@ -55,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 from scipy import stats
 
-from keras_dpsgd.accounting._validation import is_integer as _is_integer, is_real as _is_real
+from keras_dpsgd import _validate
 
 __all__ = ["PoissonLots"]
 
@@ -81,8 +81,8 @@ def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability:
 
 
 def _check_num_lots(num_lots: Optional[int]) -> None:
-    if num_lots is not None and (not _is_integer(num_lots) or num_lots < 0):
-        raise ValueError(f"num_lots must be None or an integer >= 0, got {num_lots!r}")
+    if num_lots is not None:
+        _validate.integer_at_least(0, num_lots=num_lots)
 
 
 class PoissonLots:
@@ -179,36 +179,27 @@ class PoissonLots:
                 f"sampling_rate={sampling_rate!r}, expected_lot_size={expected_lot_size!r}"
             )
         if sampling_rate is not None:
-            if not _is_real(sampling_rate) or not 0.0 < sampling_rate <= 1.0:
-                raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-            q = float(sampling_rate)
+            q = _validate.in_range(0, 1, "(]", sampling_rate=sampling_rate)
         else:
-            if not _is_real(expected_lot_size) or not 0.0 < expected_lot_size <= n:
-                raise ValueError(f"expected_lot_size must be in (0, {n}], got {expected_lot_size!r}")
-            q = float(expected_lot_size) / n
+            q = _validate.in_range(0, n, "(]", expected_lot_size=expected_lot_size) / n
         self._q = q
-        if not _is_real(overflow_probability) or not 0.0 < overflow_probability < 1.0:
-            raise ValueError(f"overflow_probability must be in (0, 1), got {overflow_probability!r}")
+        overflow_probability = _validate.in_range(0, 1, "()", overflow_probability=overflow_probability)
         if max_lot_size is None:
-            capacity = _lot_capacity(n, q, float(overflow_probability))
+            capacity = _lot_capacity(n, q, overflow_probability)
         else:
-            if not _is_integer(max_lot_size) or not 1 <= max_lot_size <= n:
-                raise ValueError(f"max_lot_size must be an integer in [1, {n}], got {max_lot_size!r}")
-            capacity = int(max_lot_size)
+            capacity = _validate.integer_in_range(1, n, max_lot_size=max_lot_size)
         if physical_batch_size is None:
             self._physical = capacity
             self._accum = 1
         else:
-            if not _is_integer(physical_batch_size) or physical_batch_size < 1:
-                raise ValueError(f"physical_batch_size must be an integer >= 1, got {physical_batch_size!r}")
-            self._physical = int(physical_batch_size)
+            self._physical = _validate.integer_at_least(1, physical_batch_size=physical_batch_size)
             self._accum = max(1, math.ceil(capacity / self._physical))
         self._capacity = self._physical * self._accum
-        if seed is not None and (not _is_integer(seed) or seed < 0):
-            raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+        if seed is not None:
+            seed = _validate.integer_at_least(0, seed=seed)
         # One generator for the life of the object: a second iteration of the
         # dataset continues the stream instead of replaying the same lots.
-        self._rng = np.random.default_rng(None if seed is None else int(seed))
+        self._rng = np.random.default_rng(seed)
         self.overflow_count = 0
 
     # ---------------------------------------------------------------- facts

@@ -133,7 +133,7 @@ def test_within_limit_with_steps_per_execution_stops_exactly():
 
 
 def test_within_limit_validation():
-    with pytest.raises(ValueError, match="target_epsilon must be > 0"):
+    with pytest.raises(ValueError, match=r"target_epsilon must be in \(0, inf\]"):
         WithinLimit(0.0)
 
 

@@ -205,8 +205,8 @@ def test_poisson_lots_accepts_numpy_scalars():
         ({"sampling_rate": 0.5, "physical_batch_size": 4.0}, "physical_batch_size must be an integer >= 1"),
         ({"sampling_rate": 0.5, "physical_batch_size": True}, "physical_batch_size must be an integer >= 1"),
         ({"sampling_rate": 0.5, "max_lot_size": 5.0}, "max_lot_size must be an integer in [1, 20]"),
-        ({"sampling_rate": 0.5, "seed": 3.0}, "seed must be None or an integer >= 0"),
-        ({"sampling_rate": 0.5, "seed": -1}, "seed must be None or an integer >= 0"),
+        ({"sampling_rate": 0.5, "seed": 3.0}, "seed must be an integer >= 0"),
+        ({"sampling_rate": 0.5, "seed": -1}, "seed must be an integer >= 0"),
         ({"sampling_rate": 0.5, "overflow_probability": "0.1"}, "overflow_probability must be in (0, 1)"),
     ],
 )

@@ -110,7 +110,7 @@ def test_poisson_sampling_uses_about_q_n_examples_and_is_recorded():
         ({"l2_norm_clip": 0.0}, ValueError, "l2_norm_clip must be a finite number > 0"),
         ({"lower": [0.0, np.nan], "upper": 1.0}, ValueError, "lower must be a finite number"),
         ({"l2_norm_clip": 1.0, "sampling_rate": 1.5}, ValueError, "sampling_rate must be in (0, 1]"),
-        ({"l2_norm_clip": 1.0, "seed": -1}, ValueError, "seed must be None or an integer >= 0"),
+        ({"l2_norm_clip": 1.0, "seed": -1}, ValueError, "seed must be an integer >= 0"),
     ],
 )
 def test_bad_arguments(kwargs, error, fragment):

@@ -198,8 +198,8 @@ def test_top_k_eigenvectors_order_and_signs():
         ({"sampling_rate": 0.0}, ValueError, r"sampling_rate must be in \(0, 1\], got 0.0"),
         ({"sampling_rate": 1.5}, ValueError, r"sampling_rate must be in \(0, 1\], got 1.5"),
         ({"sampling_rate": float("nan")}, ValueError, r"sampling_rate must be in \(0, 1\], got nan"),
-        ({"seed": -3}, ValueError, r"seed must be None or an integer >= 0, got -3"),
-        ({"seed": "7"}, TypeError, r"seed must be None or an integer"),
+        ({"seed": -3}, ValueError, r"seed must be an integer >= 0, got -3"),
+        ({"seed": "7"}, TypeError, r"seed must be an integer"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, error, match):

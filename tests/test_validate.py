@@ -43,6 +43,63 @@ def _membership():
     return membership
 
 
+_X, _Y = np.zeros((10, 1), np.float32), np.zeros(10, np.float32)
+
+
+def _lots(**kwargs):
+    from keras_dpsgd.sampling import PoissonLots
+
+    return PoissonLots(_X, _Y, **kwargs)
+
+
+def _normalization(**kwargs):
+    from keras_dpsgd.normalization import DPNormalization
+
+    return DPNormalization(**{"noise_multiplier": 1.0, "l2_norm_clip": 1.0, **kwargs})
+
+
+def _pca(**kwargs):
+    from keras_dpsgd.pca import DPPCA
+
+    return DPPCA(**{"n_components": 1, "noise_multiplier": 1.0, **kwargs})
+
+
+def _keras3_optimizer(**kwargs):
+    from keras_dpsgd.keras3 import DPSGDOptimizer
+
+    return DPSGDOptimizer(**{"l2_norm_clip": 1.0, "noise_multiplier": 1.0, **kwargs})
+
+
+def _callbacks():
+    from keras_dpsgd import callbacks
+
+    return callbacks
+
+
+def _tools():
+    from keras_dpsgd.tools import _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
+
+    return _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
+
+
+def _dp_settings(**kw):
+    from keras_dpsgd.tools.memorization import DPSettings
+
+    return DPSettings(**kw)
+
+
+def _build_model(**kw):
+    from keras_dpsgd._models import build_model
+
+    return build_model("mlp", (2,), **{"num_classes": 2, **kw})
+
+
+def _resolve_num_examples(num_examples):
+    from keras_dpsgd.ledger import resolve_num_examples
+
+    return resolve_num_examples(None, num_examples)
+
+
 # (callable taking the argument by keyword, argument, an out-of-range value, valid specials: "inf", "none")
 CASES = [
     (lambda **kw: acc.PoissonSampledGaussianEvent(**{"sampling_rate": 0.5, "noise_multiplier": 1.0, **kw}),
@@ -110,6 +167,55 @@ CASES = [
     (lambda seed: _dp_optimizer(seed=seed), "seed", 2**64, "none"),
     (lambda c: _dp_optimizer(l2_norm_clip=[1.0, c]), "l2_norm_clip[1]", -1.0, ""),
     (lambda s: _dp_optimizer(l2_norm_clip=[1.0, 1.0], noise_multiplier=[s, 1.0]), "noise_multiplier[0]", -1.0, ""),
+    (lambda **kw: _lots(**kw), "sampling_rate", 1.5, "none"),
+    (lambda **kw: _lots(**kw), "expected_lot_size", 11.0, "none"),
+    (lambda **kw: _lots(**{"sampling_rate": 0.5, **kw}), "overflow_probability", 1.0, ""),
+    (lambda **kw: _lots(**{"sampling_rate": 0.5, **kw}), "max_lot_size", 11, "none"),
+    (lambda **kw: _lots(**{"sampling_rate": 0.5, **kw}), "physical_batch_size", 0, "none"),
+    (lambda **kw: _lots(**{"sampling_rate": 0.5, **kw}), "seed", -1, "none"),
+    (lambda **kw: _normalization(**kw), "noise_multiplier", -1.0, ""),
+    (lambda **kw: _normalization(**kw), "l2_norm_clip", 0.0, "none"),
+    (lambda **kw: _normalization(**kw), "sampling_rate", 0.0, ""),
+    (lambda **kw: _normalization(**kw), "seed", -1, "none"),
+    (lambda **kw: _normalization(**kw), "min_std", 0.0, "none"),
+    (lambda **kw: _pca(**kw), "n_components", 0, ""),
+    (lambda **kw: _pca(**kw), "noise_multiplier", -1.0, ""),
+    (lambda **kw: _pca(**kw), "sampling_rate", 1.5, ""),
+    (lambda **kw: _pca(**kw), "seed", -3, "none"),
+    (lambda **kw: _keras3_optimizer(**kw), "gradient_accumulation_steps", 0, ""),
+    (lambda **kw: _keras3_optimizer(**kw), "sampling_rate", 0.0, "none"),
+    (lambda **kw: _keras3_optimizer(**kw), "expected_lot_size", -4.0, "none"),
+    (lambda **kw: _keras3_optimizer(**kw), "seed", 2**64, "none"),
+    (lambda **kw: _callbacks().PrivacyLogger(1e-5, **kw), "num_examples", 0, "none"),
+    (lambda **kw: _callbacks().PrivacyLogger(1e-5, **kw), "batch_size", 0, "none"),
+    (lambda target_epsilon: _callbacks().WithinLimit(target_epsilon, 1e-5), "target_epsilon", 0.0, "inf"),
+    (lambda num_examples: _resolve_num_examples(num_examples), "num_examples", 0, "none"),
+    (lambda **kw: _build_model(**kw), "num_classes", 1, ""),
+    (lambda **kw: _build_model(**kw), "width", 0, ""),
+    (lambda num_examples: _tools()[1].random_noise_data(num_examples, (2,), 2, np.random.default_rng(0)),
+     "num_examples", 0, ""),
+    (lambda num_classes: _tools()[1].random_noise_data(4, (2,), num_classes, np.random.default_rng(0)),
+     "num_classes", 1, ""),
+    (lambda n: _tools()[2].clopper_pearson_lower(1, n), "n", 0, ""),
+    (lambda correct: _tools()[2].clopper_pearson_lower(correct, 10), "correct", 11, ""),
+    (lambda confidence: _tools()[2].clopper_pearson_lower(1, 10, confidence), "confidence", 1.0, ""),
+    (lambda s: _tools()[3].composed_noise_multiplier([s], [1.0]), "noise_multipliers[0]", -1.0, ""),
+    (lambda num_layers: _tools()[3].adaptive_clipping_event(noise_multiplier=1.0, norm_noise_multiplier=1.0,
+                                                             num_layers=num_layers, sampling_rate=0.1, steps=1),
+     "num_layers", 0, ""),
+    (lambda norm_noise_multiplier: _tools()[3].calibrate_adaptive_noise_multiplier(
+        num_layers=1, norm_noise_multiplier=norm_noise_multiplier, target_epsilon=1.0, target_delta=1e-5,
+        sampling_rate=0.1, steps=10), "norm_noise_multiplier", 0.0, ""),
+    (lambda update_freq: _tools()[0].ClipBoundsLogger(update_freq=update_freq), "update_freq", -1, ""),
+    (lambda lot_size: _tools()[4].scale_learning_rate(lot_size), "lot_size", -1.0, ""),
+    (lambda base_lot_size: _tools()[4].scale_learning_rate(256, base_lot_size=base_lot_size), "base_lot_size",
+     0.0, ""),
+    (lambda lot_size: _tools()[4].plan_gradient_accumulation(lot_size, 32), "lot_size", 0, ""),
+    (lambda max_batch_size: _tools()[4].plan_gradient_accumulation(256, max_batch_size), "max_batch_size", 0, ""),
+    (lambda **kw: _dp_settings(**kw), "batch_size", 0, ""),
+    (lambda **kw: _dp_settings(**kw), "momentum", 1.0, ""),
+    (lambda **kw: _dp_settings(**kw), "l2_norm_clip", 0.0, ""),
+    (lambda **kw: _dp_settings(**kw), "physical_batch_size", 0, "none"),
 ]
 
 

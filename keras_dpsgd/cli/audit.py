@@ -20,6 +20,7 @@ import contextlib
 import math
 import sys
 
+from keras_dpsgd import _validate
 from keras_dpsgd.cli import positive_int
 
 __all__ = ["audit", "register", "run"]
@@ -72,8 +73,7 @@ def _check(args) -> None:
         raise ValueError("--save is not supported by audit: an audit's model holds canaries and is not for release")
     if args.physical_batch_size is not None:
         raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
-    if args.canaries < 2:
-        raise ValueError(f"canaries must be an integer >= 2, got {args.canaries}")
+    _validate.integer_at_least(2, canaries=args.canaries)
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ValueError(f"plot must be a file name ending in .png, got {args.plot!r}")
     train_cli._check_args(args)

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
 import time
 
+from keras_dpsgd import _validate
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
@@ -142,10 +142,9 @@ def _load_data(args):
 def _check_args(args) -> None:
     if args.learning_rate is None:
         args.learning_rate = DEFAULTS["learning_rate"][args.model]
-    if args.noise_multiplier is not None and not (args.noise_multiplier >= 0 and math.isfinite(args.noise_multiplier)):
-        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {args.noise_multiplier}")
-    if not 0.0 <= args.momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {args.momentum}")
+    if args.noise_multiplier is not None:
+        _validate.nonnegative(noise_multiplier=args.noise_multiplier)
+    _validate.in_range(0, 1, "[)", momentum=args.momentum)
     _dp_normalize.check(args)
     if args.save:
         check_save_destination(args.save)

@@ -23,12 +23,13 @@ from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd._sanitizer import (
     DPSanitizerMixin,
     _EpochBoundary,
-    _check_lot_size,
-    _check_sampling_rate,
-    _is_integer,
     _resolve_bounds,
+    check_accumulation_steps,
     check_l2_norm_clip,
+    check_lot_size,
     check_noise_multiplier,
+    check_sampling_rate,
+    check_seed,
     effective_noise_multiplier,
     release_noise_multipliers,
 )
@@ -91,19 +92,16 @@ class DPKeras3Mixin:
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
                 "the DP train step does not scale the loss"
             )
-        k = gradient_accumulation_steps
-        if not _is_integer(k) or k < 1:
-            raise ValueError(f"gradient_accumulation_steps must be an integer >= 1, got {k!r}")
-        if seed is not None and not _is_integer(seed):
-            raise ValueError(f"seed must be None or an integer, got {seed!r}")
+        k = check_accumulation_steps(gradient_accumulation_steps)
+        seed = check_seed(seed)
         clip = check_l2_norm_clip(l2_norm_clip)
         self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
-        self._dp.accumulation = int(k)
+        self._dp.accumulation = k
         self.discarded_lots = 0
         self.discarded_batches = 0
         self.per_example_backend = per_example_backend
-        self._seed = None if seed is None else int(seed)
-        self._sampling_rate = _check_sampling_rate(sampling_rate)
+        self._seed = seed
+        self._sampling_rate = check_sampling_rate(sampling_rate)
         with tf.init_scope():
             self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
         self.expected_lot_size = expected_lot_size
@@ -208,7 +206,7 @@ class DPKeras3Mixin:
 
     @expected_lot_size.setter
     def expected_lot_size(self, value: float | None) -> None:
-        self._expected_lot_size = _check_lot_size(value)
+        self._expected_lot_size = check_lot_size(value)
         self._dp.lot.assign(0.0 if value is None else float(value))
 
     @property
@@ -217,7 +215,7 @@ class DPKeras3Mixin:
 
     @sampling_rate.setter
     def sampling_rate(self, value: float | None) -> None:
-        new = _check_sampling_rate(value)
+        new = check_sampling_rate(value)
         if self._sampling_rate is not None and new != self._sampling_rate:
             ledger.note_sampling_rate_change(self, self._sampling_rate)  # the old q's steps stay charged at it
         self._sampling_rate = new

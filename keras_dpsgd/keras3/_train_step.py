@@ -22,6 +22,7 @@ optimizer refuses to apply gradients that did not come from its sanitizer.
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Sequence
 
@@ -29,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import ledger
+from keras_dpsgd import _validate, ledger
 from keras_dpsgd.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
@@ -214,8 +215,8 @@ def _outputs(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any) -> lis
         if fn is None:
             continue  # Keras trains an output without a loss on nothing.
         weight = _pick(weights, name, i, count, "loss_weights")
-        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
-            raise ValueError(f"each loss weight must be a number, got {weight!r} for output {name!r}")
+        if weight is not None:
+            weight = _validate.in_range(-math.inf, math.inf, "()", **{f"loss_weights[{name!r}]": weight})
         target = y if count == 1 else _pick(y, name, i, count, "y")
         weighting = sample_weight if count == 1 else _pick(sample_weight, name, i, count, "sample_weight")
         outputs.append((fn, 1.0 if weight is None else float(weight), target, pred, weighting))

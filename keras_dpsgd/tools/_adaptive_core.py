@@ -10,13 +10,12 @@ noise from the optimizer's stream) and ``_adaptive_normalize`` (the gradient's n
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _per_example
+from keras_dpsgd import _per_example, _validate
 from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
 __all__ = [
@@ -47,12 +46,6 @@ ADAPTIVE_DOC = """
 """
 
 
-def _check_finite_positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Settings:
     """The adaptive settings (a plain dataclass: untracked by Keras and TensorFlow)."""
@@ -71,17 +64,14 @@ def _check_settings(num_bounds: int, norm_noise_multiplier: Any, alpha: Any, bet
                 f"norm_noise_multiplier must have one entry per clip bound ({num_bounds}), "
                 f"got {len(norm_noise_multiplier)}"
             )
-        sigmas = [float(s) for s in norm_noise_multiplier]
+        sigmas = [_validate.nonnegative(**{f"norm_noise_multiplier[{i}]": s}) for i, s in enumerate(norm_noise_multiplier)]
         given = list(sigmas)
     else:
-        sigmas = [float(norm_noise_multiplier)] * num_bounds
+        sigmas = [_validate.nonnegative(norm_noise_multiplier=norm_noise_multiplier)] * num_bounds
         given = sigmas[0]
-    for i, s in enumerate(sigmas):
-        if not (math.isfinite(s) and s >= 0):
-            raise ValueError(f"norm_noise_multiplier[{i}] must be a finite number >= 0, got {s!r}")
     return _Settings(
-        tuple(sigmas), given, _check_finite_positive("alpha", alpha), _check_finite_positive("beta", beta),
-        _check_finite_positive("min_clip_bound", min_clip_bound),
+        tuple(sigmas), given, _validate.positive(alpha=alpha), _validate.positive(beta=beta),
+        _validate.positive(min_clip_bound=min_clip_bound),
     )
 
 
@@ -258,8 +248,7 @@ def initial_clip_bounds(
     """
     if not model.built:
         raise ValueError("model must be built (call it once or give it an input shape) before initial_clip_bounds")
-    if isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    batch_size = _validate.integer_at_least(1, batch_size=batch_size)
     classes = int(num_classes if num_classes is not None else model.output_shape[-1])
     if classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {classes}")
@@ -296,8 +285,7 @@ class ClipBoundsLoggerCore:
 
     def __init__(self, log_dir: str | None = None, update_freq: int = 0):
         super().__init__()
-        if isinstance(update_freq, bool) or int(update_freq) != update_freq or update_freq < 0:
-            raise ValueError(f"update_freq must be an integer >= 0, got {update_freq!r}")
+        update_freq = _validate.integer_at_least(0, update_freq=update_freq)
         self.log_dir = log_dir
         self.update_freq = int(update_freq)
         self._writer = None

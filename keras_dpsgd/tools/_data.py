@@ -6,6 +6,8 @@ from typing import Sequence
 
 import numpy as np
 
+from keras_dpsgd import _validate
+
 
 def random_noise_data(
     num_examples: int, input_shape: Sequence[int], num_classes: int, rng: np.random.Generator
@@ -18,10 +20,8 @@ def random_noise_data(
     exactly N/K examples in expectation, with at most the binomial variance
     (sampling without replacement), which keeps the binomial test valid.
     """
-    if isinstance(num_examples, bool) or int(num_examples) != num_examples or num_examples < 1:
-        raise ValueError(f"num_examples must be an integer >= 1, got {num_examples!r}")
-    if isinstance(num_classes, bool) or int(num_classes) != num_classes or num_classes < 2:
-        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    num_examples = _validate.integer_at_least(1, num_examples=num_examples)
+    num_classes = _validate.integer_at_least(2, num_classes=num_classes)
     shape = tuple(int(d) for d in input_shape)
     if not shape or any(d < 1 for d in shape):
         raise ValueError(f"input_shape must be a non-empty tuple of integers >= 1, got {input_shape!r}")

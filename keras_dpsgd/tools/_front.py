@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from keras_dpsgd import _models
-from keras_dpsgd._which_keras import TF_KERAS, active_front_end
+from keras_dpsgd._which_keras import active_front_end
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,18 +12,15 @@ bound exceeds 1/K iff the binomial test rejects at level 1 − confidence.
 
 from __future__ import annotations
 
-import math
-
 from scipy import stats
+
+from keras_dpsgd import _validate
 
 
 def _check(correct: int, n: int, confidence: float) -> None:
-    if isinstance(n, bool) or int(n) != n or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
-    if isinstance(correct, bool) or int(correct) != correct or not 0 <= correct <= n:
-        raise ValueError(f"correct must be an integer in [0, n={n}], got {correct!r}")
-    if not 0.0 < confidence < 1.0 or math.isnan(confidence):
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    n = _validate.integer_at_least(1, n=n)
+    _validate.integer_in_range(0, n, correct=correct)
+    _validate.in_range(0, 1, "()", confidence=confidence)
 
 
 def clopper_pearson_lower(correct: int, n: int, confidence: float = 0.95) -> float:

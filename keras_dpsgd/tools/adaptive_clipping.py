@@ -66,16 +66,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from keras_dpsgd import _validate
+
 __all__ = ["adaptive_clipping_event", "calibrate_adaptive_noise_multiplier", "composed_noise_multiplier"]
 
 
 def _check_sigmas(name: str, values: Sequence[float]) -> list[float]:
-    out = []
-    for i, s in enumerate(values):
-        s = float(s)
-        if math.isnan(s) or s < 0 or math.isinf(s):
-            raise ValueError(f"{name}[{i}] must be a finite number >= 0, got {values[i]!r}")
-        out.append(s)
+    out = [_validate.nonnegative(**{f"{name}[{i}]": s}) for i, s in enumerate(values)]
     if not out:
         raise ValueError(f"{name} must be a non-empty sequence of numbers >= 0, got an empty sequence")
     return out
@@ -113,15 +110,9 @@ def adaptive_clipping_event(
     """
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent
 
-    layers = _check_layers(num_layers)
+    layers = _validate.integer_at_least(1, num_layers=num_layers)
     sigma_eff = composed_noise_multiplier([noise_multiplier] * layers, [norm_noise_multiplier] * layers)
     return PoissonSampledGaussianEvent(sampling_rate, sigma_eff, count=steps, label="dp-sgd adaptive clipping")
-
-
-def _check_layers(num_layers: int) -> int:
-    if isinstance(num_layers, bool) or int(num_layers) != num_layers or num_layers < 1:
-        raise ValueError(f"num_layers must be an integer >= 1, got {num_layers!r}")
-    return int(num_layers)
 
 
 def calibrate_adaptive_noise_multiplier(
@@ -162,10 +153,8 @@ def calibrate_adaptive_noise_multiplier(
         compute_noise_multiplier,
     )
 
-    layers = _check_layers(num_layers)
-    s2 = float(norm_noise_multiplier)
-    if not s2 > 0 or math.isinf(s2):
-        raise ValueError(f"norm_noise_multiplier must be a finite number > 0, got {norm_noise_multiplier!r}")
+    layers = _validate.integer_at_least(1, num_layers=num_layers)
+    s2 = _validate.positive(norm_noise_multiplier=norm_noise_multiplier)
     # σ_eff needed by the whole step; the norm queries alone give σ_l2/√V.
     needed = compute_noise_multiplier(
         target_epsilon=target_epsilon, target_delta=target_delta, sampling_rate=sampling_rate, steps=steps,

@@ -25,24 +25,9 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from keras_dpsgd import _validate
+
 __all__ = ["large_lot_table", "plan_gradient_accumulation", "plot_noise_per_example", "scale_learning_rate"]
-
-
-def _check_positive(name: str, value: float) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number > 0, got {value!r}") from None
-    if not (v > 0.0) or math.isinf(v):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return v
-
-
-def _check_positive_int(name: str, value: int) -> int:
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral or int(value) < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def scale_learning_rate(
@@ -65,9 +50,9 @@ def scale_learning_rate(
     Raises:
       ValueError: if an argument is not a finite number > 0.
     """
-    lot = _check_positive("lot_size", lot_size)
-    base_lr = _check_positive("base_learning_rate", base_learning_rate)
-    base_lot = _check_positive("base_lot_size", base_lot_size)
+    lot = _validate.positive(lot_size=lot_size)
+    base_lr = _validate.positive(base_learning_rate=base_learning_rate)
+    base_lot = _validate.positive(base_lot_size=base_lot_size)
     return base_lr * lot / base_lot
 
 
@@ -90,8 +75,8 @@ def plan_gradient_accumulation(lot_size: int, max_batch_size: int) -> dict[str, 
     Raises:
       ValueError: if an argument is not an integer >= 1.
     """
-    lot = _check_positive_int("lot_size", lot_size)
-    cap = _check_positive_int("max_batch_size", max_batch_size)
+    lot = _validate.integer_at_least(1, lot_size=lot_size)
+    cap = _validate.integer_at_least(1, max_batch_size=max_batch_size)
     steps = math.ceil(lot / cap)
     while lot % steps:
         steps += 1
@@ -136,10 +121,10 @@ def large_lot_table(
     """
     from keras_dpsgd.accounting import batch_table
 
-    _check_positive("base_learning_rate", base_learning_rate)
-    _check_positive("base_lot_size", base_lot_size)
+    _validate.positive(base_learning_rate=base_learning_rate)
+    _validate.positive(base_lot_size=base_lot_size)
     if max_batch_size is not None:
-        _check_positive_int("max_batch_size", max_batch_size)
+        _validate.integer_at_least(1, max_batch_size=max_batch_size)
     rows = batch_table(
         num_examples=num_examples,
         epochs=epochs,

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from keras_dpsgd import _validate
 from keras_dpsgd.tools import _data
 from keras_dpsgd.tools._training import RunResult, train_run
 
@@ -89,19 +90,13 @@ class DPSettings:
     physical_batch_size: int | None = None
 
     def __post_init__(self):
-        if not self.l2_norm_clip > 0:
-            raise ValueError(f"l2_norm_clip must be > 0, got {self.l2_norm_clip!r}")
-        if not self.noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier!r}")
-        if int(self.batch_size) != self.batch_size or self.batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        p = self.physical_batch_size
-        if p is not None and (int(p) != p or p < 1):
-            raise ValueError(f"physical_batch_size must be None or an integer >= 1, got {p!r}")
+        _validate.positive(l2_norm_clip=self.l2_norm_clip)
+        _validate.nonnegative(noise_multiplier=self.noise_multiplier)
+        _validate.integer_at_least(1, batch_size=self.batch_size)
+        _validate.positive(learning_rate=self.learning_rate)
+        _validate.in_range(0, 1, "[)", momentum=self.momentum)
+        if self.physical_batch_size is not None:
+            _validate.integer_at_least(1, physical_batch_size=self.physical_batch_size)
 
 
 @dataclasses.dataclass
@@ -258,10 +253,8 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     n = len(train[0])
     if dp.batch_size > n:
         raise ValueError(f"batch_size must be <= the number of examples {n}, got {dp.batch_size}")
-    if int(epochs) != epochs or epochs < 1:
-        raise ValueError(f"epochs must be an integer >= 1, got {epochs!r}")
-    if not 0.0 < confidence < 1.0:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}")
+    _validate.integer_at_least(1, epochs=epochs)
+    _validate.in_range(0, 1, "()", confidence=confidence)
     delta = default_delta(n) if delta is None else check_delta(delta, n)
     # Noise mode: labels are balanced, so a prediction independent of the labels is right on at most
     # max_k count_k examples in expectation (= N/K when K divides N); real mode: nominal 1/K.
