@@ -5,7 +5,7 @@ Abadi et al. 2016, Algorithm 1, for a lot L of examples:
 1. per-example gradients g_i = ∇θ ℓ(θ, x_i)                (the backend)
 2. clip: ḡ_i = g_i · min(1, C / ||g_i||)                    (``_clip_factors``)
 3. sum: Σ_i ḡ_i                                             (the backend)
-4. noise: Σ_i ḡ_i + N(0, σ²C² I)                            (``_add_noise``)
+4. noise: Σ_i ḡ_i + N(0, σ²C² I)                            (``add_noise``)
 5. normalize: divide by the expected lot size L             (``_normalize``)
 
 The descent rule that follows (SGD, momentum, Adam, ...) only sees the
@@ -493,8 +493,12 @@ class DPSanitizerMixin:
         noised and recorded by the accountant. Default: nothing.
         """
 
-    def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, noise: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
+    # ------------------------------------------------ hooks for subclasses
+    # Published extension points, the same names as on Keras 3 (``DPKeras3Mixin``): adaptive
+    # clipping and gradient canaries use them. Anything a hook derives from the data is a release
+    # of its own, which must be noised and charged (``release_noise_multipliers``).
+    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Step 4, overridable: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
         stds = _step.noise_stddevs(self._sigmas, self._group_bounds(), self._clip_groups())
         return [
             s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
@@ -508,13 +512,19 @@ class DPSanitizerMixin:
         # Reproducible and resumable: a function of (seed, noised step, variable).
         return _step.noise_key(self._seed, self.noised_steps.read_value(), index)
 
-    def _standard_normal(self, shape, dtype, index: int) -> tf.Tensor:
-        """N(0, 1) noise from ``keras_dpsgd._noise`` (tails to 11.6, not TF's clamp at 5.68)."""
+    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
+        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's
+        clamp at 5.68), drawn like the gradient's; `index` >= 2**30 keeps a seeded stream apart
+        from the gradient's (indices 0..V-1)."""
         return _noise.standard_normal(shape, self._noise_seed(index), dtype)
 
-    def _normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5, normalize: divide by expected_lot_size, else by the realized lot size."""
+    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
+        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``)."""
         return _step.normalize(noised, num_examples, self._lot_size)
+
+    def on_noised_step(self, num_examples: tf.Tensor) -> None:
+        """Hook: called once per noised step (once per lot), after the gradient's release and the
+        ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""
 
     # ------------------------------------------------------ optimizer API
     def _prepare(self, loss, var_list, tape):
@@ -558,8 +568,9 @@ class DPSanitizerMixin:
     def _release(self, summed, num_examples, reg_grads):
         """Steps 4-5 and the regularization gradient (no clip, no noise)."""
         del self._sanitized_grads[:]
-        grads = self._normalize(self._add_noise(summed), num_examples)
+        grads = self.normalize(self.add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
+        self.on_noised_step(num_examples)
         if reg_grads is not None:
             grads = [g + r for g, r in zip(grads, reg_grads)]
         self._sanitized_grads.extend(grads)

@@ -31,7 +31,7 @@ def digits():
 class NoNoiseDPSGD(DPSGDOptimizer):
     """A deliberately broken optimizer: no noise is added, while the ledger still charges σ."""
 
-    def _add_noise(self, summed):
+    def add_noise(self, summed):
         return list(summed)
 
 
@@ -54,7 +54,7 @@ def test_gradient_canaries_add_plus_minus_c_at_their_coordinates(per_layer):
     included = np.array([True, False, True, True, False, True, True, True])
     opt.install_gradient_canaries(variables, included, rng=np.random.default_rng(0), sampling_rate=1.0)
     summed = [tf.fill([3, 4], 0.5), tf.fill([5], -0.25)]
-    out = opt._add_noise(summed)
+    out = opt.add_noise(summed)
     delta = np.concatenate([(out[0] - summed[0]).numpy().ravel(), (out[1] - summed[1]).numpy().ravel()])
     bounds = np.r_[np.full(12, 2.0), np.full(5, 3.0 if per_layer else 2.0)]
     moved = np.flatnonzero(delta)
@@ -83,7 +83,7 @@ def test_gradient_canaries_refuse_a_non_dp_class_and_missing_install():
     opt = with_gradient_canaries(DPSGDOptimizer)(l2_norm_clip=1.0, noise_multiplier=1.0)
     opt.build([tf.Variable(tf.zeros([2]))])
     with pytest.raises(ValueError, match="install_gradient_canaries"):
-        opt._add_noise([tf.zeros([2])])
+        opt.add_noise([tf.zeros([2])])
     with pytest.raises(ValueError, match="canaries must be in"):
         opt.install_gradient_canaries([tf.Variable(tf.zeros([2]))], np.ones(3, bool),
                                       rng=np.random.default_rng(0), sampling_rate=0.5)

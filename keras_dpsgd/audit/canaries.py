@@ -15,8 +15,8 @@ step itself (clip bound, noise, sampling) and needs no memorization, so it is
 strong and cheap.
 
 The hook is :class:`GradientCanaryMixin`, which wraps the noise step (step 4) of
-the sanitizer: tf_keras's ``_add_noise`` (``keras_dpsgd._sanitizer``) or Keras 3's
-published ``add_noise`` (``keras_dpsgd.keras3.DPKeras3Mixin``): the canaries
+the sanitizer, the published ``add_noise`` hook of both front ends
+(``keras_dpsgd._sanitizer.DPSanitizerMixin``, ``keras_dpsgd.keras3.DPKeras3Mixin``): the canaries
 go into its input and the scores are read from its output. Whatever the
 optimizer under it does to the sum (a correct one adds N(0, σ²C²); a broken
 one may not) is what the audit measures.
@@ -60,8 +60,8 @@ class GradientCanaryMixin:
 
     Build the class with :func:`with_gradient_canaries` (a tf_keras or a Keras 3 DP class), then
     call :meth:`install_gradient_canaries` once the model is built and before training.
-    ``canary_scores()`` returns the scores after training. The noise step it wraps is tf_keras's
-    ``_add_noise`` or Keras 3's published ``add_noise`` hook.
+    ``canary_scores()`` returns the scores after training. The noise step it wraps is the
+    published ``add_noise`` hook (tf_keras and Keras 3).
     """
 
     def install_gradient_canaries(
@@ -164,18 +164,9 @@ class GradientCanaryMixin:
                 observed += tf.scatter_nd(ids[:, None], seen, [c.scores.shape[0]])
         c.scores.assign_add(signs * observed)
 
-    def _add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """tf_keras step 4 with canaries: the canaries join, then the parent adds noise."""
-        with_canaries, signs = self._insert_canaries(summed)
-        noised = super()._add_noise(with_canaries)
-        self._score_canaries(noised, signs)
-        return noised
-
-
-class GradientCanaryKeras3Mixin(GradientCanaryMixin):
-    """:class:`GradientCanaryMixin` on the published ``add_noise`` hook of a Keras 3 DP optimizer."""
-
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Step 4 with canaries (the published hook of both front ends): the canaries join, then the
+        parent adds noise."""
         with_canaries, signs = self._insert_canaries(summed)
         noised = super().add_noise(with_canaries)
         self._score_canaries(noised, signs)
@@ -193,17 +184,14 @@ def with_gradient_canaries(optimizer_cls: type) -> type:
         (a subclass of ``keras_dpsgd._sanitizer.DPSanitizerMixin`` or of
         ``keras_dpsgd.keras3.DPKeras3Mixin``).
     """
-    if _is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin"):
-        mixin = GradientCanaryMixin
-    elif _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin"):
-        mixin = GradientCanaryKeras3Mixin
-    else:
+    if not (_is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin")
+            or _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin")):
         raise ValueError(f"optimizer_cls must be a keras_dpsgd DP optimizer class, got {optimizer_cls!r}")
     if issubclass(optimizer_cls, GradientCanaryMixin):
         return optimizer_cls
     if optimizer_cls not in _CANARY_CLASSES:
         _CANARY_CLASSES[optimizer_cls] = type(
-            f"GradientCanary{optimizer_cls.__name__}", (mixin, optimizer_cls), {"__module__": __name__}
+            f"GradientCanary{optimizer_cls.__name__}", (GradientCanaryMixin, optimizer_cls), {"__module__": __name__}
         )
     return _CANARY_CLASSES[optimizer_cls]
 

@@ -11,11 +11,9 @@ The same math and ledger events as on tf_keras (:mod:`keras_dpsgd.tools._adaptiv
 from __future__ import annotations
 
 import keras
-import tensorflow as tf
 
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, DPSGDOptimizer
 from keras_dpsgd.tools._adaptive_core import (
-    NORM_NOISE_INDEX,
     AdaptiveClippingCore,
     ClipBoundsLoggerCore,
     adaptive_optimizer_class,
@@ -36,15 +34,6 @@ class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
             (len(variables),), initializer="zeros", dtype="float32", name="adaptive_norm_sums"
         )
 
-    def on_noised_step(self, num_examples: tf.Tensor) -> None:
-        super().on_noised_step(num_examples)
-        self._update_clip_bounds(num_examples)
-
-    def _adaptive_normal(self, shape):
-        return self.standard_normal(shape, NORM_NOISE_INDEX)
-
-    def _adaptive_normalize(self, value, num_examples):
-        return self.normalize([value], num_examples)[0]
 
 
 _ADAPTIVE_CLASSES: dict[type, type] = {}

@@ -1,10 +1,10 @@
 """Adaptive per-layer clipping, the part both front ends share (tf_keras and Keras 3).
 
 The math and its privacy derivation are in :mod:`keras_dpsgd.tools.adaptive_clipping`. A front end
-puts :class:`AdaptiveClippingCore` before its DP optimizer class and supplies three things: the
-``_norm_sums`` variable (created in ``build``), a call of :meth:`AdaptiveClippingCore._update_clip_bounds`
-once per noised step, after the gradient's release, and the two adapters ``_adaptive_normal`` (N(0, 1)
-noise from the optimizer's stream) and ``_adaptive_normalize`` (the gradient's normalizer).
+puts :class:`AdaptiveClippingCore` before its DP optimizer class and supplies the ``_norm_sums``
+variable (created in ``build``); the rest goes through the published hooks both front ends' DP
+optimizers have: ``on_per_example_sq_norms`` (the lot's norm sums), ``on_noised_step`` (after the
+gradient's release: the norm queries and the next bounds), ``standard_normal`` and ``normalize``.
 """
 
 from __future__ import annotations
@@ -143,10 +143,10 @@ class AdaptiveClippingCore:
     def _update_clip_bounds(self, num_examples: tf.Tensor) -> None:
         """Releases the norm queries of the lot and sets the next bounds (call after the gradient's release)."""
         bounds = tf.convert_to_tensor(self.clip_bounds)
-        noise = self._adaptive_normal(tf.shape(bounds))
+        noise = self.standard_normal(tf.shape(bounds), NORM_NOISE_INDEX)
         sigmas = tf.constant(self._adaptive.norm_sigmas, tf.float32)
         noisy = tf.convert_to_tensor(self._norm_sums) + sigmas * (self.beta * bounds) * noise
-        new_bounds = tf.maximum(self.alpha * self._adaptive_normalize(noisy, num_examples), self.min_clip_bound)
+        new_bounds = tf.maximum(self.alpha * self.normalize([noisy], num_examples)[0], self.min_clip_bound)
         self.clip_bounds.assign(new_bounds)
         self._norm_sums.assign(tf.zeros_like(noisy))
 
@@ -160,11 +160,10 @@ class AdaptiveClippingCore:
                 self._norm_sums.assign(tf.zeros_like(tf.convert_to_tensor(self._norm_sums)))
         return batches
 
-    def _adaptive_normal(self, shape: tf.Tensor) -> tf.Tensor:  # pragma: no cover - supplied by the front end
-        raise NotImplementedError
-
-    def _adaptive_normalize(self, value: tf.Tensor, num_examples: tf.Tensor) -> tf.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    def on_noised_step(self, num_examples: tf.Tensor) -> None:
+        """After the gradient's release (with the bounds in force): the norm queries and the next bounds."""
+        super().on_noised_step(num_examples)
+        self._update_clip_bounds(num_examples)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

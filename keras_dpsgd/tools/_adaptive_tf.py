@@ -12,7 +12,6 @@ import tf_keras as keras
 from keras_dpsgd._sanitizer import DPSanitizerMixin
 from keras_dpsgd.optimizer import DPSGDOptimizer
 from keras_dpsgd.tools._adaptive_core import (
-    NORM_NOISE_INDEX,
     AdaptiveClippingCore,
     ClipBoundsLoggerCore,
     adaptive_optimizer_class,
@@ -44,17 +43,6 @@ class AdaptiveClippingMixin(AdaptiveClippingCore):
         # An optimizer variable (checkpointed): a lot interrupted by a restart keeps its partial norm sums.
         self._norm_sums = self.add_variable([len(var_list)], tf.float32, name="adaptive_norm_sums")
 
-    def _release(self, summed, num_examples, reg_grads):
-        """Releases the gradient with the bounds in force, then the norm queries and the next bounds."""
-        grads = super()._release(summed, num_examples, reg_grads)
-        self._update_clip_bounds(num_examples)
-        return grads
-
-    def _adaptive_normal(self, shape):
-        return self._standard_normal(shape, tf.float32, NORM_NOISE_INDEX)
-
-    def _adaptive_normalize(self, value, num_examples):
-        return self._normalize([value], num_examples)[0]
 
 
 _ADAPTIVE_CLASSES: dict[type, type] = {}
