@@ -162,6 +162,19 @@ def check_accumulation_steps(value: Any) -> int:
     return V.integer_at_least(1, gradient_accumulation_steps=value)
 
 
+def check_dp_settings(
+    l2_norm_clip: Any, noise_multiplier: Any, per_example_backend: str, sampling_rate: float | None
+) -> tuple[Any, Any, Any, float | None]:
+    """The checked DP settings shared by both front ends: (clip bounds, σ, per-example backend, q).
+
+    Raises:
+      ValueError: naming the first argument out of range (in the order of the signature).
+    """
+    clip = check_l2_norm_clip(l2_norm_clip)
+    sigma = check_noise_multiplier(noise_multiplier, clip)
+    return clip, sigma, resolve_backend(per_example_backend), check_sampling_rate(sampling_rate)
+
+
 def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
     """One clip bound per trainable variable, in `var_list` order."""
     num = len(var_list)
@@ -193,7 +206,8 @@ def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[
 class DPSanitizerMixin:
     """DP-SGD sanitizer for a tf_keras (2.11+) optimizer; put before the optimizer class.
 
-    Subclasses call ``optimizer_cls.__init__`` first and then ``_init_dp``.
+    ``keras_dpsgd._dp_classes.init_private`` constructs it (``DPSGDOptimizer`` and the classes of
+    ``make_dp_optimizer``): the tf_keras ``__init__`` first, then ``_init_dp``.
     """
 
     # ----------------------------------------------------------------- setup
@@ -207,14 +221,16 @@ class DPSanitizerMixin:
         per_example_backend: str = "auto",
         seed: int | None = None,
     ) -> None:
+        clip, sigma, backend, self._sampling_rate = check_dp_settings(
+            l2_norm_clip, noise_multiplier, per_example_backend, sampling_rate
+        )
         # NoDependency: plain lists/dicts (not trackable wrappers) in get_config.
-        self._l2_norm_clip = self._no_dependency(check_l2_norm_clip(l2_norm_clip))
-        self._noise_multiplier = self._no_dependency(check_noise_multiplier(noise_multiplier, self._l2_norm_clip))
+        self._l2_norm_clip = self._no_dependency(clip)
+        self._noise_multiplier = self._no_dependency(sigma)
         self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
         self._seed = check_seed(seed)
         self.per_example_backend = per_example_backend
-        self._backend = self._no_dependency(resolve_backend(per_example_backend))
-        self._sampling_rate = check_sampling_rate(sampling_rate)
+        self._backend = self._no_dependency(backend)
         with tf.init_scope():
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
             # A count over the private data, not noised: a local diagnostic outside

@@ -23,7 +23,7 @@ from typing import Any
 import tf_keras as keras
 
 from keras_dpsgd._sanitizer import DPSanitizerMixin
-from keras_dpsgd._tfp_compat import check_num_microbatches
+from keras_dpsgd._dp_classes import init_private, make_dp_class
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 
@@ -97,17 +97,9 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
         num_microbatches: None = None,
         **kwargs: Any,
     ):
-        check_num_microbatches(num_microbatches)
-        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
-        self._init_dp(
-            l2_norm_clip,
-            noise_multiplier,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            expected_lot_size=expected_lot_size,
-            sampling_rate=sampling_rate,
-            per_example_backend=per_example_backend,
-            seed=seed,
-        )
+        base_kwargs = dict(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
+        dp_args = (gradient_accumulation_steps, expected_lot_size, sampling_rate, per_example_backend, seed)
+        init_private(self, super().__init__, l2_norm_clip, noise_multiplier, *dp_args, num_microbatches, base_kwargs)
 
 
 _DP_CLASSES[keras.optimizers.SGD] = DPSGDOptimizer
@@ -141,42 +133,9 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
             "optimizer_cls must be a subclass of tf_keras.optimizers.Optimizer (legacy "
             f"optimizers are not supported), got {optimizer_cls!r}"
         )
-    if issubclass(optimizer_cls, DPSanitizerMixin):
-        raise ValueError(f"optimizer_cls is already private: {optimizer_cls.__name__}")
-    if optimizer_cls in _DP_CLASSES:
-        return _DP_CLASSES[optimizer_cls]
-    cls_name = name or f"DP{optimizer_cls.__name__}Optimizer"
-
-    def __init__(
-        self,
-        l2_norm_clip,
-        noise_multiplier,
-        *,
-        gradient_accumulation_steps=1,
-        expected_lot_size=None,
-        sampling_rate=None,
-        per_example_backend="auto",
-        seed=None,
-        num_microbatches=None,
-        **kwargs,
-    ):
-        check_num_microbatches(num_microbatches)
-        kwargs.setdefault("name", cls_name)
-        optimizer_cls.__init__(self, **kwargs)
-        self._init_dp(
-            l2_norm_clip,
-            noise_multiplier,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            expected_lot_size=expected_lot_size,
-            sampling_rate=sampling_rate,
-            per_example_backend=per_example_backend,
-            seed=seed,
-        )
-
     doc = f"Private {optimizer_cls.__name__}: its descent rule on sanitized gradients.\n" + _DP_DOC
-    cls = type(cls_name, (DPSanitizerMixin, optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
-    _DP_CLASSES[optimizer_cls] = _register(cls)
-    return cls
+    kinds = dict(module=__name__, register=_register, cache=_DP_CLASSES, error=ValueError)
+    return make_dp_class(optimizer_cls, DPSanitizerMixin, name=name, doc=doc, **kinds)
 
 
 DPAdamOptimizer = make_dp_optimizer(keras.optimizers.Adam, name="DPAdamOptimizer")

@@ -19,21 +19,19 @@ import keras
 import tensorflow as tf
 
 from keras_dpsgd import _noise, _step, ledger
-from keras_dpsgd._per_example import resolve_backend
+from keras_dpsgd._dp_classes import make_dp_class
 from keras_dpsgd._sanitizer import (
     DPSanitizerMixin,
     _EpochBoundary,
     _resolve_bounds,
     check_accumulation_steps,
-    check_l2_norm_clip,
+    check_dp_settings,
     check_lot_size,
-    check_noise_multiplier,
     check_sampling_rate,
     check_seed,
     effective_noise_multiplier,
     release_noise_multipliers,
 )
-from keras_dpsgd._tfp_compat import check_num_microbatches
 
 __all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
 
@@ -71,7 +69,8 @@ class _Named:
 class DPKeras3Mixin:
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
-    Subclasses call ``optimizer_cls.__init__`` first and then ``_init_dp``.
+    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd._dp_classes``) refuses
+    microbatches, runs the Keras 3 ``__init__`` and then ``_init_dp``.
     """
 
     def _init_dp(
@@ -84,9 +83,7 @@ class DPKeras3Mixin:
         sampling_rate: float | None = None,
         per_example_backend: str = "auto",
         seed: int | None = None,
-        num_microbatches: None = None,
     ) -> None:
-        check_num_microbatches(num_microbatches)
         if self.loss_scale_factor is not None:
             raise ValueError(
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
@@ -94,14 +91,15 @@ class DPKeras3Mixin:
             )
         k = check_accumulation_steps(gradient_accumulation_steps)
         seed = check_seed(seed)
-        clip = check_l2_norm_clip(l2_norm_clip)
-        self._dp = _State(clip, check_noise_multiplier(noise_multiplier, clip), resolve_backend(per_example_backend))
+        clip, sigma, backend, self._sampling_rate = check_dp_settings(
+            l2_norm_clip, noise_multiplier, per_example_backend, sampling_rate
+        )
+        self._dp = _State(clip, sigma, backend)
         self._dp.accumulation = k
         self.discarded_lots = 0
         self.discarded_batches = 0
         self.per_example_backend = per_example_backend
         self._seed = seed
-        self._sampling_rate = check_sampling_rate(sampling_rate)
         with tf.init_scope():
             self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
         self.expected_lot_size = expected_lot_size
@@ -521,43 +519,10 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
             "for tf_keras use keras_dpsgd.optimizer.make_dp_optimizer), "
             f"got {optimizer_cls!r}"
         )
-    if issubclass(optimizer_cls, DPKeras3Mixin):
-        raise TypeError(f"optimizer_cls is already private: {optimizer_cls.__name__}")
-    if optimizer_cls in _DP_CLASSES:
-        return _DP_CLASSES[optimizer_cls]
-    cls_name = name or f"DP{optimizer_cls.__name__}Optimizer"
-
-    def __init__(
-        self,
-        l2_norm_clip,
-        noise_multiplier,
-        *,
-        gradient_accumulation_steps=1,
-        expected_lot_size=None,
-        sampling_rate=None,
-        per_example_backend="auto",
-        seed=None,
-        num_microbatches=None,
-        **kwargs,
-    ):
-        check_num_microbatches(num_microbatches)
-        kwargs.setdefault("name", cls_name)
-        optimizer_cls.__init__(self, **kwargs)  # Keras's own gradient accumulation stays off.
-        self._init_dp(
-            l2_norm_clip,
-            noise_multiplier,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            expected_lot_size=expected_lot_size,
-            sampling_rate=sampling_rate,
-            per_example_backend=per_example_backend,
-            seed=seed,
-        )
-
+    # Keras's own gradient accumulation stays off (the DP step accumulates lots).
     doc = f"Private Keras 3 {optimizer_cls.__name__}: its descent rule on sanitized gradients.\n" + _DP_DOC
-    attrs = {"__init__": __init__, "__doc__": doc, "__module__": "keras_dpsgd.keras3"}
-    cls = type(cls_name, (DPKeras3Mixin, optimizer_cls), attrs)
-    _DP_CLASSES[optimizer_cls] = _register(cls)
-    return cls
+    kinds = dict(module="keras_dpsgd.keras3", register=_register, cache=_DP_CLASSES, error=TypeError)
+    return make_dp_class(optimizer_cls, DPKeras3Mixin, name=name, doc=doc, **kinds)
 
 
 DPSGDOptimizer = make_dp_optimizer(keras.optimizers.SGD, name="DPSGDOptimizer")
