@@ -307,14 +307,11 @@ class DPSanitizerMixin:
 
     @sampling_rate.setter
     def sampling_rate(self, value: float | None) -> None:
+        """A new q (both front ends): the steps already taken at the old q stay charged at least at it."""
         new = check_sampling_rate(value)
         if self._sampling_rate is not None and new != self._sampling_rate:
-            self._fold_into_ledger_bounds(self._sampling_rate)
+            ledger.note_sampling_rate_change(self, self._sampling_rate)
         self._sampling_rate = new
-
-    def _fold_into_ledger_bounds(self, sampling_rate: float) -> None:
-        """Steps already taken at `sampling_rate` stay charged at least at it (``ledger.note_sampling_rate_change``)."""
-        ledger.note_sampling_rate_change(self, sampling_rate)
 
     def build(self, var_list):
         if getattr(self, "_built", False):

@@ -27,7 +27,6 @@ from keras_dpsgd._sanitizer import (
     check_accumulation_steps,
     check_dp_settings,
     check_lot_size,
-    check_sampling_rate,
     check_seed,
     effective_noise_multiplier,
     release_noise_multipliers,
@@ -207,16 +206,7 @@ class DPKeras3Mixin:
         self._expected_lot_size = check_lot_size(value)
         self._dp.lot.assign(0.0 if value is None else float(value))
 
-    @property
-    def sampling_rate(self) -> float | None:
-        return self._sampling_rate
-
-    @sampling_rate.setter
-    def sampling_rate(self, value: float | None) -> None:
-        new = check_sampling_rate(value)
-        if self._sampling_rate is not None and new != self._sampling_rate:
-            ledger.note_sampling_rate_change(self, self._sampling_rate)  # the old q's steps stay charged at it
-        self._sampling_rate = new
+    sampling_rate = DPSanitizerMixin.sampling_rate  # one setter: a q change keeps the old q's steps charged
 
     @property
     def ledger_max_sampling_rate(self) -> tf.Variable:
