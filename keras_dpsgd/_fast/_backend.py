@@ -89,7 +89,10 @@ def _output_grads(total: tf.Tensor, ys: list, plans: list):
     originals = [t for o, _ in throughs.values() for t in o]
     copies = [t for _, c in throughs.values() for t in c]
     calls = {t.op for t in originals}
-    upstream = set().union(*(_graph.ancestors(t) for op in calls for t in op.inputs))
+    # A copy may stand for several ops (a loop and the stacks of its output lists).
+    upstream = set().union(
+        *(_graph.ancestors(t) for op in calls for t in op.inputs if t.op not in calls)
+    )
     if calls & upstream:
         return None  # Stacked recurrent layers: the lower one's output gradient needs the upper's.
     to_total = _graph.ancestors(total)

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _conv, _recurrent, _uses
+from keras_dpsgd._fast import _conv, _loops, _recurrent, _uses
 
 MakeUse = Callable[..., object]
 
@@ -342,3 +342,34 @@ def _einsum(op, index, w, var, clean, static_batch):
 def _recurrent_call(op, index, w, var, clean, static_batch):
     """tf_keras LSTM/GRU kernels, recurrent kernels and biases (``_recurrent``)."""
     return _recurrent.site_for(op, index, w, var, clean, static_batch, Site)
+
+
+@register_rule(*sorted(_loops.WHILE_OPS))
+def _while_loop(op, index, w, var, clean, static_batch):
+    """A variable captured by a recurrent ``while`` loop (Keras 3 RNNs): its uses in the loop's
+    unrolled copy (``_loops``), each by its own rule, backpropagated through the copy.
+
+    Returns a list of sites (one per use in the copy), or None if the loop has no exact copy or a
+    use in it has no rule.
+    """
+    from keras_dpsgd._fast import _graph  # _graph imports this module.
+
+    loop = _loops.unrolled(op)
+    read = loop.reads.get(int(index)) if loop is not None else None
+    if read is None or w.dtype != tf.resource:
+        return None
+    sites = _graph.find_sites([read], var, set(loop.ops), clean, static_batch)
+    if not sites:
+        return None
+    return [dataclasses.replace(s, make=_checked(s.make, loop), through=loop.through) for s in sites]
+
+
+def _checked(make: MakeUse, loop) -> MakeUse:
+    """``make`` whose output gradients wait for the loop's run-time checks (``Unrolled.checks``)."""
+
+    def checked(g, batch):
+        with tf.control_dependencies(loop.checks()):
+            g = tf.nest.map_structure(tf.identity, g)
+        return make(g, batch)
+
+    return checked
