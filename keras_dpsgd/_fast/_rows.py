@@ -645,6 +645,22 @@ def propagate(ops: list, captured: set) -> Analysis:
     return analysis
 
 
+def _batch_of_zeros(op, analysis: Analysis) -> bool:
+    """Whether ``op`` makes ``tf.zeros([batch_size, ...])``: a Fill of 0 with the dynamic batch
+    size of a batch-major data tensor, or zeros whose first axis is the inputs' static batch size.
+
+    Its rows are zeros whichever example owns them, so ghost norms may pair row i with example i.
+    """
+    if op.type not in ("Fill", "Const") or op.outputs[0].dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
+        return False
+    out, batch = op.outputs[0], {s.shape[0] for s in analysis.sources}
+    static_batch = bool(out.shape.rank) and out.shape[0] is not None and batch == {out.shape[0]}
+    if not static_batch and not (op.type == "Fill" and _batch_sized(op.inputs[0], analysis)):
+        return False
+    value = _static(op.inputs[1] if op.type == "Fill" else out)
+    return value is not None and not np.any(value)
+
+
 def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> bool:
     """Whether ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
     if dims.op.type != "Pack" or not dims.op.inputs or dims.op.get_attr("axis") != 0:
@@ -668,8 +684,8 @@ def _visit(op, analysis: Analysis, captured: set) -> None:
                 rows[t.ref()] = Rows()
                 analysis.sources.append(t)
         return
-    if op.type == "Fill" and _batch_sized(op.inputs[0], analysis):
-        rows[op.outputs[0].ref()] = Rows()  # A constant row per example (a recurrence's initial state).
+    if _batch_of_zeros(op, analysis):
+        rows[op.outputs[0].ref()] = Rows()  # A zero row per example (a recurrence's initial state).
         return
     ins = [rows.get(t.ref()) for t in op.inputs]
     if op.type in _NO_DATA or all(r is None for r in ins):

@@ -1,0 +1,122 @@
+"""Fast per-example clipping of Keras 3 recurrent layers (``keras.layers.*``, a ``tf.while_loop``).
+
+Each case: the fast backend == a one-example-at-a-time loop (through a ``while`` loop the reference
+jacobian path takes minutes, the loop is the oracle) and no variable took the jacobian fallback. The loop is unrolled op for op
+(``keras_dpsgd._fast._loops``); tf_keras's generic ``backend.rnn`` loop (SimpleRNN without
+``unroll``) takes the same path.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from _fast_helpers import assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced
+
+from keras_dpsgd._fast import FastBackend
+
+L = keras.layers
+
+
+class _TfVariables:
+    """A Keras 3 model seen through its tf.Variables (what the keras3 optimizer hands the backend)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        return self.model(x)
+
+    @property
+    def trainable_variables(self):
+        return [v.value for v in self.model.trainable_variables]
+
+
+def _check(model, x, y, factors=None):
+    model(x[:1])
+    view = model if isinstance(model, tf_keras.Model) else _TfVariables(model)
+    factors = factors or flat_factors(1.0)
+    backend = FastBackend()
+    got = run_traced(backend, view, x, y, factors)
+    assert backend.last_fallback == []
+    assert_same(got, loop_oracle(view, x, y, factors))
+
+
+def _sequence_data(batch, steps, features, out, masked, seed=0):
+    x, y = data((batch, steps, features), (batch,) + out, seed=seed)
+    if masked:  # Masking(0.0) drops these steps: a tail, a head and a middle step.
+        x[0, steps - 2 :] = 0.0
+        if batch > 1:
+            x[1, :2] = 0.0
+            x[-1, 2] = 0.0
+    return x, y
+
+
+def _model(layer, steps, features, masked):
+    head = [keras.Input((steps, features))] + ([L.Masking(0.0)] if masked else [])
+    return keras.Sequential(head + [layer, L.Dense(2)])
+
+
+@pytest.mark.parametrize(
+    "make,return_sequences,masked,per_layer",
+    [
+        (L.LSTM, True, True, False),
+        (L.LSTM, False, False, True),
+        (L.GRU, False, True, True),
+        (L.GRU, True, False, False),
+        (L.SimpleRNN, False, True, False),
+    ],
+)
+def test_keras3_recurrent_layers(make, return_sequences, masked, per_layer):
+    x, y = _sequence_data(3, 4, 3, (4, 2) if return_sequences else (2,), masked)
+    model = _model(make(3, return_sequences=return_sequences), 4, 3, masked)
+    factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]) if per_layer else None
+    _check(model, x, y, factors=factors)
+
+
+def test_keras3_bidirectional_masked():
+    """A forward LSTM and a backward GRU (``go_backwards``; Bidirectional reverses its outputs)."""
+    x, y = _sequence_data(3, 4, 2, (4, 2), masked=True, seed=1)
+    layer = L.Bidirectional(
+        L.LSTM(2, return_sequences=True), backward_layer=L.GRU(2, return_sequences=True, go_backwards=True)
+    )
+    _check(_model(layer, 4, 2, masked=True), x, y, factors=per_layer_factors([0.05] * 8))
+
+
+def test_keras3_batch_of_one():
+    x, y = _sequence_data(1, 3, 2, (2,), masked=False, seed=2)
+    _check(_model(L.GRU(2), 3, 2, masked=False), x, y)
+
+
+def test_tf_keras_simple_rnn_without_unroll():
+    """tf_keras's SimpleRNN runs ``backend.rnn``'s ``while`` loop: the same unrolled copy."""
+    x, y = _sequence_data(3, 4, 2, (2,), masked=True, seed=4)
+    TL = tf_keras.layers
+    model = tf_keras.Sequential([TL.Masking(0.0), TL.SimpleRNN(3), TL.Dense(2)])
+    _check(model, x, y, factors=per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]))
+
+
+class _NoisyCell(L.Layer):
+    """tanh(x K + h + noise): a random op inside the loop's body."""
+
+    state_size = 2
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], 2))
+
+    def call(self, x, states):
+        h = tf.tanh(tf.matmul(x, self.kernel) + states[0] + 0.1 * tf.random.uniform(tf.shape(states[0])))
+        return h, [h]
+
+
+def test_a_loop_with_a_random_op_stays_on_the_reference_path():
+    """A copy of the loop would draw other random numbers: the cell's kernel keeps exact jacobians
+    (never a guess); the Dense after the loop stays fast."""
+    x, y = _sequence_data(2, 3, 2, (2,), masked=False, seed=5)
+    model = _model(L.RNN(_NoisyCell()), 3, 2, masked=False)
+    model(x[:1])
+    view = _TfVariables(model)
+    backend = FastBackend()
+    summed, sq_norms = run_traced(backend, view, x, y, flat_factors(1.0))
+    assert backend.last_fallback == [view.trainable_variables[0].name]
+    assert np.all(np.isfinite(sq_norms))
