@@ -120,3 +120,14 @@ def test_a_loop_with_a_random_op_stays_on_the_reference_path():
     summed, sq_norms = run_traced(backend, view, x, y, flat_factors(1.0))
     assert backend.last_fallback == [view.trainable_variables[0].name]
     assert np.all(np.isfinite(sq_norms))
+
+
+def test_keras3_stacked_layers_and_a_path_around_them():
+    """Dense -> LSTM(return_sequences) -> GRU, and the Dense's output pooled around both: the
+    Dense's gradient flows through both copies and around them, each path once."""
+    inputs = keras.Input((3, 2))
+    h = L.Dense(3)(L.Masking(0.0)(inputs))
+    top = L.GRU(2)(L.LSTM(2, return_sequences=True)(h))
+    model = keras.Model(inputs, L.Dense(2)(L.Concatenate()([top, L.GlobalAveragePooling1D()(h)])))
+    x, y = _sequence_data(2, 3, 2, (2,), masked=True, seed=6)
+    _check(model, x, y, factors=per_layer_factors([0.05] * len(model.trainable_variables)))

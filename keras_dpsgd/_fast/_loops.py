@@ -32,6 +32,8 @@ import numpy as np
 import tensorflow as tf
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
+# The ops whose outputs an unrolled copy stands for: the loop and the stacks of its output lists.
+COPIED_OPS = WHILE_OPS | {"TensorListStack"}
 _FLOATS = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 # Longest copy built (ops): beyond it the loop stays on the reference path.
 _MAX_COPIED_OPS = 50_000
