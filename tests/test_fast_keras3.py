@@ -1,4 +1,5 @@
-"""Fast per-example clipping of Keras 3 recurrent layers (``keras.layers.*``, a ``tf.while_loop``).
+"""Fast per-example clipping of Keras 3 recurrent layers (``keras.layers.*``, a ``tf.while_loop``)
+and of dilated convolutions (both Kerases).
 
 Each case: the fast backend == a one-example-at-a-time loop (through a ``while`` loop the reference
 jacobian path takes minutes, the loop is the oracle) and no variable took the jacobian fallback. The loop is unrolled op for op
@@ -14,6 +15,7 @@ import tf_keras
 from _fast_helpers import assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced
 
 from keras_dpsgd._fast import FastBackend
+from keras_dpsgd._fast._backend import _reference_backend
 
 L = keras.layers
 
@@ -32,7 +34,7 @@ class _TfVariables:
         return [v.value for v in self.model.trainable_variables]
 
 
-def _check(model, x, y, factors=None):
+def _check(model, x, y, factors=None, reference=False):
     model(x[:1])
     view = model if isinstance(model, tf_keras.Model) else _TfVariables(model)
     factors = factors or flat_factors(1.0)
@@ -40,6 +42,8 @@ def _check(model, x, y, factors=None):
     got = run_traced(backend, view, x, y, factors)
     assert backend.last_fallback == []
     assert_same(got, loop_oracle(view, x, y, factors))
+    if reference:
+        assert_same(got, run_traced(_reference_backend(), view, x, y, factors))
 
 
 def _sequence_data(batch, steps, features, out, masked, seed=0):
@@ -110,15 +114,15 @@ class _NoisyCell(L.Layer):
 
 
 def test_a_loop_with_a_random_op_stays_on_the_reference_path():
-    """A copy of the loop would draw other random numbers: the cell's kernel keeps exact jacobians
-    (never a guess); the Dense after the loop stays fast."""
+    """A copy of the loop would draw other random numbers: the loop is opaque to the row analysis,
+    and the whole step keeps exact jacobians (never a guess)."""
     x, y = _sequence_data(2, 3, 2, (2,), masked=False, seed=5)
     model = _model(L.RNN(_NoisyCell()), 3, 2, masked=False)
     model(x[:1])
     view = _TfVariables(model)
     backend = FastBackend()
     summed, sq_norms = run_traced(backend, view, x, y, flat_factors(1.0))
-    assert backend.last_fallback == [view.trainable_variables[0].name]
+    assert backend.last_fallback == [v.name for v in view.trainable_variables]
     assert np.all(np.isfinite(sq_norms))
 
 
@@ -129,5 +133,24 @@ def test_keras3_stacked_layers_and_a_path_around_them():
     h = L.Dense(3)(L.Masking(0.0)(inputs))
     top = L.GRU(2)(L.LSTM(2, return_sequences=True)(h))
     model = keras.Model(inputs, L.Dense(2)(L.Concatenate()([top, L.GlobalAveragePooling1D()(h)])))
-    x, y = _sequence_data(2, 3, 2, (2,), masked=True, seed=6)
+    x, y = _sequence_data(3, 3, 2, (2,), masked=True, seed=6)
     _check(model, x, y, factors=per_layer_factors([0.05] * len(model.trainable_variables)))
+
+
+@pytest.mark.parametrize("front_end", [keras, tf_keras])
+def test_dilated_convolutions(front_end):
+    """Dilated Conv2D and Conv1D run on SpaceToBatchND blocks: each example's blocks are summed
+    (== the reference path). Grouped convolutions (no CPU kernel) stay on the reference path."""
+    layers = front_end.layers
+    model = front_end.Sequential(
+        [
+            front_end.Input((7, 7, 2)),
+            layers.Conv2D(3, 2, dilation_rate=2, padding="same"),
+            layers.Reshape((49, 3)),
+            layers.Conv1D(2, 3, dilation_rate=3),
+            layers.Flatten(),
+            layers.Dense(2),
+        ]
+    )
+    x, y = data((2, 7, 7, 2), (2, 2), seed=8)
+    _check(model, x, y, factors=per_layer_factors([0.05] * 6), reference=True)
