@@ -11,7 +11,8 @@ The contract of a rule (``register_rule`` adds one, keyed by op type):
   ``t`` is proven batch-major, example ``i`` owns a contiguous block of rows); ``static_batch``:
   the batch size if known at trace time.
 * It returns None when it does not recognize the use (then the variable gets exact per-example
-  jacobians: a rule may decline, it must never guess), else a :class:`Site`: the op output(s)
+  jacobians: a rule may decline, it must never guess), else a :class:`Site` (or a list of them,
+  one per use inside the op: a ``while`` loop's unrolled copy): the op output(s)
   ``y`` whose gradient ∂(Σ_i ℓ_i)/∂y the backend computes (row ``i`` of it is ∂ℓ_i/∂y), and
   ``make(grad, batch)`` turning that gradient into one *use* of ``_uses`` (``OuterUse``: the
   per-example gradient is ``A_iᵀ G_i``; ``IndexUse``: rows of a table; ``DenseUse`` or
