@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
-from _fast_helpers import assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced
+from _fast_helpers import (
+    assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced, sequence_data,
+)
 
 from keras_dpsgd._fast import FastBackend
 from keras_dpsgd._fast._backend import _reference_backend
@@ -46,33 +48,24 @@ def _check(model, x, y, factors=None, reference=False):
         assert_same(got, run_traced(_reference_backend(), view, x, y, factors))
 
 
-def _sequence_data(batch, steps, features, out, masked, seed=0):
-    x, y = data((batch, steps, features), (batch,) + out, seed=seed)
-    if masked:  # Masking(0.0) drops these steps: a tail, a head and a middle step.
-        x[0, steps - 2 :] = 0.0
-        if batch > 1:
-            x[1, :2] = 0.0
-            x[-1, 2] = 0.0
-    return x, y
-
-
 def _model(layer, steps, features, masked):
     head = [keras.Input((steps, features))] + ([L.Masking(0.0)] if masked else [])
     return keras.Sequential(head + [layer, L.Dense(2)])
 
 
-@pytest.mark.parametrize(
-    "make,return_sequences,masked,per_layer",
-    [
-        (L.LSTM, True, True, False),
-        (L.LSTM, False, False, True),
-        (L.GRU, False, True, True),
-        (L.GRU, True, False, False),
-        (L.SimpleRNN, False, True, False),
-    ],
-)
-def test_keras3_recurrent_layers(make, return_sequences, masked, per_layer):
-    x, y = _sequence_data(3, 4, 3, (4, 2) if return_sequences else (2,), masked)
+_LAYERS = {  # name -> (layer, return_sequences, masked, per-layer clipping)
+    "lstm-sequences-masked": (L.LSTM, True, True, False),
+    "lstm-last": (L.LSTM, False, False, True),
+    "gru-last-masked": (L.GRU, False, True, True),
+    "gru-sequences": (L.GRU, True, False, False),
+    "simple-rnn-last-masked": (L.SimpleRNN, False, True, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_LAYERS))
+def test_keras3_recurrent_layers(name):
+    make, return_sequences, masked, per_layer = _LAYERS[name]
+    x, y = sequence_data(3, 4, 3, (4, 2) if return_sequences else (2,), masked)
     model = _model(make(3, return_sequences=return_sequences), 4, 3, masked)
     factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]) if per_layer else None
     _check(model, x, y, factors=factors)
@@ -80,7 +73,7 @@ def test_keras3_recurrent_layers(make, return_sequences, masked, per_layer):
 
 def test_keras3_bidirectional_masked():
     """A forward LSTM and a backward GRU (``go_backwards``; Bidirectional reverses its outputs)."""
-    x, y = _sequence_data(3, 4, 2, (4, 2), masked=True, seed=1)
+    x, y = sequence_data(3, 4, 2, (4, 2), masked=True, seed=1)
     layer = L.Bidirectional(
         L.LSTM(2, return_sequences=True), backward_layer=L.GRU(2, return_sequences=True, go_backwards=True)
     )
@@ -88,13 +81,13 @@ def test_keras3_bidirectional_masked():
 
 
 def test_keras3_batch_of_one():
-    x, y = _sequence_data(1, 3, 2, (2,), masked=False, seed=2)
+    x, y = sequence_data(1, 3, 2, (2,), masked=False, seed=2)
     _check(_model(L.GRU(2), 3, 2, masked=False), x, y)
 
 
 def test_tf_keras_simple_rnn_without_unroll():
     """tf_keras's SimpleRNN runs ``backend.rnn``'s ``while`` loop: the same unrolled copy."""
-    x, y = _sequence_data(3, 4, 2, (2,), masked=True, seed=4)
+    x, y = sequence_data(3, 4, 2, (2,), masked=True, seed=4)
     TL = tf_keras.layers
     model = tf_keras.Sequential([TL.Masking(0.0), TL.SimpleRNN(3), TL.Dense(2)])
     _check(model, x, y, factors=per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]))
@@ -116,7 +109,7 @@ class _NoisyCell(L.Layer):
 def test_a_loop_with_a_random_op_stays_on_the_reference_path():
     """A copy of the loop would draw other random numbers: the loop is opaque to the row analysis,
     and the whole step keeps exact jacobians (never a guess)."""
-    x, y = _sequence_data(2, 3, 2, (2,), masked=False, seed=5)
+    x, y = sequence_data(2, 3, 2, (2,), masked=False, seed=5)
     model = _model(L.RNN(_NoisyCell()), 3, 2, masked=False)
     model(x[:1])
     view = _TfVariables(model)
@@ -133,7 +126,7 @@ def test_keras3_stacked_layers_and_a_path_around_them():
     h = L.Dense(3)(L.Masking(0.0)(inputs))
     top = L.GRU(2)(L.LSTM(2, return_sequences=True)(h))
     model = keras.Model(inputs, L.Dense(2)(L.Concatenate()([top, L.GlobalAveragePooling1D()(h)])))
-    x, y = _sequence_data(3, 3, 2, (2,), masked=True, seed=6)
+    x, y = sequence_data(3, 3, 2, (2,), masked=True, seed=6)
     _check(model, x, y, factors=per_layer_factors([0.05] * len(model.trainable_variables)))
 
 
