@@ -57,7 +57,6 @@ _LAYERS = {  # name -> (layer, return_sequences, masked, per-layer clipping)
     "lstm-sequences-masked": (L.LSTM, True, True, False),
     "lstm-last": (L.LSTM, False, False, True),
     "gru-last-masked": (L.GRU, False, True, True),
-    "gru-sequences": (L.GRU, True, False, False),
     "simple-rnn-last-masked": (L.SimpleRNN, False, True, False),
 }
 
@@ -123,10 +122,10 @@ def test_keras3_stacked_layers_and_a_path_around_them():
     """Dense -> LSTM(return_sequences) -> GRU, and the Dense's output pooled around both: the
     Dense's gradient flows through both copies and around them, each path once."""
     inputs = keras.Input((3, 2))
-    h = L.Dense(3)(L.Masking(0.0)(inputs))
+    h = L.Dense(3)(inputs)
     top = L.GRU(2)(L.LSTM(2, return_sequences=True)(h))
     model = keras.Model(inputs, L.Dense(2)(L.Concatenate()([top, L.GlobalAveragePooling1D()(h)])))
-    x, y = sequence_data(3, 3, 2, (2,), masked=True, seed=6)
+    x, y = sequence_data(2, 3, 2, (2,), masked=False, seed=6)
     _check(model, x, y, factors=per_layer_factors([0.05] * len(model.trainable_variables)))
 
 
@@ -137,13 +136,28 @@ def test_dilated_convolutions(front_end):
     layers = front_end.layers
     model = front_end.Sequential(
         [
-            front_end.Input((7, 7, 2)),
-            layers.Conv2D(3, 2, dilation_rate=2, padding="same"),
-            layers.Reshape((49, 3)),
-            layers.Conv1D(2, 3, dilation_rate=3),
+            front_end.Input((5, 5, 1)),
+            layers.Conv2D(2, 2, dilation_rate=2, padding="same"),
+            layers.Reshape((25, 2)),
+            layers.Conv1D(2, 2, dilation_rate=3),
             layers.Flatten(),
             layers.Dense(2),
         ]
     )
-    x, y = data((2, 7, 7, 2), (2, 2), seed=8)
+    x, y = data((2, 5, 5, 1), (2, 2), seed=8)
     _check(model, x, y, factors=per_layer_factors([0.05] * 6), reference=True)
+
+
+def test_keras3_fit_takes_the_fast_path_for_a_gru_text_model():
+    """In Model.fit (make_private), Embedding(mask_zero) -> GRU -> Dense uses no jacobian fallback."""
+    from keras_dpsgd.keras3 import DPSGDOptimizer, make_private
+
+    ids = np.random.default_rng(5).integers(0, 20, size=(8, 5)).astype("int32")
+    ids[:3, 3:] = 0
+    model = make_private(keras.Sequential([keras.Input((5,), dtype="int32"), L.Embedding(20, 3, mask_zero=True), L.GRU(2), L.Dense(2)]))
+    opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1, per_example_backend="fast")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    model.compile(optimizer=opt, loss=loss)
+    model.fit(ids, np.arange(8) % 2, batch_size=4, epochs=1, verbose=0)
+    assert opt._dp.backend.last_fallback == []
+    assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)

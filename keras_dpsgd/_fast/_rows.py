@@ -645,34 +645,38 @@ def propagate(ops: list, captured: set) -> Analysis:
     return analysis
 
 
-def _batch_of_zeros(op, analysis: Analysis) -> bool:
-    """Whether ``op`` makes ``tf.zeros([batch_size, ...])``: a Fill of 0 with the dynamic batch
-    size of a batch-major data tensor, or zeros whose first axis is the inputs' static batch size.
+def _batch_of_zeros(op, analysis: Analysis) -> Optional[Rows]:
+    """The rows of ``tf.zeros([batch_size, ...])`` (else None): a Fill of 0 whose first axis is
+    that of a batch-major data tensor ``x`` (``tf.shape(x)[0]``: ``x``'s rows), or zeros whose
+    first axis is the inputs' static batch size (one row per example).
 
-    Its rows are zeros whichever example owns them, so ghost norms may pair row i with example i.
+    Its rows are zeros whichever example owns them, so ghost norms may pair them with examples.
     """
     if op.type not in ("Fill", "Const") or op.outputs[0].dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
-        return False
+        return None
     out, batch = op.outputs[0], {s.shape[0] for s in analysis.sources}
-    static_batch = bool(out.shape.rank) and out.shape[0] is not None and batch == {out.shape[0]}
-    if not static_batch and not (op.type == "Fill" and _batch_sized(op.inputs[0], analysis)):
-        return False
+    if bool(out.shape.rank) and out.shape[0] is not None and batch == {out.shape[0]}:
+        layout = Rows()
+    else:
+        layout = _batch_sized(op.inputs[0], analysis) if op.type == "Fill" else None
+    if layout is None:
+        return None
     value = _static(op.inputs[1] if op.type == "Fill" else out)
-    return value is not None and not np.any(value)
+    return layout if value is not None and not np.any(value) else None
 
 
-def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> bool:
-    """Whether ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
+def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> Optional[Rows]:
+    """The rows of ``x`` if ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
     if dims.op.type != "Pack" or not dims.op.inputs or dims.op.get_attr("axis") != 0:
-        return False
+        return None
     first = dims.op.inputs[0].op
     if first.type != "StridedSlice" or first.inputs[0].op.type != "Shape":
-        return False
+        return None
     begin, end, strides = (_static(t) for t in first.inputs[1:4])
     if begin is None or list(begin) != [0] or list(strides) != [1] or first.get_attr("shrink_axis_mask") != 1:
-        return False
+        return None
     x = first.inputs[0].op.inputs[0]
-    return analysis.clean(x) and analysis.rows[x.ref()].k == 1
+    return Rows(k=analysis.rows[x.ref()].k) if analysis.clean(x) else None
 
 
 def _visit(op, analysis: Analysis, captured: set) -> None:
@@ -684,8 +688,9 @@ def _visit(op, analysis: Analysis, captured: set) -> None:
                 rows[t.ref()] = Rows()
                 analysis.sources.append(t)
         return
-    if _batch_of_zeros(op, analysis):
-        rows[op.outputs[0].ref()] = Rows()  # A zero row per example (a recurrence's initial state).
+    zeros = _batch_of_zeros(op, analysis)
+    if zeros is not None:
+        rows[op.outputs[0].ref()] = zeros  # Zero rows per example (a recurrence's initial state).
         return
     ins = [rows.get(t.ref()) for t in op.inputs]
     if op.type in _NO_DATA or all(r is None for r in ins):
