@@ -226,8 +226,10 @@ def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: 
     out = {"batch": batch}
     for keras_name in kerases:
         res = _summary({mode: times[keras_name, mode] for mode in modes})
-        backend = getattr(getattr(models.get((keras_name, "fast")), "optimizer", None), "_backend", None)
-        if backend is not None:  # tf_keras: the variables the fast backend handed to the reference one
+        opt = getattr(models.get((keras_name, "fast")), "optimizer", None)
+        # tf_keras's optimizer holds its backend, Keras 3's in its DP state.
+        backend = getattr(opt, "_backend", None) or getattr(getattr(opt, "_dp", None), "backend", None)
+        if backend is not None:  # the variables the fast backend handed to the reference one
             res["fast"]["fallback_variables"] = list(getattr(backend, "last_fallback", []))
         if len(kerases) == 1:
             out.update(res)

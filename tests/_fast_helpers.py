@@ -98,6 +98,18 @@ def data(x_shape, y_shape, seed=0):
     return gen.normal(size=x_shape).astype("float32"), gen.normal(size=y_shape).astype("float32")
 
 
+def sequence_data(batch, steps, features, out, masked, seed=0):
+    """Sequences [batch, steps, features] and targets [batch, *out]; ``masked``: some steps are
+    all zeros, which Masking(0.0) drops: a tail, a head and a middle step."""
+    x, y = data((batch, steps, features), (batch,) + out, seed=seed)
+    if masked:
+        x[0, steps - 2 :] = 0.0
+        if batch > 1:
+            x[1, :2] = 0.0
+            x[-1, 2] = 0.0
+    return x, y
+
+
 def check(model, x, y, factors=None, fallback=(), reference=True, dynamic_dims=1):
     """Fast backend == one-example loop (== the reference jacobian path if `reference`).
 

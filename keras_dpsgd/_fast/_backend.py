@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _graph, _uses
+from keras_dpsgd._fast import _graph, _loops, _uses
 from keras_dpsgd._fast._reference import ReferenceBackend
 
 
@@ -86,10 +86,15 @@ def _output_grads(total: tf.Tensor, ys: list, plans: list):
                 throughs.setdefault(site.through[0][0].ref(), site.through)
     if not throughs:
         return tf.gradients(total, ys, unconnected_gradients=zero)
+    if all(t.op.type in _loops.COPIED_OPS for o, _ in throughs.values() for t in o):
+        return _chained_grads(total, ys, list(throughs.values()))
     originals = [t for o, _ in throughs.values() for t in o]
     copies = [t for _, c in throughs.values() for t in c]
     calls = {t.op for t in originals}
-    upstream = set().union(*(_graph.ancestors(t) for op in calls for t in op.inputs))
+    # A copy may stand for several ops (a loop and the stacks of its output lists).
+    upstream = set().union(
+        *(_graph.ancestors(t) for op in calls for t in op.inputs if t.op not in calls)
+    )
     if calls & upstream:
         return None  # Stacked recurrent layers: the lower one's output gradient needs the upper's.
     to_total = _graph.ancestors(total)
@@ -108,6 +113,32 @@ def _output_grads(total: tf.Tensor, ys: list, plans: list):
         for k, g in zip(up, through):
             grads[k] = g
     return grads
+
+
+def _chained_grads(total: tf.Tensor, ys: list, throughs: list) -> list:
+    """``∂total/∂y`` in the graph whose loops are replaced by their unrolled copies (``_loops``).
+
+    Backpropagation stops at every loop's outputs (``stop_gradients``: a ``while`` op is then
+    never differentiated) and continues through its copy instead, with the loop's output
+    gradient; those are found from the last loop to the first (creation order is topological),
+    each the gradient of ``total`` and of the later loops' copies. Every path counts once: around
+    the loops (a skip connection, an input used twice) through ``total``'s own term, through a
+    loop only through its copy, through stacked loops along the chain of copies.
+    """
+    zero = tf.UnconnectedGradients.ZERO
+    order = sorted(throughs, key=lambda th: _op_index(th[0][0].op), reverse=True)
+    stops = [t for originals, _ in order for t in originals]
+    ys_of, grad_ys = [total], [None]
+    for originals, copies in order:
+        grads = tf.gradients(
+            ys_of, list(originals), grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero
+        )
+        ys_of, grad_ys = ys_of + list(copies), grad_ys + grads
+    return tf.gradients(ys_of, ys, grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero)
+
+
+def _op_index(op) -> int:
+    return op._id  # pylint: disable=protected-access  (creation order within the graph)
 
 
 def _reaches_around(start, target, calls: set, within: set) -> bool:

@@ -15,15 +15,32 @@ of the loss mixes the examples (then no per-example clipping is private).
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _rows
+from keras_dpsgd._fast import _rows, _uses
 from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
 # Ops that read only metadata (no gradient flows through them).
 _NO_GRADIENT = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+# Two-operand products: the variable's gradient through one is 0 when the other operand is 0.
+_PRODUCTS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Mul"})
+
+
+def is_zeros(t: tf.Tensor) -> bool:
+    """Whether ``t`` is zeros by construction (``tf.zeros`` of any shape, ``zeros_like``)."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    if t.op.type == "ZerosLike":
+        return True
+    value = tf.get_static_value(t.op.inputs[1] if t.op.type == "Fill" else t)
+    return value is not None and not np.any(value)
+
 
 def ancestors(loss: tf.Tensor) -> set:
     """All ops from which ``loss`` is reachable along data edges."""
@@ -164,11 +181,94 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                     continue
                 if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
                     continue
+                if t.dtype != tf.resource and _SPLITS.get(consumer.type) == index:
+                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch)
+                    if pieces is None:
+                        return None
+                    sites.extend(pieces)
+                    continue
+                if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
+                    continue  # A product with zeros (a recurrence's initial state): no gradient.
                 rule = rule_for(consumer.type)
                 site = rule(consumer, index, t, var, clean, static_batch) if rule else None
                 if site is None:
                     return None
-                sites.append(site)
+                sites.extend(site if isinstance(site, list) else [site])
     return sites
 
 
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One piece of a split variable, standing for it in the rules of its uses."""
+
+    shape: tf.TensorShape
+    dtype: tf.DType
+    name: str
+
+
+_SPLITS = {"Unpack": 0, "Split": 1, "SplitV": 0}  # op type -> index of the split value
+
+
+def _pieces(op, w) -> list | None:
+    """(piece, axis, offset, kept) of each output of a split of ``w`` along a static axis.
+
+    ``kept``: the piece keeps the split axis (Split, SplitV) rather than dropping it (Unpack).
+    """
+    rank = w.shape.rank
+    if op.type == "Unpack":
+        axis = op.get_attr("axis") % rank
+        return [(p, axis, k, False) for k, p in enumerate(op.outputs)]
+    axis = tf.get_static_value(op.inputs[0] if op.type == "Split" else op.inputs[2])
+    if axis is None:
+        return None
+    axis, out, offset = int(axis) % rank, [], 0
+    for p in op.outputs:
+        if p.shape[axis] is None:
+            return None
+        out.append((p, axis, offset, True))
+        offset += int(p.shape[axis])
+    return out if offset == int(w.shape[axis]) else None
+
+
+def _split_sites(op, w, var, ops: set, clean, static_batch):
+    """Uses of the pieces of a split of ``w`` (Keras 3 GRU's input and recurrent biases:
+    ``ops.unstack`` is a Split and Squeezes).
+
+    Each piece's uses are found by their own rules, then embedded as per-example gradients
+    [B, *var.shape] that are zero outside the piece (the variable's other uses are summed before
+    the norm, as for any shared weight).
+    """
+    if not w.shape.is_fully_defined():
+        return None
+    pieces = _pieces(op, w)
+    if pieces is None:
+        return None
+    sites = []
+    for piece, axis, offset, kept in pieces:
+        found = find_sites([piece], _Piece(piece.shape, piece.dtype, var.name), ops, clean, static_batch)
+        if found is None:
+            return None
+        embed = _embedded(piece.shape, w.shape, axis, offset, kept, var)
+        sites += [dataclasses.replace(s, make=embed(s.make)) for s in found]
+    return sites
+
+
+def _embedded(piece_shape, w_shape, axis: int, offset: int, kept: bool, var):
+    """Wraps ``make``: its use becomes a dense [B, *var.shape] gradient, zero outside the piece."""
+    size = int(piece_shape[axis]) if kept else 1
+    after = int(w_shape[axis]) - offset - size
+
+    def wrap(make):
+        def embedded(g, batch):
+            p = _uses.materialize(make(g, batch), piece_shape)
+            if not kept:
+                p = tf.expand_dims(p, axis + 1)
+            paddings = [[0, 0]] * (axis + 1) + [[offset, after]] + [[0, 0]] * (w_shape.rank - axis - 1)
+            full = tf.pad(p, paddings)
+            return _uses.DenseUse(tf.reshape(full, tf.concat([tf.shape(full)[:1], var.shape], axis=0)))
+
+        return embedded
+
+    return wrap

@@ -11,7 +11,8 @@ The contract of a rule (``register_rule`` adds one, keyed by op type):
   ``t`` is proven batch-major, example ``i`` owns a contiguous block of rows); ``static_batch``:
   the batch size if known at trace time.
 * It returns None when it does not recognize the use (then the variable gets exact per-example
-  jacobians: a rule may decline, it must never guess), else a :class:`Site`: the op output(s)
+  jacobians: a rule may decline, it must never guess), else a :class:`Site` (or a list of them,
+  one per use inside the op: a ``while`` loop's unrolled copy): the op output(s)
   ``y`` whose gradient ∂(Σ_i ℓ_i)/∂y the backend computes (row ``i`` of it is ∂ℓ_i/∂y), and
   ``make(grad, batch)`` turning that gradient into one *use* of ``_uses`` (``OuterUse``: the
   per-example gradient is ``A_iᵀ G_i``; ``IndexUse``: rows of a table; ``DenseUse`` or
@@ -32,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _conv, _recurrent, _uses
+from keras_dpsgd._fast import _conv, _loops, _recurrent, _uses
 
 MakeUse = Callable[..., object]
 
@@ -161,9 +162,45 @@ def _conv_geometry(op, index, w):
     return x, y, strides, rates, padding
 
 
+def _blocks(x: tf.Tensor, clean, static_batch) -> Optional[int]:
+    """How many blocks of each example the convolution input ``x`` holds along its batch axis.
+
+    1 for a batch-major ``x``; ``prod(block_shape)`` for ``x = SpaceToBatchND(x0, ...)`` (or its
+    ExpandDims) of a batch-major ``x0`` (a dilated convolution: row ``j·B + i`` is block ``j`` of
+    example ``i``); else None.
+    """
+    if clean.clean(x):
+        return 1 if _batch_major(x, static_batch) else None
+    while x.op.type == "ExpandDims" and tf.get_static_value(x.op.inputs[1]) not in (None, 0):
+        x = x.op.inputs[0]  # Conv1D: ExpandDims(SpaceToBatchND(x0)), the batch axis unchanged.
+    x0 = x.op.inputs[0] if x.op.type == "SpaceToBatchND" else None
+    if x0 is None or not clean.clean(x0) or not _batch_major(x0, static_batch):
+        return None
+    block = tf.get_static_value(x.op.inputs[1])
+    return None if block is None else int(np.prod(block))
+
+
+def _by_example(t: tf.Tensor, blocks: int, batch) -> tf.Tensor:
+    """[blocks·B·k, P, K] (rows block-major, then example-major) -> [B, blocks·k·P, K]: each
+    example's rows of every block as positions."""
+    k = int(t.shape[2])
+    t4 = tf.reshape(t, tf.stack([blocks, batch, -1, k]))
+    return tf.reshape(tf.transpose(t4, [1, 0, 2, 3]), tf.stack([batch, -1, k]))
+
+
+def _summed_blocks(parts: list, blocks: int, batch) -> list:
+    """Per-row gradients [blocks·B·k, ...] summed over each example's rows of every block."""
+    summed = []
+    for q in parts:
+        rows = tf.reduce_sum(tf.reshape(q, tf.stack([blocks, batch, -1, tf.size(q) // tf.shape(q)[0]])), axis=[0, 2])
+        summed.append(tf.reshape(rows, tf.concat([[batch], tf.shape(q)[1:]], axis=0)))
+    return summed
+
+
 @register_rule("Conv2D")
 def _conv2d(op, index, w, var, clean, static_batch):
-    """Conv2D (and Conv1D, which is Conv2D on ExpandDims).
+    """Conv2D (and Conv1D, which is Conv2D on ExpandDims), dilated ones too (TensorFlow runs
+    them on the SpaceToBatchND blocks of the input: each example's blocks are summed).
 
     Mixed ghost norm by shape: ghost norms over im2col patches when the output has few positions,
     else per-example kernel gradients from input slices (``_conv``).
@@ -173,16 +210,17 @@ def _conv2d(op, index, w, var, clean, static_batch):
         return None
     x, y, strides, rates, padding = geometry
     kh, kw, cin, cout = (int(s) for s in w.shape)
-    if x.shape[3] != cin or not clean.clean(x) or not _batch_major(x, static_batch):
+    blocks = _blocks(x, clean, static_batch)
+    if x.shape[3] != cin or blocks is None:
         return None
 
-    positions = int(y.shape[1]) * int(y.shape[2]) if _conv.geometry_known(x, y) else None
+    positions = int(y.shape[1]) * int(y.shape[2]) * blocks if _conv.geometry_known(x, y) else None
     if positions is not None and not _uses.ghost_preferred(positions, kh * kw * cin, cout):
         # Mixed ghost norm (Bu et al. 2023): materializing is cheaper for this shape; slices
         # of the input give the per-example kernel gradients without im2col patches.
         def make_dense(g, batch):
             parts = _conv.per_example_kernel_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding)
-            return _uses.PiecesUse(parts)
+            return _uses.PiecesUse(parts if blocks == 1 else _summed_blocks(parts, blocks, batch))
 
         return Site(y, make_dense)
 
@@ -190,9 +228,12 @@ def _conv2d(op, index, w, var, clean, static_batch):
         patches = tf.image.extract_patches(
             _f32(x), sizes=[1, kh, kw, 1], strides=strides, rates=rates, padding=padding
         )
-        a3 = tf.reshape(patches, tf.stack([batch, -1, kh * kw * cin]))
-        g3 = tf.reshape(_f32(g), tf.stack([batch, -1, cout]))
-        return _uses.OuterUse(a3, g3)
+        if blocks == 1:
+            a3 = tf.reshape(patches, tf.stack([batch, -1, kh * kw * cin]))
+            return _uses.OuterUse(a3, tf.reshape(_f32(g), tf.stack([batch, -1, cout])))
+        a3 = tf.reshape(patches, tf.concat([tf.shape(patches)[:1], [-1, kh * kw * cin]], axis=0))
+        g3 = tf.reshape(_f32(g), tf.concat([tf.shape(g)[:1], [-1, cout]], axis=0))
+        return _uses.OuterUse(_by_example(a3, blocks, batch), _by_example(g3, blocks, batch))
 
     return Site(y, make)
 
@@ -208,11 +249,13 @@ def _depthwise_conv2d(op, index, w, var, clean, static_batch):
     kh, kw, cin, mult = (int(s) for s in w.shape)
     if x.shape[3] != cin or y.shape[3] != cin * mult or not _conv.geometry_known(x, y):
         return None
-    if not clean.clean(x) or not _batch_major(x, static_batch):
+    blocks = _blocks(x, clean, static_batch)
+    if blocks is None:
         return None
 
     def make(g, batch):
-        return _uses.PiecesUse(_conv.per_example_depthwise_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding))
+        parts = _conv.per_example_depthwise_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding)
+        return _uses.PiecesUse(parts if blocks == 1 else _summed_blocks(parts, blocks, batch))
 
     return Site(y, make)
 
@@ -342,3 +385,34 @@ def _einsum(op, index, w, var, clean, static_batch):
 def _recurrent_call(op, index, w, var, clean, static_batch):
     """tf_keras LSTM/GRU kernels, recurrent kernels and biases (``_recurrent``)."""
     return _recurrent.site_for(op, index, w, var, clean, static_batch, Site)
+
+
+@register_rule(*sorted(_loops.WHILE_OPS))
+def _while_loop(op, index, w, var, clean, static_batch):
+    """A variable captured by a recurrent ``while`` loop (Keras 3 RNNs): its uses in the loop's
+    unrolled copy (``_loops``), each by its own rule, backpropagated through the copy.
+
+    Returns a list of sites (one per use in the copy), or None if the loop has no exact copy or a
+    use in it has no rule.
+    """
+    from keras_dpsgd._fast import _graph  # _graph imports this module.
+
+    loop = _loops.unrolled(op)
+    read = loop.reads.get(int(index)) if loop is not None else None
+    if read is None or w.dtype != tf.resource:
+        return None
+    sites = _graph.find_sites([read], var, set(loop.ops), clean, static_batch)
+    if not sites:
+        return None
+    return [dataclasses.replace(s, make=_checked(s.make, loop), through=loop.through) for s in sites]
+
+
+def _checked(make: MakeUse, loop) -> MakeUse:
+    """``make`` whose output gradients wait for the loop's run-time checks (``Unrolled.checks``)."""
+
+    def checked(g, batch):
+        with tf.control_dependencies(loop.checks()):
+            g = tf.nest.map_structure(tf.identity, g)
+        return make(g, batch)
+
+    return checked

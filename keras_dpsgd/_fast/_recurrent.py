@@ -34,7 +34,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _uses
+from keras_dpsgd._fast import _loops, _uses
 
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 _ARGS = {
@@ -50,8 +50,6 @@ _ARGS = {
 _STATES = {"lstm": ("init_h", "init_c"), "gru": ("init_h",)}
 _WEIGHTS = ("kernel", "recurrent_kernel", "bias")
 _FUNCTION_NAME = re.compile(r"^__inference_standard_(lstm|gru)_\d+$")
-# The recomputed recurrence must equal the layer's up to float rounding.
-_RTOL, _ATOL = 1e-3, 1e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +258,7 @@ class _Copy:
     def _make_uses(self, deltas: tuple) -> dict:
         call, n = self.call, self.gates
         per_gate = [tf.stack([_f32(d) for d in deltas[j::n]], axis=1) for j in range(n)]  # [B, T, G]
-        with tf.control_dependencies(_same_as_layer(self.outputs[0], call.op.outputs[0])):
+        with tf.control_dependencies(_loops.same_values(self.outputs[0], call.op.outputs[0])):
             delta_x = tf.identity(per_gate[0])
         delta_h = delta_x if n == 1 else per_gate[1]
         x = _f32(call.tensors["inputs"])
@@ -274,21 +272,3 @@ class _Copy:
             "recurrent_kernel": _uses.OuterUse(self.h_seq, delta_h),
             "bias": _uses.DenseUse(bias),
         }
-
-
-def _same_as_layer(mine: tf.Tensor, theirs: tf.Tensor) -> list:
-    """Run-time check that the recomputed recurrence is the layer's (finite float32 entries)."""
-    if mine.dtype != tf.float32 or theirs.dtype != tf.float32:
-        return []
-    finite = tf.math.is_finite(mine) & tf.math.is_finite(theirs)
-    excess = tf.abs(mine - theirs) - (_ATOL + _RTOL * tf.abs(theirs))
-    worst = tf.reduce_max(tf.where(finite, excess, tf.zeros_like(excess)))
-    return [
-        tf.debugging.assert_less_equal(
-            worst, 0.0,
-            message=(
-                f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
-                "the layer's output; use per_example_backend='reference' and report this"
-            ),
-        )
-    ]

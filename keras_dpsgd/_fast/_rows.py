@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _recurrent
+from keras_dpsgd._fast import _loops, _recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -639,19 +639,72 @@ class Analysis:
 
 def propagate(ops: list, captured: set) -> Analysis:
     """Forward propagation of :class:`Rows` over ``ops`` (in creation order)."""
-    rows, sources, reshapes = {}, [], []
+    analysis = Analysis({}, [], [])
     for op in ops:
-        if is_source(op, captured):
-            for t in op.outputs:
-                if t.dtype != tf.resource and t.shape.rank != 0:
-                    rows[t.ref()] = Rows()
-                    sources.append(t)
-            continue
-        ins = [rows.get(t.ref()) for t in op.inputs]
-        if op.type in _NO_DATA or all(r is None for r in ins):
-            continue
-        for t, r in zip(op.outputs, _propagate(op, ins)):
-            rows[t.ref()] = r
-            if op.type == "Reshape" and r.kind == "rows" and r.k is None and r.depth == 0:
-                reshapes.append((t, r.axis))
-    return Analysis(rows, sources, reshapes)
+        _visit(op, analysis, captured)
+    return analysis
+
+
+def _batch_of_zeros(op, analysis: Analysis) -> Optional[Rows]:
+    """The rows of ``tf.zeros([batch_size, ...])`` (else None): a Fill of 0 whose first axis is
+    that of a batch-major data tensor ``x`` (``tf.shape(x)[0]``: ``x``'s rows), or zeros whose
+    first axis is the inputs' static batch size (one row per example).
+
+    Its rows are zeros whichever example owns them, so ghost norms may pair them with examples.
+    """
+    if op.type not in ("Fill", "Const") or op.outputs[0].dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
+        return None
+    out, batch = op.outputs[0], {s.shape[0] for s in analysis.sources}
+    if bool(out.shape.rank) and out.shape[0] is not None and batch == {out.shape[0]}:
+        layout = Rows()
+    else:
+        layout = _batch_sized(op.inputs[0], analysis) if op.type == "Fill" else None
+    if layout is None:
+        return None
+    value = _static(op.inputs[1] if op.type == "Fill" else out)
+    return layout if value is not None and not np.any(value) else None
+
+
+def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> Optional[Rows]:
+    """The rows of ``x`` if ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
+    if dims.op.type != "Pack" or not dims.op.inputs or dims.op.get_attr("axis") != 0:
+        return None
+    first = dims.op.inputs[0].op
+    if first.type != "StridedSlice" or first.inputs[0].op.type != "Shape":
+        return None
+    begin, end, strides = (_static(t) for t in first.inputs[1:4])
+    if begin is None or list(begin) != [0] or list(strides) != [1] or first.get_attr("shrink_axis_mask") != 1:
+        return None
+    x = first.inputs[0].op.inputs[0]
+    return Rows(k=analysis.rows[x.ref()].k) if analysis.clean(x) else None
+
+
+def _visit(op, analysis: Analysis, captured: set) -> None:
+    """Rows of the outputs of ``op`` (a source, a ``while`` loop, or a rule of ``_RULES``)."""
+    rows = analysis.rows
+    if is_source(op, captured):
+        for t in op.outputs:
+            if t.dtype != tf.resource and t.shape.rank != 0:
+                rows[t.ref()] = Rows()
+                analysis.sources.append(t)
+        return
+    zeros = _batch_of_zeros(op, analysis)
+    if zeros is not None:
+        rows[op.outputs[0].ref()] = zeros  # Zero rows per example (a recurrence's initial state).
+        return
+    ins = [rows.get(t.ref()) for t in op.inputs]
+    if op.type in _NO_DATA or all(r is None for r in ins):
+        return
+    loop = _loops.unrolled(op) if op.type in _loops.WHILE_OPS else None
+    if loop is not None:
+        # The loop's outputs have the rows of its unrolled copy (the same ops, step by step).
+        for copied in loop.ops:
+            _visit(copied, analysis, captured)
+        for original, copy in zip(loop.originals, loop.copies):
+            if rows.get(copy.ref()) is not None:
+                rows[original.ref()] = rows[copy.ref()]
+        return
+    for t, r in zip(op.outputs, _propagate(op, ins)):
+        rows[t.ref()] = r
+        if op.type == "Reshape" and r.kind == "rows" and r.k is None and r.depth == 0:
+            analysis.reshapes.append((t, r.axis))

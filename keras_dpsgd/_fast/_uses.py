@@ -225,13 +225,17 @@ def make_group(uses: list, shape: tf.TensorShape):
         return DenseGroup(uses[0], shape)
     total = None
     for use in uses:
-        if isinstance(use, OuterUse):
-            p = OuterGroup([use], shape).materialize()
-        elif isinstance(use, IndexUse):
-            p = IndexGroup([use], shape).materialize()
-        elif isinstance(use, PiecesUse):
-            p = use.materialize(shape)
-        else:
-            p = use.p
+        p = materialize(use, shape)
         total = p if total is None else total + p
     return DenseGroup(total)
+
+
+def materialize(use, shape: tf.TensorShape) -> tf.Tensor:
+    """The per-example gradient [B, *shape] of one use."""
+    if isinstance(use, OuterUse):
+        return OuterGroup([use], shape).materialize()
+    if isinstance(use, IndexUse):
+        return IndexGroup([use], shape).materialize()
+    if isinstance(use, PiecesUse):
+        return use.materialize(shape)
+    return use.p
