@@ -427,6 +427,48 @@ class PoissonLots:
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
 
+    def distribute(self, strategy: tf.distribute.Strategy, num_lots: Optional[int] = None) -> Any:
+        """The lots for ``fit`` under a ``tf.distribute`` strategy: this worker's lot, in equal parts.
+
+        Each physical batch of :meth:`dataset` (this worker's shard lot, padded) is cut into one
+        part per local replica (``strategy.distribute_datasets_from_function``), so one step of
+        the strategy is one physical batch of every worker: the union over the workers is one
+        Poisson lot of the whole set. Needed with several workers (MultiWorkerMirroredStrategy:
+        ``strategy.experimental_distribute_dataset`` would split each worker's batch into
+        R = all replicas' parts, spreading one lot over several steps); with one worker, the same
+        as ``fit(lots.dataset())``.
+
+        Args:
+          strategy: the strategy of the model and its optimizer.
+          num_lots: lots per pass; None for an endless stream.
+
+        Raises:
+          ValueError: the strategy's workers are not `num_workers`, or its local replicas do not
+            divide the physical batch size (pass ``replicas_per_worker``).
+        """
+        _check_num_lots(num_lots)
+        _check_workers(self.num_workers, strategy)
+        local = strategy.num_replicas_in_sync // self.num_workers
+        if self._physical % local:
+            raise ValueError(
+                f"the physical batch size {self._physical} must be a multiple of the worker's {local} replicas: "
+                f"build PoissonLots(..., replicas_per_worker={local})"
+            )
+
+        def parts(*batch):  # [rows, ...] -> [local, rows / local, ...]: one element per replica
+            return tf.data.Dataset.from_tensor_slices(
+                tf.nest.map_structure(lambda a: tf.reshape(a, tf.concat([[local, -1], tf.shape(a)[1:]], 0)), batch)
+            )
+
+        def per_worker(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            del context  # This worker's shard is fixed by worker_index.
+            batches = self.dataset(num_lots).flat_map(parts)
+            if num_lots is not None:
+                batches = batches.apply(tf.data.experimental.assert_cardinality(int(num_lots) * self._accum * local))
+            return batches.prefetch(tf.data.AUTOTUNE)
+
+        return strategy.distribute_datasets_from_function(per_worker)
+
     def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":
         """The lots as a Keras 3 ``keras.utils.PyDataset``: endless, or `num_lots` lots per epoch.
 
