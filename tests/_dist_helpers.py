@@ -124,7 +124,7 @@ def _run(script: Path, envs: Sequence[dict], args: Sequence[str], timeout: float
     problems = []
     for i, p in enumerate(processes):
         if i in timed_out:
-            problems.append(f"child {i} killed at the {timeout:.0f} s timeout")
+            problems.append(f"child {i} killed (still running at the {timeout:.0f} s timeout or after another failed)")
         elif p.returncode != 0:
             problems.append(f"child {i} exited with {p.returncode}")
     if problems:
