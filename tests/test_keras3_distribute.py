@@ -103,6 +103,8 @@ def test_ledger_and_callbacks_count_global_steps_once(mirrored, workers):
         assert out["stopped"], where
         np.testing.assert_allclose(out["logged"], out["expected_logged"], rtol=1e-12, err_msg=where)
         assert out["epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
+        assert out["loaded_steps"] == 10, where  # a .keras file saved and loaded under the strategy
+        assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
     assert workers[0]["ledger"]["unsharded_refused"] and workers[1]["ledger"]["unsharded_refused"]
 
 

@@ -157,6 +157,13 @@ def ledger_and_callbacks():
         out["unsharded_refused"] = WORKERS == 1
     except ValueError as err:
         out["unsharded_refused"] = "num_workers" in str(err)
+    # A .keras file per worker (the chief's is the one to keep), loaded back in the strategy's scope.
+    path = os.path.join(tempfile.mkdtemp(), f"worker{WORKER}.keras")
+    model.save(path)
+    with strategy.scope():
+        loaded = keras.models.load_model(path)
+    out["loaded_epsilon"] = model_epsilon(loaded, target_delta=delta)[0]
+    out["loaded_steps"] = int(loaded.optimizer.noised_steps.numpy())
     result["ledger"] = out
 
 
