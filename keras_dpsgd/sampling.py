@@ -396,8 +396,24 @@ class PoissonLots:
 
         Args:
           num_lots: number of lots per pass; None for an endless stream.
+
+        Raises:
+          ValueError: with `num_workers` > 1 (use :meth:`distribute`: the strategy's own
+            splitting would spread one worker's lot over several steps).
         """
         _check_num_lots(num_lots)
+        self._refuse_shards("dataset")
+        return self._dataset(num_lots)
+
+    def _refuse_shards(self, method: str) -> None:
+        if self.num_workers > 1:
+            raise ValueError(
+                f"lots.{method}() with num_workers={self.num_workers}: under MultiWorkerMirroredStrategy the strategy "
+                "would cut each worker's lot into as many parts as there are replicas in all and spread it over "
+                "several steps, so a step would no longer be one Poisson lot; use fit(lots.distribute(strategy))"
+            )
+
+    def _dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
         def with_zero_row(a):  # row N: the (finite) padding example
             return tf.convert_to_tensor(np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)]))
 
@@ -462,7 +478,7 @@ class PoissonLots:
 
         def per_worker(context: tf.distribute.InputContext) -> tf.data.Dataset:
             del context  # This worker's shard is fixed by worker_index.
-            batches = self.dataset(num_lots).flat_map(parts)
+            batches = self._dataset(num_lots).flat_map(parts)
             if num_lots is not None:
                 batches = batches.apply(tf.data.experimental.assert_cardinality(int(num_lots) * self._accum * local))
             return batches.prefetch(tf.data.AUTOTUNE)
@@ -483,6 +499,7 @@ class PoissonLots:
             would no longer line up with the lots (use :meth:`dataset`).
         """
         _check_num_lots(num_lots)
+        self._refuse_shards("as_py_dataset")
         if self._accum != 1:
             raise ValueError(
                 f"as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps={self._accum} "

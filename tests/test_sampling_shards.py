@@ -70,9 +70,19 @@ def test_seeded_workers_are_reproducible_and_independent():
 
 
 def test_dataset_turns_auto_sharding_off():
-    ds = _workers()[1].dataset(2)
+    ds = PoissonLots(X, Y, sampling_rate=Q).dataset(2)
     assert ds.options().experimental_distribute.auto_shard_policy == tf.data.experimental.AutoShardPolicy.OFF
-    for x, _, w in ds:
+
+
+def test_one_workers_lots_through_distribute_only():
+    lots = _workers()[1]
+    for method in ("dataset", "as_py_dataset"):
+        with pytest.raises(ValueError, match=rf"lots.{method}\(\) with num_workers=2: .*lots.distribute\(strategy\)"):
+            getattr(lots, method)(2)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with pytest.raises(ValueError, match="num_workers=2 but the optimizer's MirroredStrategy runs 1 worker"):
+        lots.distribute(strategy)
+    for x, _, w in lots._dataset(2):  # what distribute() cuts per replica: this worker's shard only
         real = x.numpy()[w.numpy() > 0, 0].astype(int)
         assert np.all(real % W == 1)
 
