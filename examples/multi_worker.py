@@ -58,7 +58,7 @@ def launch(num_workers, argv, timeout):
     return max(codes)
 
 
-def train(args):
+def train(args, strategy=None):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -67,7 +67,9 @@ def train(args):
     from keras_dpsgd import PoissonLots, model_epsilon
     from keras_dpsgd._datasets import load_digits
 
-    if args.worker:
+    if strategy is not None:  # given by the caller (a test: one strategy per process)
+        workers, index = 1, 0
+    elif args.worker:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         workers, index = strategy.cluster_resolver.cluster_spec().num_tasks("worker"), strategy.cluster_resolver.task_id
     else:
@@ -95,13 +97,13 @@ def train(args):
     accuracy = float(np.mean(np.argmax(model.predict(data.x_test.reshape(len(data.x_test), -1), verbose=0), -1)
                              == data.y_test))
     if index == 0:
-        name = "MultiWorkerMirroredStrategy" if args.worker else "MirroredStrategy"
+        name = "MultiWorkerMirroredStrategy" if workers > 1 else "MirroredStrategy"
         print(json.dumps({"strategy": name, "replicas": strategy.num_replicas_in_sync,
                           "workers": workers, "noised_steps": int(optimizer.noised_steps.numpy()),
                           "epsilon": epsilon, "delta": delta, "test_accuracy": accuracy}))
 
 
-def main(argv=None):
+def main(argv=None, strategy=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--launch", type=int, default=None, metavar="W", help="start W workers on 127.0.0.1 (MWMS)")
@@ -116,7 +118,7 @@ def main(argv=None):
     if args.launch:
         rest = [a for i, a in enumerate(argv) if a != "--launch" and (i == 0 or argv[i - 1] != "--launch")]
         sys.exit(launch(args.launch, rest, args.timeout))
-    train(args)
+    train(args, strategy)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,18 @@ check and writes JSON); the tests below assert on the numbers:
 * noised_steps, ε, PrivacyLogger and WithinLimit count global steps once; the workers' Poisson
   lots summed are ~ Binomial(N, q);
 * BackupAndRestore and a .keras file keep the ledger (MirroredStrategy);
-* what the noise split does not cover is refused under R > 1.
+* what the noise split does not cover is refused under R > 1;
+* examples/multi_worker.py --smoke runs (in the mirrored process).
 """
 
-import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._dist_helpers import ROOT, run_mirrored, run_workers
+from tests._dist_helpers import run_mirrored, run_workers
 
 SCRIPT = Path(__file__).parent / "dist_scripts" / "keras3_distributed.py"
 
@@ -134,11 +131,7 @@ def test_refused_under_several_replicas(mirrored, what, match):
     assert re.search(match, mirrored["refusals"][what]), mirrored["refusals"][what]
 
 
-def test_the_example_runs_on_two_mirrored_devices():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "multi_worker.py"), "--smoke"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+def test_the_example_runs_on_two_mirrored_devices(mirrored):
+    out = mirrored["example"]  # examples/multi_worker.py --smoke, run in the mirrored process
     assert out["strategy"] == "MirroredStrategy" and out["replicas"] == 2 and out["noised_steps"] == 3
     assert 0 < out["epsilon"] < math.inf

@@ -230,6 +230,24 @@ def refusals():
     result["refusals"] = out
 
 
+def example():
+    """examples/multi_worker.py --smoke in this process, on this process's MirroredStrategy."""
+    import contextlib
+    import importlib.util
+    import io
+    import json
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
+                        "multi_worker.py")
+    spec = importlib.util.spec_from_file_location("multi_worker_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(["--smoke"], strategy=strategy)  # one strategy per process (collective keys)
+    result["example"] = json.loads(out.getvalue().strip().splitlines()[-1])
+
+
 CHECKS = {
     "flat": lambda: step_equals_oracle("flat", CLIP, reg=keras.regularizers.L2(0.01),
                                        with_noise_free_one_device=MODE == "mirrored"),
@@ -240,6 +258,7 @@ CHECKS = {
     "ledger": ledger_and_callbacks,
     "checkpoints": lambda: checkpoints(),
     "refusals": refusals,
+    "example": example,
 }
 # Under several workers only what differs from one machine (the rest is the same code, run mirrored).
 DEFAULT = list(CHECKS) if MODE == "mirrored" else ["flat", "noise_unseeded", "ledger"]
