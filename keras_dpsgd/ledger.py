@@ -79,6 +79,7 @@ import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from keras_dpsgd import _ledger_state as S, _validate
 from keras_dpsgd.accounting import (
@@ -141,7 +142,7 @@ class LedgerState(tf.Module):
     def __init__(self, name: str = "dpsgd_ledger_state"):
         super().__init__(name=name)
         with tf.init_scope():
-            self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
+            self.state = _local_string_variable("segments")
         self._refresh = None  # set by `attach`: syncs the state from the live counters
         self._trainer = None  # set by `attach` on the model's copy: returns its last DP optimizer
         self._model = None  # set by `attach` on the optimizer's copy: returns the model it trains
@@ -150,6 +151,18 @@ class LedgerState(tf.Module):
         if self._refresh is not None:
             self._refresh()
         return super()._trackable_children(*args, **kwargs)
+
+
+def _local_string_variable(name: str) -> tf.Variable:
+    """An empty string tf.Variable of this process, never a distributed one.
+
+    Under a ``tf.distribute`` strategy every worker keeps its own copy, written from the same
+    counters (MultiWorkerMirroredStrategy cannot broadcast a string initial value).
+    """
+    if not tf.distribute.has_strategy():
+        return tf.Variable("", dtype=tf.string, trainable=False, name=name)
+    # The class itself (not tf.Variable) bypasses the strategy's variable creator.
+    return resource_variable_ops.ResourceVariable("", dtype=tf.string, trainable=False, name=name)
 
 
 def _read_state(holder: Any) -> dict:

@@ -6,6 +6,15 @@ on the model side (:func:`keras_dpsgd.keras3.make_private`); it calls
 (``keras_dpsgd._step``) and the same per-example backends. ``apply`` accepts only gradients that
 came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but without the DP train
 step is refused at its first step.
+
+Under ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy`` with R replicas
+(``keras_dpsgd._distribute``): each replica clips its share of the lot, adds its own noise
+N(0, σ²C²/R) under a key of its own and divides by the global L; Keras's ``apply`` then SUMs the
+R gradients across replicas (``TFOptimizer._all_reduce_sum_gradients``) before one descent step
+on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device release. The counters
+(``noised_steps``, Keras's ``iterations``) are mirrored and counted once per step
+(``only_first_replica``). Gradient accumulation, Keras's clipnorm/clipvalue and the hooks' own
+releases are refused under R > 1 (``DPKeras3Mixin._refuse_unsplit_releases``).
 """
 
 from __future__ import annotations
@@ -13,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import _noise, _step, ledger
+from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._dp_classes import make_dp_class
 from keras_dpsgd._sanitizer import (
     DPSanitizerMixin,
@@ -56,8 +66,24 @@ class _State:
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     sigmas: list = dataclasses.field(default_factory=list)
     accumulation: int = 1  # Batches per lot (the DP gradient_accumulation_steps).
-    keras_view: int = 0  # > 0 while Keras's own code runs: it must see no accumulation of its own.
-    pending: list = dataclasses.field(default_factory=list)
+    # Per thread: a MirroredStrategy traces each replica's step in a thread of its own.
+    local: threading.local = dataclasses.field(default_factory=threading.local)
+
+    @property
+    def keras_view(self) -> int:
+        """> 0 while Keras's own code runs (in this thread): it must see no accumulation of its own."""
+        return getattr(self.local, "keras_view", 0)
+
+    @keras_view.setter
+    def keras_view(self, value: int) -> None:
+        self.local.keras_view = value
+
+    @property
+    def pending(self) -> list:
+        """The gradients of this thread's last release, the only ones ``apply`` accepts."""
+        if not hasattr(self.local, "pending"):
+            self.local.pending = []
+        return self.local.pending
 
 
 @dataclasses.dataclass
@@ -102,10 +128,17 @@ class DPKeras3Mixin:
         with tf.init_scope():
             self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
         self.expected_lot_size = expected_lot_size
-        self.noised_steps = self.add_variable((), initializer="zeros", dtype="int64", name="noised_steps")
+        # Counted once per step under a strategy (the replicas are in sync).
+        self.noised_steps = self.add_variable(
+            (), initializer="zeros", dtype="int64", aggregation="only_first_replica", name="noised_steps"
+        )
         with tf.init_scope():
-            # An un-noised count over the private data: a local diagnostic outside the ledger, never saved.
-            self._dp.nonfinite = tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+            # An un-noised count over the private data: a local diagnostic outside the ledger, never saved
+            # (each replica counts its examples; reading it sums them).
+            self._dp.nonfinite = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="nonfinite_examples",
+                synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+            )
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
         self._ledger_q_max = self.add_variable((), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate")
         self._ledger_sigma_min = self.add_variable(
@@ -330,8 +363,9 @@ class DPKeras3Mixin:
     def _checked_variables(self, variables: Sequence[Any]) -> list[tf.Variable]:
         """The TF variables of `variables`, which must be those the optimizer is built with."""
         variables = list(variables)
-        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies yet")
+        _distribute.check_strategy(type(self).__name__)
+        if _distribute.num_replicas() > 1:
+            self._refuse_unsplit_releases()
         if not self.built:
             with tf.init_scope():
                 self.build(variables)
@@ -342,6 +376,32 @@ class DPKeras3Mixin:
                 f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
             )
         return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+    def _refuse_unsplit_releases(self) -> None:
+        """Under R > 1 replicas: refuses what would act on one replica's share before the cross-replica
+        sum (Keras's clipnorm/clipvalue, a hook's own release), which the noise split does not cover."""
+        name = type(self).__name__
+        if self._dp.accumulation > 1:
+            raise ValueError(
+                f"{name}(gradient_accumulation_steps={self._dp.accumulation}) under {_distribute.num_replicas()} "
+                "replicas: the lot's one release would sit inside a conditional, where tf.distribute cannot "
+                "synchronize the replicas (merge_call); use gradient_accumulation_steps=1 with a global batch of "
+                "the whole lot (the replicas share it), or train on one device"
+            )
+        for option in ("clipnorm", "clipvalue", "global_clipnorm"):
+            if getattr(self, option, None) is not None:
+                raise ValueError(
+                    f"{name}({option}={getattr(self, option)!r}) under {_distribute.num_replicas()} replicas: Keras "
+                    "clips each replica's gradient before the cross-replica sum, where it holds only 1/R of the "
+                    f"noise; set {option}=None (the DP step clips per example with l2_norm_clip)"
+                )
+        for hook in ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step"):
+            if getattr(type(self), hook) is not getattr(DPKeras3Mixin, hook):
+                raise ValueError(
+                    f"{name} overrides {hook} (adaptive clipping, gradient canaries, ...): its own release is not "
+                    f"split across the {_distribute.num_replicas()} replicas of the strategy, which is supported "
+                    "for the plain DP optimizers only; train it on one device (no strategy, or OneDeviceStrategy)"
+                )
 
     def _group_bounds(self) -> tf.Tensor:
         """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
@@ -360,7 +420,8 @@ class DPKeras3Mixin:
         summed, sq_norms = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
-        return summed, tf.cast(tf.shape(per_example_loss)[0], tf.float32)
+        # Under a strategy the realized count is the whole lot's (all replicas): normalize, the hooks.
+        return summed, _distribute.global_sum(tf.cast(tf.shape(per_example_loss)[0], tf.float32))
 
     def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
         """Steps 4-5 on a lot's clipped sum (hooks add_noise, normalize), then the regularization
@@ -369,7 +430,8 @@ class DPKeras3Mixin:
         self.noised_steps.assign_add(1)
         self.on_noised_step(num_examples)
         if regularization_grads is not None:
-            grads = [g + tf.cast(r, g.dtype) for g, r in zip(grads, regularization_grads)]
+            # Every replica computes the same regularization gradient; the cross-replica sum adds R shares.
+            grads = [g + tf.cast(_distribute.replica_share(r), g.dtype) for g, r in zip(grads, regularization_grads)]
         grads = [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
         self._dp.pending[:] = grads
         return grads
@@ -384,11 +446,18 @@ class DPKeras3Mixin:
         As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``). Default: nothing."""
 
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v."""
+        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v.
+
+        Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
+        holds N(0, σ_v² C_v²) once (``keras_dpsgd._distribute``).
+        """
         groups = _step.clip_groups(len(summed), self.per_layer_clipping)
         stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), groups)
+        scale = _distribute.replica_noise_scale()
+        if scale != 1.0:
+            stds = stds * scale
         return [
-            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
+            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], _distribute.replica_key(self._noise_key(v)))
             for v, s in enumerate(summed)
         ]
 

@@ -397,7 +397,45 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
         total = total + tf.cast(regularization, total.dtype)
     batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
     self._loss_tracker.update_state(total, sample_weight=batch)
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if _is_multi_worker(self):
+        # Keras reduces each log with strategy.reduce("MEAN", v, axis=0) under several workers, which
+        # needs an axis: one value per replica, averaged into the scalar Keras logs.
+        logs = tf.nest.map_structure(lambda v: tf.reshape(v, [-1]) if v.shape.rank == 0 else v, logs)
+    return logs
+
+
+def _is_multi_worker(model: keras.Model) -> bool:
+    return isinstance(getattr(model, "_distribute_strategy", None), tf.distribute.MultiWorkerMirroredStrategy)
+
+
+def _reduce_first_batch_per_leaf(model: keras.Model) -> None:
+    """Under MultiWorkerMirroredStrategy: Keras's symbolic build reduces the first batch leaf by leaf.
+
+    Keras 3 (``TensorFlowTrainer._maybe_symbolic_build``) reads the first batch of a distributed
+    dataset and calls ``strategy.reduce("MEAN", (x, y, sample_weight))`` on the whole tuple,
+    which MultiWorkerMirroredStrategy refuses (it reduces one value at a time). This instance
+    (no Keras class is changed) reads that batch the same way and reduces each leaf; the batch
+    only gives shapes to build the model, never trains it.
+    """
+    if not _is_multi_worker(model) or "_maybe_symbolic_build" in vars(model):
+        return
+    strategy = model._distribute_strategy
+    build = model._maybe_symbolic_build
+
+    def reduce_leaf(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.reduce("MEAN", value, axis=None)
+        return value
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(reduce_leaf, next(batches))
+                break
+        return build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = maybe_symbolic_build
 
 
 def _overridden(model: keras.Model, method: str) -> bool:
@@ -429,6 +467,7 @@ def make_private(model: keras.Model) -> keras.Model:
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
     refuse_example_mixing(model)
     model.train_step = types.MethodType(_private_train_step, model)
+    _reduce_first_batch_per_leaf(model)
     setattr(model, _PRIVATE_ATTR, True)
     model.train_function = None  # Rebuilt on the next fit with the private step.
     return model

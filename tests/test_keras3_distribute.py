@@ -1,0 +1,137 @@
+"""Keras 3 DP-SGD under tf.distribute (issue 15): MirroredStrategy on 2 logical CPU devices and
+MultiWorkerMirroredStrategy with 2 worker processes on 127.0.0.1.
+
+Each strategy runs once, in fresh processes (tests/dist_scripts/keras3_distributed.py runs every
+check and writes JSON); the tests below assert on the numbers:
+
+* σ = 0: the update equals the one-example-at-a-time oracle on the same global lot (flat
+  clipping with a weight regularizer, per-layer clipping) and the one-device step;
+* the noise of one step has stddev σC/L, not √R·σC/L (nor σC/(√R·L): the replicas' draws are
+  independent), on 10 000 zero-gradient coordinates;
+* noised_steps, ε, PrivacyLogger and WithinLimit count global steps once; the workers' Poisson
+  lots summed are ~ Binomial(N, q);
+* BackupAndRestore and a .keras file keep the ledger (MirroredStrategy);
+* what the noise split does not cover is refused under R > 1;
+* examples/multi_worker.py --smoke runs (in the mirrored process).
+"""
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests._dist_helpers import run_mirrored, run_workers
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "keras3_distributed.py"
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    return run_mirrored(SCRIPT, devices=2, timeout=400, args=["mirrored"])
+
+
+@pytest.fixture(scope="module")
+def workers():
+    return run_workers(SCRIPT, num_workers=2, timeout=400, args=["mwms"])
+
+
+def _both(mirrored, workers):
+    return {"mirrored": mirrored, "worker 0": workers[0], "worker 1": workers[1]}
+
+
+def test_two_replicas(mirrored, workers):
+    assert mirrored["replicas"] == 2 and mirrored["workers"] == 1
+    assert [w["replicas"] for w in workers] == [2, 2] and [w["worker"] for w in workers] == [0, 1]
+
+
+@pytest.mark.parametrize("check", ["flat", "per_layer_realized"])
+def test_noise_free_step_equals_the_one_example_oracle(mirrored, workers, check):
+    runs = _both(mirrored, workers) if check == "flat" else {"mirrored": mirrored}
+    for where, run in runs.items():
+        out = run[check]
+        assert out["max_error"] < 1e-6 * max(1.0, out["scale"]) and out["scale"] > 1e-3, where
+        assert out["noised_steps"] == 1 and out["iterations"] == 1, where
+        if "one_device_error" in out:
+            assert out["one_device_error"] < 1e-6, where
+
+
+@pytest.mark.parametrize("check", ["noise_seeded_per_layer", "noise_unseeded"])
+def test_noise_stddev_is_sigma_c_over_l(mirrored, workers, check):
+    runs = _both(mirrored, workers) if check == "noise_unseeded" else {"mirrored": mirrored}
+    for where, run in runs.items():
+        out = run[check]
+        # 10 000 coordinates: the sample stddev is within 5 % (its own sd is ~0.7 %); the wrong
+        # scalings sqrt(2)·σC/L (noise added per replica, unsplit) and σC/(sqrt(2)·L) (one replica's
+        # noise, or the same draw twice cancelling nothing) are 41 % and 29 % away.
+        assert out["n"] == 10_000
+        assert abs(out["std"] / out["expected"] - 1) < 0.05, (where, out["std"], out["expected"])
+        assert abs(out["mean"]) < 5 * out["expected"] / math.sqrt(out["n"]), where
+        assert out["noised_steps"] == 1, where
+
+
+def test_seeded_noise_is_the_sum_of_two_independent_replica_draws(mirrored):
+    """The seeded update, recomputed here: -(n_0 + n_1)/L with n_r ~ N(0, σ²C²/2) under the key
+    noise_key(seed, step 0, variable 0) with r folded in (reproducible for a given R)."""
+    import tensorflow as tf
+
+    from keras_dpsgd import _noise, _step
+
+    out = mirrored["noise_seeded_per_layer"]
+    lot, std = 16, out["expected"] * 16 / math.sqrt(2)  # σC/√R per replica
+    draws = []
+    for r in range(2):
+        key = tf.random.experimental.stateless_fold_in(_step.noise_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64))
+        draws.append(_noise.add_gaussian(tf.zeros([100, 100]), std, key).numpy().ravel()[:8])
+    assert not np.allclose(draws[0], draws[1])  # independent keys
+    np.testing.assert_allclose(out["first"], -(draws[0] + draws[1]) / lot, rtol=1e-5, atol=1e-7)
+
+
+def test_unseeded_noise_differs_between_runs_and_keeps_the_workers_in_sync(mirrored, workers):
+    unseeded = [run["noise_unseeded"]["first"] for run in _both(mirrored, workers).values()]
+    assert unseeded[0] != unseeded[1] and unseeded[1] == unseeded[2]
+
+
+def test_ledger_and_callbacks_count_global_steps_once(mirrored, workers):
+    for where, run in _both(mirrored, workers).items():
+        out = run["ledger"]
+        assert out["noised_steps"] == 10 and out["iterations"] == 10, where  # WithinLimit stopped after 10
+        assert out["stopped"], where
+        np.testing.assert_allclose(out["logged"], out["expected_logged"], rtol=1e-12, err_msg=where)
+        assert out["epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
+        assert out["loaded_steps"] == 10, where  # a .keras file saved and loaded under the strategy
+        assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
+    assert workers[0]["ledger"]["unsharded_refused"] and workers[1]["ledger"]["unsharded_refused"]
+
+
+def test_poisson_lots_summed_over_the_workers_are_binomial(workers):
+    sizes = np.array(workers[0]["ledger"]["lot_sizes"]) + np.array(workers[1]["ledger"]["lot_sizes"])
+    n, q = workers[0]["ledger"]["n"], workers[0]["ledger"]["q"]
+    mean, var = n * q, n * q * (1 - q)
+    assert abs(sizes.mean() - mean) < 5 * math.sqrt(var / len(sizes))
+    assert abs(sizes.var(ddof=1) / var - 1) < 5 * math.sqrt(2 / len(sizes))
+    assert workers[0]["ledger"]["lot_sizes"] != workers[1]["ledger"]["lot_sizes"]  # independent streams
+    assert workers[0]["ledger"]["physical"] == workers[1]["ledger"]["physical"]  # one padded size
+
+
+def test_backup_and_restore_and_keras_files_keep_the_ledger(mirrored):
+    out = mirrored["checkpoints"]
+    assert out["resumed_steps"] == 9  # 2 epochs before the interruption + 1 after, 3 lots each
+    assert out["resumed_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12)
+    assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12)
+
+
+@pytest.mark.parametrize("what, match", [
+    ("adaptive", "overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+    ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
+    ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
+])
+def test_refused_under_several_replicas(mirrored, what, match):
+    assert re.search(match, mirrored["refusals"][what]), mirrored["refusals"][what]
+
+
+def test_the_example_runs_on_two_mirrored_devices(mirrored):
+    out = mirrored["example"]  # examples/multi_worker.py --smoke, run in the mirrored process
+    assert out["strategy"] == "MirroredStrategy" and out["replicas"] == 2 and out["noised_steps"] == 3
+    assert 0 < out["epsilon"] < math.inf
