@@ -41,6 +41,21 @@ Amplification by sub-sampling holds only while the lots stay secret. With
 ``seed=None`` (the default) the generator draws its seed from the operating
 system. A fixed ``seed`` is for tests and reproducible experiments; anyone who
 knows it knows every lot, which voids the amplification.
+
+Several workers
+---------------
+Under ``tf.distribute.MultiWorkerMirroredStrategy`` each of W workers samples its own shard:
+``PoissonLots(x, y, ..., num_workers=W, worker_index=w)`` owns the examples
+``{i : i % W == w}`` and puts each of them in the lot with the same q, independently. The union
+of the W workers' lots is then a Poisson(q) lot of the whole data set, the lot the accountant
+assumes (every example independently with probability q). Every worker pads to the same
+physical size (the capacity rule above applied to the largest shard, ``ceil(N/W)`` examples,
+rounded up to a multiple of ``replicas_per_worker`` so that the worker's replicas get equal
+parts), and the optimizer still divides by the global L = qN (``expected_lot_size``). The
+dataset turns ``tf.data`` auto-sharding off: each worker already holds its shard, and
+auto-sharding would drop some of its lots. Each worker's sampling is independent and secret:
+with ``seed=None`` each draws from its own OS entropy; a fixed seed is combined with the
+worker index (and known to whoever knows the seed).
 """
 
 from __future__ import annotations
@@ -137,6 +152,11 @@ class PoissonLots:
         default capacity, in (0, 1).
       seed: None (default: entropy from the operating system) or an integer
         for reproducible sampling (see "Secrecy of the sampling").
+      num_workers: W >= 1 workers, each sampling its shard (see "Several
+        workers" in the module docstring); 1: no sharding.
+      worker_index: w in [0, W): this worker's shard, the examples i % W == w.
+      replicas_per_worker: the replicas of this worker's strategy (its
+        devices); the physical batch size is a multiple of it.
 
     Raises:
       ValueError: on invalid arguments (the message names the argument).
@@ -154,6 +174,9 @@ class PoissonLots:
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
         seed: Optional[int] = None,
+        num_workers: int = 1,
+        worker_index: int = 0,
+        replicas_per_worker: int = 1,
     ):
         self._x = _as_numpy_structure(x, "x")
         self._y = _as_numpy_structure(y, "y")
@@ -183,20 +206,32 @@ class PoissonLots:
         else:
             q = _validate.in_range(0, n, "(]", expected_lot_size=expected_lot_size) / n
         self._q = q
+        self._workers = _validate.integer_in_range(1, n, num_workers=num_workers)
+        self._worker_index = _validate.integer_in_range(0, self._workers - 1, worker_index=worker_index)
+        self._shard = np.arange(self._worker_index, n, self._workers)  # i % W == w
+        replicas = _validate.integer_at_least(1, replicas_per_worker=replicas_per_worker)
         overflow_probability = _validate.in_range(0, 1, "()", overflow_probability=overflow_probability)
+        largest_shard = math.ceil(n / self.num_workers)
         if max_lot_size is None:
-            capacity = _lot_capacity(n, q, overflow_probability)
+            capacity = _lot_capacity(largest_shard, q, overflow_probability)
         else:
-            capacity = _validate.integer_in_range(1, n, max_lot_size=max_lot_size)
+            capacity = _validate.integer_in_range(1, largest_shard, max_lot_size=max_lot_size)
         if physical_batch_size is None:
-            self._physical = capacity
+            self._physical = math.ceil(capacity / replicas) * replicas
             self._accum = 1
         else:
             self._physical = _validate.integer_at_least(1, physical_batch_size=physical_batch_size)
+            if self._physical % replicas:
+                raise ValueError(
+                    f"physical_batch_size must be a multiple of replicas_per_worker={replicas} (each replica "
+                    f"gets an equal part), got {physical_batch_size!r}"
+                )
             self._accum = max(1, math.ceil(capacity / self._physical))
         self._capacity = self._physical * self._accum
         if seed is not None:
             seed = _validate.integer_at_least(0, seed=seed)
+            if self.num_workers > 1:
+                seed = [seed, self.num_workers, self.worker_index]  # One stream per worker.
         # One generator for the life of the object: a second iteration of the
         # dataset continues the stream instead of replaying the same lots.
         self._rng = np.random.default_rng(seed)
@@ -209,13 +244,28 @@ class PoissonLots:
         return self._n
 
     @property
+    def num_workers(self) -> int:
+        """W, the workers sampling a shard each (1: no sharding)."""
+        return self._workers
+
+    @property
+    def worker_index(self) -> int:
+        """w, this worker's shard: the examples i with i % W == w."""
+        return self._worker_index
+
+    @property
+    def shard_size(self) -> int:
+        """The examples of this worker's shard (N when W = 1)."""
+        return len(self._shard)
+
+    @property
     def sampling_rate(self) -> float:
         """q, the probability that an example is in a given lot."""
         return self._q
 
     @property
     def expected_lot_size(self) -> float:
-        """L = qN, the expected lot size (the optimizer's normalizer)."""
+        """L = qN, the expected lot size of the whole (global) lot: the optimizer's normalizer."""
         return self._q * self._n
 
     @property
@@ -248,9 +298,13 @@ class PoissonLots:
         """Draws one lot: the indices of the selected examples, in random order.
 
         Each example is selected independently with probability q (so the
-        size is Binomial(N, q)); the indices are distinct.
+        size is Binomial(N, q)); the indices are distinct. With W workers, the
+        examples of this worker's shard only (Binomial(shard_size, q)).
         """
-        selected = np.flatnonzero(self._rng.random(self._n) < self._q)
+        if self.num_workers == 1:
+            selected = np.flatnonzero(self._rng.random(self._n) < self._q)
+        else:
+            selected = self._shard[self._rng.random(len(self._shard)) < self._q]
         return self._rng.permutation(selected)
 
     def _physical_rows(self, lot_size: int) -> int:
@@ -366,9 +420,12 @@ class PoissonLots:
         indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
         size = tf.data.INFINITE_CARDINALITY if num_lots is None else int(num_lots) * self._accum
         indices = indices.apply(tf.data.experimental.assert_cardinality(size))
-        return indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(
-            tf.data.AUTOTUNE
-        )
+        batches = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        options = tf.data.Options()
+        # Each worker samples its own shard (or, with W = 1, the one worker is the whole lot):
+        # tf.distribute's auto-sharding would drop lots.
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return batches.with_options(options).prefetch(tf.data.AUTOTUNE)
 
     def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":
         """The lots as a Keras 3 ``keras.utils.PyDataset``: endless, or `num_lots` lots per epoch.
@@ -401,8 +458,10 @@ class PoissonLots:
 
         Raises:
           ValueError: if the optimizer's gradient_accumulation_steps differs
-            from this sampler's.
+            from this sampler's, or the optimizer's strategy has another number
+            of workers than `num_workers`.
         """
+        _check_workers(self.num_workers, getattr(optimizer, "_distribution_strategy", None))
         accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
         if accum != self._accum:
             raise ValueError(
@@ -448,6 +507,29 @@ class PoissonLots:
                 raise ValueError("sample_weight given twice: in the dataset and as an argument")
             kwargs["sample_weight"] = stacked[2]
         return cls(stacked[0], stacked[1], **kwargs)
+
+
+def strategy_workers(strategy: Any) -> int:
+    """The workers of a ``tf.distribute`` strategy (1 for one machine)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return 1
+    spec = resolver.cluster_spec().as_dict()
+    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
+
+
+def _check_workers(num_workers: int, strategy: Any) -> None:
+    """Refuses a sampler whose shards do not match the strategy's workers."""
+    if strategy is None:
+        return
+    workers = strategy_workers(strategy)
+    if workers != num_workers:
+        raise ValueError(
+            f"PoissonLots has num_workers={num_workers} but the optimizer's {type(strategy).__name__} runs "
+            f"{workers} worker(s): each worker must sample its own shard (PoissonLots(..., "
+            f"num_workers={workers}, worker_index=<this worker's index>)), so that the union of the workers' "
+            "lots is one Poisson lot of the data set"
+        )
 
 
 class PoissonLotsPyDataset(keras.utils.PyDataset):
