@@ -79,6 +79,7 @@ import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from keras_dpsgd import _ledger_state as S, _validate
 from keras_dpsgd.accounting import (
@@ -125,6 +126,18 @@ def _warn_once(key: Any, message: str, *args) -> None:
         _LOG.warning(message, *args)
 
 
+def _local_string_variable(name: str) -> tf.Variable:
+    """A scalar string variable that is not distributed, even inside a ``tf.distribute`` scope.
+
+    MultiWorkerMirroredStrategy broadcasts every variable's initial value with collective ops,
+    which carry no strings. The ledger is host-side state, written in eager mode from the
+    optimizer's step counter, which every worker and replica holds identically: one plain copy
+    per process is the same on all of them, and the chief's is the one a checkpoint writes.
+    (The class is called directly: ``tf.Variable`` would go through the strategy's creator.)
+    """
+    return resource_variable_ops.ResourceVariable("", dtype=tf.string, trainable=False, name=name)
+
+
 class LedgerState(tf.Module):
     """Checkpointable record of the DP-SGD segments of a run.
 
@@ -141,7 +154,7 @@ class LedgerState(tf.Module):
     def __init__(self, name: str = "dpsgd_ledger_state"):
         super().__init__(name=name)
         with tf.init_scope():
-            self.state = tf.Variable("", dtype=tf.string, trainable=False, name="segments")
+            self.state = _local_string_variable("segments")
         self._refresh = None  # set by `attach`: syncs the state from the live counters
         self._trainer = None  # set by `attach` on the model's copy: returns its last DP optimizer
         self._model = None  # set by `attach` on the optimizer's copy: returns the model it trains
