@@ -60,7 +60,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _noise, _step, ledger
+from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
@@ -235,8 +235,12 @@ class DPSanitizerMixin:
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
             # A count over the private data, not noised: a local diagnostic outside
             # the ledger, never saved (untracked, not in `_variables`).
+            # Under a strategy: each replica counts its own examples, a read sums them (ON_READ, SUM).
             self.nonfinite_examples = self._no_dependency(
-                tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+                tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="nonfinite_examples",
+                    synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+                )
             )
             # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
             # format saves optimizer variables but not the ledger's segments.
@@ -495,7 +499,8 @@ class DPSanitizerMixin:
         nonfinite = tf.logical_not(finite[-1][:, 0])
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
-        return summed, tf.cast(tf.shape(loss)[0], tf.float32)
+        # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
+        return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Hook called once per batch inside the traced step with sq_norms [B, V].
@@ -513,17 +518,20 @@ class DPSanitizerMixin:
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """Step 4, overridable: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
         stds = _step.noise_stddevs(self._sigmas, self._group_bounds(), self._clip_groups())
+        stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (``_distribute``)
         return [
             s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
             for v, s in enumerate(summed)
         ]
 
     def _noise_seed(self, index: int) -> tf.Tensor:
-        """The [2] int64 key of one draw of noise (``index``: which tensor of the step)."""
+        """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
+        replica's own under a strategy (``_distribute.replica_key``)."""
         if self._seed is None:
-            return self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        # Reproducible and resumable: a function of (seed, noised step, variable).
-        return _step.noise_key(self._seed, self.noised_steps.read_value(), index)
+            key = self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        else:  # Reproducible and resumable: a function of (seed, noised step, variable[, replica]).
+            key = _step.noise_key(self._seed, self.noised_steps.read_value(), index)
+        return _distribute.replica_key(key)
 
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's
@@ -540,9 +548,27 @@ class DPSanitizerMixin:
         ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""
 
     # ------------------------------------------------------ optimizer API
+    def _check_distribution(self) -> None:
+        """At trace time: the strategy is one the split-noise step supports (``_distribute``), and
+        what is not derived or tested for several replicas is refused."""
+        name = type(self).__name__
+        _distribute.check_strategy(name)
+        replicas = _distribute.num_replicas()
+        if replicas == 1:
+            return
+        if self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                f"{name} with gradient_accumulation_steps = {self.gradient_accumulation_steps} is not "
+                f"supported under {type(_distribute.current_strategy()).__name__} with {replicas} replicas: "
+                "the lot's release would need a cross-replica sum inside a conditional. Use "
+                "gradient_accumulation_steps=1 with a larger global batch (more replicas or workers)."
+            )
+        refused = getattr(self, "_refused_under_replicas", None)
+        if refused:
+            raise ValueError(f"{name} is not supported with {replicas} replicas: {refused}")
+
     def _prepare(self, loss, var_list, tape):
-        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies")
+        self._check_distribution()
         if callable(var_list):
             var_list = var_list()
         var_list = list(var_list)
@@ -567,7 +593,7 @@ class DPSanitizerMixin:
                 reg_tape.watch(var_list)
                 value = regularization()
             reg_grads = reg_tape.gradient(value, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
         elif regularization is not None:
             if not getattr(tape, "_persistent", False):
                 raise ValueError(
@@ -575,7 +601,7 @@ class DPSanitizerMixin:
                     "the regularization gradient and the per-example gradients are two tape queries"
                 )
             reg_grads = tape.gradient(regularization, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
         return loss, var_list, tape, reg_grads
 
     def _release(self, summed, num_examples, reg_grads):

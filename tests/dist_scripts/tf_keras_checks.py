@@ -1,0 +1,189 @@
+"""The tf_keras DP step under tf.distribute: the checks, shared by the MirroredStrategy child and the
+MultiWorkerMirroredStrategy workers (``tests/test_tf_keras_distribute.py``).
+
+Each check returns JSON-able numbers; the test asserts on them. The oracle of the σ = 0 step is a
+loop over the examples one at a time (numpy clip, sum, divide by L, SGD); the one-device step runs
+in the same process under the default strategy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+import keras_dpsgd.tf_keras as kt
+from keras_dpsgd import ledger
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+
+GLOBAL_BATCH = 8
+CLIP = 0.5
+LR = 0.5
+WEIGHT_DECAY_L2 = 0.05
+
+
+def data(num: int = GLOBAL_BATCH, dim: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(num, dim)).astype(np.float32)
+    y = rng.normal(size=(num, 1)).astype(np.float32)
+    return x, y
+
+
+def _model(regularized: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(1)
+    reg = keras.regularizers.L2(WEIGHT_DECAY_L2) if regularized else None
+    return keras.Sequential([
+        keras.Input((5,)),
+        keras.layers.Dense(4, activation="tanh", kernel_regularizer=reg),
+        keras.layers.Dense(1),
+    ])
+
+
+def _loss() -> keras.losses.Loss:
+    return keras.losses.MeanSquaredError(reduction="none")
+
+
+def one_step(strategy: tf.distribute.Strategy, variant: str, x, y, batch: int = GLOBAL_BATCH) -> list[np.ndarray]:
+    """Weights after one σ = 0 step of fit on the global batch (x, y) under `strategy`."""
+    with strategy.scope():
+        model = _model(regularized=variant == "make_private")
+        clip = [CLIP] * 4 if variant == "per_layer" else CLIP
+        lot = None if variant == "realized" else float(len(x))
+        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot)
+        if variant == "make_private":
+            model = kt.make_private(model)
+        model.compile(optimizer=opt, loss=_loss())
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.trainable_variables]
+
+
+def oracle_step(variant: str, x, y) -> list[np.ndarray]:
+    """One example at a time: g_i, clipped (flat or per variable), summed, / L, plus the L2 gradient."""
+    model = _model(regularized=variant == "make_private")
+    variables = model.trainable_variables
+    total = [np.zeros(v.shape, np.float32) for v in variables]
+    for i in range(len(x)):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(_loss()(y[i : i + 1], model(x[i : i + 1])))
+        grads = [g.numpy() for g in tape.gradient(loss, variables)]
+        if variant == "per_layer":
+            grads = [g * min(1.0, CLIP / np.linalg.norm(g)) for g in grads]
+        else:
+            norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+            grads = [g * min(1.0, CLIP / norm) for g in grads]
+        total = [t + g for t, g in zip(total, grads)]
+    new = []
+    for i, (v, t) in enumerate(zip(variables, total)):
+        g = t / len(x)
+        if variant == "make_private" and i == 0:
+            g = g + 2 * WEIGHT_DECAY_L2 * v.numpy()
+        new.append(v.numpy() - LR * g)
+    return new
+
+
+def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
+
+
+def noise_std(strategy: tf.distribute.Strategy, seed: int | None, sigma: float = 1.0, clip: float = 1.0,
+              lot: float = 8.0, dim: int = 100) -> list[float]:
+    """One step on a zero gradient (x = 0, no bias): the update is -lr·noise/L; returns it flat."""
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((dim,)), keras.layers.Dense(dim, use_bias=False)])
+        w0 = model.trainable_variables[0].numpy()
+        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=sigma, learning_rate=1.0,
+                                expected_lot_size=lot, seed=seed)
+        model.compile(optimizer=opt, loss=_loss())
+    x = np.zeros((GLOBAL_BATCH, dim), np.float32)
+    model.fit(x, x, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    return (w0 - model.trainable_variables[0].numpy()).ravel()
+
+
+def refusal(strategy: tf.distribute.Strategy, kind: str) -> str:
+    """The message of the ValueError a refused configuration raises at its first step ('' if none)."""
+    x, y = data()
+    with strategy.scope():
+        model = _model()
+        if kind == "accumulation":
+            opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2,
+                                    expected_lot_size=16.0)
+        else:
+            opt = kt.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, 1.0, expected_lot_size=8.0)
+        model.compile(optimizer=opt, loss=_loss())
+    try:
+        model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, verbose=0)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def checkpoint_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 2, n: int = 64,
+                     sigma: float = 1.1) -> dict:
+    """k steps of fit, a tf.train.Checkpoint, a fresh model and optimizer under the strategy that
+    restore it and take k more: noised_steps, iterations, the ledger's and PrivacyLogger's ε, and
+    the accountant's for 2k steps at (q, σ)."""
+    from keras_dpsgd import PrivacyLogger
+
+    q = GLOBAL_BATCH / n
+    x, y = data(steps * GLOBAL_BATCH)
+
+    def build():
+        with strategy.scope():
+            model = _model()
+            opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.1,
+                                    expected_lot_size=float(GLOBAL_BATCH), sampling_rate=q)
+            model.compile(optimizer=opt, loss=_loss())
+        return model, opt
+
+    model, opt = build()
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    first = {"noised_steps": int(opt.noised_steps.numpy()),
+             "epsilon": float(ledger.model_epsilon(model, target_delta=1e-5, num_examples=n)[0])}
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(directory + "/ckpt")
+    model2, opt2 = build()
+    with strategy.scope():
+        tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    restored = int(opt2.noised_steps.numpy())
+    logger = PrivacyLogger(target_delta=1e-5, num_examples=n)
+    history = model2.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[logger])
+    return {
+        "first": first,
+        "first_truth": float(compute_epsilon([PoissonSampledGaussianEvent(q, sigma, steps)], 1e-5)),
+        "restored_steps": restored,
+        "noised_steps": int(opt2.noised_steps.numpy()),
+        "iterations": int(opt2.iterations.numpy()),
+        "epsilon": float(ledger.model_epsilon(model2, target_delta=1e-5, num_examples=n)[0]),
+        "logged_epsilon": float(history.history["epsilon"][-1]),
+        "truth": float(compute_epsilon([PoissonSampledGaussianEvent(q, sigma, 2 * steps)], 1e-5)),
+    }
+
+
+def poisson_fit(strategy: tf.distribute.Strategy, worker: int, workers: int, steps: int = 3, sigma: float = 1.1) -> dict:
+    """Poisson lots sharded over the workers (one lot per step, ``distribute_datasets_from_function``):
+    noised_steps, the ledger's ε and the accountant's for k steps at the sampler's q."""
+    from keras_dpsgd import PoissonLots
+
+    x, y = data(64)
+    lots = PoissonLots(x, y, expected_lot_size=8.0, num_workers=workers, worker_index=worker, seed=5,
+                       replicas_per_worker=strategy.num_replicas_in_sync // workers)
+    with strategy.scope():
+        model = _model()
+        opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.1)
+        lots.configure(opt)
+        model.compile(optimizer=opt, loss=_loss())
+    dataset = strategy.distribute_datasets_from_function(lambda context: lots.dataset())
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
+    eps, _ = ledger.model_epsilon(model, target_delta=1e-5, num_examples=64)
+    truth = compute_epsilon([PoissonSampledGaussianEvent(lots.sampling_rate, sigma, steps)], 1e-5)
+    return {"noised_steps": int(opt.noised_steps.numpy()), "epsilon": float(eps), "truth": float(truth),
+            "expected_lot_size": float(opt.expected_lot_size), "weights": float(sum(np.sum(w) for w in model.get_weights()))}
+
+
+def lot_sizes(worker: int, workers: int, n: int = 200, q: float = 0.1, num_lots: int = 200) -> list[int]:
+    """The real (weight-1) rows of each of this worker's `num_lots` sharded Poisson lots."""
+    from keras_dpsgd import PoissonLots
+
+    x = np.zeros((n, 1), np.float32)
+    lots = PoissonLots(x, x, sampling_rate=q, num_workers=workers, worker_index=worker, seed=9)
+    return [int(np.sum(w)) for _, _, w in lots.dataset(num_lots).as_numpy_iterator()]
