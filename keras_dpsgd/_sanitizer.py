@@ -556,12 +556,13 @@ class DPSanitizerMixin:
         replicas = _distribute.num_replicas()
         if replicas == 1:
             return
-        if self.gradient_accumulation_steps > 1:
+        if self.gradient_accumulation_steps > 1 and (self.use_ema or self.weight_decay):
             raise ValueError(
-                f"{name} with gradient_accumulation_steps = {self.gradient_accumulation_steps} is not "
-                f"supported under {type(_distribute.current_strategy()).__name__} with {replicas} replicas: "
-                "the lot's release would need a cross-replica sum inside a conditional. Use "
-                "gradient_accumulation_steps=1 with a larger global batch (more replicas or workers)."
+                f"{name} with gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
+                f"weight_decay={self.weight_decay!r} and use_ema={self.use_ema!r} is not supported with "
+                f"{replicas} replicas: tf_keras applies weight decay and the moving average at every batch "
+                "there, not once per lot. Use weight_decay=None and use_ema=False (a kernel_regularizer with "
+                "keras_dpsgd.tf_keras.make_private instead of weight decay), or gradient_accumulation_steps=1."
             )
         refused = getattr(self, "_refused_under_replicas", None)
         if refused:
@@ -605,13 +606,21 @@ class DPSanitizerMixin:
         return loss, var_list, tape, reg_grads
 
     def _release(self, summed, num_examples, reg_grads):
-        """Steps 4-5 and the regularization gradient (no clip, no noise)."""
-        del self._sanitized_grads[:]
+        """Steps 4-5 and the regularization gradient (no clip, no noise), pending for apply_gradients."""
+        return self._pending(self._noised(summed, num_examples, reg_grads))
+
+    def _noised(self, summed, num_examples, reg_grads):
+        """Steps 4-5 (``noised_steps`` + 1, ``on_noised_step``) plus the regularization gradient."""
         grads = self.normalize(self.add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
         self.on_noised_step(num_examples)
         if reg_grads is not None:
             grads = [g + r for g, r in zip(grads, reg_grads)]
+        return grads
+
+    def _pending(self, grads):
+        """Marks `grads` as the sanitized gradients the next apply_gradients may apply."""
+        del self._sanitized_grads[:]
         self._sanitized_grads.extend(grads)
         return grads
 
@@ -663,22 +672,70 @@ class DPSanitizerMixin:
             acc.assign_add(s)
         self._accum_examples.assign_add(num_examples)
         self._accum_batches.assign_add(1)
+        if _distribute.num_replicas() > 1:
+            self._release_lot_across_replicas(var_list, reg_grads)
+            return
 
         def release_lot():
             lot = [acc.read_value() for acc in self._accumulators]
             grads = self._release(lot, self._accum_examples.read_value(), reg_grads)
             self.apply_gradients(list(zip(grads, var_list)))
-            for acc in self._accumulators:
-                acc.assign(tf.zeros_like(acc))
-            self._accum_examples.assign(0.0)
-            self._accum_batches.assign(0)
-            return tf.constant(True)
+            return self._reset_lot()
 
-        tf.cond(
-            self._accum_batches >= self.gradient_accumulation_steps,
-            release_lot,
-            lambda: tf.constant(False),
-        )
+        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
+
+    def _lot_complete(self) -> tf.Tensor:
+        """True on the last batch of a lot (the same on every replica: each counts the batches)."""
+        return self._accum_batches >= self.gradient_accumulation_steps
+
+    def _reset_lot(self) -> tf.Tensor:
+        for acc in self._accumulators:
+            acc.assign(tf.zeros_like(acc))
+        self._accum_examples.assign(0.0)
+        self._accum_batches.assign(0)
+        return tf.constant(True)
+
+    def _release_lot_across_replicas(self, var_list, reg_grads) -> None:
+        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
+
+        The cross-replica sum of tf_keras's ``apply_gradients`` is a synchronization point, which
+        tf.distribute cannot run inside a ``tf.cond``: so every batch goes through it. Each replica
+        holds its own partial sums (the accumulators are updated in replica context, one copy per
+        replica) and, on the lot's last batch only, releases them noised by σC/√R and divided by
+        the global L (``_noised``, inside the conditional, with no synchronization); on other
+        batches it contributes zeros. The descent rule and the step counter are applied only on
+        the last batch (``_distributed_apply_gradients_fn``). The cost: one gradient all-reduce
+        per batch instead of one per lot.
+        """
+        complete = self._lot_complete()
+        lot = lambda: self._noised([acc.read_value() for acc in self._accumulators],  # noqa: E731
+                                   self._accum_examples.read_value(), reg_grads)
+        grads = tf.cond(complete, lot, lambda: [tf.zeros_like(v) for v in var_list])
+        self._gate_updates = True
+        try:
+            self.apply_gradients(list(zip(self._pending(list(grads)), var_list)))
+        finally:
+            self._gate_updates = False
+        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
+
+    def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
+        """tf_keras's cross-replica update; under accumulation with R > 1 only on a lot's last batch."""
+        if not getattr(self, "_gate_updates", False):
+            return super()._distributed_apply_gradients_fn(distribution, grads_and_vars, **kwargs)
+
+        def update(var, grad):
+            def apply():
+                if self.jit_compile:
+                    self._update_step_xla(grad, var, id(self._var_key(var)))
+                else:
+                    self._update_step(grad, var)
+                return tf.constant(True)
+
+            return tf.cond(self._lot_complete(), apply, lambda: tf.constant(False))
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, update, args=(grad,), group=False)
+        return self.iterations.assign_add(tf.cast(self._lot_complete(), self.iterations.dtype))
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """Applies gradients that came out of this optimizer's sanitizer only."""

@@ -55,6 +55,7 @@ def test_mirrored_sigma_zero_step_is_the_one_device_step(mirrored):
         assert step.get("vs_one_device", 0.0) < EXACT, (variant, step)
         assert step["moved"] > 1e-3, (variant, step)
     assert {"flat", "make_private"} <= {v for v, s in mirrored["steps"].items() if "vs_one_device" in s}
+    assert "accumulation" in mirrored["steps"]  # one lot of 2 batches, the partial third discarded
 
 
 def test_mirrored_noise_is_sigma_c_over_l(mirrored):
@@ -62,6 +63,8 @@ def test_mirrored_noise_is_sigma_c_over_l(mirrored):
     assert noise["count"] == 10_000
     _check_noise(noise)
     assert abs(noise["seeded_mean"]) < 5 * noise["expected_std"] / math.sqrt(noise["count"])
+    # Accumulating 2 batches into one lot of L = 8: still one draw of σC/L (not one per batch).
+    assert abs(noise["accumulated_std"] - noise["expected_std"]) < 5 * noise["expected_std"] / math.sqrt(2 * 10_000)
 
 
 def test_mirrored_epsilon_is_the_accountants_and_survives_a_checkpoint(mirrored):
@@ -74,8 +77,8 @@ def test_mirrored_epsilon_is_the_accountants_and_survives_a_checkpoint(mirrored)
 
 
 def test_mirrored_refusals(mirrored):
-    accumulation, adaptive = mirrored["refusals"]["accumulation"], mirrored["refusals"]["adaptive"]
-    assert "gradient_accumulation_steps = 2 is not supported under MirroredStrategy with 2 replicas" in accumulation
+    accumulation, adaptive = mirrored["refusals"]["accumulation_weight_decay"], mirrored["refusals"]["adaptive"]
+    assert "gradient_accumulation_steps = 2, weight_decay=0.01 and use_ema=False is not supported with 2" in accumulation
     assert "AdaptiveDPSGDOptimizer is not supported with 2 replicas: adaptive clipping" in adaptive
 
 
@@ -116,3 +119,23 @@ def test_central_storage_strategy_is_refused():
         model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
     with pytest.raises(ValueError, match="DPSGDOptimizer does not support CentralStorageStrategy"):
         model.fit(np.zeros((4, 2), np.float32), np.zeros((4, 1), np.float32), batch_size=4, verbose=0)
+
+
+def test_fit_frame_is_found_from_a_replica_thread():
+    # MirroredStrategy traces each replica's step in a thread of its own; the lot-alignment check
+    # (steps_per_epoch a multiple of gradient_accumulation_steps with Poisson lots) reads fit's frame.
+    import threading
+
+    from keras_dpsgd import ledger
+
+    model, other, found = keras.Sequential([keras.Input((1,))]), keras.Sequential([keras.Input((1,))]), []
+
+    def fit(self):  # the frame fit_frame looks for: named fit, whose self is the model
+        thread = threading.Thread(target=lambda: found.append(ledger.fit_frame(model)))
+        thread.start()
+        thread.join()
+
+    fit(other)
+    fit(model)
+    assert found[0] is None and found[1].f_locals["self"] is model
+    assert ledger.fit_frame(model) is None

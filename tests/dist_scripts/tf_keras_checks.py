@@ -44,21 +44,34 @@ def _loss() -> keras.losses.Loss:
 
 
 def one_step(strategy: tf.distribute.Strategy, variant: str, x, y, batch: int = GLOBAL_BATCH) -> list[np.ndarray]:
-    """Weights after one σ = 0 step of fit on the global batch (x, y) under `strategy`."""
+    """Weights after one σ = 0 step of fit on the global batch (x, y) under `strategy`.
+
+    "accumulation": x holds 3 batches; the first two form one lot (k = 2), the third is an
+    incomplete lot that fit discards (momentum 0.9: an update applied on it would move the weights).
+    """
+    accumulation = variant == "accumulation"
     with strategy.scope():
         model = _model(regularized=variant == "make_private")
         clip = [CLIP] * 4 if variant == "per_layer" else CLIP
-        lot = None if variant == "realized" else float(len(x))
-        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot)
+        lot = None if variant == "realized" else float(2 * batch if accumulation else len(x))
+        extra = dict(gradient_accumulation_steps=2, momentum=0.9) if accumulation else {}
+        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot,
+                                **extra)
         if variant == "make_private":
             model = kt.make_private(model)
         model.compile(optimizer=opt, loss=_loss())
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    if accumulation:
+        assert int(opt.noised_steps.numpy()) == int(opt.iterations.numpy()) == 1, "one lot, one update"
+        assert opt.discarded_lots == 1 and opt.discarded_batches == 1, "the third batch is discarded"
     return [w.numpy() for w in model.trainable_variables]
 
 
 def oracle_step(variant: str, x, y) -> list[np.ndarray]:
-    """One example at a time: g_i, clipped (flat or per variable), summed, / L, plus the L2 gradient."""
+    """One example at a time: g_i, clipped (flat or per variable), summed, / L, plus the L2 gradient
+    ("accumulation": the lot is the first two batches)."""
+    if variant == "accumulation":
+        x, y = x[: 2 * GLOBAL_BATCH], y[: 2 * GLOBAL_BATCH]
     model = _model(regularized=variant == "make_private")
     variables = model.trainable_variables
     total = [np.zeros(v.shape, np.float32) for v in variables]
@@ -86,16 +99,16 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 
 def noise_std(strategy: tf.distribute.Strategy, seed: int | None, sigma: float = 1.0, clip: float = 1.0,
-              lot: float = 8.0, dim: int = 100) -> list[float]:
-    """One step on a zero gradient (x = 0, no bias): the update is -lr·noise/L; returns it flat."""
+              lot: float = 8.0, dim: int = 100, accumulation: int = 1) -> list[float]:
+    """One lot on a zero gradient (x = 0, no bias): the update is -lr·noise/L; returns it flat."""
     keras.utils.set_random_seed(2)
     with strategy.scope():
         model = keras.Sequential([keras.Input((dim,)), keras.layers.Dense(dim, use_bias=False)])
         w0 = model.trainable_variables[0].numpy()
         opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=sigma, learning_rate=1.0,
-                                expected_lot_size=lot, seed=seed)
+                                expected_lot_size=lot, seed=seed, gradient_accumulation_steps=accumulation)
         model.compile(optimizer=opt, loss=_loss())
-    x = np.zeros((GLOBAL_BATCH, dim), np.float32)
+    x = np.zeros((GLOBAL_BATCH * accumulation, dim), np.float32)
     model.fit(x, x, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
     return (w0 - model.trainable_variables[0].numpy()).ravel()
 
@@ -105,9 +118,9 @@ def refusal(strategy: tf.distribute.Strategy, kind: str) -> str:
     x, y = data()
     with strategy.scope():
         model = _model()
-        if kind == "accumulation":
+        if kind == "accumulation_weight_decay":
             opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2,
-                                    expected_lot_size=16.0)
+                                    expected_lot_size=16.0, weight_decay=0.01)
         else:
             opt = kt.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, 1.0, expected_lot_size=8.0)
         model.compile(optimizer=opt, loss=_loss())

@@ -22,10 +22,12 @@ strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 single = tf.distribute.get_strategy()
 x, y = checks.data()
 result = {"replicas": strategy.num_replicas_in_sync, "steps": {}}
-for variant in ("flat", "per_layer", "make_private"):  # "realized": in the MWMS workers
-    mirrored = checks.one_step(strategy, variant, x, y)
+x3, y3 = checks.data(3 * checks.GLOBAL_BATCH)
+for variant in ("flat", "per_layer", "make_private", "accumulation"):  # "realized": in the MWMS workers
+    xv, yv = (x3, y3) if variant == "accumulation" else (x, y)
+    mirrored = checks.one_step(strategy, variant, xv, yv)
     result["steps"][variant] = {
-        "vs_oracle": checks.max_diff(mirrored, checks.oracle_step(variant, x, y)),
+        "vs_oracle": checks.max_diff(mirrored, checks.oracle_step(variant, xv, yv)),
         "moved": checks.max_diff(mirrored, [w.numpy() for w in checks._model().trainable_variables]),
     }
     if variant in ("flat", "make_private"):  # the one-device step (the oracle checks the others)
@@ -38,8 +40,9 @@ result["noise"] = {
     "unseeded_std": float(np.std(checks.noise_std(strategy, seed=None))),
     "head": seeded[:50].tolist(),  # the workers' seeded run (same seed, same R) must draw the same
     "count": int(seeded.size),
+    "accumulated_std": float(np.std(checks.noise_std(strategy, seed=3, accumulation=2))),  # one draw per lot
 }
-result["refusals"] = {kind: checks.refusal(strategy, kind) for kind in ("accumulation", "adaptive")}
+result["refusals"] = {kind: checks.refusal(strategy, kind) for kind in ("accumulation_weight_decay", "adaptive")}
 with tempfile.TemporaryDirectory() as tmp:
     result["epsilon"] = checks.checkpoint_check(strategy, tmp)
 write_result(result)
