@@ -10,7 +10,7 @@ before TensorFlow starts), one launch per strategy running every check of
 * the noise of one step has std σC/L, not √R·σC/L (nor σC/(√R·L), the noise of one replica):
   10 000 coordinates of a zero-gradient step, seeded (reproducible) and unseeded;
 * after k steps ``noised_steps`` == k and the ledger's ε (and PrivacyLogger's) is the
-  accountant's for k steps; a checkpoint restored under the strategy keeps it;
+  accountant's for k steps; BackupAndRestore under the strategy keeps it;
 * MultiWorkerMirroredStrategy (2 workers on 127.0.0.1): the same, with Poisson lots sharded over
   the workers, whose summed sizes are Binomial(N, q) (statistical bounds at 5 standard errors).
 """
@@ -67,11 +67,12 @@ def test_mirrored_noise_is_sigma_c_over_l(mirrored):
     assert abs(noise["accumulated_std"] - noise["expected_std"]) < 5 * noise["expected_std"] / math.sqrt(2 * 10_000)
 
 
-def test_mirrored_epsilon_is_the_accountants_and_survives_a_checkpoint(mirrored):
+def test_mirrored_epsilon_is_the_accountants_and_survives_backup_and_restore(mirrored):
     e = mirrored["epsilon"]
     assert e["first"]["noised_steps"] == 2  # once per global step, not once per replica
     assert e["first"]["epsilon"] == pytest.approx(e["first_truth"], rel=1e-9)
-    assert e["restored_steps"] == 2 and e["noised_steps"] == 4 and e["iterations"] == 4
+    assert e["epochs_run"] == 1  # resumed at the second epoch
+    assert e["noised_steps"] == 4 and e["iterations"] == 4
     assert e["epsilon"] == pytest.approx(e["truth"], rel=1e-9)
     assert e["logged_epsilon"] == pytest.approx(e["truth"], rel=1e-9)
 
