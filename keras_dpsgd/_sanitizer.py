@@ -39,6 +39,19 @@ exactly the released lots. With a known ``sampling_rate`` (``PoissonLots``),
 later lot of the Poisson stream. In a custom training loop, call
 ``discard_partial_lot()`` wherever a lot is interrupted.
 
+Several replicas (``tf.distribute.MirroredStrategy``, ``MultiWorkerMirroredStrategy``; the
+derivation is in ``keras_dpsgd._distribute``): each of the R replicas clips its share of the batch,
+adds N(0, σ²C²/R) with a key of its own and divides by the global L; tf_keras's ``apply_gradients``
+SUMs the gradients over the replicas (``aggregate_gradients``; with ``reduction="none"`` the
+compiled loss is not scaled by 1/R), which gives (ΣS_r + N(0, σ²C²))/L, the one-device release.
+The step's variables count once per global step: ``noised_steps`` and the accumulators are updated
+in replica context, each replica its own copy (aggregation NONE: the copies stay equal for the
+counter, and hold each replica's partial sum for the accumulators); ``nonfinite_examples`` is
+ON_READ/SUM. The realized lot size is all-reduced; a weight-regularizer gradient, computed
+identically on every replica, is added as 1/R of it. Accumulation releases its lot with one
+cross-replica sum per batch (``_release_lot_across_replicas``). Adaptive clipping, and weight decay
+or EMA with accumulation, are refused under R > 1 (``_check_distribution``).
+
 Regularization: the gradient of a data-independent term is added to the
 sanitized gradient without clipping or noise (post-processing). Two routes:
 the optimizer's ``weight_decay`` argument (decoupled weight decay), or passing
