@@ -10,7 +10,7 @@ before TensorFlow starts), one launch per strategy running every check of
 * the noise of one step has std σC/L, not √R·σC/L (nor σC/(√R·L), the noise of one replica):
   10 000 coordinates of a zero-gradient step, seeded (reproducible) and unseeded;
 * after k steps ``noised_steps`` == k and the ledger's ε (and PrivacyLogger's) is the
-  accountant's for k steps; BackupAndRestore under the strategy keeps it;
+  accountant's for k steps; BackupAndRestore and ModelCheckpoint (.keras) under the strategy keep it;
 * MultiWorkerMirroredStrategy (2 workers on 127.0.0.1): the same, with Poisson lots sharded over
   the workers, whose summed sizes are Binomial(N, q) (statistical bounds at 5 standard errors).
 """
@@ -73,6 +73,8 @@ def test_mirrored_epsilon_is_the_accountants_and_survives_backup_and_restore(mir
     assert e["noised_steps"] == 4 and e["iterations"] == 4
     assert e["epsilon"] == pytest.approx(e["truth"], rel=1e-9)
     assert e["logged_epsilon"] == pytest.approx(e["truth"], rel=1e-9)
+    assert e["loaded_steps"] == 4  # ModelCheckpoint's .keras file, loaded under the strategy
+    assert e["loaded_epsilon"] == pytest.approx(e["truth"], rel=1e-9)
 
 
 def test_mirrored_refusals(mirrored):

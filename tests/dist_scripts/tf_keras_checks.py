@@ -137,7 +137,8 @@ def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 
                  sigma: float = 1.1) -> dict:
     """BackupAndRestore under the strategy: a fit of 2 epochs of k steps interrupted after the first,
     then a fresh model and optimizer that resume it: noised_steps, iterations, the ledger's and
-    PrivacyLogger's ε, and the accountant's for k and 2k steps at (q, σ)."""
+    PrivacyLogger's ε, and the accountant's for k and 2k steps at (q, σ); and the `.keras` file of
+    its ModelCheckpoint, loaded under the strategy."""
     from keras_dpsgd import PrivacyLogger
 
     q = GLOBAL_BATCH / n
@@ -166,8 +167,14 @@ def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 
              "epsilon": float(ledger.model_epsilon(model, target_delta=1e-5, num_examples=n)[0])}
     model2, opt2 = build()
     logger = PrivacyLogger(target_delta=1e-5, num_examples=n)
-    history = model2.fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(directory), logger], **fit)
+    saved = directory + "_model.keras"
+    callbacks = [keras.callbacks.BackupAndRestore(directory), keras.callbacks.ModelCheckpoint(saved), logger]
+    history = model2.fit(x, y, callbacks=callbacks, **fit)
+    with strategy.scope():
+        loaded = keras.models.load_model(saved)
     return {
+        "loaded_steps": int(loaded.optimizer.noised_steps.numpy()),
+        "loaded_epsilon": float(ledger.model_epsilon(loaded, target_delta=1e-5, num_examples=n)[0]),
         "first": first,
         "first_truth": float(compute_epsilon([PoissonSampledGaussianEvent(q, sigma, steps)], 1e-5)),
         "epochs_run": len(history.history["epsilon"]),
