@@ -16,6 +16,7 @@ before TensorFlow starts), one launch per strategy running every check of
 """
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,13 +40,23 @@ def _check_noise(noise: dict, count: int = 10_000) -> None:
 
 
 @pytest.fixture(scope="module")
-def mirrored():
-    return run_mirrored(SCRIPTS / "tf_keras_mirrored.py", devices=2, timeout=240)
+def launches():
+    """Both launches at once (the workers spend much of their time starting and waiting on each
+    other): the mirrored child's result and the two workers'."""
+    with ThreadPoolExecutor(2) as pool:
+        mirrored = pool.submit(run_mirrored, SCRIPTS / "tf_keras_mirrored.py", devices=2, timeout=300)
+        workers = pool.submit(run_workers, SCRIPTS / "tf_keras_workers.py", num_workers=2, timeout=300)
+        return mirrored.result(), workers.result()
 
 
 @pytest.fixture(scope="module")
-def workers():
-    return run_workers(SCRIPTS / "tf_keras_workers.py", num_workers=2, timeout=240)
+def mirrored(launches):
+    return launches[0]
+
+
+@pytest.fixture(scope="module")
+def workers(launches):
+    return launches[1]
 
 
 def test_mirrored_sigma_zero_step_is_the_one_device_step(mirrored):
