@@ -581,6 +581,33 @@ class DPSanitizerMixin:
         if refused:
             raise ValueError(f"{name} is not supported with {replicas} replicas: {refused}")
 
+    def _refuse_split_worker_lots(self, model: Any) -> None:
+        """Under MultiWorkerMirroredStrategy, refuses a fit on a per-worker dataset handed over as is.
+
+        A dataset with auto-sharding off holds each worker's own lots (``PoissonLots.dataset()``
+        with ``num_workers``); ``fit`` distributes it with ``experimental_distribute_dataset``,
+        which takes each of its batches for a GLOBAL batch and gives every step 1/W of it: one lot
+        would be released over W steps, each charged as a Poisson lot of its own.
+        """
+        strategy = _distribute.current_strategy()
+        if model is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return
+        from keras_dpsgd.sampling import strategy_workers
+
+        frame = ledger.fit_frame(model)
+        data = frame.f_locals.get("x") if frame is not None else None
+        off = tf.data.experimental.AutoShardPolicy.OFF
+        if isinstance(data, tf.data.Dataset) and data.options().experimental_distribute.auto_shard_policy == off:
+            workers = strategy_workers(strategy)
+            if workers > 1:
+                raise ValueError(
+                    f"fit got a per-worker dataset (tf.data auto-sharding off, e.g. PoissonLots.dataset()) under "
+                    f"MultiWorkerMirroredStrategy with {workers} workers: fit would split each of its batches "
+                    f"over {workers} steps, so one lot would be released in parts. Pass "
+                    "strategy.distribute_datasets_from_function(lambda context: lots.dataset()) to fit instead "
+                    "(one replica per worker)."
+                )
+
     def _prepare(self, loss, var_list, tape):
         self._check_distribution()
         if callable(var_list):
@@ -646,6 +673,7 @@ class DPSanitizerMixin:
         with tf.init_scope():
             self.build(var_list)
         model = find_calling_model(self, max_depth=24)
+        self._refuse_split_worker_lots(model)
         ledger.attach(model, self)
         self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
         summed, num_examples = self._clipped_sum(loss, var_list, tape)

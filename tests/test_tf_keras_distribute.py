@@ -104,6 +104,7 @@ def test_workers_step_noise_and_epsilon(workers):
         p = w["poisson"]
         assert p["noised_steps"] == 3 and p["expected_lot_size"] == 8.0  # the global L = qN
         assert p["epsilon"] == pytest.approx(p["truth"], rel=1e-9)
+        assert "fit would split each of its batches over 2 steps" in p["refused"]
     # One update, applied identically on every worker.
     assert workers[0]["noise"]["head"] == workers[1]["noise"]["head"]
     assert workers[0]["poisson"]["weights"] == workers[1]["poisson"]["weights"]

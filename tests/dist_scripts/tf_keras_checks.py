@@ -194,16 +194,27 @@ def poisson_fit(strategy: tf.distribute.Strategy, worker: int, workers: int, ste
     x, y = data(64)
     lots = PoissonLots(x, y, expected_lot_size=8.0, num_workers=workers, worker_index=worker, seed=5,
                        replicas_per_worker=strategy.num_replicas_in_sync // workers)
-    with strategy.scope():
-        model = _model()
-        opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.1)
-        lots.configure(opt)
-        model.compile(optimizer=opt, loss=_loss())
+
+    def build():
+        with strategy.scope():
+            model = _model()
+            opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.1)
+            lots.configure(opt)
+            model.compile(optimizer=opt, loss=_loss())
+        return model, opt
+
+    try:  # the per-worker dataset as is: refused (each lot would be split over the W steps)
+        build()[0].fit(lots.dataset(), steps_per_epoch=steps, epochs=1, verbose=0)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    model, opt = build()
     dataset = strategy.distribute_datasets_from_function(lambda context: lots.dataset())
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0)
     eps, _ = ledger.model_epsilon(model, target_delta=1e-5, num_examples=64)
     truth = compute_epsilon([PoissonSampledGaussianEvent(lots.sampling_rate, sigma, steps)], 1e-5)
     return {"noised_steps": int(opt.noised_steps.numpy()), "epsilon": float(eps), "truth": float(truth),
+            "refused": refused,
             "expected_lot_size": float(opt.expected_lot_size), "weights": float(sum(np.sum(w) for w in model.get_weights()))}
 
 
