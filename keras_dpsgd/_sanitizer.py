@@ -39,6 +39,19 @@ exactly the released lots. With a known ``sampling_rate`` (``PoissonLots``),
 later lot of the Poisson stream. In a custom training loop, call
 ``discard_partial_lot()`` wherever a lot is interrupted.
 
+Several replicas (``tf.distribute.MirroredStrategy``, ``MultiWorkerMirroredStrategy``; the
+derivation is in ``keras_dpsgd._distribute``): each of the R replicas clips its share of the batch,
+adds N(0, σ²C²/R) with a key of its own and divides by the global L; tf_keras's ``apply_gradients``
+SUMs the gradients over the replicas (``aggregate_gradients``; with ``reduction="none"`` the
+compiled loss is not scaled by 1/R), which gives (ΣS_r + N(0, σ²C²))/L, the one-device release.
+The step's variables count once per global step: ``noised_steps`` and the accumulators are updated
+in replica context, each replica its own copy (aggregation NONE: the copies stay equal for the
+counter, and hold each replica's partial sum for the accumulators); ``nonfinite_examples`` is
+ON_READ/SUM. The realized lot size is all-reduced; a weight-regularizer gradient, computed
+identically on every replica, is added as 1/R of it. Accumulation releases its lot with one
+cross-replica sum per batch (``_release_lot_across_replicas``). Adaptive clipping, and weight decay
+or EMA with accumulation, are refused under R > 1 (``_check_distribution``).
+
 Regularization: the gradient of a data-independent term is added to the
 sanitized gradient without clipping or noise (post-processing). Two routes:
 the optimizer's ``weight_decay`` argument (decoupled weight decay), or passing
@@ -60,7 +73,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _noise, _step, ledger
+from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
@@ -235,8 +248,12 @@ class DPSanitizerMixin:
             self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
             # A count over the private data, not noised: a local diagnostic outside
             # the ledger, never saved (untracked, not in `_variables`).
+            # Under a strategy: each replica counts its own examples, a read sums them (ON_READ, SUM).
             self.nonfinite_examples = self._no_dependency(
-                tf.Variable(0, dtype=tf.int64, trainable=False, name="nonfinite_examples")
+                tf.Variable(
+                    0, dtype=tf.int64, trainable=False, name="nonfinite_examples",
+                    synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+                )
             )
             # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
             # format saves optimizer variables but not the ledger's segments.
@@ -495,7 +512,8 @@ class DPSanitizerMixin:
         nonfinite = tf.logical_not(finite[-1][:, 0])
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
-        return summed, tf.cast(tf.shape(loss)[0], tf.float32)
+        # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
+        return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Hook called once per batch inside the traced step with sq_norms [B, V].
@@ -513,17 +531,20 @@ class DPSanitizerMixin:
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """Step 4, overridable: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
         stds = _step.noise_stddevs(self._sigmas, self._group_bounds(), self._clip_groups())
+        stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (``_distribute``)
         return [
             s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
             for v, s in enumerate(summed)
         ]
 
     def _noise_seed(self, index: int) -> tf.Tensor:
-        """The [2] int64 key of one draw of noise (``index``: which tensor of the step)."""
+        """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
+        replica's own under a strategy (``_distribute.replica_key``)."""
         if self._seed is None:
-            return self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        # Reproducible and resumable: a function of (seed, noised step, variable).
-        return _step.noise_key(self._seed, self.noised_steps.read_value(), index)
+            key = self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        else:  # Reproducible and resumable: a function of (seed, noised step, variable[, replica]).
+            key = _step.noise_key(self._seed, self.noised_steps.read_value(), index)
+        return _distribute.replica_key(key)
 
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's
@@ -540,9 +561,55 @@ class DPSanitizerMixin:
         ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""
 
     # ------------------------------------------------------ optimizer API
+    def _check_distribution(self) -> None:
+        """At trace time: the strategy is one the split-noise step supports (``_distribute``), and
+        what is not derived or tested for several replicas is refused."""
+        name = type(self).__name__
+        _distribute.check_strategy(name)
+        replicas = _distribute.num_replicas()
+        if replicas == 1:
+            return
+        if self.gradient_accumulation_steps > 1 and (self.use_ema or self.weight_decay):
+            raise ValueError(
+                f"{name} with gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
+                f"weight_decay={self.weight_decay!r} and use_ema={self.use_ema!r} is not supported with "
+                f"{replicas} replicas: tf_keras applies weight decay and the moving average at every batch "
+                "there, not once per lot. Use weight_decay=None and use_ema=False (a kernel_regularizer with "
+                "keras_dpsgd.tf_keras.make_private instead of weight decay), or gradient_accumulation_steps=1."
+            )
+        refused = getattr(self, "_refused_under_replicas", None)
+        if refused:
+            raise ValueError(f"{name} is not supported with {replicas} replicas: {refused}")
+
+    def _refuse_split_worker_lots(self, model: Any) -> None:
+        """Under MultiWorkerMirroredStrategy, refuses a fit on a per-worker dataset handed over as is.
+
+        A dataset with auto-sharding off holds each worker's own lots (``PoissonLots.dataset()``
+        with ``num_workers``); ``fit`` distributes it with ``experimental_distribute_dataset``,
+        which takes each of its batches for a GLOBAL batch and gives every step 1/W of it: one lot
+        would be released over W steps, each charged as a Poisson lot of its own.
+        """
+        strategy = _distribute.current_strategy()
+        if model is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return
+        from keras_dpsgd.sampling import strategy_workers
+
+        frame = ledger.fit_frame(model)
+        data = frame.f_locals.get("x") if frame is not None else None
+        off = tf.data.experimental.AutoShardPolicy.OFF
+        if isinstance(data, tf.data.Dataset) and data.options().experimental_distribute.auto_shard_policy == off:
+            workers = strategy_workers(strategy)
+            if workers > 1:
+                raise ValueError(
+                    f"fit got a per-worker dataset (tf.data auto-sharding off, e.g. PoissonLots.dataset()) under "
+                    f"MultiWorkerMirroredStrategy with {workers} workers: fit would split each of its batches "
+                    f"over {workers} steps, so one lot would be released in parts. Pass "
+                    "lots.distribute(strategy) to fit instead (PoissonLots with num_workers), or a dataset made by "
+                    "strategy.distribute_datasets_from_function with one batch per local replica."
+                )
+
     def _prepare(self, loss, var_list, tape):
-        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError(f"{type(self).__name__} does not support multi-replica distribution strategies")
+        self._check_distribution()
         if callable(var_list):
             var_list = var_list()
         var_list = list(var_list)
@@ -567,7 +634,7 @@ class DPSanitizerMixin:
                 reg_tape.watch(var_list)
                 value = regularization()
             reg_grads = reg_tape.gradient(value, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
         elif regularization is not None:
             if not getattr(tape, "_persistent", False):
                 raise ValueError(
@@ -575,17 +642,25 @@ class DPSanitizerMixin:
                     "the regularization gradient and the per-example gradients are two tape queries"
                 )
             reg_grads = tape.gradient(regularization, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [tf.convert_to_tensor(g) for g in reg_grads]
+            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
         return loss, var_list, tape, reg_grads
 
     def _release(self, summed, num_examples, reg_grads):
-        """Steps 4-5 and the regularization gradient (no clip, no noise)."""
-        del self._sanitized_grads[:]
+        """Steps 4-5 and the regularization gradient (no clip, no noise), pending for apply_gradients."""
+        return self._pending(self._noised(summed, num_examples, reg_grads))
+
+    def _noised(self, summed, num_examples, reg_grads):
+        """Steps 4-5 (``noised_steps`` + 1, ``on_noised_step``) plus the regularization gradient."""
         grads = self.normalize(self.add_noise(summed), num_examples)
         self.noised_steps.assign_add(1)
         self.on_noised_step(num_examples)
         if reg_grads is not None:
             grads = [g + r for g, r in zip(grads, reg_grads)]
+        return grads
+
+    def _pending(self, grads):
+        """Marks `grads` as the sanitized gradients the next apply_gradients may apply."""
+        del self._sanitized_grads[:]
         self._sanitized_grads.extend(grads)
         return grads
 
@@ -598,6 +673,7 @@ class DPSanitizerMixin:
         with tf.init_scope():
             self.build(var_list)
         model = find_calling_model(self, max_depth=24)
+        self._refuse_split_worker_lots(model)
         ledger.attach(model, self)
         self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
         summed, num_examples = self._clipped_sum(loss, var_list, tape)
@@ -637,22 +713,70 @@ class DPSanitizerMixin:
             acc.assign_add(s)
         self._accum_examples.assign_add(num_examples)
         self._accum_batches.assign_add(1)
+        if _distribute.num_replicas() > 1:
+            self._release_lot_across_replicas(var_list, reg_grads)
+            return
 
         def release_lot():
             lot = [acc.read_value() for acc in self._accumulators]
             grads = self._release(lot, self._accum_examples.read_value(), reg_grads)
             self.apply_gradients(list(zip(grads, var_list)))
-            for acc in self._accumulators:
-                acc.assign(tf.zeros_like(acc))
-            self._accum_examples.assign(0.0)
-            self._accum_batches.assign(0)
-            return tf.constant(True)
+            return self._reset_lot()
 
-        tf.cond(
-            self._accum_batches >= self.gradient_accumulation_steps,
-            release_lot,
-            lambda: tf.constant(False),
-        )
+        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
+
+    def _lot_complete(self) -> tf.Tensor:
+        """True on the last batch of a lot (the same on every replica: each counts the batches)."""
+        return self._accum_batches >= self.gradient_accumulation_steps
+
+    def _reset_lot(self) -> tf.Tensor:
+        for acc in self._accumulators:
+            acc.assign(tf.zeros_like(acc))
+        self._accum_examples.assign(0.0)
+        self._accum_batches.assign(0)
+        return tf.constant(True)
+
+    def _release_lot_across_replicas(self, var_list, reg_grads) -> None:
+        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
+
+        The cross-replica sum of tf_keras's ``apply_gradients`` is a synchronization point, which
+        tf.distribute cannot run inside a ``tf.cond``: so every batch goes through it. Each replica
+        holds its own partial sums (the accumulators are updated in replica context, one copy per
+        replica) and, on the lot's last batch only, releases them noised by σC/√R and divided by
+        the global L (``_noised``, inside the conditional, with no synchronization); on other
+        batches it contributes zeros. The descent rule and the step counter are applied only on
+        the last batch (``_distributed_apply_gradients_fn``). The cost: one gradient all-reduce
+        per batch instead of one per lot.
+        """
+        complete = self._lot_complete()
+        lot = lambda: self._noised([acc.read_value() for acc in self._accumulators],  # noqa: E731
+                                   self._accum_examples.read_value(), reg_grads)
+        grads = tf.cond(complete, lot, lambda: [tf.zeros_like(v) for v in var_list])
+        self._gate_updates = True
+        try:
+            self.apply_gradients(list(zip(self._pending(list(grads)), var_list)))
+        finally:
+            self._gate_updates = False
+        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
+
+    def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
+        """tf_keras's cross-replica update; under accumulation with R > 1 only on a lot's last batch."""
+        if not getattr(self, "_gate_updates", False):
+            return super()._distributed_apply_gradients_fn(distribution, grads_and_vars, **kwargs)
+
+        def update(var, grad):
+            def apply():
+                if self.jit_compile:
+                    self._update_step_xla(grad, var, id(self._var_key(var)))
+                else:
+                    self._update_step(grad, var)
+                return tf.constant(True)
+
+            return tf.cond(self._lot_complete(), apply, lambda: tf.constant(False))
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, update, args=(grad,), group=False)
+        return self.iterations.assign_add(tf.cast(self._lot_complete(), self.iterations.dtype))
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """Applies gradients that came out of this optimizer's sanitizer only."""

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
@@ -454,9 +455,24 @@ def fit_frame(model: Any, max_depth: int = 64):
     """The frame of the running ``Model.fit`` of `model` (its locals: x, data_handler, ...), or None.
 
     Keras gives neither callbacks nor the optimizer the fit's data; the call
-    stack is searched for ``fit``'s frame (see :func:`_calling_frame`).
+    stack is searched for ``fit``'s frame (see :func:`_calling_frame`). Under a
+    ``tf.distribute.MirroredStrategy`` the train step is traced in one thread per
+    replica, while ``fit`` runs in the thread that called it: from another thread,
+    the other threads' stacks are searched too (deeper: ``fit`` waits below the
+    tracing frames there).
     """
-    return _calling_frame(lambda f: f.f_code.co_name == "fit" and f.f_locals.get("self") is model, max_depth)
+    matches = lambda f: f.f_code.co_name == "fit" and f.f_locals.get("self") is model  # noqa: E731
+    frame = _calling_frame(matches, max_depth)
+    if frame is not None or threading.current_thread() is threading.main_thread():
+        return frame
+    for top in sys._current_frames().values():
+        for _ in range(4 * max_depth):
+            if top is None or matches(top):
+                break
+            top = top.f_back
+        if top is not None:
+            return top
+    return None
 
 
 def is_dp_optimizer(optimizer: Any) -> bool:

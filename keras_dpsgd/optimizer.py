@@ -64,6 +64,13 @@ _DP_DOC = """
     every tf_keras optimizer): `noised_steps` restarts at 0 there, and the
     model's copy of the ledger carries the history (`keras_dpsgd.ledger`).
 
+    Distribution: under `tf.distribute.MirroredStrategy` or
+    `MultiWorkerMirroredStrategy` (build and compile in its scope) each replica
+    clips its share of the lot and adds noise σC/√R with its own key; the
+    cross-replica sum is the one-device release, normalized by the global
+    expected_lot_size. Other strategies, adaptive clipping, and weight_decay or
+    use_ema with accumulation are refused under several replicas.
+
     The loss must be per example (`reduction="none"`); a scalar loss raises a
     ValueError at the first step. Models with BatchNormalization are refused.
     Regularization: see `keras_dpsgd._sanitizer` (weight_decay, or a

@@ -36,6 +36,14 @@ class AdaptiveClippingMixin(AdaptiveClippingCore):
     accumulated over the lot's physical batches, in a checkpointed optimizer variable).
     """
 
+    # Read by the sanitizer's strategy check (``DPSanitizerMixin._check_distribution``).
+    _refused_under_replicas = (
+        "adaptive clipping's norm queries would need their noise split and summed across replicas, "
+        "and the next clip bounds set identically on every replica, which is not implemented. Use "
+        "fixed bounds (keras_dpsgd.tf_keras.DPSGDOptimizer; keras_dpsgd.tools.initial_clip_bounds "
+        "can set per-layer bounds once, before training) or train on one device."
+    )
+
     def build(self, var_list):
         if getattr(self, "_built", False):
             return
