@@ -223,18 +223,28 @@ def test_changing_sampling_rate_never_lowers_epsilon():
 
 
 def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(tmp_path):
-    """Issue 12 hole 3(a) on Keras 3: the ledger is the model's, not the last optimizer's."""
-    q, sigma = 0.25, 1.1
+    """Issue 12 hole 3(a) on Keras 3: the ledger is the model's, not the last optimizer's; a .keras
+    file of the recompiled model carries the whole ledger (the optimizer's copy of its segments)."""
+    first, second = (PoissonSampledGaussianEvent(0.25, 1.1, 4, "dp-sgd"), PoissonSampledGaussianEvent(0.5, 2.0, 2, "dp-sgd"))
     model = k3.make_private(_mlp())
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q), loss="mse")
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, sampling_rate=0.25), loss="mse")
     model.fit(*_data(), batch_size=2, epochs=1, verbose=0)  # 4 steps, no callback, no ledger read
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q), loss="mse")
+    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5), loss="mse")
+    model.save(tmp_path / "recompiled.keras")  # before the new optimizer's first step
     model.fit(*_data(), batch_size=4, epochs=1, verbose=0)  # 2 more steps
     eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
-    assert eps == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(q, sigma, count=6), 1e-5), rel=1e-9)
-    # A .keras file keeps only the current optimizer's counter: it would lose the first fit's steps.
-    with pytest.raises(ValueError, match="earlier optimizer"):
-        model.save(tmp_path / "m.keras")
+    assert eps == pytest.approx(compute_epsilon([first, second], 1e-5), rel=1e-9)
+    model.save(tmp_path / "m.keras")
+
+    def events(path):
+        return keras_dpsgd.model_privacy_ledger(keras.models.load_model(path)).events
+
+    assert events(tmp_path / "recompiled.keras") == (first,)
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert keras_dpsgd.model_privacy_ledger(loaded).events == (first, second)
+    assert keras_dpsgd.model_epsilon(loaded, target_delta=1e-5)[0] == pytest.approx(eps, rel=1e-12)
+    k3.make_private(loaded).fit(*_data(), batch_size=4, epochs=1, verbose=0)  # resumed: 2 more steps
+    assert keras_dpsgd.model_privacy_ledger(loaded).events == (first, PoissonSampledGaussianEvent(0.5, 2.0, 4, "dp-sgd"))
 
 
 def _with_preprocessing(layer):

@@ -153,13 +153,13 @@ class DPKeras3Mixin:
         ledger.ledger_state_holders(None, self)
 
     def save_own_variables(self, store):
-        """.keras saving; refused where the file would lose part of the model's ledger.
+        """.keras (and .weights.h5) saving: the ledger brought up to date first.
 
-        A ``.keras`` file keeps this optimizer's ``noised_steps`` and worst-case bounds, not the steps of
-        an earlier optimizer of the same model (compiled again): those would be lost and a resumed ε
-        under-reported (``keras_dpsgd.ledger.refuse_lost_history``).
+        The file keeps this optimizer's copy of the ledger's segments (``keras_dpsgd.ledger``'s Keras 3
+        holder), which also holds the steps of an earlier optimizer of the same model (compiled
+        again): attaching closes those into it before it is written.
         """
-        ledger.refuse_lost_history(ledger.saving_model(self, max_depth=64), self, "a .keras file")
+        ledger.attach(ledger.saving_model(self, max_depth=64), self)
         return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
