@@ -58,6 +58,7 @@ def test_gradient_canaries_on_keras3_add_plus_minus_c_at_their_coordinates():
 def test_bug_detection_on_keras3(digits):
     result = _gradient_audit(digits, 1.0, seed=1, optimizer_cls=NoNoiseDPSGD)
     assert result.noise_multiplier == 1.0 and np.isfinite(result.epsilon)  # what the ledger charges
+    assert result.keras == keras.__version__  # the label of every --json "keras" key
     assert result.is_violation, result
     assert result.verdict().startswith("BUG")
 

@@ -40,7 +40,8 @@ class CanaryAuditResult:
       auc: ROC AUC of the canary scores (included vs not), 0.5 = no signal.
       guesses: the number of guesses behind ε_emp; correct: how many were right.
       noise_multiplier: σ of the run; steps: noised steps; seconds: wall time.
-      keras: the Keras the run trained with, "keras3" or "tf_keras".
+      keras: the Keras the run trained with, as every ``--json`` key "keras" writes it
+        (``keras_dpsgd.tools._front.FrontEnd.label``): e.g. "3.15.0" (Keras 3) or "tf_keras 2.21.0".
     """
 
     epsilon: float
@@ -55,7 +56,7 @@ class CanaryAuditResult:
     noise_multiplier: float
     steps: int
     seconds: float
-    keras: str = "tf_keras"
+    keras: str
 
     @property
     def is_violation(self) -> bool:
@@ -191,7 +192,7 @@ def canary_audit(
         noise_multiplier=sigma,
         steps=int(optimizer.noised_steps.numpy()),
         seconds=time.perf_counter() - start,
-        keras=front.name,
+        keras=front.label,
     )
 
 

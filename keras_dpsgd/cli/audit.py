@@ -105,14 +105,13 @@ def _audit(args, data, noise_multiplier):
 
 def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
-    from keras_dpsgd import _datasets, _models
+    from keras_dpsgd import _datasets
 
     _check(args)
     given = args.noise_multiplier
     data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
     result = _audit(args, data, given)
     out = result.to_dict()
-    out["keras"] = _models.keras_label(result.keras)  # the form of `keras-dpsgd train --json`
     if args.plot:
         points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
         base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
