@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._parallel import run_jobs
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The examples run on Keras 3 unless TF_USE_LEGACY_KERAS=1 (inherited by the subprocess); their "keras"
 # key is the label of `keras-dpsgd train --json`: "3.15.1" or "tf_keras 2.21.0".
@@ -35,26 +37,36 @@ def _run(name, *args):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_memorization_example():
-    reports = _run("memorization_test.py")
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """The three examples' --smoke runs (two at a time): each one's JSON, and the adaptive run's log dir."""
+    log_dir = tmp_path_factory.mktemp("adaptive_logs")
+    jobs = {"memorization_test.py": (), "adaptive_clipping.py": ("--log-dir", str(log_dir)), "large_lots.py": ()}
+    runs = run_jobs({name: (lambda name=name, args=args: _run(name, *args)) for name, args in jobs.items()})
+    return runs, log_dir
+
+
+def test_memorization_example(examples):
+    reports = examples[0]["memorization_test.py"].result()
     assert len(reports) == 1 and reports[0]["mode"] == "noise"
     assert reports[0]["verdict"].split(":")[0] in {"PASS", "FAIL", "INCONCLUSIVE"}
     assert reports[0]["touches_real_data"] is False
     assert reports[0]["keras"] == KERAS
 
 
-def test_adaptive_clipping_example(tmp_path):
-    out = _run("adaptive_clipping.py", "--log-dir", str(tmp_path))
+def test_adaptive_clipping_example(examples):
+    runs, log_dir = examples
+    out = runs["adaptive_clipping.py"].result()
     # The ledger charges the composed sigma_eff: the calibrated run spends exactly (at most) the target.
     assert out["epsilon"] <= out["target_epsilon"] * (1 + 1e-9)
     assert out["epsilon"] > 0.99 * out["target_epsilon"]
     assert len(out["bounds_per_epoch"]) == out["epochs"]
-    assert list(tmp_path.glob("events.out.tfevents*"))
+    assert list(log_dir.glob("events.out.tfevents*"))
     assert out["keras"] == KERAS
 
 
-def test_large_lots_example():
-    out = _run("large_lots.py")
+def test_large_lots_example(examples):
+    out = examples[0]["large_lots.py"].result()
     table, runs = out["table"], out["runs"]
     assert [r["noise_per_example"] for r in table] == sorted((r["noise_per_example"] for r in table), reverse=True)
     assert runs[-1]["learning_rate"] < runs[-2]["learning_rate"]  # base lr vs scaled lr

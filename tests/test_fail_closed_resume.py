@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from tests._parallel import run_jobs
 
 N, LOT, SIGMA, DELTA = 64, 8, 1.1, 1e-4
 FORMATS = ("model.keras", "saved_model", "model.h5")
@@ -28,24 +29,23 @@ def _result(proc):
     return json.loads(line[len("RESULT "):])
 
 
-SAVE = textwrap.dedent(
-    """
-    import os, sys
+def _save_formats(directory):
+    """A tf_keras DP model after 3 steps, saved in every format (in this process: the loads are fresh)."""
     import numpy as np
     import tf_keras as keras
+
     from keras_dpsgd import PoissonLots
     from keras_dpsgd.tf_keras import DPSGDOptimizer
 
-    x = np.random.default_rng(0).normal(size=(64, 3)).astype(np.float32)
-    lots = PoissonLots(x, (x[:, :1] > 0).astype(np.float32), expected_lot_size=8)
-    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1))
+    x = np.random.default_rng(0).normal(size=(N, 3)).astype(np.float32)
+    lots = PoissonLots(x, (x[:, :1] > 0).astype(np.float32), expected_lot_size=LOT)
+    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1))
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=opt, loss=keras.losses.BinaryCrossentropy(from_logits=True, reduction="none"))
     model.fit(lots.dataset(), steps_per_epoch=3, verbose=0)
-    for name in {formats!r}:
-        model.save(os.path.join(sys.argv[1], name))
-    """
-).format(formats=FORMATS)
+    for name in FORMATS:
+        model.save(os.path.join(directory, name))
+
 
 LOAD = textwrap.dedent(
     """
@@ -53,21 +53,27 @@ LOAD = textwrap.dedent(
     import keras_dpsgd  # the user's import: nothing else of keras_dpsgd
     import tf_keras as keras
 
-    model = keras.models.load_model(sys.argv[1])
-    print("RESULT " + json.dumps(dict(optimizer=type(model.optimizer).__name__,
-                                      epsilon=keras_dpsgd.model_epsilon(model, target_delta=1e-4)[0])))
+    # Registered by the imports alone, before any load: no load below can owe its success to another.
+    registered = keras.saving.get_registered_object("keras_dpsgd>DPSGDOptimizer") is not None
+    results = {}
+    for path in sys.argv[1:]:
+        model = keras.models.load_model(path)
+        results[path] = dict(optimizer=type(model.optimizer).__name__,
+                             epsilon=keras_dpsgd.model_epsilon(model, target_delta=1e-4)[0])
+    print("RESULT " + json.dumps(dict(registered=registered, results=results)))
     """
 )
 
 
 def test_import_keras_dpsgd_then_load_model_in_a_fresh_process(tmp_path):
-    proc = _python(SAVE, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _save_formats(tmp_path)
     expected = compute_epsilon(PoissonSampledGaussianEvent(LOT / N, SIGMA, 3), DELTA)
-    for name in FORMATS:
-        result = _result(_python(LOAD, tmp_path / name))
-        assert result["optimizer"] == "DPSGDOptimizer", name
-        assert result["epsilon"] == pytest.approx(expected, rel=1e-12), name
+    paths = [str(tmp_path / name) for name in FORMATS]
+    result = _result(_python(LOAD, *paths))  # one fresh process loads every format
+    assert result["registered"] is True
+    for name, path in zip(FORMATS, paths):
+        assert result["results"][path]["optimizer"] == "DPSGDOptimizer", name
+        assert result["results"][path]["epsilon"] == pytest.approx(expected, rel=1e-12), name
 
 
 WORKER = textwrap.dedent(
@@ -101,11 +107,26 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("order", ["logger-first", "backup-first"])
-def test_kill_and_resume_for_both_callback_orders(tmp_path, order):
-    first = _python(WORKER, "first", order, tmp_path)  # epochs 0 and 1 saved, killed at the start of epoch 2
+ORDERS = ("logger-first", "backup-first")
+
+
+@pytest.fixture(scope="module")
+def kill_and_resume(tmp_path_factory):
+    """For each callback order (two at a time): the run killed at the start of epoch 2, then its resume."""
+
+    def job(order):
+        directory = tmp_path_factory.mktemp(order)
+        first = _python(WORKER, "first", order, directory)  # epochs 0 and 1 saved, killed at epoch 2
+        return first, _python(WORKER, "resume", order, directory)  # resumes at epoch 2: 6 more steps
+
+    return run_jobs({order: (lambda order=order: job(order)) for order in ORDERS})
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_kill_and_resume_for_both_callback_orders(kill_and_resume, order):
+    first, resumed = kill_and_resume[order].result()
     assert first.returncode == -9, first.stderr[-3000:]
-    result = _result(_python(WORKER, "resume", order, tmp_path))  # resumes at epoch 2: 6 more steps
+    result = _result(resumed)
     assert result["noised_steps"] == 12
     assert result["ledger"]["events"] == [PoissonSampledGaussianEvent(LOT / N, SIGMA, 12, "dp-sgd").to_dict()]
     expected = [compute_epsilon(PoissonSampledGaussianEvent(LOT / N, SIGMA, s), DELTA) for s in (9, 12)]

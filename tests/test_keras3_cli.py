@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from tests._parallel import run_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,11 +25,21 @@ def _train(tmp_path, legacy, *argv):
                           timeout=300, env=env, cwd=tmp_path)
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Both Kerases' runs (two at a time): (the process, its --save directory) by TF_USE_LEGACY_KERAS."""
+
+    def job(legacy):
+        directory = tmp_path_factory.mktemp("tf_keras" if legacy else "keras3")
+        argv = ("--json", "--epochs", "1", "--lot-size", "512", "--width", "16", "--seed", "1", "--delta", "1e-4")
+        return _train(directory, legacy, *argv, "--save", str(directory / "run")), directory / "run"
+
+    return run_jobs({legacy: (lambda legacy=legacy: job(legacy)) for legacy in (False, True)})
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
-def test_train_and_save_on_each_keras(tmp_path, legacy):
-    out = tmp_path / "run"
-    proc = _train(tmp_path, legacy, "--json", "--epochs", "1", "--lot-size", "512", "--width", "16", "--seed", "1",
-                  "--delta", "1e-4", "--save", str(out))
+def test_train_and_save_on_each_keras(trained, legacy):
+    proc, out = trained[legacy].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     if legacy:
