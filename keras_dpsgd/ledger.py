@@ -45,9 +45,10 @@ segments (runs of steps with one (q, σ)) live in a string variable of a small
   warning at every save; such a file is for inference, not for resuming.
 * Keras 3 (``keras_dpsgd.keras3``): ``.keras`` files and ``.weights.h5``
   weights (``model.save``, ``save_weights``, ``ModelCheckpoint``,
-  ``BackupAndRestore``) keep the optimizer's variables and both copies of
-  the ledger (a Keras 3 holder saves its state through
-  ``save_own_variables``): resumed training continues ε exactly.
+  ``BackupAndRestore``) keep the optimizer's variables and its copy of the
+  ledger (a Keras 3 holder saves its state through ``save_own_variables``),
+  which also holds an earlier optimizer's steps (the model compiled again:
+  the save attaches the ledger first): resumed training continues ε exactly.
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
