@@ -58,16 +58,16 @@ PRESETS = {"small": (0.5, 8.0, 16.0), "medium": (2.0, 4.0, 7.0), "large": (8.0, 
 # The tuned configurations (measured: README "MNIST: Abadi et al. 2016, measured").
 TUNED = {
     "small": dict(epochs=50, lot_size=4800, clip=1.0, clip_mode="flat", lr=0.5, lr_end=0.05, lr_decay_epochs=50,
-                  momentum=0.9, ema=0.99, pca_noise=32.0, pca_sampling_rate=1.0),
-    "medium": dict(epochs=40, lot_size=600, clip=1.0, clip_mode="flat", lr=0.3, lr_end=0.03, lr_decay_epochs=40,
-                   momentum=0.9, ema=0.0, pca_noise=16.0, pca_sampling_rate=1.0),
+                  momentum=0.9, ema=0.99, pca_noise=32.0, pca_sampling_rate=1.0, hidden=1000),
+    "medium": dict(epochs=100, lot_size=2400, clip=1.0, clip_mode="flat", lr=0.5, lr_end=0.05, lr_decay_epochs=100,
+                   momentum=0.9, ema=0.99, pca_noise=16.0, pca_sampling_rate=1.0, hidden=1000),
     "large": dict(epochs=100, lot_size=4800, clip=1.0, clip_mode="flat", lr=1.6, lr_end=0.16, lr_decay_epochs=100,
-                  momentum=0.9, ema=0.0, pca_noise=4.0, pca_sampling_rate=1.0),
+                  momentum=0.9, ema=0.0, pca_noise=4.0, pca_sampling_rate=1.0, hidden=1000),
 }
 
 # The paper's hyperparameters (Sec. 5.1); σ and σ_p come from PRESETS.
 PAPER = dict(epochs=1000, lot_size=600, clip=4.0, clip_mode="per-layer", lr=0.1, lr_end=0.052, lr_decay_epochs=10,
-             momentum=0.0, ema=0.0, pca_sampling_rate=0.1)
+             momentum=0.0, ema=0.0, pca_sampling_rate=0.1, hidden=1000)
 
 
 def front_end():
@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pca-components", type=int, default=60)
     p.add_argument("--pca-noise", type=float, default=None, help="DP-PCA noise multiplier σ_p on AᵀA")
     p.add_argument("--pca-sampling-rate", type=float, default=None, help="DP-PCA Poisson sampling rate")
-    p.add_argument("--hidden", type=int, default=1000)
+    p.add_argument("--hidden", type=int, default=None, help="hidden ReLU units (the paper: 1000)")
     p.add_argument("--delta", type=float, default=1e-5)
     p.add_argument("--data-dir", default=None,
                    help="directory of MNIST's IDX files (train-images-idx3-ubyte[.gz] ...; read locally, no "
