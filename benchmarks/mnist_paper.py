@@ -46,8 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=100, help="planned epochs (with --sigma: at most)")
     p.add_argument("--lot-size", type=int, default=600)
     p.add_argument("--clip", type=float, default=4.0)
-    p.add_argument("--clip-mode", choices=("flat", "per-layer"), default="flat",
-                   help="flat: one bound C on the whole gradient; per-layer: C per variable, σ_v = σ·√V")
+    p.add_argument("--clip-mode", choices=("flat", "per-layer", "adaptive"), default="flat",
+                   help="flat: one bound C on the whole gradient; per-layer: C per variable, σ_v = σ·√V; "
+                   "adaptive: per-variable bounds α × a DP estimate of the mean norm (Three Tools, Sec. 3), "
+                   "σ per variable with the norm queries in the ledger")
+    p.add_argument("--norm-noise", type=float, default=10.0, help="adaptive: σ_l2 of each norm query")
+    p.add_argument("--alpha", type=float, default=1.0, help="adaptive: bound = α × the noised mean norm")
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--lr-end", type=float, default=0.052)
     p.add_argument("--lr-decay-epochs", type=float, default=10.0)
@@ -57,9 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pca-sampling-rate", type=float, default=0.1)
     p.add_argument("--pca-normalize-inputs", action="store_true", help="project unit-norm rows (as adapt sees them)")
     p.add_argument("--hidden", type=int, default=1000)
+    p.add_argument("--activation", default="relu", help="hidden activation (the paper: relu; e.g. tanh)")
+    p.add_argument("--ema", type=float, default=0.0,
+                   help="evaluate an exponential moving average of the weights with this momentum "
+                   "(post-processing of the noised steps: no privacy cost; 0: off)")
     p.add_argument("--baseline-epochs", type=int, default=0, help="non-private baseline epochs (0: skip)")
     p.add_argument("--max-train-examples", type=int, default=None, help="first N training images only (quick runs)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log", default=None, metavar="JSONL", help="also append the JSON object to this file")
+    p.add_argument("--run", default=None, help="a name for the run, stored in the JSON object")
     return p
 
 
@@ -72,12 +82,12 @@ def _load(data_dir: str, limit):
     return data
 
 
-def _model(pca, hidden: int):
+def _model(pca, hidden: int, activation: str):
     import tf_keras as keras
 
     inputs = keras.Input(shape=(28, 28, 1))
     x = pca(inputs) if pca is not None else keras.layers.Flatten()(inputs)
-    x = keras.layers.Dense(hidden, activation="relu", name="hidden")(x)
+    x = keras.layers.Dense(hidden, activation=activation, name="hidden")(x)
     return keras.Model(inputs, keras.layers.Dense(10, name="logits")(x))
 
 
@@ -99,36 +109,60 @@ def _pca(args, data, noise: float, rate: float):
     return pca
 
 
-def _calibrated_sigma(args, q: float, steps: int, num_vars: int) -> float:
-    from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, calibrate_noise_multiplier
+def _step_events(args, q: float, steps: int, num_vars: int):
+    """σ ↦ the events of the planned DP-SGD steps (adaptive clipping: with its norm queries)."""
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent
+    from keras_dpsgd.tools import adaptive_clipping_event
 
-    pca = []
-    if args.pca_components:
-        r = args.pca_sampling_rate
-        pca = [GaussianEvent(args.pca_noise) if r == 1 else PoissonSampledGaussianEvent(r, args.pca_noise, 1)]
-    return calibrate_noise_multiplier(lambda s: pca + [PoissonSampledGaussianEvent(q, s, steps)],
-                                      target_epsilon=args.target_epsilon, target_delta=args.delta)
+    if args.clip_mode == "adaptive":
+        return lambda s: adaptive_clipping_event(noise_multiplier=s, norm_noise_multiplier=args.norm_noise,
+                                                 num_layers=num_vars, sampling_rate=q, steps=steps)
+    return lambda s: PoissonSampledGaussianEvent(q, s, steps)
+
+
+def _calibrated_sigma(args, pca, q: float, steps: int, num_vars: int) -> float:
+    """σ such that the DP-PCA release already made (its events) plus the planned steps spend the target ε."""
+    from keras_dpsgd.accounting import calibrate_noise_multiplier
+
+    return calibrate_noise_multiplier(_step_events(args, q, steps, num_vars), target_epsilon=args.target_epsilon,
+                                      target_delta=args.delta, prior_events=pca.privacy_events if pca else ())
+
+
+def _optimizer(args, model, sigma: float, learning_rate):
+    """The DP optimizer of --clip-mode: flat C; C per variable with σ√V (σ_eff = σ); adaptive per variable."""
+    from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, DPSGDOptimizer
+    from keras_dpsgd.tools import initial_clip_bounds
+
+    common = dict(learning_rate=learning_rate, momentum=args.momentum, seed=args.seed, **_ema_kwargs(args))
+    num_vars = len(model.trainable_variables)
+    if args.clip_mode == "adaptive":  # C_0 from random noise (public), then α × the noised mean norms
+        bounds = initial_clip_bounds(model, seed=args.seed)
+        return AdaptiveDPSGDOptimizer(bounds, sigma, args.norm_noise, alpha=args.alpha, **common)
+    if args.clip_mode == "flat":
+        return DPSGDOptimizer(args.clip, sigma, **common)
+    return DPSGDOptimizer([args.clip] * num_vars, [sigma * math.sqrt(num_vars)] * num_vars, **common)
+
+
+def _ema_kwargs(args) -> dict:
+    """Keras' own weight averaging (`use_ema`); fit swaps the averages in at its end."""
+    return {"use_ema": True, "ema_momentum": args.ema} if args.ema else {}
 
 
 def run_private(args, data) -> dict:
     import tf_keras as keras
 
     from keras_dpsgd import PoissonLots, WithinLimit, model_epsilon
-    from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     start = time.perf_counter()
     pca = _pca(args, data, args.pca_noise, args.pca_sampling_rate)
-    model = _model(pca, args.hidden)
+    model = _model(pca, args.hidden, args.activation)
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     planned = args.epochs * lots.steps_per_epoch
     num_vars = len(model.trainable_variables)
-    sigma = args.sigma if args.sigma is not None else _calibrated_sigma(args, lots.sampling_rate, planned, num_vars)
-    if args.clip_mode == "flat":
-        clip, noise = args.clip, sigma
-    else:  # every variable clipped to C and noised with σ√V: the accounted σ_eff is σ
-        clip, noise = [args.clip] * num_vars, [sigma * math.sqrt(num_vars)] * num_vars
-    optimizer = lots.configure(DPSGDOptimizer(clip, noise, learning_rate=_schedule(args, lots.steps_per_epoch),
-                                              momentum=args.momentum, seed=args.seed))
+    sigma = args.sigma
+    if sigma is None:
+        sigma = _calibrated_sigma(args, pca, lots.sampling_rate, planned, num_vars)
+    optimizer = lots.configure(_optimizer(args, model, sigma, _schedule(args, lots.steps_per_epoch)))
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
                   weighted_metrics=["accuracy"])
@@ -143,7 +177,9 @@ def run_private(args, data) -> dict:
         "epsilon": float(epsilon), "delta": float(delta), "accuracy": float(accuracy),
         "epochs": steps / lots.steps_per_epoch, "steps": steps, "planned_steps": planned,
         "sigma": float(sigma), "sigma_calibrated": args.sigma is None,
+        "effective_noise_multiplier": float(optimizer.effective_noise_multiplier),
         "val_accuracy_per_epoch": [round(a, 4) for a in history.history.get("val_accuracy", [])],
+        "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
         "wall_s": time.perf_counter() - start,
     }
 
@@ -153,9 +189,10 @@ def run_baseline(args, data) -> dict:
 
     start = time.perf_counter()
     pca = _pca(args, data, 0.0, 1.0)  # non-private PCA on all the training data
-    model = _model(pca, args.hidden)
+    model = _model(pca, args.hidden, args.activation)
     steps_per_epoch = math.ceil(len(data.x_train) / args.lot_size)
-    model.compile(optimizer=keras.optimizers.SGD(_schedule(args, steps_per_epoch), momentum=args.momentum),
+    model.compile(optimizer=keras.optimizers.SGD(_schedule(args, steps_per_epoch), momentum=args.momentum,
+                                                           **_ema_kwargs(args)),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     model.fit(data.x_train, data.y_train, batch_size=args.lot_size, epochs=args.baseline_epochs, verbose=0)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
@@ -169,14 +206,17 @@ def main(argv=None) -> dict:
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     data = _load(args.data_dir, args.max_train_examples)
-    result = {"command": "python benchmarks/mnist_paper.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+    result = {"run": args.run, "command": "python benchmarks/mnist_paper.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
               "target_epsilon": args.target_epsilon, "num_examples": int(len(data.x_train)),
-              "settings": {k: v for k, v in vars(args).items() if k != "data_dir"}}
+              "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run")}}
     result.update(run_private(args, data))
     if args.baseline_epochs:
         result["non_private_baseline"] = run_baseline(args, data)
     result["load_average"] = os.getloadavg()
     result["cpus"] = os.cpu_count()
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(json.dumps(result, sort_keys=True) + "\n")
     return result
 
 

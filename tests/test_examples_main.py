@@ -33,19 +33,27 @@ def _load_example(name):
     return module
 
 
-@pytest.mark.parametrize("legacy, front_end", [("0", "Keras 3"), ("1", "tf_keras")])
-def test_mnist_smoke_counts_pca_and_steps(legacy, front_end):
+@pytest.mark.parametrize("legacy, front_end, paper", [("0", "Keras 3", False), ("1", "tf_keras", True)])
+def test_mnist_smoke_counts_pca_and_steps(legacy, front_end, paper):
     from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
 
     # Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1 (the Keras that tf.keras is).
-    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium", TF_USE_LEGACY_KERAS=legacy)
+    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium", *(["--paper"] if paper else []),
+                                       TF_USE_LEGACY_KERAS=legacy)
     assert out.startswith(f"{front_end}; preset medium")
     assert "epsilon:" in out  # ε printed as it trains
-    # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (σ = 16, all data) and the
-    # DP-SGD steps at σ_eff = 4 (the preset), q = 64/256.
+    # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (all data; the paper's or the
+    # tuned σ_p) and the DP-SGD steps at q = 64/256 and σ_eff: the paper's 4, else calibrated to ε = 2.
     assert steps == 8 and delta == 1e-3
-    expected = compute_epsilon([GaussianEvent(16.0), PoissonSampledGaussianEvent(0.25, 4.0, steps)], delta)
-    sgd_only = compute_epsilon(PoissonSampledGaussianEvent(0.25, 4.0, steps), delta)
+    sigma = float(re.search(r"σ_eff = ([0-9.]+) \((fixed|calibrated to 2 epochs)\)", out)[1])
+    if paper:
+        assert sigma == 4.0
+    else:
+        assert eps == pytest.approx(2.0, rel=1e-2) and eps <= 2.0
+    example = _load_example("mnist_dpsgd")
+    pca_noise = example.PRESETS["medium"][2] if paper else example.TUNED["medium"]["pca_noise"]
+    expected = compute_epsilon([GaussianEvent(pca_noise), PoissonSampledGaussianEvent(0.25, sigma, steps)], delta)
+    sgd_only = compute_epsilon(PoissonSampledGaussianEvent(0.25, sigma, steps), delta)
     assert eps == pytest.approx(expected, rel=1e-3) and eps > sgd_only
     _assert_chance_accuracy(acc, num_test=256)  # mock data: 256 test examples, random labels
 
