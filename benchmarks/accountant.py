@@ -50,7 +50,10 @@ def main() -> dict:
     )
     moments = lambda: compute_epsilon(event, 1e-5, accountant="moments")  # noqa: E731
     steps = lambda: max_steps_within_budget(  # noqa: E731
-        target_epsilon=3.0, target_delta=1e-5, sampling_rate=256 / 60000, noise_multiplier=1.1,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        sampling_rate=256 / 60000,
+        noise_multiplier=1.1,
         prior_events=[PoissonSampledGaussianEvent(256 / 60000, 1.1, 5000)],
     )
     result = {
@@ -65,7 +68,10 @@ def main() -> dict:
         "batch_table_8_rows_s": _best(
             _uncached(
                 lambda: batch_table(
-                    num_examples=60000, epochs=15, target_epsilon=1.0, target_delta=1e-5,
+                    num_examples=60000,
+                    epochs=15,
+                    target_epsilon=1.0,
+                    target_delta=1e-5,
                     lot_sizes=[2**k for k in range(5, 13)],
                 )
             ),

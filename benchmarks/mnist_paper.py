@@ -46,10 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=100, help="planned epochs (with --sigma: at most)")
     p.add_argument("--lot-size", type=int, default=600)
     p.add_argument("--clip", type=float, default=4.0)
-    p.add_argument("--clip-mode", choices=("flat", "per-layer", "adaptive"), default="flat",
-                   help="flat: one bound C on the whole gradient; per-layer: C per variable, σ_v = σ·√V; "
-                   "adaptive: per-variable bounds α × a DP estimate of the mean norm (Three Tools, Sec. 3), "
-                   "σ per variable with the norm queries in the ledger")
+    p.add_argument(
+        "--clip-mode",
+        choices=("flat", "per-layer", "adaptive"),
+        default="flat",
+        help="flat: one bound C on the whole gradient; per-layer: C per variable, σ_v = σ·√V; "
+        "adaptive: per-variable bounds α × a DP estimate of the mean norm (Three Tools, Sec. 3), "
+        "σ per variable with the norm queries in the ledger",
+    )
     p.add_argument("--norm-noise", type=float, default=10.0, help="adaptive: σ_l2 of each norm query")
     p.add_argument("--alpha", type=float, default=1.0, help="adaptive: bound = α × the noised mean norm")
     p.add_argument("--lr", type=float, default=0.1)
@@ -62,9 +66,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pca-normalize-inputs", action="store_true", help="project unit-norm rows (as adapt sees them)")
     p.add_argument("--hidden", type=int, default=1000)
     p.add_argument("--activation", default="relu", help="hidden activation (the paper: relu; e.g. tanh)")
-    p.add_argument("--ema", type=float, default=0.0,
-                   help="evaluate an exponential moving average of the weights with this momentum "
-                   "(post-processing of the noised steps: no privacy cost; 0: off)")
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=0.0,
+        help="evaluate an exponential moving average of the weights with this momentum "
+        "(post-processing of the noised steps: no privacy cost; 0: off)",
+    )
     p.add_argument("--baseline-epochs", type=int, default=0, help="non-private baseline epochs (0: skip)")
     p.add_argument("--max-train-examples", type=int, default=None, help="first N training images only (quick runs)")
     p.add_argument("--seed", type=int, default=None)
@@ -103,8 +111,14 @@ def _pca(args, data, noise: float, rate: float):
 
     if not args.pca_components:
         return None
-    pca = DPPCA(args.pca_components, noise_multiplier=noise, sampling_rate=rate,
-                normalize_inputs=args.pca_normalize_inputs, seed=args.seed, name="dp_pca")
+    pca = DPPCA(
+        args.pca_components,
+        noise_multiplier=noise,
+        sampling_rate=rate,
+        normalize_inputs=args.pca_normalize_inputs,
+        seed=args.seed,
+        name="dp_pca",
+    )
     pca.adapt(data.x_train)
     return pca
 
@@ -115,8 +129,9 @@ def _step_events(args, q: float, steps: int, num_vars: int):
     from keras_dpsgd.tools import adaptive_clipping_event
 
     if args.clip_mode == "adaptive":
-        return lambda s: adaptive_clipping_event(noise_multiplier=s, norm_noise_multiplier=args.norm_noise,
-                                                 num_layers=num_vars, sampling_rate=q, steps=steps)
+        return lambda s: adaptive_clipping_event(
+            noise_multiplier=s, norm_noise_multiplier=args.norm_noise, num_layers=num_vars, sampling_rate=q, steps=steps
+        )
     return lambda s: PoissonSampledGaussianEvent(q, s, steps)
 
 
@@ -124,8 +139,12 @@ def _calibrated_sigma(args, pca, q: float, steps: int, num_vars: int) -> float:
     """σ such that the DP-PCA release already made (its events) plus the planned steps spend the target ε."""
     from keras_dpsgd.accounting import calibrate_noise_multiplier
 
-    return calibrate_noise_multiplier(_step_events(args, q, steps, num_vars), target_epsilon=args.target_epsilon,
-                                      target_delta=args.delta, prior_events=pca.privacy_events if pca else ())
+    return calibrate_noise_multiplier(
+        _step_events(args, q, steps, num_vars),
+        target_epsilon=args.target_epsilon,
+        target_delta=args.delta,
+        prior_events=pca.privacy_events if pca else (),
+    )
 
 
 def _optimizer(args, model, sigma: float, learning_rate):
@@ -163,20 +182,33 @@ def run_private(args, data) -> dict:
     if sigma is None:
         sigma = _calibrated_sigma(args, pca, lots.sampling_rate, planned, num_vars)
     optimizer = lots.configure(_optimizer(args, model, sigma, _schedule(args, lots.steps_per_epoch)))
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
-                  weighted_metrics=["accuracy"])
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
+        weighted_metrics=["accuracy"],
+    )
     limit = WithinLimit(args.target_epsilon, args.delta)
-    history = model.fit(lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
-                        callbacks=[limit], validation_data=(data.x_test, data.y_test),
-                        validation_batch_size=2000, verbose=0)
+    history = model.fit(
+        lots.dataset(),
+        epochs=args.epochs,
+        steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[limit],
+        validation_data=(data.x_test, data.y_test),
+        validation_batch_size=2000,
+        verbose=0,
+    )
     epsilon, delta = model_epsilon(model, target_delta=args.delta)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
     steps = int(optimizer.noised_steps.numpy())
     return {
-        "epsilon": float(epsilon), "delta": float(delta), "accuracy": float(accuracy),
-        "epochs": steps / lots.steps_per_epoch, "steps": steps, "planned_steps": planned,
-        "sigma": float(sigma), "sigma_calibrated": args.sigma is None,
+        "epsilon": float(epsilon),
+        "delta": float(delta),
+        "accuracy": float(accuracy),
+        "epochs": steps / lots.steps_per_epoch,
+        "steps": steps,
+        "planned_steps": planned,
+        "sigma": float(sigma),
+        "sigma_calibrated": args.sigma is None,
         "effective_noise_multiplier": float(optimizer.effective_noise_multiplier),
         "val_accuracy_per_epoch": [round(a, 4) for a in history.history.get("val_accuracy", [])],
         "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
@@ -191,9 +223,11 @@ def run_baseline(args, data) -> dict:
     pca = _pca(args, data, 0.0, 1.0)  # non-private PCA on all the training data
     model = _model(pca, args.hidden, args.activation)
     steps_per_epoch = math.ceil(len(data.x_train) / args.lot_size)
-    model.compile(optimizer=keras.optimizers.SGD(_schedule(args, steps_per_epoch), momentum=args.momentum,
-                                                           **_ema_kwargs(args)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=keras.optimizers.SGD(_schedule(args, steps_per_epoch), momentum=args.momentum, **_ema_kwargs(args)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     model.fit(data.x_train, data.y_train, batch_size=args.lot_size, epochs=args.baseline_epochs, verbose=0)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
     return {"accuracy": float(accuracy), "epochs": args.baseline_epochs, "wall_s": time.perf_counter() - start}
@@ -206,9 +240,13 @@ def main(argv=None) -> dict:
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     data = _load(args.data_dir, args.max_train_examples)
-    result = {"run": args.run, "command": "python benchmarks/mnist_paper.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-              "target_epsilon": args.target_epsilon, "num_examples": int(len(data.x_train)),
-              "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run")}}
+    result = {
+        "run": args.run,
+        "command": "python benchmarks/mnist_paper.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "target_epsilon": args.target_epsilon,
+        "num_examples": int(len(data.x_train)),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run")},
+    }
     result.update(run_private(args, data))
     if args.baseline_epochs:
         result["non_private_baseline"] = run_baseline(args, data)

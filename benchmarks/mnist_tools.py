@@ -37,9 +37,22 @@ import mnist_paper  # noqa: E402  (the benchmarks directory, above)
 
 
 def _common(args) -> list[str]:
-    return ["--data-dir", args.data_dir, "--target-epsilon", str(args.target_epsilon), "--epochs", str(args.epochs),
-            "--lr-decay-epochs", str(args.epochs), "--momentum", "0.9", "--pca-sampling-rate", "1",
-            "--pca-noise", str(args.pca_noise)] + (["--seed", str(args.seed)] if args.seed is not None else [])
+    return [
+        "--data-dir",
+        args.data_dir,
+        "--target-epsilon",
+        str(args.target_epsilon),
+        "--epochs",
+        str(args.epochs),
+        "--lr-decay-epochs",
+        str(args.epochs),
+        "--momentum",
+        "0.9",
+        "--pca-sampling-rate",
+        "1",
+        "--pca-noise",
+        str(args.pca_noise),
+    ] + (["--seed", str(args.seed)] if args.seed is not None else [])
 
 
 def _summary(run: dict) -> dict:
@@ -56,11 +69,18 @@ def adaptive(args) -> dict:
     base = _common(args) + ["--lot-size", str(args.lot_size)] + _lr_args(args.lr)
     flat = {f"{c:g}": _summary(mnist_paper.main(base + ["--clip", f"{c:g}"])) for c in args.clips}
     best = max(flat, key=lambda c: flat[c]["accuracy"])
-    adaptive_run = mnist_paper.main(base + ["--clip-mode", "adaptive", "--alpha", f"{args.alpha:g}",
-                                            "--norm-noise", f"{args.norm_noise:g}"])
-    return {"study": "adaptive", "flat": flat, "best_flat_clip": float(best),
-            "adaptive": _summary(adaptive_run), "alpha": args.alpha, "norm_noise_multiplier": args.norm_noise,
-            "adaptive_minus_best_flat": adaptive_run["accuracy"] - flat[best]["accuracy"]}
+    adaptive_run = mnist_paper.main(
+        base + ["--clip-mode", "adaptive", "--alpha", f"{args.alpha:g}", "--norm-noise", f"{args.norm_noise:g}"]
+    )
+    return {
+        "study": "adaptive",
+        "flat": flat,
+        "best_flat_clip": float(best),
+        "adaptive": _summary(adaptive_run),
+        "alpha": args.alpha,
+        "norm_noise_multiplier": args.norm_noise,
+        "adaptive_minus_best_flat": adaptive_run["accuracy"] - flat[best]["accuracy"],
+    }
 
 
 def lots(args) -> dict:
@@ -81,11 +101,18 @@ def memorization(args) -> dict:
     """The memorization test on MNIST-shaped noise (no real data; the DP run's ε is nominal)."""
     from keras_dpsgd.tools import DPSettings, memorization_test, mlp_builder
 
-    dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=args.sigma, batch_size=args.noise_lot_size,
-                    learning_rate=0.1, momentum=0.9)
-    report = memorization_test(mlp_builder((28, 28, 1), 10, width=args.width, depth=1), input_shape=(28, 28, 1),
-                               num_classes=10, dp=dp, num_examples=args.num_examples, epochs=args.epochs,
-                               seed=args.seed)
+    dp = DPSettings(
+        l2_norm_clip=1.0, noise_multiplier=args.sigma, batch_size=args.noise_lot_size, learning_rate=0.1, momentum=0.9
+    )
+    report = memorization_test(
+        mlp_builder((28, 28, 1), 10, width=args.width, depth=1),
+        input_shape=(28, 28, 1),
+        num_classes=10,
+        dp=dp,
+        num_examples=args.num_examples,
+        epochs=args.epochs,
+        seed=args.seed,
+    )
     out = report.to_dict()
     out["study"] = "memorization"
     return out
@@ -107,8 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--clips", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="the flat grid")
     a.add_argument("--alpha", type=float, default=1.0)
     a.add_argument("--norm-noise", type=float, default=10.0)
-    sub.choices["lots"].add_argument("--lot-sizes", type=int, nargs="+", default=[600, 1200, 2400],
-                                     help="the first is the base of the scaling")
+    sub.choices["lots"].add_argument(
+        "--lot-sizes", type=int, nargs="+", default=[600, 1200, 2400], help="the first is the base of the scaling"
+    )
     m = sub.add_parser("memorization")
     m.add_argument("--num-examples", type=int, default=1000)
     m.add_argument("--epochs", type=int, default=20)

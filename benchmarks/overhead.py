@@ -71,9 +71,7 @@ def build_model(name: str):
     keras = _keras()
     layers = keras.layers
     if name == "mlp":
-        return keras.Sequential(
-            [keras.Input((784,)), layers.Dense(1000, activation="relu"), layers.Dense(10)]
-        )
+        return keras.Sequential([keras.Input((784,)), layers.Dense(1000, activation="relu"), layers.Dense(10)])
     if name == "alexnet":
         return keras.Sequential(
             [
@@ -147,7 +145,9 @@ def compile_model(model, mode: str):
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         opt = DPSGDOptimizer(
-            l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.01,
+            l2_norm_clip=1.0,
+            noise_multiplier=sigma,
+            learning_rate=0.01,
             per_example_backend="reference" if mode == "reference" else "fast",
         )
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -179,8 +179,9 @@ class _BatchTimer:
 
 def time_steps(model, x, y, batch: int, steps: int) -> list[float]:
     timer = _BatchTimer()
-    model.fit(x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False,
-              verbose=0, callbacks=[timer])
+    model.fit(
+        x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer]
+    )
     return timer.times
 
 
@@ -189,16 +190,16 @@ def _summary(times: dict) -> dict:
     base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
     for mode, ts in times.items():
         med = statistics.median(ts)
-        out[mode] = {"median_step_s": med, "min_step_s": min(ts), "mean_step_s": statistics.fmean(ts),
-                     "steps": len(ts)}
+        out[mode] = {"median_step_s": med, "min_step_s": min(ts), "mean_step_s": statistics.fmean(ts), "steps": len(ts)}
         if base and mode != "nonprivate":
             out[mode]["ratio"] = med / base
             out[mode]["ratio_of_min"] = min(ts) / min(times["nonprivate"])
     return out
 
 
-def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: int, modes,
-               kerases=("tf_keras",)) -> dict:
+def run_timing(
+    name: str, batch: int, steps: int, reference_steps: int, rounds: int, modes, kerases=("tf_keras",)
+) -> dict:
     """Interleaved rounds of (non-private, fast, reference) fits in this process, for each Keras.
 
     With several Kerases, all their models are interleaved in the same rounds (the same load hits
@@ -221,8 +222,12 @@ def run_timing(name: str, batch: int, steps: int, reference_steps: int, rounds: 
             _KERAS["which"] = keras_name
             n = reference_steps if mode == "reference" else steps
             times[keras_name, mode] += time_steps(models[keras_name, mode], x, y, batch, n)
-            print(f"[overhead] {name} round {r} {keras_name} {mode}: median so far "
-                  f"{statistics.median(times[keras_name, mode]):.4f} s", file=sys.stderr, flush=True)
+            print(
+                f"[overhead] {name} round {r} {keras_name} {mode}: median so far "
+                f"{statistics.median(times[keras_name, mode]):.4f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     out = {"batch": batch}
     for keras_name in kerases:
         res = _summary({mode: times[keras_name, mode] for mode in modes})
@@ -266,8 +271,12 @@ def child_memory(name: str, mode: str, batch: int, steps: int) -> dict:
         peak = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
         return {"what": "GPU peak bytes (MiB)", "peak_mib": peak, "delta_mib": peak}
     peak = _status_mib("VmHWM")
-    return {"what": "process peak RSS (MiB)", "peak_mib": peak, "delta_mib": peak - before,
-            "rss_before_fit_mib": before}
+    return {
+        "what": "process peak RSS (MiB)",
+        "peak_mib": peak,
+        "delta_mib": peak - before,
+        "rss_before_fit_mib": before,
+    }
 
 
 def spawn_memory(name: str, mode: str, batch: int, steps: int) -> dict:
@@ -294,12 +303,21 @@ def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, s
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "alexnet"], choices=list(MODEL_NAMES))
-    parser.add_argument("--keras", nargs="+", default=["tf_keras"], choices=list(KERASES),
-                        help="tf_keras (default) or 3: Keras 3 models made private with keras_dpsgd.keras3; "
-                        "both (--keras tf_keras 3): interleaved in the same rounds, one result each")
-    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=list(MODES),
-                        help="fast-clip-only: the fast backend with sigma = 0 (the cost of clipping "
-                        "alone, without the noise draw)")
+    parser.add_argument(
+        "--keras",
+        nargs="+",
+        default=["tf_keras"],
+        choices=list(KERASES),
+        help="tf_keras (default) or 3: Keras 3 models made private with keras_dpsgd.keras3; "
+        "both (--keras tf_keras 3): interleaved in the same rounds, one result each",
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES[:3]),
+        choices=list(MODES),
+        help="fast-clip-only: the fast backend with sigma = 0 (the cost of clipping alone, without the noise draw)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed batches per round (fast, non-private)")
     parser.add_argument("--reference-steps", type=int, default=2, help="timed batches per round (reference)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -317,8 +335,7 @@ def main(argv=None) -> dict:
     if len(args.keras) > 1 and (args.memory or args.max_batch):
         raise ValueError("--memory and --max-batch measure one Keras at a time: give one --keras")
     _KERAS["which"] = args.keras[0]
-    report = {"keras": args.keras, "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(),
-              "results": {}}
+    report = {"keras": args.keras, "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(), "results": {}}
     for name in args.models:
         batch = DEFAULT_BATCH[name]
         res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes, args.keras)
@@ -331,8 +348,7 @@ def main(argv=None) -> dict:
             res["memory"] = mem
         if args.max_batch:
             res["max_batch"] = {
-                m: max_batch(name, m, batch, args.max_batch_limit, args.memory_budget_mib, 2)
-                for m in args.modes
+                m: max_batch(name, m, batch, args.max_batch_limit, args.memory_budget_mib, 2) for m in args.modes
             }
         report["results"][name] = res
     report["load_average_end"] = os.getloadavg()

@@ -58,11 +58,17 @@ class LocalResponseNormalization(keras.layers.Layer):
 
     def call(self, inputs):
         return tf.nn.local_response_normalization(
-            inputs, depth_radius=self.depth_radius, bias=self.bias, alpha=self.alpha, beta=self.beta)
+            inputs, depth_radius=self.depth_radius, bias=self.bias, alpha=self.alpha, beta=self.beta
+        )
 
     def get_config(self):
-        return {**super().get_config(), "depth_radius": self.depth_radius, "bias": self.bias,
-                "alpha": self.alpha, "beta": self.beta}
+        return {
+            **super().get_config(),
+            "depth_radius": self.depth_radius,
+            "bias": self.bias,
+            "alpha": self.alpha,
+            "beta": self.beta,
+        }
 
 
 def small_alexnet(input_shape=(32, 32, 3), num_classes: int = 10) -> keras.Model:
@@ -97,16 +103,24 @@ def main(argv=None) -> int:
     p.add_argument("--noise-multiplier", type=float, default=6.0, help="σ_eff of one step")
     p.add_argument("--clip", type=float, default=2.0, help="per-variable clipping bound")
     p.add_argument("--lot-size", type=int, default=2000)
-    p.add_argument("--physical-batch-size", type=int, default=None,
-                   help="rows per physical batch (gradient accumulation; default 500)")
+    p.add_argument(
+        "--physical-batch-size",
+        type=int,
+        default=None,
+        help="rows per physical batch (gradient accumulation; default 500)",
+    )
     p.add_argument("--epochs", type=int, default=100, help="at most this many epochs (WithinLimit stops earlier)")
     p.add_argument("--learning-rate", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--public-model", default=None, help="saved model whose conv layers are frozen (public data)")
     p.add_argument("--save-model", default=None, help="save the trained model here (.keras)")
     p.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="local CIFAR-10 as a .npz (x_train, y_train, x_test, y_test; uint8 32x32x3), no download")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="local CIFAR-10 as a .npz (x_train, y_train, x_test, y_test; uint8 32x32x3), no download",
+    )
     p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     args = p.parse_args(argv)
@@ -135,32 +149,52 @@ def main(argv=None) -> int:
     model = small_alexnet(data.input_shape, data.num_classes)
     if args.public_model:
         freeze_public_layers(model, args.public_model)
-    lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size,
-                       physical_batch_size=args.physical_batch_size, seed=args.seed)
+    lots = PoissonLots(
+        data.x_train,
+        data.y_train,
+        expected_lot_size=args.lot_size,
+        physical_batch_size=args.physical_batch_size,
+        seed=args.seed,
+    )
     num_vars = len(model.trainable_variables)
     try:
         optimizer = _models.dp_sgd(
-            FRONT_END, l2_norm_clip=[args.clip] * num_vars,
-            noise_multiplier=[args.noise_multiplier * math.sqrt(num_vars)] * num_vars, lots=lots,
-            learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed)
+            FRONT_END,
+            l2_norm_clip=[args.clip] * num_vars,
+            noise_multiplier=[args.noise_multiplier * math.sqrt(num_vars)] * num_vars,
+            lots=lots,
+            learning_rate=args.learning_rate,
+            momentum=args.momentum,
+            seed=args.seed,
+        )
     except ValueError as err:
         print(f"cifar10_alexnet.py: error: {err}", file=sys.stderr)
         return 2
     model = _models.compile_private(model, optimizer, FRONT_END, weighted_metrics=["accuracy"])
     frozen = "frozen public conv layers, " if args.public_model else ""
     print(_models.keras_display(FRONT_END))
-    print(f"small AlexNet ({frozen}{num_vars} DP-trained variables): σ_eff = "
-          f"{optimizer.effective_noise_multiplier:.4g}, clip {args.clip:g} per variable, lot {args.lot_size} "
-          f"({lots.gradient_accumulation_steps} × {lots.physical_batch_size}), target ε = {args.target_epsilon:g}, "
-          f"δ = {args.delta:g}")
-    model.fit(lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
-              callbacks=[PrivacyLogger(args.delta), WithinLimit(args.target_epsilon, args.delta)],
-              validation_data=(data.x_test, data.y_test), validation_batch_size=500, verbose=2,
-              shuffle=False)  # Poisson lots are random already
+    print(
+        f"small AlexNet ({frozen}{num_vars} DP-trained variables): σ_eff = "
+        f"{optimizer.effective_noise_multiplier:.4g}, clip {args.clip:g} per variable, lot {args.lot_size} "
+        f"({lots.gradient_accumulation_steps} × {lots.physical_batch_size}), target ε = {args.target_epsilon:g}, "
+        f"δ = {args.delta:g}"
+    )
+    model.fit(
+        lots.dataset(),
+        epochs=args.epochs,
+        steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[PrivacyLogger(args.delta), WithinLimit(args.target_epsilon, args.delta)],
+        validation_data=(data.x_test, data.y_test),
+        validation_batch_size=500,
+        verbose=2,
+        shuffle=False,
+    )  # Poisson lots are random already
     epsilon, delta = model_epsilon(model, target_delta=args.delta)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=500, verbose=0)
-    print(f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "
-          f"{int(optimizer.noised_steps.numpy())} DP-SGD steps")
+    print(
+        f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "
+        f"{int(optimizer.noised_steps.numpy())} DP-SGD steps"
+    )
     if args.save_model:
         model.save(args.save_model)
         print(f"model saved to {args.save_model}")

@@ -39,8 +39,12 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny run (< 30 s)")
     p.add_argument("--dataset", choices=["digits", "cifar10"], default="digits")
     p.add_argument("--data-dir", default=None, help="tensorflow-datasets data directory (cifar10)")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="local data instead of --dataset: .npz (x_train, y_train[, x_test, y_test]) or IDX directory",
+    )
     p.add_argument("--lot-sizes", type=int, nargs="+", default=None)
     p.add_argument("--epochs", type=float, default=None)
     add_option(p, "--target-epsilon", "--epsilon", type=float, default=None)
@@ -82,44 +86,85 @@ def main(argv=None):
     cap = args.max_batch_size or d["cap"]
     n = len(xtr)
     delta = default_delta(n)
-    table = large_lot_table(num_examples=n, epochs=epochs, target_epsilon=eps, target_delta=delta,
-                            lot_sizes=lots_sizes, base_learning_rate=base_lr, base_lot_size=base_lot,
-                            max_batch_size=cap)
+    table = large_lot_table(
+        num_examples=n,
+        epochs=epochs,
+        target_epsilon=eps,
+        target_delta=delta,
+        lot_sizes=lots_sizes,
+        base_learning_rate=base_lr,
+        base_lot_size=base_lot,
+        max_batch_size=cap,
+    )
     if args.plot:
         plot_noise_per_example(table, args.plot)
 
     def train(row, lr):
         lots = PoissonLots(xtr, ytr, expected_lot_size=row["lot_size"], physical_batch_size=cap, seed=args.seed)
-        opt = _models.dp_sgd(front, l2_norm_clip=d["clip"], noise_multiplier=row["noise_multiplier"], lots=lots,
-                             learning_rate=lr, momentum=0.9, seed=args.seed)
+        opt = _models.dp_sgd(
+            front,
+            l2_norm_clip=d["clip"],
+            noise_multiplier=row["noise_multiplier"],
+            lots=lots,
+            learning_rate=lr,
+            momentum=0.9,
+            seed=args.seed,
+        )
         model = _models.build_model(kind, xtr.shape[1:], 10, width=width, keras_module=_models.keras_module(front))
         model = _models.compile_private(model, opt, front)
         # The table's step count: ceil(epochs * N / L) lots.
-        model.fit(lots.dataset(num_lots=row["steps"]), steps_per_epoch=row["steps"] * lots.gradient_accumulation_steps,
-                  epochs=1, verbose=0, shuffle=False)
+        model.fit(
+            lots.dataset(num_lots=row["steps"]),
+            steps_per_epoch=row["steps"] * lots.gradient_accumulation_steps,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+        )
         acc = float(np.mean(np.argmax(model.predict(xte, verbose=0), -1) == yte))
         spent = compute_epsilon(model_privacy_ledger(model), delta)
-        return {"lot_size": row["lot_size"], "learning_rate": lr, "noise_multiplier": row["noise_multiplier"],
-                "noise_per_example": row["noise_per_example"], "steps": int(opt.noised_steps.numpy()),
-                "accumulation_steps": lots.gradient_accumulation_steps, "physical_batch_size": lots.physical_batch_size,
-                "test_accuracy": acc, "epsilon": spent}
+        return {
+            "lot_size": row["lot_size"],
+            "learning_rate": lr,
+            "noise_multiplier": row["noise_multiplier"],
+            "noise_per_example": row["noise_per_example"],
+            "steps": int(opt.noised_steps.numpy()),
+            "accumulation_steps": lots.gradient_accumulation_steps,
+            "physical_batch_size": lots.physical_batch_size,
+            "test_accuracy": acc,
+            "epsilon": spent,
+        }
 
     runs = [train(row, row["learning_rate"]) for row in table]
     runs.append(dict(train(table[-1], base_lr), note="base learning rate (not scaled)"))
     if args.json:
-        print(json.dumps({"table": table, "runs": runs, "delta": delta, "target_epsilon": eps,
-                          "keras": _models.keras_label(front)}))
+        print(
+            json.dumps(
+                {
+                    "table": table,
+                    "runs": runs,
+                    "delta": delta,
+                    "target_epsilon": eps,
+                    "keras": _models.keras_label(front),
+                }
+            )
+        )
         return
-    print(f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; "
-          f"physical batches of <= {cap} rows; "
-          f"{_models.keras_display(front)}")
+    print(
+        f"{args.dataset}: N = {n}, {epochs} epochs, target epsilon {eps} at delta {delta:.3g}; "
+        f"physical batches of <= {cap} rows; "
+        f"{_models.keras_display(front)}"
+    )
     print(f"{'lot':>6} {'sigma':>8} {'sigma/L':>9} {'lr':>8} {'accum':>6} {'steps':>6} {'epsilon':>8} {'test acc':>9}")
     for r in runs:
-        print(f"{r['lot_size']:>6} {r['noise_multiplier']:>8.3f} {r['noise_per_example']:>9.4f} "
-              f"{r['learning_rate']:>8.4f} {r['accumulation_steps']:>6} {r['steps']:>6} {r['epsilon']:>8.3f} "
-              f"{r['test_accuracy']:>9.3f}" + ("  (base lr)" if "note" in r else ""))
-    print("Each run alone meets the target; all of them together touched the same data (a hyperparameter "
-          "search on real data costs privacy: their epsilons compose).")
+        print(
+            f"{r['lot_size']:>6} {r['noise_multiplier']:>8.3f} {r['noise_per_example']:>9.4f} "
+            f"{r['learning_rate']:>8.4f} {r['accumulation_steps']:>6} {r['steps']:>6} {r['epsilon']:>8.3f} "
+            f"{r['test_accuracy']:>9.3f}" + ("  (base lr)" if "note" in r else "")
+        )
+    print(
+        "Each run alone meets the target; all of them together touched the same data (a hyperparameter "
+        "search on real data costs privacy: their epsilons compose)."
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def main(argv=None):
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    from keras_dpsgd.tools import (DPSettings, convnet_builder, load_digits, load_tfds, memorization_test,
-                                   mlp_builder, real_task_test)
+    from keras_dpsgd.tools import (
+        DPSettings,
+        convnet_builder,
+        load_digits,
+        load_tfds,
+        memorization_test,
+        mlp_builder,
+        real_task_test,
+    )
     from keras_dpsgd.tools import _front
 
     # The builders train on Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
@@ -65,8 +72,7 @@ def main(argv=None):
     results = []
     for sigma in sigmas:
         settings = DPSettings(noise_multiplier=sigma, **dp)
-        report = memorization_test(build, input_shape=shape, num_classes=classes, dp=settings, seed=args.seed,
-                                   **scale)
+        report = memorization_test(build, input_shape=shape, num_classes=classes, dp=settings, seed=args.seed, **scale)
         results.append(dict(report.to_dict(), keras=front.label))
         if not args.json:
             print(f"\n=== noise multiplier {sigma} ===")
@@ -80,8 +86,7 @@ def main(argv=None):
                 train, test = (train[0][:200], train[1][:200]), (test[0][:100], test[1][:100])
             build = mlp_builder(shape, 10, width=32 if args.smoke else 512)
         settings = DPSettings(noise_multiplier=sigmas[-1], **dp)
-        report = real_task_test(build, train, test, num_classes=10, dp=settings, epochs=scale["epochs"],
-                                seed=args.seed)
+        report = real_task_test(build, train, test, num_classes=10, dp=settings, epochs=scale["epochs"], seed=args.seed)
         results.append(dict(report.to_dict(), keras=front.label))
         if not args.json:
             print("\n=== real task ===")

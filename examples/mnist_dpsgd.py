@@ -58,17 +58,64 @@ PRESETS = {"small": (0.5, 8.0, 16.0), "medium": (2.0, 4.0, 7.0), "large": (8.0, 
 
 # The tuned configurations (measured: README "MNIST: Abadi et al. 2016, measured").
 TUNED = {
-    "small": dict(epochs=50, lot_size=4800, clip=1.0, clip_mode="flat", lr=0.5, lr_end=0.05, lr_decay_epochs=50,
-                  momentum=0.9, ema=0.99, pca_noise=32.0, pca_sampling_rate=1.0, hidden=1000),
-    "medium": dict(epochs=100, lot_size=2400, clip=1.0, clip_mode="flat", lr=0.5, lr_end=0.05, lr_decay_epochs=100,
-                   momentum=0.9, ema=0.99, pca_noise=16.0, pca_sampling_rate=1.0, hidden=500),
-    "large": dict(epochs=100, lot_size=4800, clip=1.0, clip_mode="flat", lr=1.6, lr_end=0.16, lr_decay_epochs=100,
-                  momentum=0.9, ema=0.0, pca_noise=4.0, pca_sampling_rate=1.0, hidden=1000),
+    "small": dict(
+        epochs=50,
+        lot_size=4800,
+        clip=1.0,
+        clip_mode="flat",
+        lr=0.5,
+        lr_end=0.05,
+        lr_decay_epochs=50,
+        momentum=0.9,
+        ema=0.99,
+        pca_noise=32.0,
+        pca_sampling_rate=1.0,
+        hidden=1000,
+    ),
+    "medium": dict(
+        epochs=100,
+        lot_size=2400,
+        clip=1.0,
+        clip_mode="flat",
+        lr=0.5,
+        lr_end=0.05,
+        lr_decay_epochs=100,
+        momentum=0.9,
+        ema=0.99,
+        pca_noise=16.0,
+        pca_sampling_rate=1.0,
+        hidden=500,
+    ),
+    "large": dict(
+        epochs=100,
+        lot_size=4800,
+        clip=1.0,
+        clip_mode="flat",
+        lr=1.6,
+        lr_end=0.16,
+        lr_decay_epochs=100,
+        momentum=0.9,
+        ema=0.0,
+        pca_noise=4.0,
+        pca_sampling_rate=1.0,
+        hidden=1000,
+    ),
 }
 
 # The paper's hyperparameters (Sec. 5.1); σ and σ_p come from PRESETS.
-PAPER = dict(epochs=1000, lot_size=600, clip=4.0, clip_mode="per-layer", lr=0.1, lr_end=0.052, lr_decay_epochs=10,
-             momentum=0.0, ema=0.0, pca_sampling_rate=0.1, hidden=1000)
+PAPER = dict(
+    epochs=1000,
+    lot_size=600,
+    clip=4.0,
+    clip_mode="per-layer",
+    lr=0.1,
+    lr_end=0.052,
+    lr_decay_epochs=10,
+    momentum=0.0,
+    ema=0.0,
+    pca_sampling_rate=0.1,
+    hidden=1000,
+)
 
 
 def front_end():
@@ -107,39 +154,62 @@ def calibrated_sigma(pca, sampling_rate: float, steps: int, target_epsilon: floa
     """σ_eff such that the DP-PCA release already in the ledger plus `steps` DP-SGD steps spend the target ε."""
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent, calibrate_noise_multiplier
 
-    return calibrate_noise_multiplier(lambda s: PoissonSampledGaussianEvent(sampling_rate, s, steps),
-                                      target_epsilon=target_epsilon, target_delta=delta,
-                                      prior_events=pca.privacy_events)
+    return calibrate_noise_multiplier(
+        lambda s: PoissonSampledGaussianEvent(sampling_rate, s, steps),
+        target_epsilon=target_epsilon,
+        target_delta=delta,
+        prior_events=pca.privacy_events,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="medium")
-    p.add_argument("--paper", action="store_true", help="the paper's hyperparameters (fixed σ) instead of the tuned ones")
-    p.add_argument("--sigma", type=float, default=None,
-                   help="fixed σ_eff, trained until the budget is spent (default: calibrated to --epochs; "
-                   "--paper: the paper's σ)")
+    p.add_argument(
+        "--paper", action="store_true", help="the paper's hyperparameters (fixed σ) instead of the tuned ones"
+    )
+    p.add_argument(
+        "--sigma",
+        type=float,
+        default=None,
+        help="fixed σ_eff, trained until the budget is spent (default: calibrated to --epochs; --paper: the paper's σ)",
+    )
     p.add_argument("--epochs", type=int, default=None, help="planned epochs (with a fixed σ: at most)")
     p.add_argument("--lot-size", type=int, default=None)
     p.add_argument("--clip", type=float, default=None, help="clipping bound (per variable, or of the whole gradient)")
-    p.add_argument("--clip-mode", choices=("per-layer", "flat"), default=None,
-                   help="per-layer: every variable clipped to --clip, σ_v = σ·√V; flat: one bound, σ")
+    p.add_argument(
+        "--clip-mode",
+        choices=("per-layer", "flat"),
+        default=None,
+        help="per-layer: every variable clipped to --clip, σ_v = σ·√V; flat: one bound, σ",
+    )
     p.add_argument("--lr", type=float, default=None, help="initial learning rate")
     p.add_argument("--lr-end", type=float, default=None, help="learning rate after --lr-decay-epochs (linear decay)")
     p.add_argument("--lr-decay-epochs", type=float, default=None)
     p.add_argument("--momentum", type=float, default=None, help="SGD momentum (the paper: 0)")
-    p.add_argument("--ema", type=float, default=None,
-                   help="momentum of the weights' moving average evaluated at the end (0: off; no privacy cost)")
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=None,
+        help="momentum of the weights' moving average evaluated at the end (0: off; no privacy cost)",
+    )
     p.add_argument("--pca-components", type=int, default=60)
     p.add_argument("--pca-noise", type=float, default=None, help="DP-PCA noise multiplier σ_p on AᵀA")
     p.add_argument("--pca-sampling-rate", type=float, default=None, help="DP-PCA Poisson sampling rate")
     p.add_argument("--hidden", type=int, default=None, help="hidden ReLU units (the paper: 1000)")
     p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--data-dir", default=None,
-                   help="directory of MNIST's IDX files (train-images-idx3-ubyte[.gz] ...; read locally, no "
-                   "download), else a tensorflow-datasets data directory")
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="your own 28x28 data: a .npz (x_train, y_train[, x_test, y_test]) or a directory of IDX files")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="directory of MNIST's IDX files (train-images-idx3-ubyte[.gz] ...; read locally, no "
+        "download), else a tensorflow-datasets data directory",
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="your own 28x28 data: a .npz (x_train, y_train[, x_test, y_test]) or a directory of IDX files",
+    )
     p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
     p.add_argument("--smoke", action="store_true", help="tiny offline run on tfds mock data")
     return p
@@ -179,8 +249,13 @@ def main(argv=None) -> int:
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
 
-    pca = DPPCA(args.pca_components, noise_multiplier=args.pca_noise, sampling_rate=args.pca_sampling_rate,
-                seed=args.seed, name="dp_pca")
+    pca = DPPCA(
+        args.pca_components,
+        noise_multiplier=args.pca_noise,
+        sampling_rate=args.pca_sampling_rate,
+        seed=args.seed,
+        name="dp_pca",
+    )
     pca.adapt(data.x_train)
     model = build_model(keras, args.hidden, pca)
     if make_private is not None:  # Keras 3: the model's train step is the private one
@@ -188,29 +263,44 @@ def main(argv=None) -> int:
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     sigma = args.sigma
     if sigma is None:
-        sigma = calibrated_sigma(pca, lots.sampling_rate, args.epochs * lots.steps_per_epoch, args.target_epsilon,
-                                 args.delta)
+        sigma = calibrated_sigma(
+            pca, lots.sampling_rate, args.epochs * lots.steps_per_epoch, args.target_epsilon, args.delta
+        )
     clips, sigmas = per_layer_clipping(model, args.clip, sigma) if args.clip_mode == "per-layer" else (args.clip, sigma)
     lr = keras.optimizers.schedules.PolynomialDecay(
-        args.lr, max(1, round(args.lr_decay_epochs * lots.steps_per_epoch)), end_learning_rate=args.lr_end)
+        args.lr, max(1, round(args.lr_decay_epochs * lots.steps_per_epoch)), end_learning_rate=args.lr_end
+    )
     ema = {"use_ema": True, "ema_momentum": args.ema} if args.ema else {}
-    optimizer = lots.configure(DPSGDOptimizer(clips, sigmas, learning_rate=lr, momentum=args.momentum,
-                                              seed=args.seed, **ema))
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
-                  weighted_metrics=["accuracy"])
-    print(f"{'tf_keras' if make_private is None else 'Keras 3'}; preset {args.preset}"
-          f"{' (paper)' if args.paper else ''}: σ_eff = {optimizer.effective_noise_multiplier:.6g} "
-          f"({'fixed' if args.sigma is not None else f'calibrated to {args.epochs} epochs'}), "
-          f"target ε = {args.target_epsilon:g}, δ = {args.delta:g}; DP-PCA to {args.pca_components} dims "
-          f"(σ = {args.pca_noise:g}, q = {args.pca_sampling_rate:g}) is in the ledger")
-    model.fit(lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
-              callbacks=[PrivacyLogger(args.delta), WithinLimit(args.target_epsilon, args.delta)],
-              validation_data=(data.x_test, data.y_test), shuffle=False, verbose=2)  # the lots are Poisson samples
+    optimizer = lots.configure(
+        DPSGDOptimizer(clips, sigmas, learning_rate=lr, momentum=args.momentum, seed=args.seed, **ema)
+    )
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
+        weighted_metrics=["accuracy"],
+    )
+    print(
+        f"{'tf_keras' if make_private is None else 'Keras 3'}; preset {args.preset}"
+        f"{' (paper)' if args.paper else ''}: σ_eff = {optimizer.effective_noise_multiplier:.6g} "
+        f"({'fixed' if args.sigma is not None else f'calibrated to {args.epochs} epochs'}), "
+        f"target ε = {args.target_epsilon:g}, δ = {args.delta:g}; DP-PCA to {args.pca_components} dims "
+        f"(σ = {args.pca_noise:g}, q = {args.pca_sampling_rate:g}) is in the ledger"
+    )
+    model.fit(
+        lots.dataset(),
+        epochs=args.epochs,
+        steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[PrivacyLogger(args.delta), WithinLimit(args.target_epsilon, args.delta)],
+        validation_data=(data.x_test, data.y_test),
+        shuffle=False,
+        verbose=2,
+    )  # the lots are Poisson samples
     epsilon, delta = model_epsilon(model, target_delta=args.delta)
     _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=1024, verbose=0)
-    print(f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "
-          f"{int(optimizer.noised_steps.numpy())} DP-SGD steps")
+    print(
+        f"test accuracy {accuracy:.4f} at ε = {epsilon:.4g} (δ = {delta:g}), "
+        f"{int(optimizer.noised_steps.numpy())} DP-SGD steps"
+    )
     return 0
 
 

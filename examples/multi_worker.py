@@ -81,26 +81,46 @@ def train(args, strategy=None):
     x_train, y_train = data.x_train.reshape(len(data.x_train), -1), data.y_train
     if args.smoke:
         x_train, y_train = x_train[:400], y_train[:400]
-    lots = PoissonLots(x_train, y_train, expected_lot_size=args.lot_size, num_workers=workers, worker_index=index,
-                       replicas_per_worker=strategy.num_replicas_in_sync // workers)
+    lots = PoissonLots(
+        x_train,
+        y_train,
+        expected_lot_size=args.lot_size,
+        num_workers=workers,
+        worker_index=index,
+        replicas_per_worker=strategy.num_replicas_in_sync // workers,
+    )
     with strategy.scope():
-        model = k3.make_private(keras.Sequential([
-            keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)]))
-        optimizer = lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=args.noise_multiplier,
-                                                     learning_rate=0.5, momentum=0.9))
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model = k3.make_private(
+            keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+        )
+        optimizer = lots.configure(
+            k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=args.noise_multiplier, learning_rate=0.5, momentum=0.9)
+        )
+        model.compile(
+            optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+        )
     epochs = 1 if args.smoke else args.epochs
     steps = 3 if args.smoke else lots.lots_per_epoch
     model.fit(lots.distribute(strategy), epochs=epochs, steps_per_epoch=steps, verbose=0)
     epsilon, delta = model_epsilon(model)
-    accuracy = float(np.mean(np.argmax(model.predict(data.x_test.reshape(len(data.x_test), -1), verbose=0), -1)
-                             == data.y_test))
+    accuracy = float(
+        np.mean(np.argmax(model.predict(data.x_test.reshape(len(data.x_test), -1), verbose=0), -1) == data.y_test)
+    )
     if index == 0:
         name = "MultiWorkerMirroredStrategy" if workers > 1 else "MirroredStrategy"
-        print(json.dumps({"strategy": name, "replicas": strategy.num_replicas_in_sync,
-                          "workers": workers, "noised_steps": int(optimizer.noised_steps.numpy()),
-                          "epsilon": epsilon, "delta": delta, "test_accuracy": accuracy}))
+        print(
+            json.dumps(
+                {
+                    "strategy": name,
+                    "replicas": strategy.num_replicas_in_sync,
+                    "workers": workers,
+                    "noised_steps": int(optimizer.noised_steps.numpy()),
+                    "epsilon": epsilon,
+                    "delta": delta,
+                    "test_accuracy": accuracy,
+                }
+            )
+        )
 
 
 def main(argv=None, strategy=None):

@@ -47,7 +47,8 @@ def as_adapt_data(data: Any, owner: str) -> Any:
         if not isinstance(data.element_spec, tf.TensorSpec):
             raise TypeError(
                 f"{owner}.adapt data must hold features only, got dataset elements "
-                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)")
+                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)"
+            )
         return data
     if isinstance(data, (tuple, dict)):
         raise TypeError(f"{owner}.adapt data must hold features only, got a {type(data).__name__}")
@@ -56,7 +57,8 @@ def as_adapt_data(data: Any, owner: str) -> Any:
     if not hasattr(data, "shape"):
         raise TypeError(
             f"{owner}.adapt data must be an array, a tensor or a tf.data.Dataset, got "
-            f"{type(data).__name__} (wrap generators with tf.data.Dataset.from_generator)")
+            f"{type(data).__name__} (wrap generators with tf.data.Dataset.from_generator)"
+        )
     return data
 
 
@@ -66,8 +68,8 @@ def batch_shape(data: Any, owner: str) -> Any:
         shape = tf.TensorShape(data.element_spec.shape)
         if shape.rank is not None and shape.rank < 2:
             raise ValueError(
-                f"{owner}.adapt dataset elements must be batches (batch, d1, ...), got {shape}: "
-                "use dataset.batch(...)")
+                f"{owner}.adapt dataset elements must be batches (batch, d1, ...), got {shape}: use dataset.batch(...)"
+            )
     else:
         shape = tf.TensorShape(data.shape)
         if shape.rank is not None and shape.rank < 2:
@@ -115,12 +117,14 @@ def stream_batches(data: Any, batch_size: Optional[int], steps: Optional[int], u
         _validate.integer_at_least(1, steps=steps)
     if isinstance(data, tf.data.Dataset):
         if batch_size is not None:
-            raise ValueError(f"batch_size must be None for a tf.data.Dataset (it is batched already), got {batch_size!r}")
+            raise ValueError(
+                f"batch_size must be None for a tf.data.Dataset (it is batched already), got {batch_size!r}"
+            )
         batches = iter(data)
     else:
         batch_size = _validate.integer_at_least(1, batch_size=batch_size)
         num = int(data.shape[0])
-        batches = (data[start:start + batch_size] for start in range(0, num, batch_size))
+        batches = (data[start : start + batch_size] for start in range(0, num, batch_size))
     for index, batch in enumerate(batches):
         if steps is not None and index >= steps:
             break
@@ -206,11 +210,14 @@ class DPReleaseMixin:
     def _build_release(self, dim: int) -> None:
         self.input_dim = dim
         self.adapt_count = self.add_weight(
-            name="adapt_count", shape=(), dtype="int64", initializer="zeros", trainable=False)
+            name="adapt_count", shape=(), dtype="int64", initializer="zeros", trainable=False
+        )
         self.adapt_sampling_rate = self.add_weight(
-            name="adapt_sampling_rate", shape=(), dtype="float64", initializer="zeros", trainable=False)
+            name="adapt_sampling_rate", shape=(), dtype="float64", initializer="zeros", trainable=False
+        )
         self.adapt_noise_multiplier = self.add_weight(
-            name="adapt_noise_multiplier", shape=(), dtype="float64", initializer="zeros", trainable=False)
+            name="adapt_noise_multiplier", shape=(), dtype="float64", initializer="zeros", trainable=False
+        )
         with tf.init_scope():
             self.adapt_sampling_rate.assign(self.sampling_rate)
             self.adapt_noise_multiplier.assign(self.noise_multiplier)
@@ -247,7 +254,8 @@ class DPReleaseMixin:
             return ()
         count = int(self.adapt_count.numpy())
         event = release_event(
-            float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()), self._LABEL)
+            float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()), self._LABEL
+        )
         return (event,) * count
 
     def _record_mechanism(self) -> None:
@@ -256,13 +264,16 @@ class DPReleaseMixin:
         if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
             raise ValueError(
                 f"this {type(self).__name__} layer's earlier adapts used (sampling_rate, noise_multiplier) = "
-                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer")
+                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer"
+            )
         self.adapt_sampling_rate.assign(self.sampling_rate)
         self.adapt_noise_multiplier.assign(self.noise_multiplier)
 
     # ---- adapt -------------------------------------------------------------
 
-    def _adapt(self, data: Any, batch_size: Optional[int], steps: Optional[int], ledger: Optional[PrivacyLedger]) -> None:
+    def _adapt(
+        self, data: Any, batch_size: Optional[int], steps: Optional[int], ledger: Optional[PrivacyLedger]
+    ) -> None:
         """The whole adapt: check, build, stream the sums, release once, zero the sums, record the event."""
         owner = type(self).__name__
         if ledger is not None and not isinstance(ledger, PrivacyLedger):

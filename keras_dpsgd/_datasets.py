@@ -209,8 +209,10 @@ def load_local(
     if os.path.isdir(path):
         files = _local_data.idx_files(path)
         if files is None:
-            raise ValueError(f"directory {path!r} holds no IDX files (train-images-idx3-ubyte and "
-                             f"train-labels-idx1-ubyte, plain or .gz)")
+            raise ValueError(
+                f"directory {path!r} holds no IDX files (train-images-idx3-ubyte and "
+                f"train-labels-idx1-ubyte, plain or .gz)"
+            )
         x, y = (_local_data.read_idx(f) for f in files["train"])
         x_te, y_te = (_local_data.read_idx(f) for f in files["test"]) if files["test"] else (None, None)
     elif path.lower().endswith(".npz"):
@@ -232,15 +234,18 @@ def _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes)
     if x_te is None:
         train, test = _local_data.held_out_split(len(x), test_fraction)
         x, x_te, y, y_te = x[train], x[test], y[train], y[test]
-        notes.append(f"no test set in the data: held out {len(test)} of {len(train) + len(test)} rows "
-                     f"({test_fraction:.0%}, a fixed split) as the test set; ε covers the {len(train)} training "
-                     f"rows only, not the held-out rows nor the test accuracy computed on them")
+        notes.append(
+            f"no test set in the data: held out {len(test)} of {len(train) + len(test)} rows "
+            f"({test_fraction:.0%}, a fixed split) as the test set; ε covers the {len(train)} training "
+            f"rows only, not the held-out rows nor the test accuracy computed on them"
+        )
     else:
         x_te = _local_data.check_features(x_te, "x_test")
         y_te = _local_data.check_labels(y_te, "y_test")
         if x_te.shape[1:] != x.shape[1:] or len(x_te) != len(y_te):
-            raise ValueError(f"x_test {x_te.shape} / y_test {y_te.shape} do not match x_train's feature shape "
-                             f"{x.shape[1:]}")
+            raise ValueError(
+                f"x_test {x_te.shape} / y_test {y_te.shape} do not match x_train's feature shape {x.shape[1:]}"
+            )
     x, x_te = _scale(x, x_te, names, ranges, notes)
     if x.ndim == 3:  # (N, H, W) images: a channel axis, as the tfds data sets have
         x, x_te = x[..., None], x_te[..., None]
@@ -255,8 +260,10 @@ def _scale(x, x_te, names, ranges, notes):
     elif ranges:
         notes.append("features clipped to the given public ranges and scaled to [0, 1] (not fitted on the data)")
     else:
-        notes.append("features used as given, not scaled: fitting a scaler on the private data would be a "
-                     "release outside ε; give public ranges with --feature-range LO,HI or NAME=LO,HI")
+        notes.append(
+            "features used as given, not scaled: fitting a scaler on the private data would be a "
+            "release outside ε; give public ranges with --feature-range LO,HI or NAME=LO,HI"
+        )
         return x.astype(np.float32), x_te.astype(np.float32)
     width = int(np.prod(x.shape[1:]))
     if names is None:
@@ -273,12 +280,16 @@ def _num_classes(y, y_te, num_classes, notes) -> int:
         raise ValueError(f"y_train has one class only (label {int(present[0])}): a classifier needs >= 2 classes")
     if num_classes is None:
         k = int(max(y.max(), y_te.max() if len(y_te) else 0)) + 1
-        notes.append(f"{k} classes: the largest label + 1, read from the data (pass --num-classes K if K is "
-                     f"public, so the model's shape does not depend on the data)")
+        notes.append(
+            f"{k} classes: the largest label + 1, read from the data (pass --num-classes K if K is "
+            f"public, so the model's shape does not depend on the data)"
+        )
         return k
     if y.max() >= num_classes or (len(y_te) and y_te.max() >= num_classes):
-        raise ValueError(f"num_classes is {num_classes} but a label is {int(max(y.max(), y_te.max()))}: labels "
-                         f"must be in 0..{num_classes - 1}")
+        raise ValueError(
+            f"num_classes is {num_classes} but a label is {int(max(y.max(), y_te.max()))}: labels "
+            f"must be in 0..{num_classes - 1}"
+        )
     return int(num_classes)
 
 

@@ -39,6 +39,7 @@ DPSGD_LABEL = "dp-sgd"
 CHANGED_LABEL = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
 UNSAVED_LABEL = f"{DPSGD_LABEL} (segments not saved: worst case)"
 
+
 def initial() -> dict:
     """The state of a run that has recorded nothing."""
     return {"version": VERSION, "segments": [], "open_start": None, "seen": 0}
@@ -215,7 +216,11 @@ def fold_bounds(state: dict, bounds: tuple) -> tuple:
 
     The open segment counts from the moment it opens (before its first step).
     """
-    pairs = [(s["sampling_rate"], _sigma(s["noise_multipliers"])) for s in state["segments"] if s["sampling_rate"] is not None]
+    pairs = [
+        (s["sampling_rate"], _sigma(s["noise_multipliers"]))
+        for s in state["segments"]
+        if s["sampling_rate"] is not None
+    ]
     if not pairs:
         return tuple(bounds)
     return max([bounds[0]] + [p[0] for p in pairs]), min([bounds[1]] + [p[1] for p in pairs])
@@ -249,7 +254,9 @@ def _from_version_1(data: dict) -> dict:
     state = initial()
     for e in data["closed"]:
         state["segments"].append(
-            segment(e["sampling_rate"], [e["noise_multiplier"]], e["count"], e.get("label", DPSGD_LABEL), e.get("q_floor"))
+            segment(
+                e["sampling_rate"], [e["noise_multiplier"]], e["count"], e.get("label", DPSGD_LABEL), e.get("q_floor")
+            )
         )
     opened = data["open"]
     if opened is not None:

@@ -67,12 +67,13 @@ class FeatureRanges:
         """
         unknown = sorted(set(self.per_feature) - set(names))
         if unknown:
-            raise ValueError(f"feature_range names unknown features {unknown[:5]}; the features are "
-                             f"{_preview(names)}")
+            raise ValueError(f"feature_range names unknown features {unknown[:5]}; the features are {_preview(names)}")
         missing = [n for n in names if n not in self.per_feature]
         if missing and self.default is None:
-            raise ValueError(f"feature_range gives no range for features {_preview(missing)}: give them "
-                             f"NAME=LO,HI or a default LO,HI")
+            raise ValueError(
+                f"feature_range gives no range for features {_preview(missing)}: give them "
+                f"NAME=LO,HI or a default LO,HI"
+            )
         pairs = [self.per_feature.get(n, self.default) for n in names]
         return (np.array([p[0] for p in pairs], np.float64), np.array([p[1] for p in pairs], np.float64))
 
@@ -132,10 +133,15 @@ def check_finite(x: np.ndarray, what: str, names: Optional[Sequence[str]] = None
     where = np.argwhere(bad)[0]
     at = f"row {int(where[0])}"
     if x.ndim == 2:
-        at = (f"line {int(where[0]) + 2}, column {names[where[1]]!r}" if names is not None
-              else f"{at}, feature {int(where[1])}")
-    raise ValueError(f"{what} holds NaN or infinite values ({int(bad.sum())} in all; first at {at}): "
-                     f"remove or impute them before training")
+        at = (
+            f"line {int(where[0]) + 2}, column {names[where[1]]!r}"
+            if names is not None
+            else f"{at}, feature {int(where[1])}"
+        )
+    raise ValueError(
+        f"{what} holds NaN or infinite values ({int(bad.sum())} in all; first at {at}): "
+        f"remove or impute them before training"
+    )
 
 
 def check_labels(y: np.ndarray, what: str) -> np.ndarray:
@@ -188,8 +194,10 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], O
     with archive:
         keys = set(archive.files)
         if not {"x_train", "y_train"} <= keys or ("x_test" in keys) != ("y_test" in keys):
-            raise ValueError(f"{path!r} must hold arrays x_train and y_train (and optionally both x_test and "
-                             f"y_test), found keys {sorted(keys)}")
+            raise ValueError(
+                f"{path!r} must hold arrays x_train and y_train (and optionally both x_test and "
+                f"y_test), found keys {sorted(keys)}"
+            )
         try:
             arrays = {k: archive[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in keys}
         except ValueError as err:  # object arrays need pickle: refused
@@ -216,8 +224,7 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
     if len(set(header)) != len(header):
         raise ValueError(f"{path!r} repeats a column name in its header")
     try:
-        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, quotechar='"',
-                           encoding="utf-8")
+        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, quotechar='"', encoding="utf-8")
     except ValueError:
         _raise_bad_cell(path, header)
         raise
@@ -247,8 +254,10 @@ def _raise_bad_cell(path: str, header: list[str]) -> None:
                 try:
                     float(cell)
                 except ValueError:
-                    raise ValueError(f"{path!r} line {line}, column {name!r}: {cell.strip()[:40]!r} is not a "
-                                     f"number (all cells must be numeric; encode categories as numbers)") from None
+                    raise ValueError(
+                        f"{path!r} line {line}, column {name!r}: {cell.strip()[:40]!r} is not a "
+                        f"number (all cells must be numeric; encode categories as numbers)"
+                    ) from None
 
 
 _IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -276,8 +285,9 @@ def read_idx(path: str) -> np.ndarray:
     shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     size = int(np.prod(shape)) * dtype.itemsize
     if len(raw) != header + size:
-        raise ValueError(f"{path!r}: the IDX header announces shape {shape} ({header + size} bytes), the file has "
-                         f"{len(raw)} bytes")
+        raise ValueError(
+            f"{path!r}: the IDX header announces shape {shape} ({header + size} bytes), the file has {len(raw)} bytes"
+        )
     return np.frombuffer(raw, dtype, offset=header).reshape(shape)
 
 
@@ -304,7 +314,9 @@ def idx_files(directory: str) -> Optional[dict]:
         return None
     for split, (images, labels) in pairs.items():
         if (images is None) != (labels is None) or (split == "train" and images is None):
-            raise ValueError(f"{directory!r} must hold {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte "
-                             f"(plain or .gz) together; found {sorted(os.listdir(directory))[:8]}")
+            raise ValueError(
+                f"{directory!r} must hold {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte "
+                f"(plain or .gz) together; found {sorted(os.listdir(directory))[:8]}"
+            )
     test = pairs["t10k"] if pairs["t10k"][0] else None
     return {"train": pairs["train"], "test": test}

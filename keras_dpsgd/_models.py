@@ -20,7 +20,7 @@ FRONT_ENDS = (KERAS3, TF_KERAS)
 
 
 def front_end() -> str:
-    """"keras3", or "tf_keras" where ``TF_USE_LEGACY_KERAS`` asks for it (:func:`active_front_end`)."""
+    """ "keras3", or "tf_keras" where ``TF_USE_LEGACY_KERAS`` asks for it (:func:`active_front_end`)."""
     return active_front_end()
 
 
@@ -104,8 +104,9 @@ def dp_sgd(front: str, *, l2_norm_clip: Any, noise_multiplier: Any, lots: Any, *
     Both front ends take the lots' gradient accumulation: a lot split into
     ``lots.gradient_accumulation_steps`` physical batches is released once.
     """
-    optimizer = dp_sgd_class(front)(l2_norm_clip, noise_multiplier,
-                                    gradient_accumulation_steps=lots.gradient_accumulation_steps, **kwargs)
+    optimizer = dp_sgd_class(front)(
+        l2_norm_clip, noise_multiplier, gradient_accumulation_steps=lots.gradient_accumulation_steps, **kwargs
+    )
     return lots.configure(optimizer)
 
 

@@ -38,8 +38,8 @@ _SCALAR_LOSS_MESSAGE = (
     "{cls} needs the per-example loss (shape [batch_size]) but got a loss of shape {shape}: "
     "it was reduced over the batch. Compile with an unreduced loss, e.g. "
     "model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy("
-    "from_logits=True, reduction=\"none\")) or reduction=keras.losses.Reduction.NONE "
-    "(string losses such as loss=\"mse\" are reduced)."
+    'from_logits=True, reduction="none")) or reduction=keras.losses.Reduction.NONE '
+    '(string losses such as loss="mse" are reduced).'
 )
 
 

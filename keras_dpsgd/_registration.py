@@ -58,8 +58,7 @@ def _import_under_way(excluding: str = "") -> bool:
     top-level packages (and our own modules) are the ones to look at.
     """
     return any(
-        name != excluding and _watched(name)
-        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        name != excluding and _watched(name) and getattr(getattr(module, "__spec__", None), "_initializing", False)
         for name, module in list(sys.modules.items())
     )
 
@@ -78,7 +77,10 @@ def _register_wanted(just_imported: str = "") -> None:
             _LOG.warning(
                 "keras_dpsgd: could not register its %s classes (%s: %s); loading a saved "
                 "keras_dpsgd model will fail until `import %s` succeeds.",
-                front_end, type(err).__name__, err, FRONT_END_MODULES[front_end],
+                front_end,
+                type(err).__name__,
+                err,
+                FRONT_END_MODULES[front_end],
             )
 
 

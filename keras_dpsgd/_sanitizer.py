@@ -206,14 +206,16 @@ def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[
         short = name[:-2] if name.endswith(":0") else name
         key = name if name in l2_norm_clip else short
         if key not in l2_norm_clip:
-            raise ValueError(f"l2_norm_clip has no bound for trainable variable {short!r}; keys: {sorted(l2_norm_clip)}")
+            raise ValueError(
+                f"l2_norm_clip has no bound for trainable variable {short!r}; keys: {sorted(l2_norm_clip)}"
+            )
         keys[key] = True
     extra = sorted(set(l2_norm_clip) - set(keys))
     if extra:
-        raise ValueError(f"l2_norm_clip names variables that are not trainable variables of the model: {extra}; variables: {names}")
+        raise ValueError(
+            f"l2_norm_clip names variables that are not trainable variables of the model: {extra}; variables: {names}"
+        )
     return [l2_norm_clip[n] if n in l2_norm_clip else l2_norm_clip[n[:-2]] for n in names]
-
-
 
 
 class DPSanitizerMixin:
@@ -251,8 +253,12 @@ class DPSanitizerMixin:
             # Under a strategy: each replica counts its own examples, a read sums them (ON_READ, SUM).
             self.nonfinite_examples = self._no_dependency(
                 tf.Variable(
-                    0, dtype=tf.int64, trainable=False, name="nonfinite_examples",
-                    synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+                    0,
+                    dtype=tf.int64,
+                    trainable=False,
+                    name="nonfinite_examples",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.SUM,
                 )
             )
             # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
@@ -336,9 +342,7 @@ class DPSanitizerMixin:
         super().build(var_list)
         bounds = _resolve_bounds(self._l2_norm_clip, var_list)
         sigmas = self._noise_multiplier
-        self._sigmas = self._no_dependency(
-            list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list)
-        )
+        self._sigmas = self._no_dependency(list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list))
         self.clip_bounds = tf.Variable(bounds, dtype=tf.float32, trainable=False, name="clip_bounds")
         self._variables.append(self.clip_bounds)
         if self.gradient_accumulation_steps > 1:
@@ -414,7 +418,9 @@ class DPSanitizerMixin:
         _LOG.warning(
             "keras_dpsgd: discarded an incomplete lot (%d of %d batches) %s: it was never released "
             "(no noise drawn, no update applied) and is not carried into another lot.",
-            batches, self.gradient_accumulation_steps, where,
+            batches,
+            self.gradient_accumulation_steps,
+            where,
         )
         return batches
 
@@ -625,7 +631,9 @@ class DPSanitizerMixin:
         regularization = None
         if isinstance(loss, (tuple, list)):
             if len(loss) != 2:
-                raise ValueError(f"loss must be a Tensor or a (per_example_loss, regularization_loss) pair, got {len(loss)} items")
+                raise ValueError(
+                    f"loss must be a Tensor or a (per_example_loss, regularization_loss) pair, got {len(loss)} items"
+                )
             loss, regularization = loss
         loss = per_example_loss(loss, tape, type(self).__name__)
         reg_grads = None
@@ -749,8 +757,11 @@ class DPSanitizerMixin:
         per batch instead of one per lot.
         """
         complete = self._lot_complete()
-        lot = lambda: self._noised([acc.read_value() for acc in self._accumulators],  # noqa: E731
-                                   self._accum_examples.read_value(), reg_grads)
+        lot = lambda: self._noised(
+            [acc.read_value() for acc in self._accumulators],  # noqa: E731
+            self._accum_examples.read_value(),
+            reg_grads,
+        )
         grads = tf.cond(complete, lot, lambda: [tf.zeros_like(v) for v in var_list])
         self._gate_updates = True
         try:

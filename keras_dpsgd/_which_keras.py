@@ -15,8 +15,16 @@ import importlib
 import os
 from typing import Any, Mapping
 
-__all__ = ["ENV_VAR", "FRONT_END_MODULES", "KERAS3", "LEGACY_VALUES", "TF_KERAS", "active_front_end",
-           "front_end_attribute", "front_end_names"]
+__all__ = [
+    "ENV_VAR",
+    "FRONT_END_MODULES",
+    "KERAS3",
+    "LEGACY_VALUES",
+    "TF_KERAS",
+    "active_front_end",
+    "front_end_attribute",
+    "front_end_names",
+]
 
 ENV_VAR = "TF_USE_LEGACY_KERAS"
 LEGACY_VALUES = ("true", "True", "1")  # as TensorFlow reads it
@@ -58,8 +66,7 @@ def _not_on_active_message(name: str, active: str, other: str, modules: Mapping[
     )
 
 
-def front_end_attribute(name: str, front_end: str | None = None,
-                        modules: Mapping[str, str] = FRONT_END_MODULES) -> Any:
+def front_end_attribute(name: str, front_end: str | None = None, modules: Mapping[str, str] = FRONT_END_MODULES) -> Any:
     """`name` from the active front end's module (`front_end` if given).
 
     Raises:

@@ -192,6 +192,7 @@ def _holder_class(owner: Any) -> type:
         return LedgerState
     if not _KERAS3_HOLDER:
         import numpy as np
+
         # Keras 3 walks only KerasSaveable attributes when saving; it publishes no other hook.
         from keras.src.saving.keras_saveable import KerasSaveable
 
@@ -251,7 +252,9 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
 def _refresh(model: Any, optimizer: Any) -> None:
     """Brings the saved copies up to date with the optimizer's counter (q as it knows it)."""
     sync_ledger_state(
-        model, getattr(optimizer, "sampling_rate", None), float(optimizer.effective_noise_multiplier),
+        model,
+        getattr(optimizer, "sampling_rate", None),
+        float(optimizer.effective_noise_multiplier),
         optimizer=optimizer,
     )
 
@@ -359,7 +362,12 @@ def _calling_frame(matches, max_depth: int):
 
 
 def _trains(obj: Any, optimizer: Any) -> bool:
-    return obj is not None and obj is not optimizer and getattr(obj, "optimizer", None) is optimizer and hasattr(obj, "fit")
+    return (
+        obj is not None
+        and obj is not optimizer
+        and getattr(obj, "optimizer", None) is optimizer
+        and hasattr(obj, "fit")
+    )
 
 
 def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
@@ -604,9 +612,7 @@ def sync_ledger_state(
     return data
 
 
-def optimizer_events(
-    model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
-) -> list:
+def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None) -> list:
     """The privacy events of the training steps of the model's optimizer so far.
 
     A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per
@@ -666,9 +672,7 @@ def model_privacy_ledger(
       ValueError: if the optimizer's sampling_rate is unknown and num_examples or batch_size is missing.
     """
     events = list(extra_events) + layer_events(model)
-    events.extend(
-        optimizer_events(model, num_examples=num_examples, batch_size=batch_size)
-    )
+    events.extend(optimizer_events(model, num_examples=num_examples, batch_size=batch_size))
     return PrivacyLedger(events)
 
 
@@ -751,11 +755,11 @@ def steps_remaining(
     else:
         optimizer = getattr(model_or_ledger, "optimizer", None)
         if not is_dp_optimizer(optimizer):
-            raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+            raise ValueError(
+                f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}"
+            )
         n = resolve_num_examples(optimizer, num_examples)
-        ledger = model_privacy_ledger(
-            model_or_ledger, num_examples=n, batch_size=batch_size, extra_events=extra_events
-        )
+        ledger = model_privacy_ledger(model_or_ledger, num_examples=n, batch_size=batch_size, extra_events=extra_events)
         if sampling_rate is None:
             sampling_rate = resolve_sampling_rate(optimizer, num_examples=n, batch_size=batch_size)
         if noise_multiplier is None:

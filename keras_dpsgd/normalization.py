@@ -192,7 +192,8 @@ def _check_clipping(lower, upper, l2_norm_clip):
     if lower is None or upper is None:
         raise ValueError(
             "DPNormalization needs public clipping bounds: lower and upper (per feature or scalars), "
-            f"or l2_norm_clip; got lower={lower!r}, upper={upper!r}")
+            f"or l2_norm_clip; got lower={lower!r}, upper={upper!r}"
+        )
     lower, upper = _check_bound("lower", lower), _check_bound("upper", upper)
     if np.size(lower) > 1 and np.size(upper) > 1 and np.size(lower) != np.size(upper):
         raise ValueError(f"lower and upper must have the same length, got {np.size(lower)} and {np.size(upper)}")
@@ -223,6 +224,7 @@ def release_moments(
     Returns:
       ({"count": n̂, "sum": Ŝ, "sum_of_squares": Q̂}, mean, variance).
     """
+
     def noisy(value, std):
         return value + rng.normal(0.0, std, np.shape(value)) if std > 0 else value
 
@@ -303,10 +305,12 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
             value = getattr(self, name)
             if isinstance(value, list) and len(value) != dim:
                 raise ValueError(f"{name} must have one bound per feature (d = {dim}), got {len(value)}")
-        self.mean = self.add_weight(name="mean", shape=feature_shape, dtype="float32",
-                                    initializer="zeros", trainable=False)
-        self.variance = self.add_weight(name="variance", shape=feature_shape, dtype="float32",
-                                        initializer="ones", trainable=False)
+        self.mean = self.add_weight(
+            name="mean", shape=feature_shape, dtype="float32", initializer="zeros", trainable=False
+        )
+        self.variance = self.add_weight(
+            name="variance", shape=feature_shape, dtype="float32", initializer="ones", trainable=False
+        )
         self._build_release(dim)
         super().build(input_shape)
         self.reset_state()
@@ -314,8 +318,8 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
     @staticmethod
     def _new_accumulator(dim: int) -> _adapt.Accumulator:
         return _adapt.Accumulator(
-            count=((), tf.float64), total=((dim,), tf.float64), squares=((dim,), tf.float64),
-            nonfinite=((), tf.int64))
+            count=((), tf.float64), total=((dim,), tf.float64), squares=((dim,), tf.float64), nonfinite=((), tf.int64)
+        )
 
     # ---- adapt -------------------------------------------------------------
 
@@ -344,8 +348,14 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         if int(acc.nonfinite.numpy()) > 0:
             raise ValueError("DPNormalization.adapt data must be finite, got NaN or infinite values")
         self.last_release, mean, variance = release_moments(
-            float(acc.count.numpy()), acc.total.numpy(), acc.squares.numpy(), stddevs=self.noise_stddevs,
-            limit=self._limit(), center=self._center(), rng=self._noise_rng)
+            float(acc.count.numpy()),
+            acc.total.numpy(),
+            acc.squares.numpy(),
+            stddevs=self.noise_stddevs,
+            limit=self._limit(),
+            center=self._center(),
+            rng=self._noise_rng,
+        )
         return mean, variance
 
     def _store(self, released: tuple) -> None:
@@ -392,14 +402,16 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
 
     def get_config(self):
         config = super().get_config()
-        config.update({
-            "noise_multiplier": self.noise_multiplier,
-            "lower": _plain(self.lower),
-            "upper": _plain(self.upper),
-            "l2_norm_clip": self.l2_norm_clip,
-            "sampling_rate": self.sampling_rate,
-            "min_std": self.min_std,
-        })  # not the seed: it determines the noise
+        config.update(
+            {
+                "noise_multiplier": self.noise_multiplier,
+                "lower": _plain(self.lower),
+                "upper": _plain(self.upper),
+                "l2_norm_clip": self.l2_norm_clip,
+                "sampling_rate": self.sampling_rate,
+                "min_std": self.min_std,
+            }
+        )  # not the seed: it determines the noise
         return config
 
 

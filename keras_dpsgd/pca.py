@@ -124,8 +124,8 @@ class PCAMechanism(_adapt.DPReleaseMixin):
                 f"got {self.n_components}"
             )
         self.projection = self.add_weight(
-            name="projection", shape=(dim, self.n_components), dtype="float32",
-            initializer="zeros", trainable=False)
+            name="projection", shape=(dim, self.n_components), dtype="float32", initializer="zeros", trainable=False
+        )
         self._build_release(dim)
         super().build(input_shape)
         self.reset_state()
@@ -191,12 +191,14 @@ class PCAMechanism(_adapt.DPReleaseMixin):
 
     def get_config(self):
         config = super().get_config()
-        config.update({
-            "n_components": self.n_components,
-            "noise_multiplier": self.noise_multiplier,
-            "sampling_rate": self.sampling_rate,
-            "normalize_inputs": self.normalize_inputs,
-        })  # not the seed: it determines the noise (see the class docstring)
+        config.update(
+            {
+                "n_components": self.n_components,
+                "noise_multiplier": self.noise_multiplier,
+                "sampling_rate": self.sampling_rate,
+                "normalize_inputs": self.normalize_inputs,
+            }
+        )  # not the seed: it determines the noise (see the class docstring)
         return config
 
 

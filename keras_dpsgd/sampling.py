@@ -182,7 +182,9 @@ class PoissonLots:
         self._y = _as_numpy_structure(y, "y")
         sizes = {leaf.shape[0] if leaf.ndim else None for leaf in _leaves(self._x) + _leaves(self._y)}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"x and y must be arrays sharing their first dimension, got sizes {sorted(map(str, sizes))}")
+            raise ValueError(
+                f"x and y must be arrays sharing their first dimension, got sizes {sorted(map(str, sizes))}"
+            )
         n = int(sizes.pop())
         if n < 1:
             raise ValueError(f"x must hold at least 1 example, got {n}")
@@ -192,9 +194,7 @@ class PoissonLots:
         else:
             w = np.asarray(sample_weight, dtype=np.float32)
             if w.shape != (n,) or not np.all(np.isfinite(w)) or np.any(w < 0):
-                raise ValueError(
-                    f"sample_weight must be finite, >= 0 and of shape ({n},), got shape {w.shape}"
-                )
+                raise ValueError(f"sample_weight must be finite, >= 0 and of shape ({n},), got shape {w.shape}")
             self._weights = w
         if (sampling_rate is None) == (expected_lot_size is None):
             raise ValueError(

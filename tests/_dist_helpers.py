@@ -107,7 +107,11 @@ def _run(script: Path, envs: Sequence[dict], args: Sequence[str], timeout: float
                 processes.append(
                     subprocess.Popen(
                         [sys.executable, str(script), *args],
-                        env=env, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                        env=env,
+                        cwd=str(ROOT),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
                     )
                 )
         deadline = time.monotonic() + timeout
@@ -133,8 +137,9 @@ def _run(script: Path, envs: Sequence[dict], args: Sequence[str], timeout: float
     return [json.loads(Path(env[_RESULT_ENV]).read_text()) for env in envs]
 
 
-def run_mirrored(script: str | Path, *, devices: int = 2, timeout: float = 120.0,
-                 args: Sequence[str] = (), env: dict | None = None) -> dict:
+def run_mirrored(
+    script: str | Path, *, devices: int = 2, timeout: float = 120.0, args: Sequence[str] = (), env: dict | None = None
+) -> dict:
     """Runs `script` in one fresh process with `devices` logical CPU devices; returns its result."""
     with tempfile.TemporaryDirectory(prefix="dist_") as tmp:
         workdir = Path(tmp)
@@ -148,8 +153,15 @@ def tf_config(ports: Sequence[int], index: int) -> str:
     return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
 
 
-def run_workers(script: str | Path, *, num_workers: int = 2, devices: int = 1, timeout: float = 150.0,
-                args: Sequence[str] = (), env: dict | None = None) -> list[dict]:
+def run_workers(
+    script: str | Path,
+    *,
+    num_workers: int = 2,
+    devices: int = 1,
+    timeout: float = 150.0,
+    args: Sequence[str] = (),
+    env: dict | None = None,
+) -> list[dict]:
     """Runs `script` as `num_workers` worker processes of one cluster on 127.0.0.1 (TF_CONFIG with
     free ports), each with `devices` logical CPU devices; returns their results by worker index."""
     with tempfile.TemporaryDirectory(prefix="dist_") as tmp:

@@ -73,9 +73,7 @@ def loop_oracle(model, x, y, factors_fn, weights=None):
         grads.append([tf.convert_to_tensor(gv).numpy() for gv in g])
     sq = np.array([[np.sum(np.square(gv)) for gv in row] for row in grads], np.float32)
     factors = factors_fn(tf.constant(sq)).numpy()
-    summed = [
-        sum(factors[i, v] * grads[i][v] for i in range(len(grads))) for v in range(len(variables))
-    ]
+    summed = [sum(factors[i, v] * grads[i][v] for i in range(len(grads))) for v in range(len(variables))]
     return summed, sq
 
 

@@ -60,7 +60,10 @@ class TestAccountantContract:
         assert split.get_epsilon(1e-5) == pytest.approx(one, rel=1e-3)
 
     def test_monotone_in_steps_and_delta(self, name):
-        eps = [FACTORIES[name]().compose(PoissonSampledGaussianEvent(0.01, 1.1, k)).get_epsilon(1e-5) for k in (10, 100, 1000)]
+        eps = [
+            FACTORIES[name]().compose(PoissonSampledGaussianEvent(0.01, 1.1, k)).get_epsilon(1e-5)
+            for k in (10, 100, 1000)
+        ]
         assert eps[0] < eps[1] < eps[2]
         acc = FACTORIES[name]().compose(PoissonSampledGaussianEvent(0.01, 1.1, 100))
         assert acc.get_epsilon(1e-3) < acc.get_epsilon(1e-5) < acc.get_epsilon(1e-8)
@@ -139,7 +142,18 @@ def test_public_names_resolve():
 
     for name in accounting.__all__:
         assert getattr(accounting, name) is not None
-    for name in ["RdpAccountant", "MomentsAccountant", "PldAccountant", "compute_epsilon", "compute_epsilon_and_order",
-                 "compute_noise_multiplier", "calibrate_noise_multiplier", "max_steps_within_budget", "batch_table",
-                 "default_delta", "check_delta", "effective_noise_multiplier"]:
+    for name in [
+        "RdpAccountant",
+        "MomentsAccountant",
+        "PldAccountant",
+        "compute_epsilon",
+        "compute_epsilon_and_order",
+        "compute_noise_multiplier",
+        "calibrate_noise_multiplier",
+        "max_steps_within_budget",
+        "batch_table",
+        "default_delta",
+        "check_delta",
+        "effective_noise_multiplier",
+    ]:
         assert getattr(keras_dpsgd, name) is getattr(accounting, name)

@@ -104,8 +104,12 @@ def test_pld_calibration_is_within_budget(coarse_pld):
 @pytest.mark.parametrize("accountant", ["rdp", "moments"])
 def test_max_steps_is_exact(target, q, sigma, prior, accountant):
     k = max_steps_within_budget(
-        target_epsilon=target, target_delta=1e-5, sampling_rate=q, noise_multiplier=sigma,
-        prior_events=prior, accountant=accountant,
+        target_epsilon=target,
+        target_delta=1e-5,
+        sampling_rate=q,
+        noise_multiplier=sigma,
+        prior_events=prior,
+        accountant=accountant,
     )
 
     def eps(n):

@@ -32,16 +32,20 @@ def test_a_registered_accountant_is_known_by_name_and_calibrates(twice):
     assert twice in acc.accountant_names() and isinstance(acc.make_accountant(twice), _TwiceRdp)
     event = acc.PoissonSampledGaussianEvent(0.01, 1.1, 100)
     assert acc.compute_epsilon(event, 1e-5, accountant=twice) == acc.compute_epsilon(
-        acc.PoissonSampledGaussianEvent(0.01, 1.1, 200), 1e-5)
+        acc.PoissonSampledGaussianEvent(0.01, 1.1, 200), 1e-5
+    )
     # σ for 50 doubled steps is σ for 100 RDP steps; the step budget is half the RDP one.
     assert acc.compute_noise_multiplier(**_PLAN, steps=50, accountant=twice) == acc.compute_noise_multiplier(
-        **_PLAN, steps=100)
+        **_PLAN, steps=100
+    )
     k_rdp = acc.max_steps_within_budget(**_PLAN, noise_multiplier=1.0)
     assert acc.max_steps_within_budget(**_PLAN, noise_multiplier=1.0, accountant=twice) == k_rdp // 2
-    rows = acc.batch_table(num_examples=1000, epochs=1.0, target_epsilon=2.0, target_delta=1e-5, lot_sizes=[10],
-                           accountant=twice)
+    rows = acc.batch_table(
+        num_examples=1000, epochs=1.0, target_epsilon=2.0, target_delta=1e-5, lot_sizes=[10], accountant=twice
+    )
     assert rows[0]["noise_multiplier"] == acc.compute_noise_multiplier(
-        target_epsilon=2.0, target_delta=1e-5, sampling_rate=0.01, steps=rows[0]["steps"], accountant=twice)
+        target_epsilon=2.0, target_delta=1e-5, sampling_rate=0.01, steps=rows[0]["steps"], accountant=twice
+    )
 
 
 def test_the_cli_offers_registered_accountants(twice, capsys):
@@ -49,12 +53,30 @@ def test_the_cli_offers_registered_accountants(twice, capsys):
 
     from keras_dpsgd.cli import main
 
-    assert main(["epsilon", "--num-examples", "1000", "--lot-size", "10", "--epochs", "1",
-                 "--noise-multiplier", "1.1", "--accountant", twice, "--json"]) == 0
+    assert (
+        main(
+            [
+                "epsilon",
+                "--num-examples",
+                "1000",
+                "--lot-size",
+                "10",
+                "--epochs",
+                "1",
+                "--noise-multiplier",
+                "1.1",
+                "--accountant",
+                twice,
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["accountant"] == twice
-    assert out["epsilon"] == acc.compute_epsilon(acc.PoissonSampledGaussianEvent(0.01, 1.1, 100), out["delta"],
-                                                 accountant=twice)
+    assert out["epsilon"] == acc.compute_epsilon(
+        acc.PoissonSampledGaussianEvent(0.01, 1.1, 100), out["delta"], accountant=twice
+    )
 
 
 def test_registration_refuses_duplicates_and_non_accountants(twice):
@@ -78,9 +100,11 @@ def test_make_accountant_accepts_an_accountant_object_and_leaves_it_unchanged():
     prior = acc.PoissonSampledGaussianEvent(0.01, 3.0, 10)
     spent = acc.RdpAccountant().compose(prior)
     assert acc.compute_noise_multiplier(**_PLAN, steps=100, accountant=spent) == acc.compute_noise_multiplier(
-        **_PLAN, steps=100, prior_events=prior)
+        **_PLAN, steps=100, prior_events=prior
+    )
     assert acc.max_steps_within_budget(**_PLAN, noise_multiplier=3.0, accountant=spent) == (
-        acc.max_steps_within_budget(**_PLAN, noise_multiplier=3.0) - 10)
+        acc.max_steps_within_budget(**_PLAN, noise_multiplier=3.0) - 10
+    )
 
 
 def test_get_delta_is_the_inverse_of_get_epsilon():

@@ -37,9 +37,18 @@ class NoNoiseDPSGD(DPSGDOptimizer):
 
 def _gradient_audit(digits, sigma, seed, optimizer_cls=None, canaries=1000):
     return canary_audit(
-        mlp_builder(digits.input_shape, 10, width=64, keras_module=tf_keras), (digits.x_train, digits.y_train), num_classes=10,
-        canaries=canaries, kind="gradient", noise_multiplier=sigma, l2_norm_clip=10.0, lot_size=64, epochs=2,
-        delta=DELTA, seed=seed, optimizer_cls=optimizer_cls,
+        mlp_builder(digits.input_shape, 10, width=64, keras_module=tf_keras),
+        (digits.x_train, digits.y_train),
+        num_classes=10,
+        canaries=canaries,
+        kind="gradient",
+        noise_multiplier=sigma,
+        l2_norm_clip=10.0,
+        lot_size=64,
+        epochs=2,
+        delta=DELTA,
+        seed=seed,
+        optimizer_cls=optimizer_cls,
     )
 
 
@@ -85,17 +94,26 @@ def test_gradient_canaries_refuse_a_non_dp_class_and_missing_install():
     with pytest.raises(ValueError, match="install_gradient_canaries"):
         opt.add_noise([tf.zeros([2])])
     with pytest.raises(ValueError, match="canaries must be in"):
-        opt.install_gradient_canaries([tf.Variable(tf.zeros([2]))], np.ones(3, bool),
-                                      rng=np.random.default_rng(0), sampling_rate=0.5)
+        opt.install_gradient_canaries(
+            [tf.Variable(tf.zeros([2]))], np.ones(3, bool), rng=np.random.default_rng(0), sampling_rate=0.5
+        )
 
 
 # -------------------------------------------------------------- acceptance
 def test_power_input_canaries_without_noise(digits):
     """σ = 0 with out-of-distribution input canaries: ε_emp clearly above 1 at 95% (memorization is seen)."""
     result = canary_audit(
-        mlp_builder(digits.input_shape, 10, width=256, keras_module=tf_keras), (digits.x_train, digits.y_train), num_classes=10,
-        canaries=200, kind="ood", noise_multiplier=0.0, l2_norm_clip=100.0, lot_size=256, epochs=30,
-        delta=DELTA, seed=1,
+        mlp_builder(digits.input_shape, 10, width=256, keras_module=tf_keras),
+        (digits.x_train, digits.y_train),
+        num_classes=10,
+        canaries=200,
+        kind="ood",
+        noise_multiplier=0.0,
+        l2_norm_clip=100.0,
+        lot_size=256,
+        epochs=30,
+        delta=DELTA,
+        seed=1,
     )
     assert result.epsilon == float("inf")
     assert result.epsilon_lower_bound > 2.0, result
@@ -116,8 +134,9 @@ def test_soundness_dp_training(digits, target):
     """DP-SGD calibrated to ε = 1 and ε = 4 (δ = 1e-5): ε_emp <= ε over a few seeds."""
 
     def sigma(lots, delta):
-        return compute_noise_multiplier(target_epsilon=target, target_delta=delta,
-                                        sampling_rate=lots.sampling_rate, steps=2 * lots.lots_per_epoch)
+        return compute_noise_multiplier(
+            target_epsilon=target, target_delta=delta, sampling_rate=lots.sampling_rate, steps=2 * lots.lots_per_epoch
+        )
 
     for seed in (1, 2):
         result = _gradient_audit(digits, sigma, seed=seed)

@@ -49,13 +49,16 @@ def test_noise_multiplier_0_is_non_private(capsys):
     assert result["violation"] is False
 
 
-@pytest.mark.parametrize("argv,fragment", [
-    (["--canaries", "1"], "canaries"),
-    (["--confidence", "1.5"], "confidence"),
-    (["--noise-multiplier", "-1"], "noise_multiplier"),
-    (["--save", "x"], "--save"),
-    (["--plot", "x.jpg"], "plot"),
-])
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["--canaries", "1"], "canaries"),
+        (["--confidence", "1.5"], "confidence"),
+        (["--noise-multiplier", "-1"], "noise_multiplier"),
+        (["--save", "x"], "--save"),
+        (["--plot", "x.jpg"], "plot"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(capsys, argv, fragment):
     try:
         code = main(["audit", *argv])

@@ -16,8 +16,13 @@ def overfit():
     x, y = rng.random((450, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 450)
     keras.utils.set_random_seed(0)
     members, non_members = (x[:300], y[:300]), (x[300:], y[300:])
-    model = keras.Sequential([keras.layers.Flatten(input_shape=(8, 8, 1)),
-                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.layers.Flatten(input_shape=(8, 8, 1)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     cb = MembershipInferenceCallback(members, non_members, every=20, verbose=0, confidence=0.95)
     model.fit(*members, epochs=40, batch_size=32, verbose=0, callbacks=[cb])

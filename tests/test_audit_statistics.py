@@ -32,10 +32,15 @@ def test_clopper_pearson_lower_is_the_exact_binomial_test_boundary():
     assert stats.binom.sf(k - 1, n, p_low) == pytest.approx(1 - c, rel=1e-9)
 
 
-@pytest.mark.parametrize("bad,err", [(dict(successes=11, trials=10), ValueError),
-                                     (dict(successes=1, trials=0), ValueError),
-                                     (dict(successes=1.5, trials=10), TypeError),
-                                     (dict(successes=1, trials=10, confidence=1.0), ValueError)])
+@pytest.mark.parametrize(
+    "bad,err",
+    [
+        (dict(successes=11, trials=10), ValueError),
+        (dict(successes=1, trials=0), ValueError),
+        (dict(successes=1.5, trials=10), TypeError),
+        (dict(successes=1, trials=10, confidence=1.0), ValueError),
+    ],
+)
 def test_clopper_pearson_refuses_bad_input(bad, err):
     with pytest.raises(err, match="successes|trials|confidence"):
         S.clopper_pearson_lower(**bad)
@@ -78,7 +83,8 @@ def test_one_run_p_value_is_the_theorem(m, r, v, eps, delta):
 def test_one_run_pure_dp_is_the_binomial_tail():
     # Theorem 3.1 (δ = 0): W is dominated by Binomial(r, e^ε / (1 + e^ε)).
     assert S.one_run_p_value(1000, 100, 70, 0.3, 0.0) == pytest.approx(
-        stats.binom.sf(69, 100, special.expit(0.3)), rel=1e-12)
+        stats.binom.sf(69, 100, special.expit(0.3)), rel=1e-12
+    )
 
 
 @pytest.mark.parametrize("r", [10, 100, 1000])
@@ -122,11 +128,14 @@ def test_one_run_epsilon_is_the_root_of_the_theorem_in_the_papers_setting(r, acc
 # reference code at m = 1000 canaries, r = 100 guesses, v = 75 right, δ = 1e-4, 95% and prints 0.673 (0.699 with
 # no abstentions, m = r = 100); Section 7 (p. 28) reports m = 100,000, r = 1510, v = 1439, δ = 1e-5 at 95%
 # as ε ≥ 2.675. (Read here through a public repository's notes quoting those pages: the PDF is not offline.)
-@pytest.mark.parametrize("m,r,v,delta,printed", [
-    (1000, 100, 75, 1e-4, 0.673),
-    (100, 100, 75, 1e-4, 0.699),
-    (100_000, 1510, 1439, 1e-5, 2.675),
-])
+@pytest.mark.parametrize(
+    "m,r,v,delta,printed",
+    [
+        (1000, 100, 75, 1e-4, 0.673),
+        (100, 100, 75, 1e-4, 0.699),
+        (100_000, 1510, 1439, 1e-5, 2.675),
+    ],
+)
 def test_one_run_epsilon_matches_the_papers_printed_values(m, r, v, delta, printed):
     got = S.one_run_epsilon(m, r, v, delta=delta, confidence=0.95)
     assert got == pytest.approx(printed, abs=1e-3)  # the paper prints three digits

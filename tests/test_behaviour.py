@@ -153,7 +153,9 @@ def test_ledger_epsilon_equals_the_accountant(front):
 def _regularized(front, **layer_kwargs):
     K = front.keras
     model = K.Sequential([K.Input((5,)), K.layers.Dense(3, **layer_kwargs)])
-    model.compile(optimizer=front.optimizer_cls(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR), loss=front.loss())
+    model.compile(
+        optimizer=front.optimizer_cls(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR), loss=front.loss()
+    )
     return front.make_private(model)
 
 

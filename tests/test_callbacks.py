@@ -30,8 +30,9 @@ def _model(sigma=SIGMA, q=Q, extra=None):
 
 
 def _fit(model, callbacks, epochs, steps_per_epoch=10):
-    return model.fit(X, Y, batch_size=10, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                     callbacks=callbacks, verbose=0)
+    return model.fit(
+        X, Y, batch_size=10, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0
+    )
 
 
 def _eps(steps, prior=()):
@@ -100,10 +101,12 @@ def test_within_limit_stops_mid_epoch_at_the_boundary():
 def test_within_limit_counts_other_ledger_events():
     pca = GaussianEvent(4.0, count=1, label="dp-pca")
     target = 1.5
-    k = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA,
-                                prior_events=[pca])
-    k_alone = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q,
-                                      noise_multiplier=SIGMA)
+    k = max_steps_within_budget(
+        target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA, prior_events=[pca]
+    )
+    k_alone = max_steps_within_budget(
+        target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA
+    )
     assert 0 < k < k_alone
     model = _model(extra=EventLayer([pca]))
     _fit(model, [WithinLimit(target, DELTA, verbose=0)], epochs=50)
@@ -146,13 +149,17 @@ def test_within_limit_counts_a_real_dppca_layer_and_extra_events():
     prior = [outside] + list(pca.privacy_events)
     assert len(prior) == 2
     target = 1.6
-    k = max_steps_within_budget(target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA,
-                                prior_events=prior)
+    k = max_steps_within_budget(
+        target_epsilon=target, target_delta=DELTA, sampling_rate=Q, noise_multiplier=SIGMA, prior_events=prior
+    )
     assert 0 < k < 50
     model = keras.Sequential([keras.Input((3,)), pca, keras.layers.Dense(1)])
     model.compile(optimizer=FakeDPOptimizer(SIGMA, Q, Q * N), loss="mse")
-    hist = _fit(model, [WithinLimit(target, DELTA, extra_events=[outside], verbose=0),
-                        PrivacyLogger(DELTA, extra_events=[outside])], epochs=50)
+    hist = _fit(
+        model,
+        [WithinLimit(target, DELTA, extra_events=[outside], verbose=0), PrivacyLogger(DELTA, extra_events=[outside])],
+        epochs=50,
+    )
     assert _check_stopped_at_the_boundary(model, target, prior) == k
     assert hist.history["epsilon"][-1] == pytest.approx(_eps(k, prior), rel=1e-12)
 

@@ -39,8 +39,21 @@ def test_epsilon_json_reproduces_the_anchor(capsys):
 def test_epsilon_moments_and_default_delta(capsys):
     result = _json(
         capsys,
-        ["epsilon", "--num-examples", "60000", "--lot-size", "256", "--noise-multiplier", "1.1", "--epochs", "60",
-         "--delta", "1e-5", "--accountant", "moments"],
+        [
+            "epsilon",
+            "--num-examples",
+            "60000",
+            "--lot-size",
+            "256",
+            "--noise-multiplier",
+            "1.1",
+            "--epochs",
+            "60",
+            "--delta",
+            "1e-5",
+            "--accountant",
+            "moments",
+        ],
     )
     assert result["accountant"] == "moments" and result["steps"] == 14063
     assert round(result["epsilon"], 2) == 3.01
@@ -57,8 +70,19 @@ def test_epsilon_text_output(capsys):
 
 
 def test_noise_json(capsys):
-    argv = ["noise", "--target-epsilon", "2", "--num-examples", "60000", "--lot-size", "256", "--epochs", "10",
-            "--delta", "1e-5"]
+    argv = [
+        "noise",
+        "--target-epsilon",
+        "2",
+        "--num-examples",
+        "60000",
+        "--lot-size",
+        "256",
+        "--epochs",
+        "10",
+        "--delta",
+        "1e-5",
+    ]
     result = _json(capsys, argv)
     assert {"noise_multiplier", "epsilon", "delta", "steps", "sampling_rate", "order", "accountant"} <= set(result)
     steps = math.ceil(10 * 60000 / 256)
@@ -70,8 +94,20 @@ def test_noise_json(capsys):
 
 
 def test_batch_table_json_text_and_plot(capsys, tmp_path):
-    argv = ["batch-table", "--target-epsilon", "2", "--num-examples", "10000", "--epochs", "5", "--delta", "1e-5",
-            "--lot-sizes", "32,100", "1000"]
+    argv = [
+        "batch-table",
+        "--target-epsilon",
+        "2",
+        "--num-examples",
+        "10000",
+        "--epochs",
+        "5",
+        "--delta",
+        "1e-5",
+        "--lot-sizes",
+        "32,100",
+        "1000",
+    ]
     result = _json(capsys, argv)
     assert result["rows"] == batch_table(
         num_examples=10000, epochs=5, target_epsilon=2.0, target_delta=1e-5, lot_sizes=[32, 100, 1000]
@@ -91,8 +127,19 @@ def test_batch_table_default_lot_sizes(capsys):
 
 def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    argv = ["batch-table", "--target-epsilon", "2", "--num-examples", "1000", "--epochs", "1", "--lot-sizes", "10",
-            "--plot", str(tmp_path / "x.png")]
+    argv = [
+        "batch-table",
+        "--target-epsilon",
+        "2",
+        "--num-examples",
+        "1000",
+        "--epochs",
+        "1",
+        "--lot-sizes",
+        "10",
+        "--plot",
+        str(tmp_path / "x.png"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "pip install keras-dpsgd[plot]" in err
@@ -113,14 +160,22 @@ BAD = [
     (EPS_ARGS + ["--delta", "0"], "delta must be in (0, 1), got 0.0"),
     (EPS_ARGS + ["--delta", "1.5"], "delta must be in (0, 1), got 1.5"),
     (EPS_ARGS[:8] + ["0"], "epochs must be a finite number > 0, got 0.0"),
-    (["noise", "--target-epsilon", "0", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
-     "target_epsilon must be a finite number > 0, got 0.0"),
-    (["noise", "--target-epsilon", "-2", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
-     "target_epsilon must be a finite number > 0"),
-    (["batch-table", "--target-epsilon", "1", "--num-examples", "100", "--epochs", "1", "--lot-sizes", "500"],
-     "lot sizes must be integers in [1, num_examples = 100], got 500"),
-    (["batch-table", "--target-epsilon", "1", "--num-examples", "100", "--epochs", "1", "--lot-sizes", "a,b"],
-     "lot sizes must be integers"),
+    (
+        ["noise", "--target-epsilon", "0", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
+        "target_epsilon must be a finite number > 0, got 0.0",
+    ),
+    (
+        ["noise", "--target-epsilon", "-2", "--num-examples", "100", "--lot-size", "10", "--epochs", "1"],
+        "target_epsilon must be a finite number > 0",
+    ),
+    (
+        ["batch-table", "--target-epsilon", "1", "--num-examples", "100", "--epochs", "1", "--lot-sizes", "500"],
+        "lot sizes must be integers in [1, num_examples = 100], got 500",
+    ),
+    (
+        ["batch-table", "--target-epsilon", "1", "--num-examples", "100", "--epochs", "1", "--lot-sizes", "a,b"],
+        "lot sizes must be integers",
+    ),
 ]
 
 

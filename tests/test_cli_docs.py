@@ -15,8 +15,24 @@ RUNS = [
     (cli_accounting, ["noise", *_DATA, "--lot-size", "10", "--target-epsilon", "2"]),
     (cli_accounting, ["batch-table", *_DATA, "--target-epsilon", "3", "--lot-sizes", "10", "--max-batch-size", "4"]),
     (cli_tools, ["large-lots", *_DATA, "--target-epsilon", "3", "--lot-sizes", "10"]),
-    (cli_tools, ["adaptive-clipping-noise", "--num-layers", "2", "--norm-noise-multiplier", "5", "--delta", "1e-5",
-                 "--sampling-rate", "0.01", "--steps", "10", "--target-epsilon", "3"]),
+    (
+        cli_tools,
+        [
+            "adaptive-clipping-noise",
+            "--num-layers",
+            "2",
+            "--norm-noise-multiplier",
+            "5",
+            "--delta",
+            "1e-5",
+            "--sampling-rate",
+            "0.01",
+            "--steps",
+            "10",
+            "--target-epsilon",
+            "3",
+        ],
+    ),
 ]
 
 

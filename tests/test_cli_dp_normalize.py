@@ -18,9 +18,15 @@ def test_the_release_is_in_the_calibration_and_in_epsilon(capsys):
     assert "features standardized by a DP estimate" in err
     q, delta, steps = result["sampling_rate"], result["delta"], result["steps"]
     # σ is calibrated so that the release and the planned steps together spend the target.
-    assert result["noise_multiplier"] == pytest.approx(compute_noise_multiplier(
-        target_epsilon=2.0, target_delta=delta, sampling_rate=q, steps=result["planned_steps"],
-        prior_events=[release]))
+    assert result["noise_multiplier"] == pytest.approx(
+        compute_noise_multiplier(
+            target_epsilon=2.0,
+            target_delta=delta,
+            sampling_rate=q,
+            steps=result["planned_steps"],
+            prior_events=[release],
+        )
+    )
     assert steps == result["planned_steps"] == 6
     expected = compute_epsilon([release, PoissonSampledGaussianEvent(q, result["noise_multiplier"], steps)], delta)
     assert result["epsilon"] == pytest.approx(expected, rel=1e-9) and result["epsilon"] <= 2.0 + 1e-9
@@ -30,12 +36,18 @@ def test_the_release_is_in_the_calibration_and_in_epsilon(capsys):
     assert result["test_accuracy"] > 0.5
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--dp-normalize", "0"], "dp_normalize must be a finite noise multiplier > 0, got 0.0"),
-    (["--dp-normalize", "nan"], "dp_normalize must be a finite noise multiplier > 0"),
-    (["--dp-normalize", "2", "--dp-normalize-bounds", "1,0"], "dp_normalize_bounds must be LO,HI with finite LO < HI"),
-    (["--dp-normalize-bounds", "0,1"], "--dp-normalize-bounds applies to --dp-normalize SIGMA only"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--dp-normalize", "0"], "dp_normalize must be a finite noise multiplier > 0, got 0.0"),
+        (["--dp-normalize", "nan"], "dp_normalize must be a finite noise multiplier > 0"),
+        (
+            ["--dp-normalize", "2", "--dp-normalize-bounds", "1,0"],
+            "dp_normalize_bounds must be LO,HI with finite LO < HI",
+        ),
+        (["--dp-normalize-bounds", "0,1"], "--dp-normalize-bounds applies to --dp-normalize SIGMA only"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(capsys, argv, fragment):
     code = main(["train", "--epochs", "1", *argv])
     _, err = capsys.readouterr()

@@ -24,8 +24,25 @@ SPELLINGS = [
     (["noise", *_ACCOUNTING, "--target-epsilon", "2", "--lot-size", "10"], "--lot-size", "--batch-size"),
     (["memorization-test", "--lot-size", "10"], "--lot-size", "--batch-size"),
     (["large-lots", *_ACCOUNTING, "--target-epsilon", "3"], "--target-epsilon", "--epsilon"),
-    (["adaptive-clipping-noise", "--num-layers", "2", "--norm-noise-multiplier", "5", "--delta", "1e-5",
-      "--sampling-rate", "0.01", "--steps", "10", "--target-epsilon", "3"], "--target-epsilon", "--epsilon"),
+    (
+        [
+            "adaptive-clipping-noise",
+            "--num-layers",
+            "2",
+            "--norm-noise-multiplier",
+            "5",
+            "--delta",
+            "1e-5",
+            "--sampling-rate",
+            "0.01",
+            "--steps",
+            "10",
+            "--target-epsilon",
+            "3",
+        ],
+        "--target-epsilon",
+        "--epsilon",
+    ),
 ]
 
 
@@ -70,8 +87,22 @@ def _json(argv, capsys):
 
 def test_json_keys_match_the_documentation(capsys):
     eps = _json(SPELLINGS[0][0] + ["--target-epsilon", "5"], capsys)
-    assert set(eps) == {"epsilon", "order", "noise_multiplier", "num_examples", "lot_size", "batch_size", "epochs",
-                        "steps", "sampling_rate", "delta", "accountant", "target_epsilon", "max_steps", "max_epochs"}
+    assert set(eps) == {
+        "epsilon",
+        "order",
+        "noise_multiplier",
+        "num_examples",
+        "lot_size",
+        "batch_size",
+        "epochs",
+        "steps",
+        "sampling_rate",
+        "delta",
+        "accountant",
+        "target_epsilon",
+        "max_steps",
+        "max_epochs",
+    }
     assert eps["lot_size"] == eps["batch_size"] == 10
     noise = _json(SPELLINGS[1][0], capsys)
     assert set(noise) == set(eps) - {"max_steps", "max_epochs"}
@@ -83,8 +114,17 @@ def test_json_keys_match_the_documentation(capsys):
     assert set(lots) == set(table) | {"epsilon"} and lots["plot"] is None
     assert set(lots["rows"][0]) == set(table["rows"][0]) | {"learning_rate"}
     adaptive = _json(SPELLINGS[4][0], capsys)
-    assert set(adaptive) == {"noise_multiplier", "effective_noise_multiplier", "norm_noise_multiplier", "num_layers",
-                             "target_epsilon", "epsilon", "delta", "sampling_rate", "steps"}
+    assert set(adaptive) == {
+        "noise_multiplier",
+        "effective_noise_multiplier",
+        "norm_noise_multiplier",
+        "num_layers",
+        "target_epsilon",
+        "epsilon",
+        "delta",
+        "sampling_rate",
+        "steps",
+    }
     assert adaptive["target_epsilon"] == adaptive["epsilon"] == 3.0
 
 
@@ -108,9 +148,15 @@ def test_tensorflow_log_lines_are_recognized(line):
     assert is_tensorflow_log_line(line)
 
 
-@pytest.mark.parametrize("line", ["keras-dpsgd train: error: --save 'x' is an existing file: give a directory",
-                                  "Traceback (most recent call last):", "Epoch 1/10",
-                                  "UserWarning: something real"])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "keras-dpsgd train: error: --save 'x' is an existing file: give a directory",
+        "Traceback (most recent call last):",
+        "Epoch 1/10",
+        "UserWarning: something real",
+    ],
+)
 def test_other_lines_are_kept(line):
     assert not is_tensorflow_log_line(line)
 
@@ -137,10 +183,13 @@ _FAKE_TF = textwrap.dedent("""
 def test_quiet_import_drops_only_tensorflow_lines_and_keeps_the_users_level(tmp_path, level, shown):
     (tmp_path / "tensorflow").mkdir()
     (tmp_path / "tensorflow" / "__init__.py").write_text(_FAKE_TF)
-    code = ("import os; from keras_dpsgd.cli._quiet import import_tensorflow_quietly; import_tensorflow_quietly(); "
-            "print(os.environ['SEEN_LEVEL'])")
-    env = _env(PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), **({} if level is None else
-                                                                        {"TF_CPP_MIN_LOG_LEVEL": level}))
+    code = (
+        "import os; from keras_dpsgd.cli._quiet import import_tensorflow_quietly; import_tensorflow_quietly(); "
+        "print(os.environ['SEEN_LEVEL'])"
+    )
+    env = _env(
+        PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]), **({} if level is None else {"TF_CPP_MIN_LOG_LEVEL": level})
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == (level or "2")  # set before TensorFlow is imported; a user's value kept
@@ -152,12 +201,34 @@ def test_quiet_import_drops_only_tensorflow_lines_and_keeps_the_users_level(tmp_
 
 def test_tensorflow_subcommand_prints_no_tensorflow_start_up_lines():
     # memorization-test imports TensorFlow and trains (tiny, on noise); stderr must hold only our own lines.
-    argv = ["memorization-test", "--num-examples", "20", "--epochs", "1", "--width", "4", "--lot-size", "10",
-            "--nonprivate-batch-size", "10", "--seed", "0", "--json"]
-    out = subprocess.run([sys.executable, "-m", "keras_dpsgd.cli", *argv], env=_env(PYTHONPATH=ROOT),
-                         capture_output=True, text=True, timeout=300)
+    argv = [
+        "memorization-test",
+        "--num-examples",
+        "20",
+        "--epochs",
+        "1",
+        "--width",
+        "4",
+        "--lot-size",
+        "10",
+        "--nonprivate-batch-size",
+        "10",
+        "--seed",
+        "0",
+        "--json",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "keras_dpsgd.cli", *argv],
+        env=_env(PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["mode"] == "noise"
-    leaked = [line for line in out.stderr.splitlines() if is_tensorflow_log_line(line) or "cuda" in line.lower()
-              or "oneDNN" in line]
+    leaked = [
+        line
+        for line in out.stderr.splitlines()
+        if is_tensorflow_log_line(line) or "cuda" in line.lower() or "oneDNN" in line
+    ]
     assert leaked == []

@@ -15,8 +15,17 @@ from keras_dpsgd.accounting import (
 )
 from keras_dpsgd.cli import main
 
-REQUIRED = {"dataset", "epsilon", "target_epsilon", "delta", "test_accuracy", "steps", "noise_multiplier",
-            "l2_norm_clip", "seconds"}
+REQUIRED = {
+    "dataset",
+    "epsilon",
+    "target_epsilon",
+    "delta",
+    "test_accuracy",
+    "steps",
+    "noise_multiplier",
+    "l2_norm_clip",
+    "seconds",
+}
 
 
 def _run_json(capsys, *argv):
@@ -39,8 +48,9 @@ def test_digits_json_calibrated_sigma_is_honest(capsys):
     assert result["steps"] == result["planned_steps"] == 12
     q = 256 / 1347
     assert result["sampling_rate"] == pytest.approx(q)
-    expected_sigma = compute_noise_multiplier(target_epsilon=2.0, target_delta=result["delta"], sampling_rate=q,
-                                              steps=12)
+    expected_sigma = compute_noise_multiplier(
+        target_epsilon=2.0, target_delta=result["delta"], sampling_rate=q, steps=12
+    )
     assert result["noise_multiplier"] == pytest.approx(expected_sigma)
     # ε recomputed independently from (q, σ, steps) matches and is within the target.
     eps = compute_epsilon(PoissonSampledGaussianEvent(q, result["noise_multiplier"], 12), result["delta"])
@@ -51,8 +61,19 @@ def test_digits_json_calibrated_sigma_is_honest(capsys):
 
 
 def test_given_sigma_stops_within_budget(capsys):
-    result, _ = _run_json(capsys, "--epochs", "5", "--noise-multiplier", "1.2", "--target-epsilon", "2",
-                          "--lot-size", "128", "--learning-rate", "0.1")
+    result, _ = _run_json(
+        capsys,
+        "--epochs",
+        "5",
+        "--noise-multiplier",
+        "1.2",
+        "--target-epsilon",
+        "2",
+        "--lot-size",
+        "128",
+        "--learning-rate",
+        "0.1",
+    )
     assert result["noise_calibrated"] is False and result["noise_multiplier"] == 1.2
     assert result["stopped_by_within_limit"] is True
     assert result["planned_steps"] == 55 and 0 < result["steps"] < 55
@@ -97,8 +118,21 @@ def test_tfds_dataset_through_mock_data(capsys, monkeypatch):
     tfds = pytest.importorskip("tensorflow_datasets")
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")  # tf_keras: physical batches with gradient accumulation
     with tfds.testing.mock_data(num_examples=64):
-        result, _ = _run_json(capsys, "--dataset", "mnist", "--model", "cnn", "--epochs", "1", "--lot-size", "16",
-                              "--physical-batch-size", "8", "--delta", "1e-3")
+        result, _ = _run_json(
+            capsys,
+            "--dataset",
+            "mnist",
+            "--model",
+            "cnn",
+            "--epochs",
+            "1",
+            "--lot-size",
+            "16",
+            "--physical-batch-size",
+            "8",
+            "--delta",
+            "1e-3",
+        )
     assert result["dataset"] == "mnist" and result["num_examples"] == 64 and result["keras"].startswith("tf_keras 2.")
     assert result["model"] == "cnn" and result["learning_rate"] == 2.0
     assert result["steps"] == 4 and result["epsilon"] <= result["target_epsilon"]
@@ -136,8 +170,9 @@ def test_keras3_physical_batches_accumulate_lots_and_the_ledger_counts_lots(caps
     argv = ("--epochs", "2", "--lot-size", "256", "--width", "32", "--noise-multiplier", "1.5", "--seed", "0")
     split, err = _run_json(capsys, *argv, "--physical-batch-size", "64")
     assert split["keras"] == keras.__version__ and "Keras 3." in err
-    lots = PoissonLots(np.zeros((1347, 1), "float32"), np.zeros(1347, "int64"), expected_lot_size=256,
-                       physical_batch_size=64)
+    lots = PoissonLots(
+        np.zeros((1347, 1), "float32"), np.zeros(1347, "int64"), expected_lot_size=256, physical_batch_size=64
+    )
     assert lots.gradient_accumulation_steps > 1  # really split
     # The ledger counts lots (2 epochs of 6), not physical batches (12 k): ε is that of 12 releases.
     assert split["steps"] == split["planned_steps"] == 2 * lots.lots_per_epoch == 12
@@ -170,7 +205,13 @@ def test_default_settings_are_the_documented_ones():
     from keras_dpsgd.cli.train import DEFAULTS
 
     args = build_parser().parse_args(["train"])
-    assert (args.dataset, args.model, args.target_epsilon, args.lot_size, args.epochs) == ("digits", "mlp", 3.0, 256, 10)
+    assert (args.dataset, args.model, args.target_epsilon, args.lot_size, args.epochs) == (
+        "digits",
+        "mlp",
+        3.0,
+        256,
+        10,
+    )
     assert args.delta is None and args.noise_multiplier is None and args.seed is None
     assert args.learning_rate is None and math.isclose(args.l2_norm_clip, 1.0)
     assert DEFAULTS["learning_rate"] == {"mlp": 0.5, "cnn": 2.0}

@@ -146,9 +146,23 @@ def test_feature_range_parsing():
 def test_cli_npz_with_test_set_trains_honestly(capsys, tmp_path):
     x, y = _blobs(300, 6)
     np.savez(tmp_path / "d.npz", x_train=x[:240], y_train=y[:240], x_test=x[240:], y_test=y[240:])
-    result, err = _train_json(capsys, "--data", str(tmp_path / "d.npz"), "--feature-range", "0,10",
-                              "--num-classes", "2", "--target-epsilon", "3", "--delta", "1e-4",
-                              "--learning-rate", "0.5", "--epochs", "5")
+    result, err = _train_json(
+        capsys,
+        "--data",
+        str(tmp_path / "d.npz"),
+        "--feature-range",
+        "0,10",
+        "--num-classes",
+        "2",
+        "--target-epsilon",
+        "3",
+        "--delta",
+        "1e-4",
+        "--learning-rate",
+        "0.5",
+        "--epochs",
+        "5",
+    )
     assert result["dataset"] == str(tmp_path / "d.npz") and result["num_examples"] == 240
     assert "DP-SGD on " + str(tmp_path / "d.npz") + " (N = 240)" in err
     q = 64 / 240
@@ -161,8 +175,19 @@ def test_cli_npz_with_test_set_trains_honestly(capsys, tmp_path):
 def test_cli_csv_held_out_split_is_stated(capsys, tmp_path):
     x, y = _blobs(250, 4)
     path = _write_csv(tmp_path / "p.csv", x, y, label="diagnosis")
-    result, err = _train_json(capsys, "--data", str(path), "--label-column", "diagnosis",
-                              "--feature-range", "0,10", "--test-fraction", "0.2", "--delta", "1e-4")
+    result, err = _train_json(
+        capsys,
+        "--data",
+        str(path),
+        "--label-column",
+        "diagnosis",
+        "--feature-range",
+        "0,10",
+        "--test-fraction",
+        "0.2",
+        "--delta",
+        "1e-4",
+    )
     assert result["num_examples"] == 200
     assert "data: no test set in the data: held out 50 of 250 rows" in err
     assert any("held out 50" in n for n in result["data_notes"])
@@ -252,9 +277,37 @@ def test_mnist_example_reads_idx_data_dir(tmp_path):
     _write_idx(d / "t10k-labels-idx1-ubyte", labels[:20], gz=False)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, os.path.join(root, "examples", "mnist_dpsgd.py"), "--data-dir", str(d), "--preset", "large",
-         "--epochs", "1", "--lot-size", "32", "--hidden", "8", "--pca-components", "4", "--pca-sampling-rate", "1",
-         "--delta", "1e-3", "--seed", "0", "--clip-mode", "flat", "--momentum", "0.9"],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), cwd=root)
+        [
+            sys.executable,
+            os.path.join(root, "examples", "mnist_dpsgd.py"),
+            "--data-dir",
+            str(d),
+            "--preset",
+            "large",
+            "--epochs",
+            "1",
+            "--lot-size",
+            "32",
+            "--hidden",
+            "8",
+            "--pca-components",
+            "4",
+            "--pca-sampling-rate",
+            "1",
+            "--delta",
+            "1e-3",
+            "--seed",
+            "0",
+            "--clip-mode",
+            "flat",
+            "--momentum",
+            "0.9",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "DP-SGD steps" in proc.stdout and "test accuracy" in proc.stdout

@@ -33,7 +33,9 @@ def test_one_device_strategies_are_the_identity():
             assert _distribute.replica_key(key) is key
 
 
-@pytest.mark.parametrize("name", ["TPUStrategy", "ParameterServerStrategy", "CentralStorageStrategy", "MirroredStrategyV1"])
+@pytest.mark.parametrize(
+    "name", ["TPUStrategy", "ParameterServerStrategy", "CentralStorageStrategy", "MirroredStrategyV1"]
+)
 def test_other_strategies_are_refused_by_name(name):
     fake = type(name, (), {})()
     with pytest.raises(ValueError, match=f"DPSGDOptimizer does not support {name}.*MirroredStrategy"):
@@ -53,7 +55,12 @@ def test_two_mirrored_replicas():
     assert result["ids"] == [0, 1]
     keys = [tuple(k) for k in result["keys"]]
     assert len(set(keys)) == 2 and (7, 11) not in keys  # each replica its own key
-    expected = [tuple(tf.random.experimental.stateless_fold_in(tf.constant([7, 11], tf.int64), tf.constant(r, tf.int64)).numpy()) for r in (0, 1)]
+    expected = [
+        tuple(
+            tf.random.experimental.stateless_fold_in(tf.constant([7, 11], tf.int64), tf.constant(r, tf.int64)).numpy()
+        )
+        for r in (0, 1)
+    ]
     assert keys == expected  # seeded: a function of (key, r), reproducible
     assert result["sums"] == [3.0, 3.0]  # (0 + 1) + (1 + 1) on both replicas
     assert result["shares"] == [3.0, 3.0]  # 6 / R

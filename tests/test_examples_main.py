@@ -17,8 +17,14 @@ _RESULT = re.compile(r"test accuracy ([0-9.]+) at ε = ([0-9.e+-]+) \(δ = ([0-9
 
 def _run(script, *argv, timeout=120, **env_vars):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_vars)
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--smoke", *argv],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(EXAMPLES, script), "--smoke", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     match = _RESULT.search(proc.stdout)
     assert match, proc.stdout[-2000:]
@@ -38,8 +44,9 @@ def test_mnist_smoke_counts_pca_and_steps(legacy, front_end, paper):
     from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
 
     # Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1 (the Keras that tf.keras is).
-    out, acc, eps, delta, steps = _run("mnist_dpsgd.py", "--preset", "medium", *(["--paper"] if paper else []),
-                                       TF_USE_LEGACY_KERAS=legacy)
+    out, acc, eps, delta, steps = _run(
+        "mnist_dpsgd.py", "--preset", "medium", *(["--paper"] if paper else []), TF_USE_LEGACY_KERAS=legacy
+    )
     assert out.startswith(f"{front_end}; preset medium")
     assert "epsilon:" in out  # ε printed as it trains
     # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (all data; the paper's or the
@@ -72,8 +79,9 @@ def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
     public_path = str(tmp_path / "public.keras")
     public.save(public_path)
     trained_path = str(tmp_path / "trained.keras")
-    out, acc, eps, delta, steps = _run("cifar10_alexnet.py", "--public-model", public_path,
-                                       "--save-model", trained_path)
+    out, acc, eps, delta, steps = _run(
+        "cifar10_alexnet.py", "--public-model", public_path, "--save-model", trained_path
+    )
     assert "frozen public conv layers, 6 DP-trained variables" in out
     assert steps == 4 and 0 < eps <= 8.0
     _assert_chance_accuracy(acc, num_test=64)  # mock data: 64 test examples, random labels
@@ -83,8 +91,10 @@ def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
     for name in example.CONV_LAYERS:  # frozen: exactly the public weights
         for got, want in zip(trained.get_layer(name).get_weights(), public.get_layer(name).get_weights()):
             np.testing.assert_array_equal(got, want)
-    changed = [not np.array_equal(a, b) for a, b in
-               zip(trained.get_layer("dense1").get_weights(), public.get_layer("dense1").get_weights())]
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(trained.get_layer("dense1").get_weights(), public.get_layer("dense1").get_weights())
+    ]
     assert all(changed)  # trained with DP-SGD
 
 
@@ -93,10 +103,22 @@ def test_small_alexnet_architecture():
     keras = example.keras
     model = example.small_alexnet()
     kinds = [type(layer).__name__ for layer in model.layers[1:]]
-    assert kinds == ["Conv2D", "MaxPooling2D", "LocalResponseNormalization", "Conv2D", "LocalResponseNormalization",
-                     "MaxPooling2D", "Flatten", "Dense", "Dense", "Dense"]
+    assert kinds == [
+        "Conv2D",
+        "MaxPooling2D",
+        "LocalResponseNormalization",
+        "Conv2D",
+        "LocalResponseNormalization",
+        "MaxPooling2D",
+        "Flatten",
+        "Dense",
+        "Dense",
+        "Dense",
+    ]
     assert [model.get_layer(n).units for n in ("dense1", "dense2", "logits")] == [384, 192, 10]
-    assert all(model.get_layer(n).filters == 64 and model.get_layer(n).kernel_size == (5, 5) for n in ("conv1", "conv2"))
+    assert all(
+        model.get_layer(n).filters == 64 and model.get_layer(n).kernel_size == (5, 5) for n in ("conv1", "conv2")
+    )
     # LRN mixes channels of one example, never examples: example 0's output ignores example 1.
     x = np.random.default_rng(0).random((2, 32, 32, 3)).astype(np.float32)
     y = x.copy()

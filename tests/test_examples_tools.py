@@ -31,8 +31,13 @@ KERAS = _keras_label()
 
 def _run(name, *args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), "--smoke", "--json", "--seed", "0", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--smoke", "--json", "--seed", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

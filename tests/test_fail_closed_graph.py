@@ -240,7 +240,8 @@ def test_an_eager_step_says_loudly_that_mixing_is_not_checked(backend, caplog):
     model = keras.Sequential([keras.layers.Dense(3)])
     model.compile(
         optimizer=DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, per_example_backend=backend),
-        loss=_loss(), run_eagerly=True,
+        loss=_loss(),
+        run_eagerly=True,
     )
     with caplog.at_level("WARNING", logger="keras_dpsgd"):
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)

@@ -135,11 +135,24 @@ def test_infinite_noise_multiplier_is_refused(capsys, argv):
 
 # ------------------------------------------------------------------ every real scalar type
 def test_optimizer_accepts_numpy_scalars_like_python_numbers():
-    numpy_args = dict(l2_norm_clip=np.float32(1.5), noise_multiplier=np.float64(1.1), seed=np.int64(7),
-                      gradient_accumulation_steps=np.int64(2), expected_lot_size=np.float32(8.0),
-                      sampling_rate=np.float32(0.25), learning_rate=0.1)
-    python_args = dict(l2_norm_clip=1.5, noise_multiplier=1.1, seed=7, gradient_accumulation_steps=2,
-                       expected_lot_size=8.0, sampling_rate=float(np.float32(0.25)), learning_rate=0.1)
+    numpy_args = dict(
+        l2_norm_clip=np.float32(1.5),
+        noise_multiplier=np.float64(1.1),
+        seed=np.int64(7),
+        gradient_accumulation_steps=np.int64(2),
+        expected_lot_size=np.float32(8.0),
+        sampling_rate=np.float32(0.25),
+        learning_rate=0.1,
+    )
+    python_args = dict(
+        l2_norm_clip=1.5,
+        noise_multiplier=1.1,
+        seed=7,
+        gradient_accumulation_steps=2,
+        expected_lot_size=8.0,
+        sampling_rate=float(np.float32(0.25)),
+        learning_rate=0.1,
+    )
     config = DPSGDOptimizer(**numpy_args).get_config()
     assert config == DPSGDOptimizer(**python_args).get_config()
     for key in ("l2_norm_clip", "noise_multiplier", "expected_lot_size", "sampling_rate"):
@@ -148,7 +161,8 @@ def test_optimizer_accepts_numpy_scalars_like_python_numbers():
     per_layer = DPSGDOptimizer(l2_norm_clip=[np.float32(1.0), 2], noise_multiplier=[np.float16(1.0), 1.0])
     assert per_layer.l2_norm_clip == [1.0, 2.0]
     assert DPSGDOptimizer(l2_norm_clip={"dense/kernel": np.float32(1.0)}, noise_multiplier=1.0).l2_norm_clip == {
-        "dense/kernel": 1.0}
+        "dense/kernel": 1.0
+    }
 
 
 @pytest.mark.parametrize(
@@ -183,12 +197,29 @@ def _xy(n=20):
 
 def test_poisson_lots_accepts_numpy_scalars():
     x, y = _xy()
-    a = PoissonLots(x, y, sampling_rate=np.float32(0.5), physical_batch_size=np.int64(4), seed=np.int64(3),
-                    overflow_probability=np.float64(1e-6), max_lot_size=np.int32(12))
-    b = PoissonLots(x, y, sampling_rate=float(np.float32(0.5)), physical_batch_size=4, seed=3,
-                    overflow_probability=1e-6, max_lot_size=12)
+    a = PoissonLots(
+        x,
+        y,
+        sampling_rate=np.float32(0.5),
+        physical_batch_size=np.int64(4),
+        seed=np.int64(3),
+        overflow_probability=np.float64(1e-6),
+        max_lot_size=np.int32(12),
+    )
+    b = PoissonLots(
+        x,
+        y,
+        sampling_rate=float(np.float32(0.5)),
+        physical_batch_size=4,
+        seed=3,
+        overflow_probability=1e-6,
+        max_lot_size=12,
+    )
     assert (a.sampling_rate, a.gradient_accumulation_steps, a.max_lot_size) == (
-        b.sampling_rate, b.gradient_accumulation_steps, b.max_lot_size)
+        b.sampling_rate,
+        b.gradient_accumulation_steps,
+        b.max_lot_size,
+    )
     np.testing.assert_array_equal(a.sample_indices(), b.sample_indices())
     assert PoissonLots(x, y, expected_lot_size=np.int64(5)).sampling_rate == 0.25
     assert len(list(a.lots(np.int64(2)))) == 2 * a.gradient_accumulation_steps
@@ -221,22 +252,41 @@ def test_events_and_planning_accept_numpy_scalars_and_refuse_the_rest():
     assert e == PoissonSampledGaussianEvent(float(np.float32(0.5)), 1.5, 3)
     assert type(e.sampling_rate) is float and type(e.count) is int
     assert GaussianEvent(np.float32(2.0), count=np.int32(2)) == GaussianEvent(2.0, count=2)
-    sigma = compute_noise_multiplier(target_epsilon=np.float32(2.0), target_delta=np.float64(1e-5),
-                                     sampling_rate=np.float32(0.01), steps=np.int64(100))
-    assert sigma == compute_noise_multiplier(target_epsilon=2.0, target_delta=1e-5,
-                                             sampling_rate=float(np.float32(0.01)), steps=100)
-    assert max_steps_within_budget(target_epsilon=np.float64(1.0), target_delta=1e-5,
-                                   sampling_rate=np.float32(0.01), noise_multiplier=np.float32(1.0)) > 0
+    sigma = compute_noise_multiplier(
+        target_epsilon=np.float32(2.0),
+        target_delta=np.float64(1e-5),
+        sampling_rate=np.float32(0.01),
+        steps=np.int64(100),
+    )
+    assert sigma == compute_noise_multiplier(
+        target_epsilon=2.0, target_delta=1e-5, sampling_rate=float(np.float32(0.01)), steps=100
+    )
+    assert (
+        max_steps_within_budget(
+            target_epsilon=np.float64(1.0),
+            target_delta=1e-5,
+            sampling_rate=np.float32(0.01),
+            noise_multiplier=np.float32(1.0),
+        )
+        > 0
+    )
     bad = [
         (lambda: PoissonSampledGaussianEvent("0.5", 1.0), "sampling_rate must be in (0, 1], got '0.5' (str)"),
         (lambda: PoissonSampledGaussianEvent(True, 1.0), "sampling_rate must be in (0, 1], got True (bool)"),
         (lambda: PoissonSampledGaussianEvent(0.5, "1"), "noise_multiplier must be a finite number >= 0, got '1' (str)"),
-        (lambda: PoissonSampledGaussianEvent(0.5, float("inf")), "noise_multiplier must be a finite number >= 0, got inf"),
+        (
+            lambda: PoissonSampledGaussianEvent(0.5, float("inf")),
+            "noise_multiplier must be a finite number >= 0, got inf",
+        ),
         (lambda: GaussianEvent(float("inf")), "noise_multiplier must be a finite number >= 0, got inf"),
         (lambda: GaussianEvent(1.0, count=2.5), "count must be an integer >= 0, got 2.5"),
         (lambda: GaussianEvent(1.0, count=True), "count must be an integer >= 0, got True"),
-        (lambda: max_steps_within_budget(target_epsilon=1.0, target_delta=1e-5, sampling_rate=0.01,
-                                         noise_multiplier=np.inf), "noise_multiplier must be a finite number >= 0, got inf"),
+        (
+            lambda: max_steps_within_budget(
+                target_epsilon=1.0, target_delta=1e-5, sampling_rate=0.01, noise_multiplier=np.inf
+            ),
+            "noise_multiplier must be a finite number >= 0, got inf",
+        ),
     ]
     for make, fragment in bad:
         with pytest.raises(ValueError) as info:
@@ -246,8 +296,14 @@ def test_events_and_planning_accept_numpy_scalars_and_refuse_the_rest():
 
 # ------------------------------------------------------------------ fit(lots.dataset()) and epochs
 def _dp_model(lots):
-    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.3, learning_rate=0.1,
-                                        gradient_accumulation_steps=lots.gradient_accumulation_steps))
+    opt = lots.configure(
+        DPSGDOptimizer(
+            l2_norm_clip=1.0,
+            noise_multiplier=1.3,
+            learning_rate=0.1,
+            gradient_accumulation_steps=lots.gradient_accumulation_steps,
+        )
+    )
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
     return model, opt

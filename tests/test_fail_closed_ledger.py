@@ -30,7 +30,9 @@ def _model(optimizer):
 
 
 def _opt(k=1, **kwargs):
-    return DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1, gradient_accumulation_steps=k, **kwargs)
+    return DPSGDOptimizer(
+        l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1, gradient_accumulation_steps=k, **kwargs
+    )
 
 
 def _pending(opt):
@@ -153,8 +155,14 @@ def test_h5_weights_only_says_loudly_that_the_ledger_is_not_kept(tmp_path, caplo
     x, y = _data()
     model = _model(_opt())
     with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
-        model.fit(x, y, batch_size=B, epochs=1, verbose=0,
-                  callbacks=[keras.callbacks.ModelCheckpoint(str(tmp_path / "w.h5"), save_weights_only=True)])
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=1,
+            verbose=0,
+            callbacks=[keras.callbacks.ModelCheckpoint(str(tmp_path / "w.h5"), save_weights_only=True)],
+        )
     assert "does not keep the privacy ledger" in caplog.text
 
 
@@ -163,15 +171,29 @@ def test_validation_split_with_the_full_num_examples_is_refused():
     x, y = _data()
     model = _model(_opt())
     with pytest.raises(ValueError, match="validation_split"):
-        model.fit(x, y, batch_size=B, epochs=1, verbose=0, validation_split=0.25,
-                  callbacks=[PrivacyLogger(DELTA, num_examples=N, batch_size=B)])
+        model.fit(
+            x,
+            y,
+            batch_size=B,
+            epochs=1,
+            verbose=0,
+            validation_split=0.25,
+            callbacks=[PrivacyLogger(DELTA, num_examples=N, batch_size=B)],
+        )
 
 
 def test_validation_split_with_the_training_size_is_accepted():
     x, y = _data()
     model = _model(_opt())
-    hist = model.fit(x, y, batch_size=B, epochs=1, verbose=0, validation_split=0.25,
-                     callbacks=[PrivacyLogger(DELTA, num_examples=18, batch_size=B)])
+    hist = model.fit(
+        x,
+        y,
+        batch_size=B,
+        epochs=1,
+        verbose=0,
+        validation_split=0.25,
+        callbacks=[PrivacyLogger(DELTA, num_examples=18, batch_size=B)],
+    )
     assert hist.history["epsilon"][-1] == pytest.approx(_epsilon(5, q=B / 18), rel=1e-12)
 
 

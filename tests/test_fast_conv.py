@@ -23,9 +23,7 @@ def test_conv2d_variants(kwargs):
     filters = kwargs.pop("filters_override", 4)
     size = 4 if filters == 16 else 9
     x, y = data((3, size, size, 3), (3, 2), seed=5)
-    model = keras.Sequential(
-        [L.Conv2D(filters, activation="relu", **kwargs), L.Flatten(), L.Dense(2)]
-    )
+    model = keras.Sequential([L.Conv2D(filters, activation="relu", **kwargs), L.Flatten(), L.Dense(2)])
     model(x[:1])
     check(model, x, y)  # Dilated too: the kernel's rule sums each example's SpaceToBatchND blocks.
 
@@ -102,6 +100,8 @@ def test_conv1d_many_channels():
 def test_pointwise_conv_with_few_channels_keeps_the_kernel_shape():
     """A 1 x k kernel on < 32 channels is one piece [B, k, cin, cout]: the clipped sum must still
     be shaped [1, k, cin, cout] (it came back as [k, cin, cout] before)."""
-    model = keras.Sequential([keras.Input((5, 5, 3)), keras.layers.Conv2D(4, 1), keras.layers.Flatten(), keras.layers.Dense(2)])
+    model = keras.Sequential(
+        [keras.Input((5, 5, 3)), keras.layers.Conv2D(4, 1), keras.layers.Flatten(), keras.layers.Dense(2)]
+    )
     x, y = data((3, 5, 5, 3), (3, 2), seed=7)
     check(model, x, y, reference=False)

@@ -13,7 +13,13 @@ import pytest
 import tensorflow as tf
 import tf_keras
 from _fast_helpers import (
-    assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced, sequence_data,
+    assert_same,
+    data,
+    flat_factors,
+    loop_oracle,
+    per_layer_factors,
+    run_traced,
+    sequence_data,
 )
 
 from keras_dpsgd._fast import FastBackend
@@ -154,7 +160,9 @@ def test_keras3_fit_takes_the_fast_path_for_a_gru_text_model():
 
     ids = np.random.default_rng(5).integers(0, 20, size=(8, 5)).astype("int32")
     ids[:3, 3:] = 0
-    model = make_private(keras.Sequential([keras.Input((5,), dtype="int32"), L.Embedding(20, 3, mask_zero=True), L.GRU(2), L.Dense(2)]))
+    model = make_private(
+        keras.Sequential([keras.Input((5,), dtype="int32"), L.Embedding(20, 3, mask_zero=True), L.GRU(2), L.Dense(2)])
+    )
     opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1, per_example_backend="fast")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     model.compile(optimizer=opt, loss=loss)

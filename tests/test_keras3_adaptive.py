@@ -48,8 +48,9 @@ def test_bound_is_alpha_times_clipped_mean_norm_without_noise(lot):
     x, y = _data(8)
     bounds = np.array([0.3, 0.05, 0.2, 0.08])  # small: the β·C clip is active for some examples
     alpha, beta = 1.3, 2.0
-    opt = k3.AdaptiveDPSGDOptimizer(list(bounds), 0.0, 0.0, alpha=alpha, beta=beta, learning_rate=0.1,
-                                    expected_lot_size=lot, seed=3)
+    opt = k3.AdaptiveDPSGDOptimizer(
+        list(bounds), 0.0, 0.0, alpha=alpha, beta=beta, learning_rate=0.1, expected_lot_size=lot, seed=3
+    )
     model = _private(opt)
     clipped = False
     for _ in range(3):
@@ -67,8 +68,7 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_l2_beta_c():
     """z = (L·C_new/α − Σ min(‖g‖, βC)) / (σ_l2 β C) is N(0, 1) (lr = 0: gradients fixed)."""
     x, y = _data(16)
     sigma_l2, beta = 1.0, 2.0
-    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, sigma_l2, beta=beta, learning_rate=0.0, min_clip_bound=1e-9,
-                                    seed=7)
+    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, sigma_l2, beta=beta, learning_rate=0.0, min_clip_bound=1e-9, seed=7)
     model = _private(opt)
     norms = _norms(model, x, y)
     zs, prev = [], np.ones(4)
@@ -90,8 +90,9 @@ Q, SIGMA, SIGMA_L2, STEPS = 0.5, 1.2, 3.0, 4
 def trained():
     """One adaptive run (4 noised steps at q = 0.5) shared by the ledger and the .keras checks."""
     x, y = _data(8)
-    opt = k3.AdaptiveDPSGDOptimizer([1.0] * 4, SIGMA, SIGMA_L2, alpha=1.1, learning_rate=0.1, sampling_rate=Q,
-                                    expected_lot_size=4.0)
+    opt = k3.AdaptiveDPSGDOptimizer(
+        [1.0] * 4, SIGMA, SIGMA_L2, alpha=1.1, learning_rate=0.1, sampling_rate=Q, expected_lot_size=4.0
+    )
     model = _private(opt)
     model.fit(x, y, batch_size=4, epochs=2, verbose=0)
     return model, opt
@@ -106,8 +107,9 @@ def test_ledger_epsilon_is_the_composition_of_steps_and_norm_queries(trained):
     assert (event.sampling_rate, event.count) == (Q, STEPS)
     assert event.noise_multiplier == pytest.approx(sigma_eff, rel=1e-12)
     eps, _ = model_epsilon(model, target_delta=1e-5)
-    composed = ac.adaptive_clipping_event(noise_multiplier=SIGMA, norm_noise_multiplier=SIGMA_L2, num_layers=4,
-                                          sampling_rate=Q, steps=STEPS)
+    composed = ac.adaptive_clipping_event(
+        noise_multiplier=SIGMA, norm_noise_multiplier=SIGMA_L2, num_layers=4, sampling_rate=Q, steps=STEPS
+    )
     assert eps == pytest.approx(accounting.compute_epsilon([composed], 1e-5), rel=1e-9)
     gradients_only = accounting.PoissonSampledGaussianEvent(Q, SIGMA / 2, count=STEPS)  # σ/√V, no norm queries
     assert accounting.compute_epsilon([gradients_only], 1e-5) < eps
@@ -139,8 +141,9 @@ def test_other_descent_rules_validation_logger_and_initial_bounds(tmp_path):
     model = _model()
     bounds = k3.initial_clip_bounds(model, batch_size=6, seed=11)
     rng = np.random.default_rng(11)
-    np.testing.assert_allclose(bounds, _norms(model, rng.random((6, 4), dtype=np.float32),
-                                              rng.integers(0, 2, size=6)).mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        bounds, _norms(model, rng.random((6, 4), dtype=np.float32), rng.integers(0, 2, size=6)).mean(axis=0), rtol=1e-5
+    )
     opt = k3.AdaptiveDPSGDOptimizer(bounds, 1.0, 5.0, learning_rate=0.1)
     model = _private(opt)
     logger = k3.ClipBoundsLogger(log_dir=str(tmp_path), update_freq=1)

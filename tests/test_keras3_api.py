@@ -109,7 +109,8 @@ def test_bad_settings_raise(kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "cls", [k3.DPSGDOptimizer, k3.DPAdamOptimizer, tf_keras_optimizers.DPSGDOptimizer, tf_keras_optimizers.DPAdamOptimizer]
+    "cls",
+    [k3.DPSGDOptimizer, k3.DPAdamOptimizer, tf_keras_optimizers.DPSGDOptimizer, tf_keras_optimizers.DPAdamOptimizer],
 )
 def test_num_microbatches_none_accepted_other_refused(cls):
     cls(l2_norm_clip=1.0, noise_multiplier=1.0, num_microbatches=None)
@@ -128,12 +129,21 @@ def test_make_dp_optimizer_keras3():
 
 
 def test_config_round_trip_and_registration():
-    opt = k3.DPAdamOptimizer(l2_norm_clip=[1.0, 2.0], noise_multiplier=1.1, expected_lot_size=8, sampling_rate=0.01, seed=3)
+    opt = k3.DPAdamOptimizer(
+        l2_norm_clip=[1.0, 2.0], noise_multiplier=1.1, expected_lot_size=8, sampling_rate=0.01, seed=3
+    )
     config = keras.optimizers.serialize(opt)
     assert config["registered_name"] == "keras_dpsgd>DPAdamOptimizer"
     again = keras.optimizers.deserialize(config)
     assert type(again) is k3.DPAdamOptimizer
-    for key in ("l2_norm_clip", "noise_multiplier", "expected_lot_size", "sampling_rate", "seed", "per_example_backend"):
+    for key in (
+        "l2_norm_clip",
+        "noise_multiplier",
+        "expected_lot_size",
+        "sampling_rate",
+        "seed",
+        "per_example_backend",
+    ):
         assert again.get_config()[key] == opt.get_config()[key]
 
 
@@ -218,14 +228,19 @@ def test_changing_sampling_rate_never_lowers_epsilon():
     opt.sampling_rate = 0.05
     model.fit(*_data(), batch_size=4, verbose=0)
     eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
-    truth = PrivacyLedger([PoissonSampledGaussianEvent(0.5, 1.0, count=2), PoissonSampledGaussianEvent(0.05, 1.0, count=2)])
+    truth = PrivacyLedger(
+        [PoissonSampledGaussianEvent(0.5, 1.0, count=2), PoissonSampledGaussianEvent(0.05, 1.0, count=2)]
+    )
     assert eps >= compute_epsilon(truth, 1e-5) * (1 - 1e-9)
 
 
 def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(tmp_path):
     """Issue 12 hole 3(a) on Keras 3: the ledger is the model's, not the last optimizer's; a .keras
     file of the recompiled model carries the whole ledger (the optimizer's copy of its segments)."""
-    first, second = (PoissonSampledGaussianEvent(0.25, 1.1, 4, "dp-sgd"), PoissonSampledGaussianEvent(0.5, 2.0, 2, "dp-sgd"))
+    first, second = (
+        PoissonSampledGaussianEvent(0.25, 1.1, 4, "dp-sgd"),
+        PoissonSampledGaussianEvent(0.5, 2.0, 2, "dp-sgd"),
+    )
     model = k3.make_private(_mlp())
     model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, sampling_rate=0.25), loss="mse")
     model.fit(*_data(), batch_size=2, epochs=1, verbose=0)  # 4 steps, no callback, no ledger read
@@ -244,7 +259,10 @@ def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(t
     assert keras_dpsgd.model_privacy_ledger(loaded).events == (first, second)
     assert keras_dpsgd.model_epsilon(loaded, target_delta=1e-5)[0] == pytest.approx(eps, rel=1e-12)
     k3.make_private(loaded).fit(*_data(), batch_size=4, epochs=1, verbose=0)  # resumed: 2 more steps
-    assert keras_dpsgd.model_privacy_ledger(loaded).events == (first, PoissonSampledGaussianEvent(0.5, 2.0, 4, "dp-sgd"))
+    assert keras_dpsgd.model_privacy_ledger(loaded).events == (
+        first,
+        PoissonSampledGaussianEvent(0.5, 2.0, 4, "dp-sgd"),
+    )
 
 
 def _with_preprocessing(layer):

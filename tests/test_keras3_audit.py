@@ -30,9 +30,18 @@ class NoNoiseDPSGD(k3.DPSGDOptimizer):
 
 def _gradient_audit(digits, sigma, seed, optimizer_cls=None):
     return canary_audit(
-        mlp_builder(digits.input_shape, 10, width=64, keras_module=keras), (digits.x_train, digits.y_train),
-        num_classes=10, canaries=1000, kind="gradient", noise_multiplier=sigma, l2_norm_clip=10.0, lot_size=64,
-        epochs=2, delta=DELTA, seed=seed, optimizer_cls=optimizer_cls,
+        mlp_builder(digits.input_shape, 10, width=64, keras_module=keras),
+        (digits.x_train, digits.y_train),
+        num_classes=10,
+        canaries=1000,
+        kind="gradient",
+        noise_multiplier=sigma,
+        l2_norm_clip=10.0,
+        lot_size=64,
+        epochs=2,
+        delta=DELTA,
+        seed=seed,
+        optimizer_cls=optimizer_cls,
     )
 
 
@@ -65,9 +74,17 @@ def test_bug_detection_on_keras3(digits):
 
 def test_power_input_canaries_without_noise_on_keras3(digits):
     result = canary_audit(
-        mlp_builder(digits.input_shape, 10, width=256, keras_module=keras), (digits.x_train, digits.y_train),
-        num_classes=10, canaries=100, kind="ood", noise_multiplier=0.0, l2_norm_clip=100.0, lot_size=256,
-        epochs=20, delta=DELTA, seed=1,
+        mlp_builder(digits.input_shape, 10, width=256, keras_module=keras),
+        (digits.x_train, digits.y_train),
+        num_classes=10,
+        canaries=100,
+        kind="ood",
+        noise_multiplier=0.0,
+        l2_norm_clip=100.0,
+        lot_size=256,
+        epochs=20,
+        delta=DELTA,
+        seed=1,
     )
     assert result.epsilon == float("inf")
     assert result.epsilon_lower_bound > 1.0, result
@@ -78,8 +95,14 @@ def test_membership_inference_and_callback_on_keras3():
     x, y = rng.random((300, 8, 8, 1), dtype=np.float32), rng.integers(0, 10, 300)
     members, non_members = (x[:200], y[:200]), (x[200:], y[200:])
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Flatten(),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     cb = k3.MembershipInferenceCallback(members, non_members, every=15, verbose=0, methods=("loss",))
     model.fit(*members, epochs=30, batch_size=32, verbose=0, callbacks=[cb])
@@ -96,8 +119,22 @@ def test_cli_audit_runs_on_tf_keras_with_the_legacy_switch_and_says_which(legacy
     from keras_dpsgd.cli import main
 
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
-    argv = ["audit", "--json", "--epochs", "1", "--lot-size", "256", "--width", "8", "--canaries", "100",
-            "--seed", "3", "--noise-multiplier", "1"]
+    argv = [
+        "audit",
+        "--json",
+        "--epochs",
+        "1",
+        "--lot-size",
+        "256",
+        "--width",
+        "8",
+        "--canaries",
+        "100",
+        "--seed",
+        "3",
+        "--noise-multiplier",
+        "1",
+    ]
     assert main(argv) == 0
     out = json.loads([line for line in capsys.readouterr().out.splitlines() if line.strip()][-1])
     import tf_keras

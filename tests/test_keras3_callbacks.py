@@ -24,16 +24,21 @@ def _eps(steps):
 def _model(steps_per_execution=1, sampling_rate=Q):
     model = k3.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
     optimizer = k3.DPSGDOptimizer(
-        l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.05, sampling_rate=sampling_rate,
-        expected_lot_size=None if sampling_rate is None else sampling_rate * N, seed=0,
+        l2_norm_clip=1.0,
+        noise_multiplier=SIGMA,
+        learning_rate=0.05,
+        sampling_rate=sampling_rate,
+        expected_lot_size=None if sampling_rate is None else sampling_rate * N,
+        seed=0,
     )
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
     return model
 
 
 def _fit(model, callbacks, epochs, steps_per_epoch=10, **kwargs):
-    return model.fit(X, Y, batch_size=BATCH, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                     callbacks=callbacks, verbose=0, **kwargs)
+    return model.fit(
+        X, Y, batch_size=BATCH, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0, **kwargs
+    )
 
 
 def _steps(model):
@@ -54,8 +59,9 @@ def test_logger_epsilon_equals_the_accountant_for_the_steps_taken():
     model = _model()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        history = model.fit(X, Y, batch_size=BATCH, epochs=3, steps_per_epoch=10,
-                            callbacks=[PrivacyLogger(DELTA)], verbose=2)
+        history = model.fit(
+            X, Y, batch_size=BATCH, epochs=3, steps_per_epoch=10, callbacks=[PrivacyLogger(DELTA)], verbose=2
+        )
     assert _steps(model) == 30
     np.testing.assert_allclose(history.history["epsilon"], [_eps(10), _eps(20), _eps(30)], rtol=1e-12)
     assert history.history["delta"] == [DELTA] * 3
@@ -91,8 +97,15 @@ def test_within_limit_takes_no_step_when_the_budget_is_spent():
 def test_within_limit_refuses_n_larger_than_the_validation_split():
     model = _model(sampling_rate=None)
     with pytest.raises(ValueError, match=r"at most 160 with validation_split=0.2.*num_examples=160"):
-        model.fit(X, Y, batch_size=BATCH, epochs=1, validation_split=0.2, verbose=0,
-                  callbacks=[WithinLimit(5.0, DELTA, num_examples=N, batch_size=BATCH, verbose=0)])
+        model.fit(
+            X,
+            Y,
+            batch_size=BATCH,
+            epochs=1,
+            validation_split=0.2,
+            verbose=0,
+            callbacks=[WithinLimit(5.0, DELTA, num_examples=N, batch_size=BATCH, verbose=0)],
+        )
     assert _steps(model) == 0
     logger = PrivacyLogger(DELTA, num_examples=160, batch_size=BATCH)
     model.fit(X, Y, batch_size=BATCH, epochs=1, validation_split=0.2, verbose=0, callbacks=[logger])

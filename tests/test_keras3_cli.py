@@ -21,8 +21,14 @@ def _train(tmp_path, legacy, *argv):
     env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     if legacy:
         env["TF_USE_LEGACY_KERAS"] = "1"
-    return subprocess.run([sys.executable, "-m", "keras_dpsgd.cli", "train", *argv], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dpsgd.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,17 +52,20 @@ def test_train_and_save_on_each_keras(trained, legacy):
         import tf_keras as keras
 
         import keras_dpsgd.optimizer  # noqa: F401 (registers the tf_keras DP classes for loading)
+
         assert result["keras"] == f"tf_keras {keras.__version__}" and "; tf_keras 2." in proc.stderr
     else:
         import keras
 
         import keras_dpsgd.keras3  # noqa: F401 (registers the Keras 3 DP classes for loading)
+
         assert result["keras"] == keras.__version__ and "; Keras 3." in proc.stderr
     # 1 epoch of ceil(1347 / 512) = 3 lots; ε is the accountant's for the steps taken, within the target.
     steps, q, sigma = result["steps"], result["sampling_rate"], result["noise_multiplier"]
     assert steps == result["planned_steps"] == 3
-    assert result["epsilon"] == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(q, sigma, steps), 1e-4),
-                                              rel=1e-9)
+    assert result["epsilon"] == pytest.approx(
+        compute_epsilon(PoissonSampledGaussianEvent(q, sigma, steps), 1e-4), rel=1e-9
+    )
     assert result["epsilon"] <= result["target_epsilon"] + 1e-9
     # The .keras file keeps the ledger: the loaded optimizer's steps give the same ε.
     from keras_dpsgd.ledger import model_epsilon

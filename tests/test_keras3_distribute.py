@@ -82,7 +82,9 @@ def test_seeded_noise_is_the_sum_of_two_independent_replica_draws(mirrored):
     lot, std = 16, out["expected"] * 16 / math.sqrt(2)  # σC/√R per replica
     draws = []
     for r in range(2):
-        key = tf.random.experimental.stateless_fold_in(_step.noise_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64))
+        key = tf.random.experimental.stateless_fold_in(
+            _step.noise_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
+        )
         draws.append(_noise.add_gaussian(tf.zeros([100, 100]), std, key).numpy().ravel()[:8])
     assert not np.allclose(draws[0], draws[1])  # independent keys
     np.testing.assert_allclose(out["first"], -(draws[0] + draws[1]) / lot, rtol=1e-5, atol=1e-7)
@@ -122,11 +124,14 @@ def test_backup_and_restore_and_keras_files_keep_the_ledger(mirrored):
     assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12)
 
 
-@pytest.mark.parametrize("what, match", [
-    ("adaptive", "overrides on_per_example_sq_norms .* not split across the 2 replicas"),
-    ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
-    ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
-])
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        ("adaptive", "overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+        ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
+        ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
+    ],
+)
 def test_refused_under_several_replicas(mirrored, what, match):
     assert re.search(match, mirrored["refusals"][what]), mirrored["refusals"][what]
 

@@ -35,12 +35,24 @@ Y = RNG.normal(size=(96, 1)).astype(np.float32)
 
 # (Keras 3 class, tf_keras class, constructor arguments, the released weights)
 LAYERS = {
-    "pca": (k3.DPPCA, tf_keras_pca.DPPCA, dict(n_components=2, noise_multiplier=1.5, sampling_rate=0.5), ["projection"]),
-    "norm-range": (k3.DPNormalization, tf_keras_normalization.DPNormalization,
-                   dict(noise_multiplier=2.0, lower=-1.0, upper=[1.0, 2.0, 1.0, 1.0, 3.0, 1.0], sampling_rate=0.5),
-                   ["mean", "variance"]),
-    "norm-l2": (k3.DPNormalization, tf_keras_normalization.DPNormalization,
-                dict(noise_multiplier=2.0, l2_norm_clip=2.0), ["mean", "variance"]),
+    "pca": (
+        k3.DPPCA,
+        tf_keras_pca.DPPCA,
+        dict(n_components=2, noise_multiplier=1.5, sampling_rate=0.5),
+        ["projection"],
+    ),
+    "norm-range": (
+        k3.DPNormalization,
+        tf_keras_normalization.DPNormalization,
+        dict(noise_multiplier=2.0, lower=-1.0, upper=[1.0, 2.0, 1.0, 1.0, 3.0, 1.0], sampling_rate=0.5),
+        ["mean", "variance"],
+    ),
+    "norm-l2": (
+        k3.DPNormalization,
+        tf_keras_normalization.DPNormalization,
+        dict(noise_multiplier=2.0, l2_norm_clip=2.0),
+        ["mean", "variance"],
+    ),
 }
 
 
@@ -49,8 +61,9 @@ def _released(layer, names):
 
 
 # ------------------------------------------------------------------ the release
-@pytest.mark.parametrize("kind, source", [("pca", "array"), ("pca", "dataset"), ("norm-range", "dataset"),
-                                          ("norm-l2", "array")])
+@pytest.mark.parametrize(
+    "kind, source", [("pca", "array"), ("pca", "dataset"), ("norm-range", "dataset"), ("norm-l2", "array")]
+)
 def test_same_release_as_the_tf_keras_layer_for_the_same_seed(kind, source):
     keras3_cls, tf_keras_cls, kwargs, names = LAYERS[kind]
     data = X if source == "array" else tf.data.Dataset.from_tensor_slices(X).batch(20)
@@ -173,8 +186,10 @@ def trained():
     pca.adapt(X)
     lots = PoissonLots(X, Y, sampling_rate=0.25, seed=2)
     model = k3.make_private(keras.Sequential([keras.Input((3, 2)), pca, keras.layers.Dense(1)]))
-    model.compile(optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
-                                                             learning_rate=0.05)), loss="mse")
+    model.compile(
+        optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.05)),
+        loss="mse",
+    )
     model.fit(lots.dataset(), steps_per_epoch=5, epochs=1, verbose=0)
     return model
 
@@ -205,8 +220,13 @@ def test_privacy_logger_and_within_limit_count_the_release():
     lots = PoissonLots(FLAT, Y, sampling_rate=q, seed=3)
     model = k3.make_private(keras.Sequential([keras.Input((6,)), norm, keras.layers.Dense(1)]))
     model.compile(optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma)), loss="mse")
-    history = model.fit(lots.dataset(), steps_per_epoch=4, epochs=3, verbose=0,
-                        callbacks=[PrivacyLogger(delta), WithinLimit(target, delta)])
+    history = model.fit(
+        lots.dataset(),
+        steps_per_epoch=4,
+        epochs=3,
+        verbose=0,
+        callbacks=[PrivacyLogger(delta), WithinLimit(target, delta)],
+    )
     assert int(model.optimizer.noised_steps.numpy()) == 6
     assert history.history["epsilon"][0] == pytest.approx(eps(4), rel=1e-12)
 
@@ -251,8 +271,13 @@ def test_keras_file_round_trip_keeps_the_release_and_never_releases_again(traine
 
     # In a fresh process: importing keras_dpsgd.keras3 registers the class; the state and the event load.
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, path, json.dumps(X[:3].tolist())],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, path, json.dumps(X[:3].tolist())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["events"] == [e.to_dict() for e in pca.privacy_events] and got["adapted"] and got["seed"] is None
@@ -278,8 +303,11 @@ def test_normalization_keras_file_round_trip(tmp_path):
 def test_adapted_keras_normalization_is_refused_and_the_dp_layers_pass():
     plain = keras.layers.Normalization()
     plain.adapt(FLAT)
-    with pytest.raises(ValueError, match=r"\(Normalization\) holds a mean and variance fitted on data.*"
-                                         r"use keras_dpsgd\.keras3\.DPNormalization"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(Normalization\) holds a mean and variance fitted on data.*"
+        r"use keras_dpsgd\.keras3\.DPNormalization",
+    ):
         k3.refuse_adapted_preprocessing(keras.Sequential([keras.Input((6,)), plain]))
     norm = k3.DPNormalization(1.0, l2_norm_clip=1.0)
     norm.adapt(FLAT)

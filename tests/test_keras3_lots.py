@@ -91,8 +91,11 @@ def test_py_dataset_refusals():
     with pytest.raises(ValueError, match="use_multiprocessing must be False"):
         py_dataset.use_multiprocessing = True
     assert py_dataset.workers == 1 and py_dataset.use_multiprocessing is False
-    with pytest.raises(ValueError, match="as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps=2 "
-                       r"\(physical_batch_size=8\): Keras reads batches ahead .* use lots.dataset\(\)"):
+    with pytest.raises(
+        ValueError,
+        match="as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps=2 "
+        r"\(physical_batch_size=8\): Keras reads batches ahead .* use lots.dataset\(\)",
+    ):
         PoissonLots(x, y, sampling_rate=0.3, max_lot_size=16, physical_batch_size=8).as_py_dataset()
     with pytest.raises(ValueError, match="num_lots must be an integer >= 0, got -1"):
         PoissonLots(x, y, sampling_rate=0.3).as_py_dataset(-1)

@@ -12,14 +12,19 @@ LR = 0.5
 
 
 def _dense(rng):
-    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]), rng.normal(
-        size=(7, 5)
-    ).astype("float32")
+    return keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]
+    ), rng.normal(size=(7, 5)).astype("float32")
 
 
 def _conv(rng):
     model = keras.Sequential(
-        [keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, activation="relu"), keras.layers.Flatten(), keras.layers.Dense(3)]
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(3, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
     )
     return model, rng.normal(size=(5, 6, 6, 2)).astype("float32")
 
@@ -40,7 +45,9 @@ def _compiled(factory, clip, backend="auto", noise=0.0, seed=0, **kwargs):
     keras.utils.set_random_seed(seed)
     model, x = factory(rng)
     y = rng.integers(0, 3, size=len(x))
-    opt = k3.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=noise, learning_rate=LR, per_example_backend=backend, seed=1, **kwargs)
+    opt = k3.DPSGDOptimizer(
+        l2_norm_clip=clip, noise_multiplier=noise, learning_rate=LR, per_example_backend=backend, seed=1, **kwargs
+    )
     k3.make_private(model)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, x, y
@@ -260,8 +267,12 @@ def test_masked_loss_is_the_mean_over_each_examples_unmasked_steps():
     """Embedding(mask_zero=True) + return_sequences: ℓ_i = mean of CE over example i's tokens that are not 0."""
     rng = np.random.default_rng(7)
     model = keras.Sequential(
-        [keras.Input((5,), dtype="int32"), keras.layers.Embedding(8, 3, mask_zero=True),
-         keras.layers.SimpleRNN(4, return_sequences=True), keras.layers.Dense(3)]
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(8, 3, mask_zero=True),
+            keras.layers.SimpleRNN(4, return_sequences=True),
+            keras.layers.Dense(3),
+        ]
     )
     x = rng.integers(1, 8, size=(4, 5)).astype("int32")
     x[0, 2:] = 0  # 2 tokens

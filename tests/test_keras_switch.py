@@ -21,8 +21,17 @@ _TIMEOUT = 300
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(None, "keras3"), ("1", "tf_keras"), ("true", "tf_keras"), ("True", "tf_keras"),
-     ("0", "keras3"), ("false", "keras3"), ("TRUE", "keras3"), ("yes", "keras3"), ("", "keras3")],
+    [
+        (None, "keras3"),
+        ("1", "tf_keras"),
+        ("true", "tf_keras"),
+        ("True", "tf_keras"),
+        ("0", "keras3"),
+        ("false", "keras3"),
+        ("TRUE", "keras3"),
+        ("yes", "keras3"),
+        ("", "keras3"),
+    ],
 )
 def test_the_env_value_is_read_as_tensorflow_reads_it(monkeypatch, value, expected):
     if value is None:
@@ -73,15 +82,25 @@ def test_a_name_of_the_other_keras_is_refused_with_the_switch(fake_front_ends, m
     with pytest.raises(ImportError) as err:
         _which_keras.front_end_attribute("OnlyTfk", modules=fake_front_ends)
     message = str(err.value)
-    for part in ("not available for Keras 3", "TF_USE_LEGACY_KERAS is not set", "exists for tf_keras",
-                 "fake_tfk.OnlyTfk", "set TF_USE_LEGACY_KERAS=1"):
+    for part in (
+        "not available for Keras 3",
+        "TF_USE_LEGACY_KERAS is not set",
+        "exists for tf_keras",
+        "fake_tfk.OnlyTfk",
+        "set TF_USE_LEGACY_KERAS=1",
+    ):
         assert part in message, message
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "True")
     with pytest.raises(ImportError) as err:
         _which_keras.front_end_attribute("OnlyK3", modules=fake_front_ends)
     message = str(err.value)
-    for part in ("not available for tf_keras", "TF_USE_LEGACY_KERAS='True'", "exists for Keras 3",
-                 "fake_k3.OnlyK3", "unset TF_USE_LEGACY_KERAS"):
+    for part in (
+        "not available for tf_keras",
+        "TF_USE_LEGACY_KERAS='True'",
+        "exists for Keras 3",
+        "fake_k3.OnlyK3",
+        "unset TF_USE_LEGACY_KERAS",
+    ):
         assert part in message, message
     with pytest.raises(AttributeError, match="NoSuchName"):
         _which_keras.front_end_attribute("NoSuchName", modules=fake_front_ends)
@@ -92,8 +111,13 @@ def _run(code: str, env_value: str | None, *args: str) -> subprocess.Popen:
     env.pop("TF_USE_LEGACY_KERAS", None)
     if env_value is not None:
         env["TF_USE_LEGACY_KERAS"] = env_value
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc: subprocess.Popen) -> str:

@@ -17,19 +17,31 @@ from keras_dpsgd.accounting import (
     event_from_dict,
 )
 
-_PSG = {"type": "poisson_sampled_gaussian", "sampling_rate": 0.01, "noise_multiplier": 1.1, "count": 100,
-        "label": "dp-sgd"}
+_PSG = {
+    "type": "poisson_sampled_gaussian",
+    "sampling_rate": 0.01,
+    "noise_multiplier": 1.1,
+    "count": 100,
+    "label": "dp-sgd",
+}
 _G = {"type": "gaussian", "noise_multiplier": 4.0, "count": 1, "label": "dp-pca"}
-_PSCG = {"type": "poisson_sampled_composed_gaussian", "sampling_rate": 0.01, "noise_multipliers": [2.0, 2.0],
-         "count": 100, "label": "dp-sgd"}
+_PSCG = {
+    "type": "poisson_sampled_composed_gaussian",
+    "sampling_rate": 0.01,
+    "noise_multipliers": [2.0, 2.0],
+    "count": 100,
+    "label": "dp-sgd",
+}
 
 
 def _ledger():
-    return PrivacyLedger([
-        PoissonSampledGaussianEvent(0.01, 1.1, count=100, label="dp-sgd"),
-        GaussianEvent(4.0, label="dp-pca"),
-        ComposedEvent((PoissonSampledGaussianEvent(0.5, 2.0, 3),)),
-    ])
+    return PrivacyLedger(
+        [
+            PoissonSampledGaussianEvent(0.01, 1.1, count=100, label="dp-sgd"),
+            GaussianEvent(4.0, label="dp-pca"),
+            ComposedEvent((PoissonSampledGaussianEvent(0.5, 2.0, 3),)),
+        ]
+    )
 
 
 NOT_LEDGERS = {
@@ -49,7 +61,10 @@ NOT_LEDGERS = {
     "version 1 with a version 2 event": {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSCG]},
     "0.1.0 shape with a version 2 event": {"events": [_PSCG]},
     "version 1 composed of a version 2 event": {
-        "format": "keras_dpsgd.ledger", "version": 1, "events": [{"type": "composed", "events": [_PSCG]}]},
+        "format": "keras_dpsgd.ledger",
+        "version": 1,
+        "events": [{"type": "composed", "events": [_PSCG]}],
+    },
     "releases not a list": {"events": [{**_PSCG, "noise_multipliers": 1.1}]},
     "no releases": {"events": [{**_PSCG, "noise_multipliers": []}]},
     "release as string": {"events": [{**_PSCG, "noise_multipliers": ["1.1"]}]},
@@ -119,8 +134,26 @@ def test_empty_ledger_round_trips():
 
 def test_version_1_files_still_load():
     # What keras_dpsgd wrote before the composed step event (version 2).
-    version_1 = {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSG, _G, {"type": "composed", "events": [
-        {"type": "poisson_sampled_gaussian", "sampling_rate": 0.5, "noise_multiplier": 2.0, "count": 3, "label": ""}]}]}
+    version_1 = {
+        "format": "keras_dpsgd.ledger",
+        "version": 1,
+        "events": [
+            _PSG,
+            _G,
+            {
+                "type": "composed",
+                "events": [
+                    {
+                        "type": "poisson_sampled_gaussian",
+                        "sampling_rate": 0.5,
+                        "noise_multiplier": 2.0,
+                        "count": 3,
+                        "label": "",
+                    }
+                ],
+            },
+        ],
+    }
     assert PrivacyLedger.from_dict(json.loads(json.dumps(version_1))) == _ledger()
 
 
@@ -133,8 +166,24 @@ def test_a_composed_step_round_trips_as_version_2():
 
 def test_legacy_0_1_0_shape_still_loads():
     # What keras_dpsgd 0.1.0 wrote into checkpoints, .keras files and privacy_report.json.
-    legacy = {"events": [_PSG, _G, {"type": "composed", "events": [
-        {"type": "poisson_sampled_gaussian", "sampling_rate": 0.5, "noise_multiplier": 2.0, "count": 3, "label": ""}]}]}
+    legacy = {
+        "events": [
+            _PSG,
+            _G,
+            {
+                "type": "composed",
+                "events": [
+                    {
+                        "type": "poisson_sampled_gaussian",
+                        "sampling_rate": 0.5,
+                        "noise_multiplier": 2.0,
+                        "count": 3,
+                        "label": "",
+                    }
+                ],
+            },
+        ]
+    }
     assert PrivacyLedger.from_dict(json.loads(json.dumps(legacy))) == _ledger()
     assert PrivacyLedger.from_dict({"events": []}) == PrivacyLedger()
 

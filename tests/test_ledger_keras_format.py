@@ -94,8 +94,11 @@ def test_file_saved_without_the_bounds_still_loads_its_counter(tmp_path, filenam
     opt = model.optimizer
     # The older layout: no bounds, and nonfinite_examples (no longer saved) after noised_steps.
     at = [v is opt.noised_steps for v in opt._variables].index(True) + 1
-    older_file = [v for v in opt._variables[:at] + [opt.nonfinite_examples] + opt._variables[at:]
-                  if all(v is not b for b in opt._ledger_bounds)]
+    older_file = [
+        v
+        for v in opt._variables[:at] + [opt.nonfinite_examples] + opt._variables[at:]
+        if all(v is not b for b in opt._ledger_bounds)
+    ]
     older_layout = [v for v in older_file if v is not opt.nonfinite_examples]
     with monkeypatch.context() as patch:  # saves the older variable layout
         patch.setattr(DPSGDOptimizer, "variables", property(lambda self: list(older_file)))

@@ -60,14 +60,17 @@ def _run(mode, directory, epochs, steps, killed=False):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, mode, str(directory), str(epochs), str(steps)],
-        capture_output=True, text=True, env=env, timeout=240,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
     if killed:
         assert proc.returncode == -9, proc.stderr[-3000:]
         return None
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def _expected_epsilon(steps):

@@ -18,8 +18,14 @@ CHANGED, UNSAVED = S.CHANGED_LABEL, S.UNSAVED_LABEL
 def _run(reads, state=None, **kwargs):
     state = S.initial() if state is None else state
     for steps, q, sigmas, *flags in reads:
-        state = S.advance(state, steps=steps, sampling_rate=q, noise_multipliers=sigmas,
-                          counter_is_new=bool(flags and flags[0]), **kwargs)
+        state = S.advance(
+            state,
+            steps=steps,
+            sampling_rate=q,
+            noise_multipliers=sigmas,
+            counter_is_new=bool(flags and flags[0]),
+            **kwargs,
+        )
     return state
 
 
@@ -28,8 +34,11 @@ def _seg(q, sigmas, count, label="dp-sgd", floor=None):
 
 
 def _segments(state):
-    return [(s["sampling_rate"], tuple(s["noise_multipliers"]), s["count"], s["label"], s["q_floor"])
-            for s in state["segments"] if s["count"]]
+    return [
+        (s["sampling_rate"], tuple(s["noise_multipliers"]), s["count"], s["label"], s["q_floor"])
+        for s in state["segments"]
+        if s["count"]
+    ]
 
 
 TABLE = {
@@ -138,13 +147,25 @@ def test_json_round_trip_and_version_1_states_load():
     state = _run([(3, 0.1, [1.1]), (6, 0.2, [1.3])])
     assert S.loads(S.dumps(state)) == state
     assert S.loads("") == S.initial()
-    old = {"closed": [{"type": "poisson_sampled_gaussian", "sampling_rate": 0.1, "noise_multiplier": 1.1,
-                       "count": 3, "label": "dp-sgd"}],
-           "open": {"q": 0.2, "sigma": 1.3, "start": 3}, "seen": 7}
+    old = {
+        "closed": [
+            {
+                "type": "poisson_sampled_gaussian",
+                "sampling_rate": 0.1,
+                "noise_multiplier": 1.1,
+                "count": 3,
+                "label": "dp-sgd",
+            }
+        ],
+        "open": {"q": 0.2, "sigma": 1.3, "start": 3},
+        "seen": 7,
+    }
     loaded = S.loads(json.dumps(old))
     assert _segments(loaded) == [_seg(0.1, [1.1], 3), _seg(0.2, [1.3], 4)]
     assert _segments(S.advance(loaded, steps=9, sampling_rate=0.2, noise_multipliers=[1.3])) == [
-        _seg(0.1, [1.1], 3), _seg(0.2, [1.3], 6)]
+        _seg(0.1, [1.1], 3),
+        _seg(0.2, [1.3], 6),
+    ]
     for bad in ("[]", '{"segments": []}', '{"version": 3, "segments": [], "open_start": null, "seen": 0}'):
         with pytest.raises(ValueError):
             S.loads(bad)
@@ -157,8 +178,10 @@ def test_bad_reads_are_refused(kwargs):
 
 
 def test_the_state_machine_imports_without_tensorflow():
-    code = ("import sys; import keras_dpsgd._ledger_state as S; "
-            "S.advance(S.initial(), steps=1, sampling_rate=0.1, noise_multipliers=[1.0]); "
-            "assert 'tensorflow' not in sys.modules, sorted(m for m in sys.modules if 'tensorflow' in m)[:3]")
+    code = (
+        "import sys; import keras_dpsgd._ledger_state as S; "
+        "S.advance(S.initial(), steps=1, sampling_rate=0.1, noise_multipliers=[1.0]); "
+        "assert 'tensorflow' not in sys.modules, sorted(m for m in sys.modules if 'tensorflow' in m)[:3]"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

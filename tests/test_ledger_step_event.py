@@ -46,7 +46,9 @@ def _train(optimizer):
 SETUPS = {
     "flat": (lambda: DPSGDOptimizer(1.0, SIGMA, sampling_rate=Q, expected_lot_size=LOT), [SIGMA]),
     "per-layer, one sigma each": (
-        lambda: DPSGDOptimizer([1.0, 0.5, 1.0, 0.5], [1.1, 2.0, 3.0, 4.0], sampling_rate=Q), [1.1, 2.0, 3.0, 4.0]),
+        lambda: DPSGDOptimizer([1.0, 0.5, 1.0, 0.5], [1.1, 2.0, 3.0, 4.0], sampling_rate=Q),
+        [1.1, 2.0, 3.0, 4.0],
+    ),
     "adaptive": (
         lambda: AdaptiveDPSGDOptimizer([1.0] * 4, SIGMA, SIGMA_NORM, sampling_rate=Q, expected_lot_size=LOT),
         [SIGMA] * 4 + [SIGMA_NORM] * 4,
@@ -70,7 +72,8 @@ def test_the_step_event_keeps_its_releases_and_the_old_epsilon(ledgers, name):
     old = PoissonSampledGaussianEvent(Q, _old_sigma_eff(releases), STEPS, "dp-sgd")
     for accountant in ("rdp", "moments"):
         assert compute_epsilon(ledgers[name], DELTA, accountant=accountant) == pytest.approx(
-            compute_epsilon(old, DELTA, accountant=accountant), rel=1e-12, abs=0)
+            compute_epsilon(old, DELTA, accountant=accountant), rel=1e-12, abs=0
+        )
 
 
 def test_the_event_survives_the_ledger_format(ledgers):
@@ -86,7 +89,8 @@ def test_one_sigma_eff_for_the_sanitizer_planning_and_adaptive_clipping(sigmas):
     assert accounting.effective_noise_multiplier(sigmas) == composed_noise_multiplier(sigmas)
     half = len(sigmas) // 2 or 1
     assert adaptive_clipping.composed_noise_multiplier(sigmas[:half], sigmas[half:] or sigmas) == (
-        composed_noise_multiplier(sigmas[:half] + (sigmas[half:] or sigmas)))
+        composed_noise_multiplier(sigmas[:half] + (sigmas[half:] or sigmas))
+    )
 
 
 def test_the_optimizers_sigma_eff_is_their_releases_composed():

@@ -74,8 +74,11 @@ def test_removing_one_example_moves_the_release_by_at_most_the_sensitivity(mode)
     x[3] = 1e6  # adversarial examples: far outside any bound, one sign or mixed
     x[7] = [-1e6, 1e6] * (d // 2)
     x[11] = 0.0
-    kwargs = {"lower": [-1, -2, -3, 0, 0, -0.5], "upper": [1, 2, 3, 4, 0.1, 0.5]} if mode == "range" else {
-        "l2_norm_clip": 2.5}
+    kwargs = (
+        {"lower": [-1, -2, -3, 0, 0, -0.5], "upper": [1, 2, 3, 4, 0.1, 0.5]}
+        if mode == "range"
+        else {"l2_norm_clip": 2.5}
+    )
     layer = DPNormalization(0.0, **kwargs)
     full = _released(layer, x)
     sens = layer.sensitivities
@@ -180,8 +183,11 @@ def _adapted_normalization():
 def test_an_adapted_normalization_is_refused_at_the_first_dp_step():
     lots = PoissonLots(X, Y, sampling_rate=0.25)
     model = _dp_model(_adapted_normalization(), lots)
-    with pytest.raises(ValueError, match=r"layer 'normalization.*' \(Normalization\) holds a mean and variance "
-                                         r"fitted on data.*mark_public.*DPNormalization"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'normalization.*' \(Normalization\) holds a mean and variance "
+        r"fitted on data.*mark_public.*DPNormalization",
+    ):
         model.fit(lots.dataset(), steps_per_epoch=1, verbose=0)
     assert int(model.optimizer.noised_steps.numpy()) == 0
 

@@ -30,10 +30,16 @@ def _model(kind):
         return keras.Sequential([keras.layers.Dense(6, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
     if kind == "conv":
         return keras.Sequential(
-            [keras.layers.Conv2D(2, 3, activation="relu", input_shape=(5, 5, 1)), keras.layers.Flatten(), keras.layers.Dense(3)]
+            [
+                keras.layers.Conv2D(2, 3, activation="relu", input_shape=(5, 5, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3),
+            ]
         )
     if kind == "embedding":
-        return keras.Sequential([keras.layers.Embedding(10, 4, input_length=3), keras.layers.Flatten(), keras.layers.Dense(3)])
+        return keras.Sequential(
+            [keras.layers.Embedding(10, 4, input_length=3), keras.layers.Flatten(), keras.layers.Dense(3)]
+        )
     if kind == "layernorm":
         inputs = keras.Input((4,))
         hidden = keras.layers.LayerNormalization()(keras.layers.Dense(6)(inputs))
@@ -190,7 +196,9 @@ def test_scalar_loss_error_says_how_to_fix():
 
 
 def test_batch_normalization_refused():
-    model = keras.Sequential([keras.layers.Dense(4, input_shape=(4,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model = keras.Sequential(
+        [keras.layers.Dense(4, input_shape=(4,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    )
     model.compile(optimizer=DPSGDOptimizer(1.0, 1.0), loss=_loss())
     x, y = _data("dense", 4)
     with pytest.raises(ValueError, match="GroupNormalization"):
@@ -249,7 +257,10 @@ def test_adam_is_post_processing():
     model = _model("dense")
     model.compile(optimizer=DPAdamOptimizer(0.3, 0.0, learning_rate=0.01), loss=_loss())
     model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
-    sanitized = [(w0 - w) / LR for w0, w in zip([w.numpy() for w in _model("dense").trainable_variables], _expected_step("dense", x, y, 0.3))]
+    sanitized = [
+        (w0 - w) / LR
+        for w0, w in zip([w.numpy() for w in _model("dense").trainable_variables], _expected_step("dense", x, y, 0.3))
+    ]
     reference = _model("dense")
     adam = keras.optimizers.Adam(learning_rate=0.01)
     adam.apply_gradients(zip([tf.constant(g) for g in sanitized], reference.trainable_variables))

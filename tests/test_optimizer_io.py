@@ -66,8 +66,7 @@ def test_noise_is_fresh_every_step_and_variable(seed):
             np.concatenate([w.numpy().ravel() for w in model.trainable_variables])
         )
     )
-    model.fit(np.ones((120, 40), "float32"), np.zeros(120), batch_size=4, shuffle=False, verbose=0,
-              callbacks=[record])
+    model.fit(np.ones((120, 40), "float32"), np.zeros(120), batch_size=4, shuffle=False, verbose=0, callbacks=[record])
     noise = -np.diff(np.array(snapshots), axis=0) * 4  # [30 steps, 2050]: N(0, 1) each
     assert noise.shape == (30, 2050)
     _check_std(noise, 1.0)
@@ -112,7 +111,10 @@ def test_seed_reproducible_and_none_is_not():
         ({"l2_norm_clip": 1.0, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
         ({"l2_norm_clip": {"a": 1.0}, "noise_multiplier": [1.0]}, "only with a list l2_norm_clip"),
         ({"l2_norm_clip": [1.0, 2.0], "noise_multiplier": [1.0]}, "one entry per clip bound"),
-        ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
+        (
+            {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "gradient_accumulation_steps": 0},
+            "gradient_accumulation_steps",
+        ),
         ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "expected_lot_size": -2}, "expected_lot_size"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "sampling_rate": 1.5}, "sampling_rate must be in"),
         ({"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "seed": 1.5}, "seed must be"),
@@ -137,7 +139,9 @@ def test_settable_attributes():
     "opt",
     [
         lambda: DPSGDOptimizer(1.5, 0.9, learning_rate=0.2, momentum=0.5, nesterov=True, seed=7),
-        lambda: DPSGDOptimizer([1.0, 2.0], [1.0, 3.0], gradient_accumulation_steps=4, expected_lot_size=64, sampling_rate=0.1),
+        lambda: DPSGDOptimizer(
+            [1.0, 2.0], [1.0, 3.0], gradient_accumulation_steps=4, expected_lot_size=64, sampling_rate=0.1
+        ),
         lambda: DPSGDOptimizer({"dense/kernel": 1.0, "dense/bias": 0.5}, 1.1),
         lambda: DPAdamOptimizer(1.0, 1.1, learning_rate=0.003, beta_1=0.8),
     ],
@@ -172,7 +176,9 @@ def test_resolve_backend():
 def _trained_model(x, y, **opt_kwargs):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.layers.Dense(5, input_shape=(4,)), keras.layers.Dense(3)])
-    model.compile(optimizer=DPSGDOptimizer(1.0, 0.5, learning_rate=0.1, momentum=0.9, seed=3, **opt_kwargs), loss=_loss())
+    model.compile(
+        optimizer=DPSGDOptimizer(1.0, 0.5, learning_rate=0.1, momentum=0.9, seed=3, **opt_kwargs), loss=_loss()
+    )
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     return model
 
@@ -233,7 +239,9 @@ def test_digits_trains_with_dp():
     x, y = x[order], y[order]
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.layers.Dense(32, activation="relu", input_shape=(64,)), keras.layers.Dense(10)])
-    model.compile(optimizer=DPSGDOptimizer(1.0, 1.0, learning_rate=0.5, momentum=0.5), loss=_loss(), metrics=["accuracy"])
+    model.compile(
+        optimizer=DPSGDOptimizer(1.0, 1.0, learning_rate=0.5, momentum=0.5), loss=_loss(), metrics=["accuracy"]
+    )
     model.fit(x[:1400], y[:1400], batch_size=64, epochs=8, verbose=0)
     _, accuracy = model.evaluate(x[1400:], y[1400:], verbose=0)
     assert accuracy > 0.8

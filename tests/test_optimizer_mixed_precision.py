@@ -14,10 +14,12 @@ def _fit(policy, optimizer, reduction):
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3),
-                                  keras.layers.Activation("linear", dtype="float32")])
-        model.compile(optimizer=optimizer,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction))
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(3), keras.layers.Activation("linear", dtype="float32")]
+        )
+        model.compile(
+            optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+        )
         start = [w.numpy().astype("float32") for w in model.trainable_weights]
         model.fit(X, Y, batch_size=4, epochs=1, verbose=0, shuffle=False)
         return start, [w.numpy().astype("float32") for w in model.trainable_weights]

@@ -33,7 +33,11 @@ def test_public_name_and_get_config_round_trip():
     layer = DPPCA(4, 1.5, sampling_rate=0.25, normalize_inputs=True, seed=9, name="pca")
     config = layer.get_config()
     assert {k: config[k] for k in ("n_components", "noise_multiplier", "sampling_rate", "normalize_inputs")} == {
-        "n_components": 4, "noise_multiplier": 1.5, "sampling_rate": 0.25, "normalize_inputs": True}
+        "n_components": 4,
+        "noise_multiplier": 1.5,
+        "sampling_rate": 0.25,
+        "normalize_inputs": True,
+    }
     assert "seed" not in config  # whoever knows the seed knows the noise: never saved
     layer.adapt(_data())
     assert layer.get_config() == config  # hyperparameters only, no state

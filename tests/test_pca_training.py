@@ -20,12 +20,10 @@ def test_dppca_then_dense_trains_with_dpsgd_on_digits():
     pca = DPPCA(20, noise_multiplier=4.0, seed=0)
     pca.adapt(x_train)
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((8, 8)), pca, keras.layers.Dense(10, activation="softmax")])
+    model = keras.Sequential([keras.Input((8, 8)), pca, keras.layers.Dense(10, activation="softmax")])
     batch_size, epochs, clip, sigma = 50, 8, 1.0, 0.8
     model.compile(
-        optimizer=DPSGDOptimizer(
-            clip, sigma, learning_rate=1.5, sampling_rate=batch_size / len(x_train), seed=1),
+        optimizer=DPSGDOptimizer(clip, sigma, learning_rate=1.5, sampling_rate=batch_size / len(x_train), seed=1),
         loss=keras.losses.SparseCategoricalCrossentropy(reduction="none"),
         metrics=["accuracy"],
     )

@@ -32,8 +32,16 @@ def test_cli_help_lists_every_subcommand():
     parser = build_parser()
     text = parser.format_help()
     commands = next(a for a in parser._actions if a.dest == "command").choices
-    assert set(commands) == {"epsilon", "noise", "batch-table", "train", "memorization-test", "large-lots",
-                             "adaptive-clipping-noise", "audit"}
+    assert set(commands) == {
+        "epsilon",
+        "noise",
+        "batch-table",
+        "train",
+        "memorization-test",
+        "large-lots",
+        "adaptive-clipping-noise",
+        "audit",
+    }
     for command, sub in commands.items():
         assert command in text
         assert sub.description and "--json" in sub.format_help(), command

@@ -35,7 +35,7 @@ _QUICKSTARTS = [("<!-- readme-quickstart -->", 0), ("<!-- readme-quickstart-tf-k
 
 
 def _snippet(text: str, marker: str) -> str:
-    return _blocks(text[text.index(marker):], "python")[0]
+    return _blocks(text[text.index(marker) :], "python")[0]
 
 
 @pytest.mark.parametrize("marker", [m for m, _ in _QUICKSTARTS])

@@ -177,7 +177,11 @@ def test_dataset_yields_the_same_batches_as_lots():
     features = {"a": x, "b": np.stack([x[:, 0], -x[:, 0]], axis=1).astype(np.int32)}
     expected = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).lots(6))
     got = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).dataset(6))
-    assert len(got) == len(expected) == 6 * PoissonLots(x, y, sampling_rate=0.3, physical_batch_size=4).gradient_accumulation_steps
+    assert (
+        len(got)
+        == len(expected)
+        == 6 * PoissonLots(x, y, sampling_rate=0.3, physical_batch_size=4).gradient_accumulation_steps
+    )
     for (xe, ye, we), (xg, yg, wg) in zip(expected, got):
         for key in ("a", "b"):
             np.testing.assert_array_equal(xg[key].numpy(), xe[key])

@@ -59,8 +59,13 @@ def test_within_limit_with_poisson_lots_and_the_real_optimizer():
     opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05))
     model = _model(opt)
     q, delta, target = 6 / N, 1e-3, 1.5
-    model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=100, verbose=0,
-              callbacks=[WithinLimit(target, delta, verbose=0), PrivacyLogger(delta)])
+    model.fit(
+        lots.dataset(),
+        steps_per_epoch=lots.steps_per_epoch,
+        epochs=100,
+        verbose=0,
+        callbacks=[WithinLimit(target, delta, verbose=0), PrivacyLogger(delta)],
+    )
     steps = int(opt.noised_steps.numpy())
     assert model_privacy_ledger(model).events == (PoissonSampledGaussianEvent(q, 1.5, steps, "dp-sgd"),)
     eps = [compute_epsilon(PoissonSampledGaussianEvent(q, 1.5, s), delta) for s in (steps, steps + 1)]
@@ -72,12 +77,18 @@ def test_within_limit_with_gradient_accumulation_stops_at_a_lot_boundary():
     lots = PoissonLots(X, Y, expected_lot_size=8, physical_batch_size=4)
     k = lots.gradient_accumulation_steps
     assert k > 1
-    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05,
-                                        gradient_accumulation_steps=k))
+    opt = lots.configure(
+        DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05, gradient_accumulation_steps=k)
+    )
     model = _model(opt)
     q, delta, target = 8 / N, 1e-3, 1.3
-    model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=100, verbose=0,
-              callbacks=[WithinLimit(target, delta, verbose=0)])
+    model.fit(
+        lots.dataset(),
+        steps_per_epoch=lots.steps_per_epoch,
+        epochs=100,
+        verbose=0,
+        callbacks=[WithinLimit(target, delta, verbose=0)],
+    )
     steps = int(opt.noised_steps.numpy())
     eps = [compute_epsilon(PoissonSampledGaussianEvent(q, 1.5, s), delta) for s in (steps, steps + 1)]
     assert steps > 0 and eps[0] <= target < eps[1]

@@ -65,7 +65,9 @@ def test_seeded_workers_are_reproducible_and_independent():
     assert not np.allclose(u0, u1)
     # One worker keeps the unsharded stream (bit-identical to before sharding existed).
     plain = PoissonLots(X, Y, sampling_rate=Q, seed=7)
-    assert np.array_equal(plain.sample_indices(), PoissonLots(X, Y, sampling_rate=Q, seed=7, num_workers=1).sample_indices())
+    assert np.array_equal(
+        plain.sample_indices(), PoissonLots(X, Y, sampling_rate=Q, seed=7, num_workers=1).sample_indices()
+    )
     assert np.array_equal(np.random.default_rng(7).random(3), PoissonLots(X, Y, sampling_rate=Q, seed=7)._rng.random(3))
 
 
@@ -94,7 +96,10 @@ def test_one_workers_lots_through_distribute_only():
         (dict(num_workers=2, worker_index=2), r"worker_index must be an integer in \[0, 1\], got 2"),
         (dict(num_workers=2, worker_index=-1), r"worker_index must be an integer in \[0, 1\], got -1"),
         (dict(replicas_per_worker=0), r"replicas_per_worker must be an integer >= 1, got 0"),
-        (dict(replicas_per_worker=2, physical_batch_size=5), r"physical_batch_size must be a multiple of replicas_per_worker=2 .*got 5"),
+        (
+            dict(replicas_per_worker=2, physical_batch_size=5),
+            r"physical_batch_size must be a multiple of replicas_per_worker=2 .*got 5",
+        ),
         (dict(num_workers=2, max_lot_size=502), r"max_lot_size must be an integer in \[1, 501\], got 502"),
     ],
 )

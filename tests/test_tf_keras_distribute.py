@@ -90,7 +90,9 @@ def test_mirrored_epsilon_is_the_accountants_and_survives_backup_and_restore(mir
 
 def test_mirrored_refusals(mirrored):
     accumulation, adaptive = mirrored["refusals"]["accumulation_weight_decay"], mirrored["refusals"]["adaptive"]
-    assert "gradient_accumulation_steps = 2, weight_decay=0.01 and use_ema=False is not supported with 2" in accumulation
+    assert (
+        "gradient_accumulation_steps = 2, weight_decay=0.01 and use_ema=False is not supported with 2" in accumulation
+    )
     assert "AdaptiveDPSGDOptimizer is not supported with 2 replicas: adaptive clipping" in adaptive
 
 

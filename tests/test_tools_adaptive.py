@@ -22,11 +22,13 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="n
 
 def _model(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.layers.InputLayer(input_shape=(4,)),
-        keras.layers.Dense(3, activation="tanh"),
-        keras.layers.Dense(2),
-    ])
+    return keras.Sequential(
+        [
+            keras.layers.InputLayer(input_shape=(4,)),
+            keras.layers.Dense(3, activation="tanh"),
+            keras.layers.Dense(2),
+        ]
+    )
 
 
 def _per_example_norms(model, x, y):
@@ -53,8 +55,17 @@ def test_bound_follows_alpha_times_clipped_mean_norm_without_noise(accumulation,
     model = _model()
     bounds = np.array([0.3, 0.05, 0.2, 0.08])  # small: the β·C clip is active for some examples
     alpha, beta = 1.3, 2.0
-    opt = AdaptiveDPSGDOptimizer(list(bounds), 0.0, 0.0, alpha=alpha, beta=beta, learning_rate=0.1,
-                                 gradient_accumulation_steps=accumulation, per_example_backend=backend, seed=3)
+    opt = AdaptiveDPSGDOptimizer(
+        list(bounds),
+        0.0,
+        0.0,
+        alpha=alpha,
+        beta=beta,
+        learning_rate=0.1,
+        gradient_accumulation_steps=accumulation,
+        per_example_backend=backend,
+        seed=3,
+    )
     model.compile(optimizer=opt, loss=LOSS)
     for _ in range(3):
         norms = _per_example_norms(model, x, y)
@@ -84,8 +95,9 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_l2_beta_c():
     model = _model()
     # Noise std on the new bound: σ_l2 β C / L = C / 8, so the floor is never reached.
     sigma_l2, beta, alpha = 1.0, 2.0, 1.0
-    opt = AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, sigma_l2, alpha=alpha, beta=beta, learning_rate=0.0,
-                                 min_clip_bound=1e-9, seed=7)
+    opt = AdaptiveDPSGDOptimizer(
+        [1.0] * 4, 1.0, sigma_l2, alpha=alpha, beta=beta, learning_rate=0.0, min_clip_bound=1e-9, seed=7
+    )
     norms = _per_example_norms(model, x, y)
 
     @tf.function
@@ -116,9 +128,7 @@ def test_effective_noise_multiplier_composes_gradient_and_norm_queries():
     opt = AdaptiveDPSGDOptimizer([1.0, 2.0, 3.0], [1.0, 2.0, 0.5], 2.5)
     expected = (1 / 1.0**2 + 1 / 2.0**2 + 1 / 0.5**2 + 3 / 2.5**2) ** -0.5
     assert opt.effective_noise_multiplier == pytest.approx(expected, rel=1e-12)
-    assert ac.composed_noise_multiplier([0.7225] * 4, [2.5] * 4) == pytest.approx(
-        (4 / 0.7225**2 + 4 / 2.5**2) ** -0.5
-    )
+    assert ac.composed_noise_multiplier([0.7225] * 4, [2.5] * 4) == pytest.approx((4 / 0.7225**2 + 4 / 2.5**2) ** -0.5)
     assert AdaptiveDPSGDOptimizer([1.0], 1.0, 0.0).effective_noise_multiplier == 0.0
     # σ_l2 → ∞: back to per-layer clipping's σ/√V.
     assert ac.composed_noise_multiplier([1.2] * 4, [1e12] * 4) == pytest.approx(0.6, rel=1e-9)
@@ -127,8 +137,9 @@ def test_effective_noise_multiplier_composes_gradient_and_norm_queries():
 def test_epsilon_of_composed_step_matches_dp_accounting():
     dp_accounting = pytest.importorskip("dp_accounting")
     q, steps, delta = 0.01, 500, 1e-5
-    event = ac.adaptive_clipping_event(noise_multiplier=1.1, norm_noise_multiplier=5.0, num_layers=6,
-                                       sampling_rate=q, steps=steps)
+    event = ac.adaptive_clipping_event(
+        noise_multiplier=1.1, norm_noise_multiplier=5.0, num_layers=6, sampling_rate=q, steps=steps
+    )
     sigma_eff = (6 / 1.1**2 + 6 / 5.0**2) ** -0.5
     assert event.noise_multiplier == pytest.approx(sigma_eff)
     ours = accounting.compute_epsilon([event], delta)
@@ -138,30 +149,52 @@ def test_epsilon_of_composed_step_matches_dp_accounting():
     assert ours <= oracle * (1 + 1e-6)  # ours may be tighter (conversion), never looser than ~oracle
     assert ours == pytest.approx(oracle, rel=0.05)
     # Charging only the gradient releases would under-report ε.
-    assert accounting.compute_epsilon(
-        [accounting.PoissonSampledGaussianEvent(q, 1.1 / math.sqrt(6), steps)], delta
-    ) < ours
+    assert (
+        accounting.compute_epsilon([accounting.PoissonSampledGaussianEvent(q, 1.1 / math.sqrt(6), steps)], delta) < ours
+    )
 
 
 def test_calibration_helper_meets_target_and_matches_closed_form():
-    kw = dict(num_layers=8, norm_noise_multiplier=2.5, target_epsilon=3.0, target_delta=1e-5,
-              sampling_rate=128 / 50000, steps=2000)
+    kw = dict(
+        num_layers=8,
+        norm_noise_multiplier=2.5,
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        sampling_rate=128 / 50000,
+        steps=2000,
+    )
     sigma = ac.calibrate_adaptive_noise_multiplier(**kw)
     eps = lambda s: accounting.compute_epsilon(  # noqa: E731
-        [ac.adaptive_clipping_event(noise_multiplier=s, norm_noise_multiplier=2.5, num_layers=8,
-                                    sampling_rate=kw["sampling_rate"], steps=2000)], 1e-5)
+        [
+            ac.adaptive_clipping_event(
+                noise_multiplier=s,
+                norm_noise_multiplier=2.5,
+                num_layers=8,
+                sampling_rate=kw["sampling_rate"],
+                steps=2000,
+            )
+        ],
+        1e-5,
+    )
     assert eps(sigma) <= 3.0
     assert eps(sigma * 0.999) > 3.0
-    needed = accounting.compute_noise_multiplier(target_epsilon=3.0, target_delta=1e-5,
-                                                 sampling_rate=kw["sampling_rate"], steps=2000)
+    needed = accounting.compute_noise_multiplier(
+        target_epsilon=3.0, target_delta=1e-5, sampling_rate=kw["sampling_rate"], steps=2000
+    )
     closed = math.sqrt(8 / (1 / needed**2 - 8 / 2.5**2))
     assert sigma == pytest.approx(closed, rel=1e-4)
 
 
 def test_calibration_refuses_when_norm_queries_spend_the_budget():
     with pytest.raises(ValueError, match="norm_noise_multiplier must be >"):
-        ac.calibrate_adaptive_noise_multiplier(num_layers=50, norm_noise_multiplier=0.5, target_epsilon=1.0,
-                                               target_delta=1e-5, sampling_rate=0.01, steps=1000)
+        ac.calibrate_adaptive_noise_multiplier(
+            num_layers=50,
+            norm_noise_multiplier=0.5,
+            target_epsilon=1.0,
+            target_delta=1e-5,
+            sampling_rate=0.01,
+            steps=1000,
+        )
 
 
 def test_initial_clip_bounds_are_mean_norms_on_noise():
@@ -220,13 +253,34 @@ def test_cli_adaptive_clipping_noise(capsys):
 
     from keras_dpsgd.cli import main
 
-    args = ["adaptive-clipping-noise", "--num-layers", "8", "--norm-noise-multiplier", "2.5", "--target-epsilon", "3",
-            "--delta", "1e-5", "--sampling-rate", "0.00256", "--steps", "2000", "--json"]
+    args = [
+        "adaptive-clipping-noise",
+        "--num-layers",
+        "8",
+        "--norm-noise-multiplier",
+        "2.5",
+        "--target-epsilon",
+        "3",
+        "--delta",
+        "1e-5",
+        "--sampling-rate",
+        "0.00256",
+        "--steps",
+        "2000",
+        "--json",
+    ]
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["noise_multiplier"] == pytest.approx(ac.calibrate_adaptive_noise_multiplier(
-        num_layers=8, norm_noise_multiplier=2.5, target_epsilon=3.0, target_delta=1e-5, sampling_rate=0.00256,
-        steps=2000))
+    assert out["noise_multiplier"] == pytest.approx(
+        ac.calibrate_adaptive_noise_multiplier(
+            num_layers=8,
+            norm_noise_multiplier=2.5,
+            target_epsilon=3.0,
+            target_delta=1e-5,
+            sampling_rate=0.00256,
+            steps=2000,
+        )
+    )
     assert out["effective_noise_multiplier"] == pytest.approx((8 / out["noise_multiplier"] ** 2 + 8 / 6.25) ** -0.5)
     assert main(args[:4] + ["0.1"] + args[5:]) == 2
     assert "norm_noise_multiplier must be >" in capsys.readouterr().err
@@ -266,8 +320,9 @@ def test_a_discarded_partial_lot_leaves_no_norm_sums_in_the_next_lot():
     otherwise count in a lot it was never sampled into: twice the norm query's sensitivity)."""
     x, y = _data(12)
     model = _model()
-    opt = AdaptiveDPSGDOptimizer([0.3, 0.05, 0.2, 0.08], 0.0, 0.0, learning_rate=0.0, gradient_accumulation_steps=2,
-                                 seed=1)
+    opt = AdaptiveDPSGDOptimizer(
+        [0.3, 0.05, 0.2, 0.08], 0.0, 0.0, learning_rate=0.0, gradient_accumulation_steps=2, seed=1
+    )
     model.compile(optimizer=opt, loss=LOSS)
     norms = _per_example_norms(model, x, y)  # lr = 0: fixed
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)

@@ -40,8 +40,11 @@ def test_scale_learning_rate_validates(kwargs, name):
 
 
 def test_plan_gradient_accumulation_splits_exactly():
-    assert plan_gradient_accumulation(1024, 256) == {"lot_size": 1024, "physical_batch_size": 256,
-                                                     "accumulation_steps": 4}
+    assert plan_gradient_accumulation(1024, 256) == {
+        "lot_size": 1024,
+        "physical_batch_size": 256,
+        "accumulation_steps": 4,
+    }
     assert plan_gradient_accumulation(100, 1000)["accumulation_steps"] == 1
     for lot in range(1, 200):
         for cap in (1, 7, 32, 64):
@@ -77,8 +80,7 @@ def test_table_is_the_accountants_batch_table_plus_learning_rate():
 
 def test_plot_writes_a_file(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = large_lot_table(num_examples=10000, epochs=10, target_epsilon=2.0, target_delta=1e-5,
-                           lot_sizes=[64, 256])
+    rows = large_lot_table(num_examples=10000, epochs=10, target_epsilon=2.0, target_delta=1e-5, lot_sizes=[64, 256])
     path = tmp_path / "lots.png"
     plot_noise_per_example(rows, str(path))
     assert path.stat().st_size > 1000
@@ -88,8 +90,25 @@ def test_plot_writes_a_file(tmp_path):
 
 def test_cli_large_lots_json(capsys, tmp_path):
     plot = tmp_path / "p.png"
-    code = main(["large-lots", "--num-examples", "50000", "--epochs", "60", "--target-epsilon", "20",
-                 "--lot-sizes", "128", "1024", "--max-batch-size", "512", "--json", "--plot", str(plot)])
+    code = main(
+        [
+            "large-lots",
+            "--num-examples",
+            "50000",
+            "--epochs",
+            "60",
+            "--target-epsilon",
+            "20",
+            "--lot-sizes",
+            "128",
+            "1024",
+            "--max-batch-size",
+            "512",
+            "--json",
+            "--plot",
+            str(plot),
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["delta"] == pytest.approx(accounting.default_delta(50000))
@@ -99,14 +118,34 @@ def test_cli_large_lots_json(capsys, tmp_path):
 
 
 def test_cli_large_lots_text_and_bad_input(capsys):
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
-                 "--lot-sizes", "50"]) == 0
+    assert (
+        main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3", "--lot-sizes", "50"])
+        == 0
+    )
     assert "learning_rate" in capsys.readouterr().out
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
-                 "--lot-sizes", "50", "--delta", "0.01"]) == 2
+    assert (
+        main(
+            [
+                "large-lots",
+                "--num-examples",
+                "1000",
+                "--epochs",
+                "5",
+                "--target-epsilon",
+                "3",
+                "--lot-sizes",
+                "50",
+                "--delta",
+                "0.01",
+            ]
+        )
+        == 2
+    )
     assert "delta must be < 1/num_examples" in capsys.readouterr().err
-    assert main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
-                 "--lot-sizes", "2000"]) == 2
+    assert (
+        main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3", "--lot-sizes", "2000"])
+        == 2
+    )
 
 
 def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
@@ -114,8 +153,21 @@ def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monke
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    code = main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3",
-                 "--lot-sizes", "50", "--plot", str(tmp_path / "p.png")])
+    code = main(
+        [
+            "large-lots",
+            "--num-examples",
+            "1000",
+            "--epochs",
+            "5",
+            "--target-epsilon",
+            "3",
+            "--lot-sizes",
+            "50",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "matplotlib" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -67,8 +67,17 @@ def test_distinguishes_memorizing_nonprivate_from_dp():
     # 99.9% bounds: at 95% a fixed seed fails whenever a change to any random stream lands it among
     # the 5% of draws the test rejects by design (and DP at this ε still allows train accuracy a
     # little above chance: 0.25-0.27 on average over seeds here).
-    report = memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, dp=dp, num_examples=200,
-                               epochs=12, nonprivate_learning_rate=0.01, seed=5, confidence=0.999)
+    report = memorization_test(
+        BUILD,
+        input_shape=SHAPE,
+        num_classes=CLASSES,
+        dp=dp,
+        num_examples=200,
+        epochs=12,
+        nonprivate_learning_rate=0.01,
+        seed=5,
+        confidence=0.999,
+    )
     assert report.nonprivate_memorizes, report.summary()
     assert report.nonprivate.train_accuracy[-1] > 0.45
     assert not report.dp_memorizes, report.summary()
@@ -77,8 +86,11 @@ def test_distinguishes_memorizing_nonprivate_from_dp():
     # Accounting of the (nominal) DP run: the optimizer's own counter, q = L/N.
     steps = 12 * 4  # 4 lots per epoch
     assert report.dp.noised_steps == steps
-    assert report.dp.epsilon == pytest.approx(accounting.compute_epsilon(
-        [accounting.PoissonSampledGaussianEvent(0.25, 8.0, steps)], accounting.default_delta(200)))
+    assert report.dp.epsilon == pytest.approx(
+        accounting.compute_epsilon(
+            [accounting.PoissonSampledGaussianEvent(0.25, 8.0, steps)], accounting.default_delta(200)
+        )
+    )
     d = json.loads(json.dumps(report.to_dict()))
     assert d["touches_real_data"] is False and "no real data" in d["privacy_note"]
     assert len(d["dp"]["train_accuracy"]) == 12
@@ -86,10 +98,17 @@ def test_distinguishes_memorizing_nonprivate_from_dp():
 
 def test_fail_verdict_when_the_private_run_memorizes():
     # A "DP" optimizer without noise (plain Adam) memorizes: the verdict must say the parameters are too weak.
-    report = memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=200, epochs=12,
-                               nonprivate_learning_rate=0.01, seed=5,
-                               dp_optimizer_factory=lambda lots: keras.optimizers.Adam(0.01),
-                               loss=lambda reduction: keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    report = memorization_test(
+        BUILD,
+        input_shape=SHAPE,
+        num_classes=CLASSES,
+        num_examples=200,
+        epochs=12,
+        nonprivate_learning_rate=0.01,
+        seed=5,
+        dp_optimizer_factory=lambda lots: keras.optimizers.Adam(0.01),
+        loss=lambda reduction: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     assert report.dp_memorizes
     assert report.verdict.startswith("FAIL") and "privacy parameters too weak" in report.verdict
     assert report.dp.epsilon is None  # an optimizer that reports no σ is not accounted
@@ -100,8 +119,16 @@ def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
     # The untrained model's accuracy on random labels exceeds the 95% bound with probability 5%: fix
     # the initialization (unseeded, it failed about once in 20 runs).
     keras.utils.set_random_seed(0)
-    report = memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, dp=dp, num_examples=200, epochs=2,
-                               nonprivate_optimizer_factory=lambda: keras.optimizers.SGD(1e-7), seed=3)
+    report = memorization_test(
+        BUILD,
+        input_shape=SHAPE,
+        num_classes=CLASSES,
+        dp=dp,
+        num_examples=200,
+        epochs=2,
+        nonprivate_optimizer_factory=lambda: keras.optimizers.SGD(1e-7),
+        seed=3,
+    )
     assert not report.nonprivate_memorizes and not report.conclusive
     assert report.verdict.startswith("INCONCLUSIVE")
 
@@ -109,23 +136,32 @@ def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
 def test_real_task_mode_accounts_the_dp_run():
     (xtr, ytr), (xte, yte) = _data.load_digits()
     train, test = (xtr[:400], ytr[:400]), (xte[:200], yte[:200])
-    dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=1.1, batch_size=100, learning_rate=0.1,
-                    physical_batch_size=64)
-    report = real_task_test(mlp_builder(SHAPE, 10, width=32, keras_module=keras), train, test, num_classes=10, dp=dp, epochs=1,
-                            seed=2)
+    dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=1.1, batch_size=100, learning_rate=0.1, physical_batch_size=64)
+    report = real_task_test(
+        mlp_builder(SHAPE, 10, width=32, keras_module=keras), train, test, num_classes=10, dp=dp, epochs=1, seed=2
+    )
     assert report.mode == "real" and report.dp.test_accuracy is not None
     gap = report.train_test_gap
     assert gap["dp"] == pytest.approx(report.dp.train_accuracy[-1] - report.dp.test_accuracy[-1])
     assert report.dp.noised_steps == 4
-    assert report.dp.epsilon == pytest.approx(accounting.compute_epsilon(
-        [accounting.PoissonSampledGaussianEvent(0.25, 1.1, 4)], accounting.default_delta(400)))
+    assert report.dp.epsilon == pytest.approx(
+        accounting.compute_epsilon(
+            [accounting.PoissonSampledGaussianEvent(0.25, 1.1, 4)], accounting.default_delta(400)
+        )
+    )
     d = report.to_dict()
     assert d["touches_real_data"] is True and d["nonprivate"]["epsilon"] == "inf"
     assert "cost privacy" in d["privacy_note"]
     with pytest.raises(ValueError, match="accounted"):
-        real_task_test(mlp_builder(SHAPE, 10, width=8, keras_module=keras), train, test, num_classes=10, epochs=1,
-                       dp_optimizer_factory=lambda lots: keras.optimizers.SGD(0.1),
-                       loss=lambda r: keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        real_task_test(
+            mlp_builder(SHAPE, 10, width=8, keras_module=keras),
+            train,
+            test,
+            num_classes=10,
+            epochs=1,
+            dp_optimizer_factory=lambda lots: keras.optimizers.SGD(0.1),
+            loss=lambda r: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
 
 
 def test_validation():
@@ -134,13 +170,26 @@ def test_validation():
     with pytest.raises(ValueError, match="delta must be < 1/num_examples"):
         memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=100, delta=0.05)
     with pytest.raises(ValueError, match="batch_size must be <="):
-        memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=20,
-                          dp=DPSettings(batch_size=64))
+        memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=20, dp=DPSettings(batch_size=64))
 
 
 def test_cli_memorization_json(capsys):
-    code = main(["memorization-test", "--num-examples", "120", "--epochs", "1", "--width", "16",
-                 "--lot-size", "40", "--seed", "1", "--json"])
+    code = main(
+        [
+            "memorization-test",
+            "--num-examples",
+            "120",
+            "--epochs",
+            "1",
+            "--width",
+            "16",
+            "--lot-size",
+            "40",
+            "--seed",
+            "1",
+            "--json",
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert out["mode"] == "noise" and out["num_examples"] == 120 and out["verdict"]
@@ -148,8 +197,9 @@ def test_cli_memorization_json(capsys):
 
 
 def test_cli_memorization_real_mode_text(capsys):
-    code = main(["memorization-test", "--mode", "real", "--epochs", "1", "--width", "8", "--lot-size", "256",
-                 "--seed", "1"])
+    code = main(
+        ["memorization-test", "--mode", "real", "--epochs", "1", "--width", "8", "--lot-size", "256", "--seed", "1"]
+    )
     assert code == 0
     out = capsys.readouterr().out
     assert "train-test gap" in out and "epsilon" in out and "Hyperparameter probes on real data cost privacy" in out

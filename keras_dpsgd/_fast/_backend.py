@@ -45,9 +45,7 @@ def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tap
         return []
     if tape is None:
         raise ValueError("tape must be the GradientTape that recorded the loss, got None")
-    jac = tape.jacobian(
-        loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO
-    )
+    jac = tape.jacobian(loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.cast(j, tf.float32) for j in jac]
 
 
@@ -92,9 +90,7 @@ def _output_grads(total: tf.Tensor, ys: list, plans: list):
     copies = [t for _, c in throughs.values() for t in c]
     calls = {t.op for t in originals}
     # A copy may stand for several ops (a loop and the stacks of its output lists).
-    upstream = set().union(
-        *(_graph.ancestors(t) for op in calls for t in op.inputs if t.op not in calls)
-    )
+    upstream = set().union(*(_graph.ancestors(t) for op in calls for t in op.inputs if t.op not in calls))
     if calls & upstream:
         return None  # Stacked recurrent layers: the lower one's output gradient needs the upper's.
     to_total = _graph.ancestors(total)
@@ -107,9 +103,7 @@ def _output_grads(total: tf.Tensor, ys: list, plans: list):
     for k, g in zip(down, at):
         grads[k] = g
     if up:
-        through = tf.gradients(
-            copies, [ys[k] for k in up], grad_ys=at[len(down):], unconnected_gradients=zero
-        )
+        through = tf.gradients(copies, [ys[k] for k in up], grad_ys=at[len(down) :], unconnected_gradients=zero)
         for k, g in zip(up, through):
             grads[k] = g
     return grads
@@ -130,9 +124,7 @@ def _chained_grads(total: tf.Tensor, ys: list, throughs: list) -> list:
     stops = [t for originals, _ in order for t in originals]
     ys_of, grad_ys = [total], [None]
     for originals, copies in order:
-        grads = tf.gradients(
-            ys_of, list(originals), grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero
-        )
+        grads = tf.gradients(ys_of, list(originals), grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero)
         ys_of, grad_ys = ys_of + list(copies), grad_ys + grads
     return tf.gradients(ys_of, ys, grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero)
 
@@ -215,14 +207,10 @@ class FastBackend:
         groups = self._groups(loss, var_list, tape, analysis) if analysis.clean(loss) else None
         if groups is None:
             self.last_fallback = [v.name for v in var_list]
-            summed, sq_norms = _reference_backend().clipped_sum(
-                loss, var_list, tape, clip_factors, checked=True
-            )
+            summed, sq_norms = _reference_backend().clipped_sum(loss, var_list, tape, clip_factors, checked=True)
             return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
         batch = tf.shape(loss)[0]
-        sq_norms = tf.stack(
-            [g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1
-        )
+        sq_norms = tf.stack([g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1)
         factors = tf.cast(clip_factors(sq_norms), tf.float32)
         summed = []
         for v, (group, var) in enumerate(zip(groups, var_list)):

@@ -80,9 +80,7 @@ def per_example_kernel_grads(
         xt = tf.transpose(x, [0, 3, 1, 2])  # [B, cin, Hp, Wp]: each tap slice is one matmul operand.
         g3 = tf.reshape(g, tf.stack([batch, ho * wo, cout]))
         return _chained(
-            lambda row, col: tf.matmul(
-                tf.reshape(xt[:, :, row, col], tf.stack([batch, cin, ho * wo])), g3
-            ),
+            lambda row, col: tf.matmul(tf.reshape(xt[:, :, row, col], tf.stack([batch, cin, ho * wo])), g3),
             [(row, col) for row in rows for col in cols],
         )
     shifted = tf.stack([x[:, :, col, :] for col in cols], axis=3)  # [B, Hp, Wo, kw, cin]
@@ -108,9 +106,7 @@ def per_example_depthwise_grads(
     taps = [(row, col) for row in rows for col in cols]
     # One multiply-and-reduce per tap (an einsum with the channel as a batch axis would transpose
     # the whole input and gradient for every tap: 8x slower on CPU for a 32x32x32 input).
-    return _chained(
-        lambda row, col: tf.reduce_sum(x[:, row, col, :, None] * g5, axis=[1, 2]), taps
-    )
+    return _chained(lambda row, col: tf.reduce_sum(x[:, row, col, :, None] * g5, axis=[1, 2]), taps)
 
 
 def _chained(piece, args: list) -> list[tf.Tensor]:

@@ -109,7 +109,8 @@ def runtime_checks(loss: tf.Tensor, analysis: _rows.Analysis) -> list:
     for source in analysis.sources:
         checks.append(
             tf.debugging.assert_equal(
-                tf.shape(loss)[0], tf.shape(source)[0],
+                tf.shape(loss)[0],
+                tf.shape(source)[0],
                 message=(
                     f"keras_dpsgd: the per-example loss must have one entry per example of the "
                     f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]"
@@ -119,7 +120,8 @@ def runtime_checks(loss: tf.Tensor, analysis: _rows.Analysis) -> list:
     for t, axis in analysis.reshapes:
         checks.append(
             tf.debugging.assert_equal(
-                tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)), 0,
+                tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)),
+                0,
                 message=(
                     f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
                     "reshapes values of several examples into one row; the loss is not per example"
@@ -195,8 +197,6 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                     return None
                 sites.extend(site if isinstance(site, list) else [site])
     return sites
-
-
 
 
 @dataclasses.dataclass(frozen=True)

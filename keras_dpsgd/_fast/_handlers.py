@@ -70,9 +70,7 @@ def register_rule(*op_types: str) -> Callable[[Rule], Rule]:
     def register(rule: Rule) -> Rule:
         for op_type in op_types:
             if op_type in _RULES:
-                raise ValueError(
-                    f"op type {op_type!r} already has the per-example rule {_RULES[op_type].__name__}"
-                )
+                raise ValueError(f"op type {op_type!r} already has the per-example rule {_RULES[op_type].__name__}")
             _RULES[op_type] = rule
         return rule
 
@@ -225,9 +223,7 @@ def _conv2d(op, index, w, var, clean, static_batch):
         return Site(y, make_dense)
 
     def make(g, batch):
-        patches = tf.image.extract_patches(
-            _f32(x), sizes=[1, kh, kw, 1], strides=strides, rates=rates, padding=padding
-        )
+        patches = tf.image.extract_patches(_f32(x), sizes=[1, kh, kw, 1], strides=strides, rates=rates, padding=padding)
         if blocks == 1:
             a3 = tf.reshape(patches, tf.stack([batch, -1, kh * kw * cin]))
             return _uses.OuterUse(a3, tf.reshape(_f32(g), tf.stack([batch, -1, cout])))
@@ -374,9 +370,7 @@ def _einsum(op, index, w, var, clean, static_batch):
         gt = tf.einsum(f"{y_sub}->{b}{''.join(t_letters + u_letters)}", gf)
         d = int(np.prod([dims[c] for c in d_letters]))
         u = int(np.prod([dims[c] for c in u_letters]))
-        return _uses.OuterUse(
-            tf.reshape(a, tf.stack([batch, -1, d])), tf.reshape(gt, tf.stack([batch, -1, u]))
-        )
+        return _uses.OuterUse(tf.reshape(a, tf.stack([batch, -1, d])), tf.reshape(gt, tf.stack([batch, -1, u])))
 
     return Site(y, make)
 

@@ -79,15 +79,14 @@ class Unrolled:
         """Run-time assertions: the loop ran ``steps`` iterations and the copy equals it."""
         if not hasattr(self, "_checks"):
             count = tf.debugging.assert_equal(
-                self.op.outputs[0], tf.constant(self.steps, self.op.outputs[0].dtype),
+                self.op.outputs[0],
+                tf.constant(self.steps, self.op.outputs[0].dtype),
                 message=(
                     f"keras_dpsgd: the loop {self.op.name!r} did not run {self.steps} iterations, "
                     "the length of its sequence; use per_example_backend='reference' and report this"
                 ),
             )
-            self._checks = [count] + [
-                c for o, k in zip(self.originals, self.copies) for c in same_values(k, o)
-            ]
+            self._checks = [count] + [c for o, k in zip(self.originals, self.copies) for c in same_values(k, o)]
         return self._checks
 
 
@@ -225,8 +224,12 @@ class _Builder:
             raise _Decline()  # Random ops, assignments: a copy would not reproduce them.
         graph = self.op.graph
         new = graph._create_op_internal(  # pylint: disable=protected-access
-            bop.type, ins, [t.dtype for t in bop.outputs],
-            name=bop.name.rpartition("/")[2], attrs=dict(bop.node_def.attr), op_def=bop.op_def,
+            bop.type,
+            ins,
+            [t.dtype for t in bop.outputs],
+            name=bop.name.rpartition("/")[2],
+            attrs=dict(bop.node_def.attr),
+            op_def=bop.op_def,
         )
         return list(new.outputs)
 
@@ -293,7 +296,8 @@ def same_values(mine: tf.Tensor, theirs: tf.Tensor, atol: float = _ATOL, rtol: f
     worst = tf.reduce_max(tf.where(finite, excess, tf.zeros_like(excess)))
     return [
         tf.debugging.assert_less_equal(
-            worst, 0.0,
+            worst,
+            0.0,
             message=(
                 f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
                 "the layer's output; use per_example_backend='reference' and report this"

@@ -39,12 +39,31 @@ from keras_dpsgd._fast import _loops, _uses
 _CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 _ARGS = {
     "lstm": (
-        "inputs", "init_h", "init_c", "kernel", "recurrent_kernel", "bias", "mask", "time_major",
-        "go_backwards", "sequence_lengths", "zero_output_for_mask", "return_sequences",
+        "inputs",
+        "init_h",
+        "init_c",
+        "kernel",
+        "recurrent_kernel",
+        "bias",
+        "mask",
+        "time_major",
+        "go_backwards",
+        "sequence_lengths",
+        "zero_output_for_mask",
+        "return_sequences",
     ),
     "gru": (
-        "inputs", "init_h", "kernel", "recurrent_kernel", "bias", "mask", "time_major",
-        "go_backwards", "sequence_lengths", "zero_output_for_mask", "return_sequences",
+        "inputs",
+        "init_h",
+        "kernel",
+        "recurrent_kernel",
+        "bias",
+        "mask",
+        "time_major",
+        "go_backwards",
+        "sequence_lengths",
+        "zero_output_for_mask",
+        "return_sequences",
     ),
 }
 _STATES = {"lstm": ("init_h", "init_c"), "gru": ("init_h",)}
@@ -117,8 +136,11 @@ def recognize(op) -> Optional[Call]:
 
 def _shapes_known(call: Call) -> bool:
     x = call.tensors["inputs"]
-    return x.shape.rank == 3 and x.shape[1] is not None and x.shape[2] is not None and all(
-        call.tensors[w].shape.is_fully_defined() for w in _WEIGHTS
+    return (
+        x.shape.rank == 3
+        and x.shape[1] is not None
+        and x.shape[2] is not None
+        and all(call.tensors[w].shape.is_fully_defined() for w in _WEIGHTS)
     )
 
 

@@ -74,9 +74,7 @@ class ReferenceBackend:
             experimental_use_pfor=True,
         )
         jacobians = [tf.convert_to_tensor(j) for j in jacobians]
-        sq_norms = tf.stack(
-            [tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians], axis=1
-        )
+        sq_norms = tf.stack([tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians], axis=1)
         factors = clip_factors(sq_norms)
         summed = []
         for v, jac in enumerate(jacobians):
@@ -106,5 +104,3 @@ def _warn_unchecked_eager() -> None:
     if not _eager_warned:
         _eager_warned.append(True)
         logging.getLogger("keras_dpsgd").warning(_EAGER_WARNING)
-
-

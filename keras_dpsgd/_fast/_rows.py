@@ -108,7 +108,9 @@ _ELEMENTWISE = frozenset(
     Equal NotEqual Greater GreaterEqual Less LessEqual LogicalAnd LogicalOr Select SelectV2
     ClipByValue BroadcastTo""".split()
 )
-_IMAGE_AXIS0_OPS = frozenset({"LRN", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea", "DepthToSpace", "SpaceToDepth"})
+_IMAGE_AXIS0_OPS = frozenset(
+    {"LRN", "ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea", "DepthToSpace", "SpaceToDepth"}
+)
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
 
 
@@ -117,14 +119,14 @@ def _data(ins):
 
 
 def _unary(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     if op.type in _IMAGE_AXIS0_OPS and r.axis != 0:
         return mixed(op, "works across the batch axis")
     return r
 
 
 def _softmax(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     if rank is None or r.axis == rank - 1:
         return mixed(op, "normalizes across the examples (softmax over the batch axis)")
@@ -157,7 +159,7 @@ def _elementwise(op, ins):
 
 
 def _reduction(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     axes = _static(op.inputs[1])
     if rank is None or axes is None:
@@ -173,7 +175,7 @@ def _reduction(op, ins):
 
 
 def _arg_reduction(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     axis = _static(op.inputs[1])
     if rank is None or axis is None or int(axis) % rank == r.axis:
@@ -182,7 +184,7 @@ def _arg_reduction(op, ins):
 
 
 def _cumulative(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     axis = _static(op.inputs[1])
     if rank is None or axis is None or int(axis) % rank == r.axis:
@@ -191,7 +193,7 @@ def _cumulative(op, ins):
 
 
 def _transpose(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     perm = _static(op.inputs[1])
     if perm is None:
         return mixed(op, "moves axes by a permutation unknown at trace time")
@@ -199,7 +201,7 @@ def _transpose(op, ins):
 
 
 def _expand_dims(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     axis = _static(op.inputs[1])
     if rank is None or axis is None:
@@ -209,7 +211,7 @@ def _expand_dims(op, ins):
 
 
 def _squeeze(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     x = op.inputs[0]
     if x.shape.rank is None:
         return mixed(op, "squeezes a tensor of unknown rank")
@@ -249,7 +251,9 @@ def _strided_slice(op, ins):
     begin, end, strides = (_static(t) for t in op.inputs[1:4])
     if x.shape.rank is None or begin is None or strides is None:
         return mixed(op, "slices with bounds unknown at trace time")
-    masks = {m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    masks = {
+        m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
+    }
     n = len(begin)
     real = sum(1 for i in range(n) if not ((masks["ellipsis_mask"] | masks["new_axis_mask"]) >> i) & 1)
     in_dim = out_dim = 0
@@ -269,9 +273,7 @@ def _strided_slice(op, ins):
             if masks["shrink_axis_mask"] & bit:
                 return mixed(op, "picks one example out of the batch")
             whole = (
-                int(strides[i]) == 1
-                and (masks["begin_mask"] & bit or int(begin[i]) == 0)
-                and masks["end_mask"] & bit
+                int(strides[i]) == 1 and (masks["begin_mask"] & bit or int(begin[i]) == 0) and masks["end_mask"] & bit
             )
             result = out_dim if whole else None
             if not whole:
@@ -322,7 +324,7 @@ def _pack(op, ins):
 
 
 def _unpack(op, ins):
-    (_, r), = _data(ins)
+    ((_, r),) = _data(ins)
     rank = op.inputs[0].shape.rank
     a = op.get_attr("axis") % rank
     if a == r.axis:
@@ -370,7 +372,9 @@ def _gather(op, ins):
     axis = int(axis) % max(p.shape.rank, 1)
     ids_rank = op.inputs[1].shape.rank
     if params is None:  # A table lookup: the output follows the ids.
-        return dataclasses.replace(ids, axis=axis + ids.axis) if batch_dims == 0 else mixed(op, "gathers with batch_dims")
+        return (
+            dataclasses.replace(ids, axis=axis + ids.axis) if batch_dims == 0 else mixed(op, "gathers with batch_dims")
+        )
     if ids is None:
         if axis == params.axis:
             return _reordered(params, op)
@@ -583,17 +587,68 @@ _RULES = {
     "StatefulPartitionedCall": _recurrent_call,
 }
 # Ops whose data inputs are paired row by row: rows of two different orders must not meet.
-_PAIRING = _ELEMENTWISE | {"ConcatV2", "Pack", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "GatherV2", "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"}
-# Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
-_ROW_WISE = _UNARY | _ELEMENTWISE | _REDUCTIONS | {
-    "Softmax", "LogSoftmax", "ArgMax", "ArgMin", "Cumsum", "Cumprod", "CumulativeLogsumexp",
-    "Transpose", "ExpandDims", "Squeeze", "StridedSlice", "Slice", "ConcatV2", "Pack", "Split",
-    "SplitV", "Tile", "Pad", "PadV2", "MirrorPad", "ReverseV2", "Roll", "GatherV2", "Gather",
-    "ResourceGather", "OneHot", "MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Conv2D",
-    "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "MaxPool", "AvgPool", "MaxPool3D",
-    "AvgPool3D", "ExtractImagePatches", "SparseSoftmaxCrossEntropyWithLogits",
-    "SoftmaxCrossEntropyWithLogits", "Reshape",
+_PAIRING = _ELEMENTWISE | {
+    "ConcatV2",
+    "Pack",
+    "MatMul",
+    "BatchMatMul",
+    "BatchMatMulV2",
+    "BatchMatMulV3",
+    "Einsum",
+    "GatherV2",
+    "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits",
 }
+# Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
+_ROW_WISE = (
+    _UNARY
+    | _ELEMENTWISE
+    | _REDUCTIONS
+    | {
+        "Softmax",
+        "LogSoftmax",
+        "ArgMax",
+        "ArgMin",
+        "Cumsum",
+        "Cumprod",
+        "CumulativeLogsumexp",
+        "Transpose",
+        "ExpandDims",
+        "Squeeze",
+        "StridedSlice",
+        "Slice",
+        "ConcatV2",
+        "Pack",
+        "Split",
+        "SplitV",
+        "Tile",
+        "Pad",
+        "PadV2",
+        "MirrorPad",
+        "ReverseV2",
+        "Roll",
+        "GatherV2",
+        "Gather",
+        "ResourceGather",
+        "OneHot",
+        "MatMul",
+        "BatchMatMulV2",
+        "BatchMatMulV3",
+        "Einsum",
+        "Conv2D",
+        "Conv3D",
+        "DepthwiseConv2dNative",
+        "Conv2DBackpropInput",
+        "MaxPool",
+        "AvgPool",
+        "MaxPool3D",
+        "AvgPool3D",
+        "ExtractImagePatches",
+        "SparseSoftmaxCrossEntropyWithLogits",
+        "SoftmaxCrossEntropyWithLogits",
+        "Reshape",
+    }
+)
 
 
 def _propagate(op, ins) -> list:

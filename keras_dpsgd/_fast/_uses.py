@@ -180,9 +180,7 @@ class IndexGroup:
         keys = tf.range(b)[:, None] * self.vocab + ids
         unique_keys, idx = tf.unique(tf.reshape(keys, [-1]))
         d = int(self.g.shape[2])
-        rows = tf.math.unsorted_segment_sum(
-            tf.reshape(self.g, [-1, d]), idx, tf.shape(unique_keys)[0]
-        )
+        rows = tf.math.unsorted_segment_sum(tf.reshape(self.g, [-1, d]), idx, tf.shape(unique_keys)[0])
         row_sq = tf.reduce_sum(tf.square(rows), axis=1)
         return tf.math.unsorted_segment_sum(row_sq, unique_keys // self.vocab, b)
 

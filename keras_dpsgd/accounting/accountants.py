@@ -60,7 +60,9 @@ def as_event_list(events) -> list:
     elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent,)):
         events = (events,)
     elif not isinstance(events, Iterable) or isinstance(events, (str, bytes, dict)):
-        raise TypeError(f"events must be a PrivacyLedger, an event or an iterable of events, got {type(events).__name__}")
+        raise TypeError(
+            f"events must be a PrivacyLedger, an event or an iterable of events, got {type(events).__name__}"
+        )
     out = []
     for e in flatten_events(events):
         if not isinstance(e, LEAF_EVENT_TYPES):
@@ -229,6 +231,7 @@ class PldAccountant(PrivacyAccountant):
             self._infinite = True
             return
         from dp_accounting import dp_event
+
         event = dp_event.GaussianDpEvent(noise_multiplier)
         if sampling_rate < 1.0:
             event = dp_event.PoissonSampledDpEvent(sampling_rate, event)

@@ -356,7 +356,9 @@ class PrivacyLedger:
             )
         events = data["events"]
         if not isinstance(events, (list, tuple)):
-            raise TypeError(f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}")
+            raise TypeError(
+                f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}"
+            )
         if version == 1:
             _refuse_later_kinds(events)
         return cls(event_from_dict(e) for e in events)

@@ -139,8 +139,9 @@ def calibrate_noise_multiplier(
         start = _bisect_sigma(lambda s: hint_eps(make_events(s)), target_epsilon, rtol=base.calibration_rtol)
         shrink = 0.9
     eps = _epsilon_after(base, target_delta)
-    return _bisect_sigma(lambda s: eps(make_events(s)), target_epsilon, start=start, shrink=shrink,
-                         rtol=base.calibration_rtol)
+    return _bisect_sigma(
+        lambda s: eps(make_events(s)), target_epsilon, start=start, shrink=shrink, rtol=base.calibration_rtol
+    )
 
 
 def compute_noise_multiplier(

@@ -153,10 +153,14 @@ def _int_tables(orders: tuple[int, ...]) -> list[tuple[np.ndarray, np.ndarray, n
         valid = i <= alphas
         log_comb = np.where(
             valid,
-            special.gammaln(alphas + 1.0) - special.gammaln(i + 1.0) - special.gammaln(np.maximum(alphas - i, 0.0) + 1.0),
+            special.gammaln(alphas + 1.0)
+            - special.gammaln(i + 1.0)
+            - special.gammaln(np.maximum(alphas - i, 0.0) + 1.0),
             -np.inf,
         )
-        tables.append((np.asarray(group), log_comb, np.broadcast_to(i, log_comb.shape), np.broadcast_to(alphas, log_comb.shape)))
+        tables.append(
+            (np.asarray(group), log_comb, np.broadcast_to(i, log_comb.shape), np.broadcast_to(alphas, log_comb.shape))
+        )
     return tables
 
 

@@ -134,8 +134,7 @@ class GradientCanaryMixin:
         c = getattr(self, "_canaries", None)
         if c is None:
             raise ValueError(
-                f"{type(self).__name__}: call install_gradient_canaries(model.trainable_variables, ...) "
-                "before training"
+                f"{type(self).__name__}: call install_gradient_canaries(model.trainable_variables, ...) before training"
             )
         m = c.scores.shape[0]
         joined = tf.cast(tf.logical_and(c.included, c.generator.uniform([m]) < c.rate), tf.float32)
@@ -184,8 +183,10 @@ def with_gradient_canaries(optimizer_cls: type) -> type:
         (a subclass of ``keras_dpsgd._sanitizer.DPSanitizerMixin`` or of
         ``keras_dpsgd.keras3.DPKeras3Mixin``).
     """
-    if not (_is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin")
-            or _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin")):
+    if not (
+        _is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin")
+        or _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin")
+    ):
         raise ValueError(f"optimizer_cls must be a keras_dpsgd DP optimizer class, got {optimizer_cls!r}")
     if issubclass(optimizer_cls, GradientCanaryMixin):
         return optimizer_cls

@@ -116,16 +116,24 @@ def _epsilon_bound(scores, member, delta, confidence, rng) -> float:
     for t in np.unique(s1):
         pred = s1 >= t
         eps = statistics.epsilon_lower_bound_from_counts(
-            int(pred[m1].sum()), int(m1.sum()), int(pred[~m1].sum()), int((~m1).sum()),
-            delta=delta, confidence=confidence,
+            int(pred[m1].sum()),
+            int(m1.sum()),
+            int(pred[~m1].sum()),
+            int((~m1).sum()),
+            delta=delta,
+            confidence=confidence,
         )
         if eps > best_eps:
             best_t, best_eps = t, eps
     s2, m2 = scores[~half], member[~half]
     pred = s2 >= best_t
     return statistics.epsilon_lower_bound_from_counts(
-        int(pred[m2].sum()), int(m2.sum()), int(pred[~m2].sum()), int((~m2).sum()),
-        delta=delta, confidence=confidence,
+        int(pred[m2].sum()),
+        int(m2.sum()),
+        int(pred[~m2].sum()),
+        int((~m2).sum()),
+        delta=delta,
+        confidence=confidence,
     )
 
 
@@ -137,8 +145,10 @@ def _trained_scores(features: np.ndarray, member: np.ndarray, folds: int, seed: 
 
     folds = int(min(folds, member.sum(), (~member).sum()))
     if folds < 2:
-        raise ValueError(f"the trained attack needs >= 2 members and 2 non-members, got {int(member.sum())} and "
-                         f"{int((~member).sum())}")
+        raise ValueError(
+            f"the trained attack needs >= 2 members and 2 non-members, got {int(member.sum())} and "
+            f"{int((~member).sum())}"
+        )
     clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=1000))
     cv = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
     return cross_val_predict(clf, features, member, cv=cv, method="decision_function")
@@ -205,4 +215,7 @@ def _tf_keras_callback():
 
 
 class MembershipInferenceCallback(MembershipInferenceCallbackCore, _tf_keras_callback()):
-    __doc__ = MembershipInferenceCallbackCore.__doc__ + "\n    tf_keras; Keras 3: ``keras_dpsgd.keras3.MembershipInferenceCallback``.\n"
+    __doc__ = (
+        MembershipInferenceCallbackCore.__doc__
+        + "\n    tf_keras; Keras 3: ``keras_dpsgd.keras3.MembershipInferenceCallback``.\n"
+    )

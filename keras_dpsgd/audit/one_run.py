@@ -147,8 +147,9 @@ def canary_audit(
     included = rng.random(int(canaries)) < 0.5  # the fair coins, drawn before training
     x, y = np.asarray(train[0], np.float32), np.asarray(train[1], np.int64)
     if kind != "gradient":
-        cx, cy = make_input_canaries(kind, int(canaries), input_shape=x.shape[1:], num_classes=num_classes,
-                                     rng=rng, pool=held_out)
+        cx, cy = make_input_canaries(
+            kind, int(canaries), input_shape=x.shape[1:], num_classes=num_classes, rng=rng, pool=held_out
+        )
         x, y = np.concatenate([x, cx[included]]), np.concatenate([y, cy[included]])
     # The run's parameters must not depend on the coins: q, the normalizer and δ use the public size
     # N + m/2 (the expected size with input canaries), not the realized one.
@@ -164,8 +165,14 @@ def canary_audit(
     cls = optimizer_cls or front.dp_sgd
     if kind == "gradient":
         cls = with_gradient_canaries(cls)
-    optimizer = cls(l2_norm_clip, sigma, learning_rate=learning_rate, momentum=momentum, seed=sub_seed(),
-                    **_front.dp_optimizer_kwargs(front, lots.gradient_accumulation_steps))
+    optimizer = cls(
+        l2_norm_clip,
+        sigma,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        seed=sub_seed(),
+        **_front.dp_optimizer_kwargs(front, lots.gradient_accumulation_steps),
+    )
     lots.configure(optimizer)
     optimizer.expected_lot_size = float(lot_size)
     model = front.private(model)

@@ -216,7 +216,7 @@ def one_run_guesses(scores: Sequence[float], k_plus: int, k_minus: int) -> np.nd
     if km:
         guesses[order[:km]] = -1
     if kp:
-        guesses[order[m - kp:]] = 1
+        guesses[order[m - kp :]] = 1
     return guesses
 
 

@@ -27,8 +27,18 @@ import sys
 
 from keras_dpsgd.cli._quiet import import_tensorflow_quietly
 
-__all__ = ["CommandFailed", "add_json_flag", "add_option", "build_parser", "import_tensorflow_quietly", "main",
-           "model_choice", "positive_float", "positive_int", "warn_deprecated"]
+__all__ = [
+    "CommandFailed",
+    "add_json_flag",
+    "add_option",
+    "build_parser",
+    "import_tensorflow_quietly",
+    "main",
+    "model_choice",
+    "positive_float",
+    "positive_int",
+    "warn_deprecated",
+]
 
 # Modules of this package that define subcommands, in help order.
 _SUBCOMMAND_MODULES = [
@@ -96,8 +106,9 @@ def warn_deprecated(prog: str, old: str, new: str) -> None:
 
 def add_option(parser: argparse.ArgumentParser, name: str, *deprecated: str, **kwargs) -> argparse.Action:
     """Adds option `name`; each spelling in `deprecated` parses too, hidden from help, with a warning."""
-    action = parser.add_argument(name, *deprecated, action=_StoreWithDeprecatedSpellings,
-                                 deprecated=deprecated, **kwargs)
+    action = parser.add_argument(
+        name, *deprecated, action=_StoreWithDeprecatedSpellings, deprecated=deprecated, **kwargs
+    )
     action.option_strings = [name]  # the parser still knows the old spellings; help and errors show the new
     return action
 

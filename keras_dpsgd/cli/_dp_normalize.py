@@ -22,12 +22,21 @@ MIN_STD_FRACTION = 0.05
 
 def register(p) -> None:
     """Adds the flags to the ``train`` parser."""
-    p.add_argument("--dp-normalize", type=float, default=None, metavar="SIGMA",
-                   help="standardize the features with a DP mean and variance (DPNormalization, noise multiplier "
-                   "SIGMA > 0 on all training examples); the release is charged to the ledger and shown in ε")
-    p.add_argument("--dp-normalize-bounds", default=None, metavar="LO,HI",
-                   help=f"public clipping range of every feature for --dp-normalize (default {DEFAULT_BOUNDS}: "
-                   "features as loaded); never computed from the data")
+    p.add_argument(
+        "--dp-normalize",
+        type=float,
+        default=None,
+        metavar="SIGMA",
+        help="standardize the features with a DP mean and variance (DPNormalization, noise multiplier "
+        "SIGMA > 0 on all training examples); the release is charged to the ledger and shown in ε",
+    )
+    p.add_argument(
+        "--dp-normalize-bounds",
+        default=None,
+        metavar="LO,HI",
+        help=f"public clipping range of every feature for --dp-normalize (default {DEFAULT_BOUNDS}: "
+        "features as loaded); never computed from the data",
+    )
 
 
 def _bounds(text: str) -> tuple[float, float]:
@@ -63,8 +72,9 @@ def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None) ->
         from keras_dpsgd.keras3 import DPNormalization
     lo, hi = _bounds(args.dp_normalize_bounds or DEFAULT_BOUNDS)
     # The std floor (5% of the range) keeps near-constant features (border pixels) from exploding.
-    layer = DPNormalization(args.dp_normalize, lower=lo, upper=hi, seed=seed, min_std=MIN_STD_FRACTION * (hi - lo),
-                            name="dp_normalization")
+    layer = DPNormalization(
+        args.dp_normalize, lower=lo, upper=hi, seed=seed, min_std=MIN_STD_FRACTION * (hi - lo), name="dp_normalization"
+    )
     layer.adapt(x_train)
     return layer
 
@@ -82,5 +92,9 @@ def summary(layer: Optional[Any]) -> Optional[dict]:
     if layer is None:
         return None
     (event,) = layer.privacy_events
-    return {"noise_multiplier": layer.noise_multiplier, "lower": layer.lower, "upper": layer.upper,
-            "event": event.to_dict()}
+    return {
+        "noise_multiplier": layer.noise_multiplier,
+        "lower": layer.lower,
+        "upper": layer.upper,
+        "event": event.to_dict(),
+    }

@@ -43,7 +43,9 @@ _ACCOUNTANT_HELP = (
 def register(subparsers) -> None:
     eps = subparsers.add_parser("epsilon", help="ε of a DP-SGD run", description="ε spent by a DP-SGD run.")
     _add_data_args(eps, batch=True)
-    eps.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0, finite")
+    eps.add_argument(
+        "--noise-multiplier", type=float, required=True, metavar="S", help="noise multiplier σ >= 0, finite"
+    )
     eps.add_argument(
         "--target-epsilon",
         type=float,
@@ -83,11 +85,21 @@ def add_table_args(table: argparse.ArgumentParser, *, base_learning_rate: float 
         metavar="L",
         help="lot sizes, space- or comma-separated (default: powers of two from 16 to N)",
     )
-    table.add_argument("--base-learning-rate", type=float, default=base_learning_rate, metavar="LR",
-                       help="learning rate at --base-lot-size: adds the linearly scaled learning rate (Goyal et al. 2017)")
+    table.add_argument(
+        "--base-learning-rate",
+        type=float,
+        default=base_learning_rate,
+        metavar="LR",
+        help="learning rate at --base-lot-size: adds the linearly scaled learning rate (Goyal et al. 2017)",
+    )
     table.add_argument("--base-lot-size", type=int, default=128, metavar="L0", help="lot size of --base-learning-rate")
-    table.add_argument("--max-batch-size", type=int, default=None, metavar="B",
-                       help="largest physical batch in memory: adds the gradient-accumulation plan")
+    table.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help="largest physical batch in memory: adds the gradient-accumulation plan",
+    )
     table.add_argument("--plot", metavar="FILE.png", help="also draw the table (needs matplotlib)")
     _add_common_args(table)
 
@@ -95,8 +107,15 @@ def add_table_args(table: argparse.ArgumentParser, *, base_learning_rate: float 
 def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
     parser.add_argument("--num-examples", type=int, required=True, metavar="N", help="training set size N")
     if batch:
-        add_option(parser, "--lot-size", "--batch-size", type=int, required=True, metavar="L",
-                   help="expected Poisson lot size L <= N")
+        add_option(
+            parser,
+            "--lot-size",
+            "--batch-size",
+            type=int,
+            required=True,
+            metavar="L",
+            help="expected Poisson lot size L <= N",
+        )
     parser.add_argument("--epochs", type=float, required=True, metavar="E", help="number of epochs (may be fractional)")
 
 
@@ -121,7 +140,6 @@ def _context(args) -> dict:
         "num_examples": args.num_examples,
         "lot_size": args.lot_size,
         "batch_size": args.lot_size,  # deprecated key, same value
-
         "epochs": args.epochs,
         "steps": steps,
         "sampling_rate": args.lot_size / args.num_examples,
@@ -229,14 +247,23 @@ def _table_rows(args, sizes: list[int], target: float, delta: float) -> list[dic
     """The accountant's rows; with a base learning rate or a memory cap, Three Tools' extra columns."""
     from keras_dpsgd.tools.large_lots import large_lot_table
 
-    common = dict(num_examples=args.num_examples, epochs=args.epochs, target_epsilon=target, target_delta=delta,
-                  lot_sizes=sizes, accountant=args.accountant)
+    common = dict(
+        num_examples=args.num_examples,
+        epochs=args.epochs,
+        target_epsilon=target,
+        target_delta=delta,
+        lot_sizes=sizes,
+        accountant=args.accountant,
+    )
     try:
         if args.base_learning_rate is None and args.max_batch_size is None:
             return planning.batch_table(**common)
-        return large_lot_table(**common, base_learning_rate=0.01 if args.base_learning_rate is None else
-                               args.base_learning_rate, base_lot_size=args.base_lot_size,
-                               max_batch_size=args.max_batch_size)
+        return large_lot_table(
+            **common,
+            base_learning_rate=0.01 if args.base_learning_rate is None else args.base_learning_rate,
+            base_lot_size=args.base_lot_size,
+            max_batch_size=args.max_batch_size,
+        )
     except ImportError as err:
         raise ValueError(str(err)) from err
 
@@ -248,7 +275,9 @@ def run_batch_table(args) -> dict:
 
             matplotlib.use("Agg")
         except ImportError:
-            raise ValueError("--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)") from None
+            raise ValueError(
+                "--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)"
+            ) from None
     sizes = _lot_sizes(args.lot_sizes, args.num_examples)
     delta = _delta(args)
     target = V.positive(target_epsilon=args.target_epsilon)
@@ -266,7 +295,9 @@ def run_batch_table(args) -> dict:
         _plot(rows, args.plot)
     if not args.json:
         extra = [c for c in _EXTRA_COLUMNS if c in rows[0]]
-        print(f"ε = {target:g}, δ = {delta:.3g}, N = {args.num_examples}, {args.epochs:g} epochs, accountant {args.accountant}")
+        print(
+            f"ε = {target:g}, δ = {delta:.3g}, N = {args.num_examples}, {args.epochs:g} epochs, accountant {args.accountant}"
+        )
         print(f"{'lot size':>9} {'q':>10} {'steps':>9} {'σ':>10} {'σ / lot':>11}" + "".join(f" {c:>19}" for c in extra))
         for r in rows:
             print(

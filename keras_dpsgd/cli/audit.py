@@ -53,15 +53,29 @@ def register(subparsers) -> None:
             "--noise-multiplier 0 trains without noise. The audit is itself a training run on the data."
         ),
     )
-    p.add_argument("--canaries", type=positive_int, default=1000, metavar="M",
-                   help="number of canaries m >= 2 (default %(default)s)")
-    p.add_argument("--canary-kind", choices=_KINDS, default="gradient",
-                   help="gradient: Dirac canaries in the clipped sum (audits the step; default); ood: noise "
-                   "images with random labels; mislabeled: held-out images with wrong labels")
-    p.add_argument("--confidence", type=_confidence, default=0.95, metavar="C",
-                   help="confidence of ε_emp (default %(default)s)")
-    p.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="also audit σ × (0.5, 1, 2, 4) and plot ε_emp against the reported ε")
+    p.add_argument(
+        "--canaries",
+        type=positive_int,
+        default=1000,
+        metavar="M",
+        help="number of canaries m >= 2 (default %(default)s)",
+    )
+    p.add_argument(
+        "--canary-kind",
+        choices=_KINDS,
+        default="gradient",
+        help="gradient: Dirac canaries in the clipped sum (audits the step; default); ood: noise "
+        "images with random labels; mislabeled: held-out images with wrong labels",
+    )
+    p.add_argument(
+        "--confidence", type=_confidence, default=0.95, metavar="C", help="confidence of ε_emp (default %(default)s)"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also audit σ × (0.5, 1, 2, 4) and plot ε_emp against the reported ε",
+    )
     p.add_argument("--save", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run, uses_tensorflow=True)
 
@@ -93,13 +107,25 @@ def _audit(args, data, noise_multiplier):
         return train_cli._plan(args, lots.num_examples, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
 
     return canary_audit(
-        lambda: _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width,
-                                    keras_module=keras_module),
-        (data.x_train, data.y_train), num_classes=data.num_classes, canaries=args.canaries,
-        kind=args.canary_kind, noise_multiplier=sigma, l2_norm_clip=args.l2_norm_clip, lot_size=args.lot_size,
-        epochs=args.epochs, learning_rate=args.learning_rate, momentum=args.momentum, delta=args.delta,
-        confidence=args.confidence, accountant=args.accountant, held_out=(data.x_test, data.y_test),
-        seed=args.seed, verbose=2 if args.json else 1,
+        lambda: _models.build_model(
+            args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras_module
+        ),
+        (data.x_train, data.y_train),
+        num_classes=data.num_classes,
+        canaries=args.canaries,
+        kind=args.canary_kind,
+        noise_multiplier=sigma,
+        l2_norm_clip=args.l2_norm_clip,
+        lot_size=args.lot_size,
+        epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        momentum=args.momentum,
+        delta=args.delta,
+        confidence=args.confidence,
+        accountant=args.accountant,
+        held_out=(data.x_test, data.y_test),
+        seed=args.seed,
+        verbose=2 if args.json else 1,
     )
 
 
@@ -122,8 +148,9 @@ def audit(args) -> dict:
             r = _audit(args, data, sigma)
             points.append((r.noise_multiplier, r.epsilon, r.epsilon_lower_bound))
         out["plot"] = _plot(args.plot, sorted(points), result)
-        out["plot_points"] = [{"noise_multiplier": s, "epsilon": e, "epsilon_lower_bound": lb}
-                              for s, e, lb in sorted(points)]
+        out["plot_points"] = [
+            {"noise_multiplier": s, "epsilon": e, "epsilon_lower_bound": lb} for s, e, lb in sorted(points)
+        ]
     return out
 
 
@@ -168,6 +195,22 @@ def run(args) -> dict:
 
 
 def _select(out: dict) -> dict:
-    keys = ("epsilon", "epsilon_lower_bound", "confidence", "canaries", "auc", "method", "delta", "verdict",
-            "violation", "noise_multiplier", "guesses", "correct", "steps", "keras", "plot", "plot_points")
+    keys = (
+        "epsilon",
+        "epsilon_lower_bound",
+        "confidence",
+        "canaries",
+        "auc",
+        "method",
+        "delta",
+        "verdict",
+        "violation",
+        "noise_multiplier",
+        "guesses",
+        "correct",
+        "steps",
+        "keras",
+        "plot",
+        "plot_points",
+    )
     return {k: out[k] for k in keys if k in out}

@@ -45,17 +45,32 @@ def _register_memorization(subparsers) -> None:
         ),
     )
     p.add_argument("--mode", choices=["noise", "real"], default="noise")
-    p.add_argument("--dataset", choices=sorted(_DATASETS), default="digits",
-                   help="data set whose shape/classes the noise mimics (real mode: the data set trained on)")
+    p.add_argument(
+        "--dataset",
+        choices=sorted(_DATASETS),
+        default="digits",
+        help="data set whose shape/classes the noise mimics (real mode: the data set trained on)",
+    )
     p.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir (cifar10, mnist)")
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", type=model_choice("keras-dpsgd memorization-test"))
     p.add_argument("--width", type=positive_int, default=512, help="MLP hidden width")
     p.add_argument("--num-examples", type=positive_int, default=1000, help="noise examples (noise mode)")
     p.add_argument("--epochs", type=positive_int, default=20)
-    add_option(p, "--lot-size", "--batch-size", type=positive_int, default=64, metavar="L",
-               help="expected Poisson lot size L of the DP run")
-    p.add_argument("--physical-batch-size", type=positive_int, default=None,
-                   help="split lots into gradient-accumulation steps of this many rows")
+    add_option(
+        p,
+        "--lot-size",
+        "--batch-size",
+        type=positive_int,
+        default=64,
+        metavar="L",
+        help="expected Poisson lot size L of the DP run",
+    )
+    p.add_argument(
+        "--physical-batch-size",
+        type=positive_int,
+        default=None,
+        help="split lots into gradient-accumulation steps of this many rows",
+    )
     p.add_argument("--l2-norm-clip", type=positive_float, default=1.0)
     p.add_argument("--noise-multiplier", type=float, default=1.1)
     p.add_argument("--learning-rate", type=positive_float, default=0.05, help="DP-SGD learning rate")
@@ -80,15 +95,25 @@ def _memorization(args) -> dict | None:
     )
 
     dp = DPSettings(
-        l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier, batch_size=args.lot_size,
-        learning_rate=args.learning_rate, momentum=args.momentum, physical_batch_size=args.physical_batch_size,
+        l2_norm_clip=args.l2_norm_clip,
+        noise_multiplier=args.noise_multiplier,
+        batch_size=args.lot_size,
+        learning_rate=args.learning_rate,
+        momentum=args.momentum,
+        physical_batch_size=args.physical_batch_size,
     )
     shape, classes = _DATASETS[args.dataset]
-    builder = (mlp_builder(shape, classes, width=args.width) if args.model == "mlp"
-               else convnet_builder(shape, classes))
-    common = dict(num_classes=classes, dp=dp, epochs=args.epochs, nonprivate_batch_size=args.nonprivate_batch_size,
-                  nonprivate_learning_rate=args.nonprivate_learning_rate, confidence=args.confidence,
-                  delta=args.delta, seed=args.seed)
+    builder = mlp_builder(shape, classes, width=args.width) if args.model == "mlp" else convnet_builder(shape, classes)
+    common = dict(
+        num_classes=classes,
+        dp=dp,
+        epochs=args.epochs,
+        nonprivate_batch_size=args.nonprivate_batch_size,
+        nonprivate_learning_rate=args.nonprivate_learning_rate,
+        confidence=args.confidence,
+        delta=args.delta,
+        seed=args.seed,
+    )
     if args.mode == "noise":
         report = memorization_test(builder, input_shape=shape, num_examples=args.num_examples, **common)
     else:
@@ -155,18 +180,31 @@ def _adaptive(args) -> dict | None:
     from keras_dpsgd.tools.adaptive_clipping import calibrate_adaptive_noise_multiplier, composed_noise_multiplier
 
     sigma = calibrate_adaptive_noise_multiplier(
-        num_layers=args.num_layers, norm_noise_multiplier=args.norm_noise_multiplier,
-        target_epsilon=args.target_epsilon, target_delta=args.delta, sampling_rate=args.sampling_rate,
-        steps=args.steps, accountant=args.accountant,
+        num_layers=args.num_layers,
+        norm_noise_multiplier=args.norm_noise_multiplier,
+        target_epsilon=args.target_epsilon,
+        target_delta=args.delta,
+        sampling_rate=args.sampling_rate,
+        steps=args.steps,
+        accountant=args.accountant,
     )
     sigma_eff = composed_noise_multiplier([sigma] * args.num_layers, [args.norm_noise_multiplier] * args.num_layers)
-    result = {"noise_multiplier": sigma, "effective_noise_multiplier": sigma_eff,
-              "norm_noise_multiplier": args.norm_noise_multiplier, "num_layers": args.num_layers,
-              "target_epsilon": args.target_epsilon, "epsilon": args.target_epsilon,  # epsilon: deprecated
-              "delta": args.delta, "sampling_rate": args.sampling_rate, "steps": args.steps}
+    result = {
+        "noise_multiplier": sigma,
+        "effective_noise_multiplier": sigma_eff,
+        "norm_noise_multiplier": args.norm_noise_multiplier,
+        "num_layers": args.num_layers,
+        "target_epsilon": args.target_epsilon,
+        "epsilon": args.target_epsilon,  # epsilon: deprecated
+        "delta": args.delta,
+        "sampling_rate": args.sampling_rate,
+        "steps": args.steps,
+    }
     if args.json:
         return result
-    print(f"per-layer gradient noise multiplier sigma = {sigma:.6g} (sigma_eff per step {sigma_eff:.6g}) "
-          f"meets target epsilon {args.target_epsilon} at delta {args.delta} with {args.num_layers} norm queries of "
-          f"sigma_l2 = {args.norm_noise_multiplier} per step")
+    print(
+        f"per-layer gradient noise multiplier sigma = {sigma:.6g} (sigma_eff per step {sigma_eff:.6g}) "
+        f"meets target epsilon {args.target_epsilon} at delta {args.delta} with {args.num_layers} norm queries of "
+        f"sigma_l2 = {args.norm_noise_multiplier} per step"
+    )
     return None

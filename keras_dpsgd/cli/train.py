@@ -65,39 +65,91 @@ def register(subparsers) -> None:
             "--noise-multiplier is given. ε covers the training set (add/remove one example)."
         ),
     )
-    p.add_argument("--dataset", choices=DATASETS, default=d["dataset"],
-                   help="digits (default): bundled with scikit-learn (offline); the others download through "
-                   "tensorflow-datasets on first use (mnist, fashion_mnist: or read from --data-dir DIR of IDX files)")
-    p.add_argument("--data-dir", default=None, metavar="DIR",
-                   help="tensorflow-datasets data directory, or a directory of IDX files for mnist/fashion_mnist")
+    p.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default=d["dataset"],
+        help="digits (default): bundled with scikit-learn (offline); the others download through "
+        "tensorflow-datasets on first use (mnist, fashion_mnist: or read from --data-dir DIR of IDX files)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="tensorflow-datasets data directory, or a directory of IDX files for mnist/fashion_mnist",
+    )
     _register_local_data(p)
     _dp_normalize.register(p)
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
     p.add_argument("--width", type=positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
-    p.add_argument("--target-epsilon", type=positive_float, default=d["target_epsilon"], metavar="X",
-                   help="privacy budget ε (default %(default)s)")
+    p.add_argument(
+        "--target-epsilon",
+        type=positive_float,
+        default=d["target_epsilon"],
+        metavar="X",
+        help="privacy budget ε (default %(default)s)",
+    )
     p.add_argument("--delta", type=float, default=None, metavar="D", help="δ < 1/N (default 1/N^1.1)")
-    p.add_argument("--lot-size", type=positive_int, default=d["lot_size"], metavar="L",
-                   help="expected Poisson lot size L (default %(default)s)")
-    p.add_argument("--physical-batch-size", type=positive_int, default=None, metavar="B",
-                   help="split each lot into physical batches of B rows (gradient accumulation; saves memory)")
-    p.add_argument("--epochs", type=positive_int, default=d["epochs"], metavar="E",
-                   help="epochs of ceil(N/L) lots each (default %(default)s)")
-    p.add_argument("--noise-multiplier", type=float, default=None, metavar="S",
-                   help="σ >= 0 (default: calibrated so that the planned steps spend the target ε)")
-    p.add_argument("--l2-norm-clip", type=positive_float, default=d["l2_norm_clip"], metavar="C",
-                   help="per-example gradient norm bound C (default %(default)s)")
-    p.add_argument("--learning-rate", type=positive_float, default=None, metavar="LR",
-                   help="SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)")
+    p.add_argument(
+        "--lot-size",
+        type=positive_int,
+        default=d["lot_size"],
+        metavar="L",
+        help="expected Poisson lot size L (default %(default)s)",
+    )
+    p.add_argument(
+        "--physical-batch-size",
+        type=positive_int,
+        default=None,
+        metavar="B",
+        help="split each lot into physical batches of B rows (gradient accumulation; saves memory)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=positive_int,
+        default=d["epochs"],
+        metavar="E",
+        help="epochs of ceil(N/L) lots each (default %(default)s)",
+    )
+    p.add_argument(
+        "--noise-multiplier",
+        type=float,
+        default=None,
+        metavar="S",
+        help="σ >= 0 (default: calibrated so that the planned steps spend the target ε)",
+    )
+    p.add_argument(
+        "--l2-norm-clip",
+        type=positive_float,
+        default=d["l2_norm_clip"],
+        metavar="C",
+        help="per-example gradient norm bound C (default %(default)s)",
+    )
+    p.add_argument(
+        "--learning-rate",
+        type=positive_float,
+        default=None,
+        metavar="LR",
+        help="SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)",
+    )
     p.add_argument("--momentum", type=float, default=d["momentum"], help="SGD momentum (default %(default)s)")
-    p.add_argument("--accountant", choices=("rdp", "moments", "pld"), default="rdp",
-                   help="privacy accountant (default rdp)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed for initialization, sampling and noise (reproducible runs; default: OS entropy). "
-                   "Whoever knows the seed knows the lots and the noise: keep it secret or the guarantee is void")
-    p.add_argument("--save", default=None, metavar="DIR",
-                   help="write DIR/model.keras and DIR/privacy_report.json (ledger, ε, δ, settings); DIR is "
-                   "checked before training, the files are written atomically")
+    p.add_argument(
+        "--accountant", choices=("rdp", "moments", "pld"), default="rdp", help="privacy accountant (default rdp)"
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for initialization, sampling and noise (reproducible runs; default: OS entropy). "
+        "Whoever knows the seed knows the lots and the noise: keep it secret or the guarantee is void",
+    )
+    p.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="write DIR/model.keras and DIR/privacy_report.json (ledger, ε, δ, settings); DIR is "
+        "checked before training, the files are written atomically",
+    )
     add_json_flag(p)
     p.set_defaults(func=run, uses_tensorflow=True)
 
@@ -106,17 +158,36 @@ def _register_local_data(p) -> None:
     """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd._local_data)."""
     from keras_dpsgd._local_data import DEFAULT_TEST_FRACTION
 
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="your own data: a .npz (x_train, y_train[, x_test, y_test]), a .csv with a header row "
-                   "(needs --label-column), or a directory of IDX files (train-images-idx3-ubyte ..., plain or .gz)")
+    p.add_argument(
+        "--data",
+        default=None,
+        metavar="PATH",
+        help="your own data: a .npz (x_train, y_train[, x_test, y_test]), a .csv with a header row "
+        "(needs --label-column), or a directory of IDX files (train-images-idx3-ubyte ..., plain or .gz)",
+    )
     p.add_argument("--label-column", default=None, metavar="NAME", help="the CSV column holding integer labels")
-    p.add_argument("--feature-range", action="append", default=None, metavar="[NAME=]LO,HI",
-                   help="public range of the features (repeat for NAME=LO,HI per CSV column): features are clipped "
-                   "to it and scaled to [0, 1]. Never fitted on the data; default 0..255 for IDX/uint8, else as given")
-    p.add_argument("--test-fraction", type=float, default=DEFAULT_TEST_FRACTION, metavar="F",
-                   help="rows held out as the test set when the data has none (default %(default)s, a fixed split)")
-    p.add_argument("--num-classes", type=positive_int, default=None, metavar="K",
-                   help="number of classes if public (default: the largest label + 1, read from the data)")
+    p.add_argument(
+        "--feature-range",
+        action="append",
+        default=None,
+        metavar="[NAME=]LO,HI",
+        help="public range of the features (repeat for NAME=LO,HI per CSV column): features are clipped "
+        "to it and scaled to [0, 1]. Never fitted on the data; default 0..255 for IDX/uint8, else as given",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=DEFAULT_TEST_FRACTION,
+        metavar="F",
+        help="rows held out as the test set when the data has none (default %(default)s, a fixed split)",
+    )
+    p.add_argument(
+        "--num-classes",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="number of classes if public (default: the largest label + 1, read from the data)",
+    )
 
 
 def _load_data(args):
@@ -124,18 +195,31 @@ def _load_data(args):
     from keras_dpsgd import _datasets
 
     if args.data is None:
-        local_only = [f for f, v in (("--label-column", args.label_column), ("--feature-range", args.feature_range),
-                                     ("--num-classes", args.num_classes)) if v is not None]
+        local_only = [
+            f
+            for f, v in (
+                ("--label-column", args.label_column),
+                ("--feature-range", args.feature_range),
+                ("--num-classes", args.num_classes),
+            )
+            if v is not None
+        ]
         if local_only:
             raise ValueError(f"{', '.join(local_only)} apply to --data PATH only")
         return _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
     if args.dataset != DEFAULTS["dataset"] or args.data_dir is not None:
         raise ValueError("give either --data PATH (your own data) or --dataset/--data-dir, not both")
-    data = _datasets.load_local(args.data, label_column=args.label_column, feature_range=args.feature_range,
-                                test_fraction=args.test_fraction, num_classes=args.num_classes)
+    data = _datasets.load_local(
+        args.data,
+        label_column=args.label_column,
+        feature_range=args.feature_range,
+        test_fraction=args.test_fraction,
+        num_classes=args.num_classes,
+    )
     if args.model == "cnn" and len(data.input_shape) != 3:
-        raise ValueError(f"model cnn needs images of shape (H, W, C), got examples of shape {data.input_shape}; "
-                         f"use --model mlp")
+        raise ValueError(
+            f"model cnn needs images of shape (H, W, C), got examples of shape {data.input_shape}; use --model mlp"
+        )
     return data
 
 
@@ -150,8 +234,9 @@ def _check_args(args) -> None:
         check_save_destination(args.save)
 
 
-def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float,
-          prior_events=()) -> tuple[int, float, bool]:
+def _plan(
+    args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float, prior_events=()
+) -> tuple[int, float, bool]:
     """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization)."""
     from keras_dpsgd.accounting import compute_noise_multiplier
 
@@ -160,8 +245,12 @@ def _plan(args, num_examples: int, delta: float, lots_per_epoch: int, sampling_r
         return steps, float(args.noise_multiplier), False
     try:
         sigma = compute_noise_multiplier(
-            target_epsilon=args.target_epsilon, target_delta=delta, sampling_rate=sampling_rate,
-            steps=steps, accountant=args.accountant, prior_events=prior_events,
+            target_epsilon=args.target_epsilon,
+            target_delta=delta,
+            sampling_rate=sampling_rate,
+            steps=steps,
+            accountant=args.accountant,
+            prior_events=prior_events,
         )
     except ImportError as err:  # pld without dp_accounting
         raise ValueError(str(err)) from None
@@ -204,15 +293,23 @@ def train(args) -> dict:
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     lots = PoissonLots(
-        data.x_train, data.y_train, expected_lot_size=args.lot_size,
-        physical_batch_size=args.physical_batch_size, seed=args.seed,
+        data.x_train,
+        data.y_train,
+        expected_lot_size=args.lot_size,
+        physical_batch_size=args.physical_batch_size,
+        seed=args.seed,
     )
     scaling = _dp_normalize.adapted_layer(args, data.x_train, keras, seed=args.seed)
     prior = scaling.privacy_events if scaling is not None else ()
     planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate, prior)
     optimizer = _models.dp_sgd(
-        front, l2_norm_clip=args.l2_norm_clip, noise_multiplier=sigma, lots=lots,
-        learning_rate=args.learning_rate, momentum=args.momentum, seed=args.seed,
+        front,
+        l2_norm_clip=args.l2_norm_clip,
+        noise_multiplier=sigma,
+        lots=lots,
+        learning_rate=args.learning_rate,
+        momentum=args.momentum,
+        seed=args.seed,
     )
     model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras)
     model = _dp_normalize.prepend(keras, scaling, model)  # its release is in the model's ledger
@@ -222,12 +319,19 @@ def train(args) -> dict:
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
     print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated, _models.keras_display(front)))
     if scaling is not None:
-        print(f"features standardized by a DP estimate (DPNormalization, σ = {args.dp_normalize:g}, clipped to "
-              f"[{scaling.lower:g}, {scaling.upper:g}]): its release is in the ledger and in ε")
+        print(
+            f"features standardized by a DP estimate (DPNormalization, σ = {args.dp_normalize:g}, clipped to "
+            f"[{scaling.lower:g}, {scaling.upper:g}]): its release is in the ledger and in ε"
+        )
     model.fit(
-        lots.dataset(), epochs=args.epochs, steps_per_epoch=lots.steps_per_epoch,
-        callbacks=[logger, limit], validation_data=(data.x_test, data.y_test),
-        validation_batch_size=1024, verbose=2 if args.json else 1, shuffle=False,  # lots are random already
+        lots.dataset(),
+        epochs=args.epochs,
+        steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[logger, limit],
+        validation_data=(data.x_test, data.y_test),
+        validation_batch_size=1024,
+        verbose=2 if args.json else 1,
+        shuffle=False,  # lots are random already
     )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)
     steps = int(optimizer.noised_steps.numpy())

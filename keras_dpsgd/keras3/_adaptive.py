@@ -35,7 +35,6 @@ class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
         )
 
 
-
 _ADAPTIVE_CLASSES: dict[type, type] = {}
 
 
@@ -59,8 +58,11 @@ def make_adaptive_optimizer(dp_optimizer_cls: type) -> type:
             f"tf_keras use keras_dpsgd.tf_keras.make_adaptive_optimizer), got {dp_optimizer_cls!r}"
         )
     return adaptive_optimizer_class(
-        dp_optimizer_cls, AdaptiveClippingKeras3Mixin, keras.saving.register_keras_serializable,
-        "keras_dpsgd.keras3", _ADAPTIVE_CLASSES,
+        dp_optimizer_cls,
+        AdaptiveClippingKeras3Mixin,
+        keras.saving.register_keras_serializable,
+        "keras_dpsgd.keras3",
+        _ADAPTIVE_CLASSES,
     )
 
 

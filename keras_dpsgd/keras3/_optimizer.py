@@ -136,11 +136,17 @@ class DPKeras3Mixin:
             # An un-noised count over the private data: a local diagnostic outside the ledger, never saved
             # (each replica counts its examples; reading it sums them).
             self._dp.nonfinite = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="nonfinite_examples",
-                synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM,
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                name="nonfinite_examples",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
             )
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
-        self._ledger_q_max = self.add_variable((), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate")
+        self._ledger_q_max = self.add_variable(
+            (), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate"
+        )
         self._ledger_sigma_min = self.add_variable(
             (), initializer=keras.initializers.Constant(math.inf), dtype="float64", name="ledger_min_noise_multiplier"
         )
@@ -264,8 +270,12 @@ class DPKeras3Mixin:
         if self._dp.accumulation > 1:
             # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
             self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in variables]
-            self._accum_batches = self.add_variable((), initializer="zeros", dtype="int64", name="dp_accumulated_batches")
-            self._accum_examples = self.add_variable((), initializer="zeros", dtype="float32", name="dp_accumulated_examples")
+            self._accum_batches = self.add_variable(
+                (), initializer="zeros", dtype="int64", name="dp_accumulated_batches"
+            )
+            self._accum_examples = self.add_variable(
+                (), initializer="zeros", dtype="float32", name="dp_accumulated_examples"
+            )
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
@@ -457,7 +467,9 @@ class DPKeras3Mixin:
         if scale != 1.0:
             stds = stds * scale
         return [
-            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], _distribute.replica_key(self._noise_key(v)))
+            s
+            if self._dp.sigmas[v] == 0
+            else _noise.add_gaussian(s, stds[v], _distribute.replica_key(self._noise_key(v)))
             for v, s in enumerate(summed)
         ]
 

@@ -57,20 +57,27 @@ class _Settings:
     min_clip_bound: float
 
 
-def _check_settings(num_bounds: int, norm_noise_multiplier: Any, alpha: Any, beta: Any, min_clip_bound: Any) -> _Settings:
+def _check_settings(
+    num_bounds: int, norm_noise_multiplier: Any, alpha: Any, beta: Any, min_clip_bound: Any
+) -> _Settings:
     if isinstance(norm_noise_multiplier, (list, tuple)):
         if len(norm_noise_multiplier) != num_bounds:
             raise ValueError(
                 f"norm_noise_multiplier must have one entry per clip bound ({num_bounds}), "
                 f"got {len(norm_noise_multiplier)}"
             )
-        sigmas = [_validate.nonnegative(**{f"norm_noise_multiplier[{i}]": s}) for i, s in enumerate(norm_noise_multiplier)]
+        sigmas = [
+            _validate.nonnegative(**{f"norm_noise_multiplier[{i}]": s}) for i, s in enumerate(norm_noise_multiplier)
+        ]
         given = list(sigmas)
     else:
         sigmas = [_validate.nonnegative(norm_noise_multiplier=norm_noise_multiplier)] * num_bounds
         given = sigmas[0]
     return _Settings(
-        tuple(sigmas), given, _validate.positive(alpha=alpha), _validate.positive(beta=beta),
+        tuple(sigmas),
+        given,
+        _validate.positive(alpha=alpha),
+        _validate.positive(beta=beta),
         _validate.positive(min_clip_bound=min_clip_bound),
     )
 
@@ -188,8 +195,17 @@ def adaptive_optimizer_class(
         return cache[dp_optimizer_cls]
     cls_name = f"Adaptive{dp_optimizer_cls.__name__}"
 
-    def __init__(self, l2_norm_clip, noise_multiplier, norm_noise_multiplier, *, alpha=1.0, beta=2.0,
-                 min_clip_bound=1e-6, **kwargs):
+    def __init__(
+        self,
+        l2_norm_clip,
+        noise_multiplier,
+        norm_noise_multiplier,
+        *,
+        alpha=1.0,
+        beta=2.0,
+        min_clip_bound=1e-6,
+        **kwargs,
+    ):
         kwargs.setdefault("name", cls_name)
         dp_optimizer_cls.__init__(self, l2_norm_clip, noise_multiplier, **kwargs)
         self._init_adaptive(norm_noise_multiplier, alpha, beta, min_clip_bound)

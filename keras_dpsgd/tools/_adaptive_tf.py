@@ -52,7 +52,6 @@ class AdaptiveClippingMixin(AdaptiveClippingCore):
         self._norm_sums = self.add_variable([len(var_list)], tf.float32, name="adaptive_norm_sums")
 
 
-
 _ADAPTIVE_CLASSES: dict[type, type] = {}
 
 

@@ -50,10 +50,15 @@ def load_digits(rng: np.random.Generator | None = None, test_fraction: float | N
     from keras_dpsgd._datasets import load_digits as _load_digits
 
     if test_fraction is not None and test_fraction != DIGITS_TEST_FRACTION:
-        raise ValueError(f"test_fraction must be {DIGITS_TEST_FRACTION} (the fixed digits split), got {test_fraction!r}")
+        raise ValueError(
+            f"test_fraction must be {DIGITS_TEST_FRACTION} (the fixed digits split), got {test_fraction!r}"
+        )
     if rng is not None or test_fraction is not None:
-        warnings.warn("load_digits(rng, test_fraction) is deprecated: the digits split is fixed; call load_digits()",
-                      DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "load_digits(rng, test_fraction) is deprecated: the digits split is fixed; call load_digits()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     data = _load_digits()
     return (data.x_train, data.y_train), (data.x_test, data.y_test)
 

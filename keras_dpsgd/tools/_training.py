@@ -101,8 +101,13 @@ def train_run(
     if poisson:
         from keras_dpsgd.sampling import PoissonLots
 
-        lots = PoissonLots(x, y, expected_lot_size=batch_size, physical_batch_size=physical_batch_size,
-                           seed=int(rng.integers(2**31 - 1)) if seeded else None)
+        lots = PoissonLots(
+            x,
+            y,
+            expected_lot_size=batch_size,
+            physical_batch_size=physical_batch_size,
+            seed=int(rng.integers(2**31 - 1)) if seeded else None,
+        )
     optimizer = make_optimizer(lots)
     if lots is not None and hasattr(optimizer, "expected_lot_size"):
         lots.configure(optimizer)
@@ -129,8 +134,7 @@ def train_run(
     cbs = [_Track()] + list(callbacks or [])
     start = time.perf_counter()
     if lots is not None:
-        model.fit(lots.dataset(), epochs=epochs, steps_per_epoch=lots.steps_per_epoch, callbacks=cbs,
-                  verbose=verbose)
+        model.fit(lots.dataset(), epochs=epochs, steps_per_epoch=lots.steps_per_epoch, callbacks=cbs, verbose=verbose)
     else:
         seed = int(rng.integers(2**31 - 1)) if seeded else None
         ds = (

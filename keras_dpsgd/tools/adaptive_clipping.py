@@ -78,9 +78,7 @@ def _check_sigmas(name: str, values: Sequence[float]) -> list[float]:
     return out
 
 
-def composed_noise_multiplier(
-    noise_multipliers: Sequence[float], norm_noise_multipliers: Sequence[float]
-) -> float:
+def composed_noise_multiplier(noise_multipliers: Sequence[float], norm_noise_multipliers: Sequence[float]) -> float:
     """σ_eff = (Σ_l 1/σ_l² + Σ_l 1/σ_l2²)^(-1/2) of one adaptive-clipping step.
 
     See the module docstring for the derivation. 0 (no privacy) if any σ is 0.
@@ -157,7 +155,10 @@ def calibrate_adaptive_noise_multiplier(
     s2 = _validate.positive(norm_noise_multiplier=norm_noise_multiplier)
     # σ_eff needed by the whole step; the norm queries alone give σ_l2/√V.
     needed = compute_noise_multiplier(
-        target_epsilon=target_epsilon, target_delta=target_delta, sampling_rate=sampling_rate, steps=steps,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sampling_rate=sampling_rate,
+        steps=steps,
         accountant=accountant,
     )
     if s2 / math.sqrt(layers) <= needed:

@@ -30,9 +30,7 @@ from keras_dpsgd import _validate
 __all__ = ["large_lot_table", "plan_gradient_accumulation", "plot_noise_per_example", "scale_learning_rate"]
 
 
-def scale_learning_rate(
-    lot_size: float, base_learning_rate: float = 0.01, base_lot_size: float = 128
-) -> float:
+def scale_learning_rate(lot_size: float, base_learning_rate: float = 0.01, base_lot_size: float = 128) -> float:
     """Linear learning-rate scaling rule (Goyal et al. 2017), as in Three Tools Table 1.
 
     lr(L) = base_learning_rate · L / base_lot_size. The paper's base is
@@ -167,9 +165,7 @@ def plot_noise_per_example(rows: Sequence[dict[str, Any]], path: str | None = No
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "plot_noise_per_example needs matplotlib: pip install 'keras-dpsgd[plot]'"
-        ) from err
+        raise ImportError("plot_noise_per_example needs matplotlib: pip install 'keras-dpsgd[plot]'") from err
     if not rows:
         raise ValueError("rows must hold at least one row, got an empty sequence")
     lots = [r["lot_size"] for r in rows]

@@ -122,9 +122,7 @@ class MemorizationReport:
     def train_test_gap(self) -> dict[str, float] | None:
         if self.dp.test_accuracy is None:
             return None
-        return {
-            r.name: r.train_accuracy[-1] - r.test_accuracy[-1] for r in (self.nonprivate, self.dp)
-        }
+        return {r.name: r.train_accuracy[-1] - r.test_accuracy[-1] for r in (self.nonprivate, self.dp)}
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -135,21 +133,29 @@ class MemorizationReport:
         return d
 
     def summary(self) -> str:
-        lines = [f"memorization test ({self.mode}): {self.num_examples} examples, {self.num_classes} classes, "
-                 f"chance {self.chance:.3f}, one-sided {self.confidence:.0%} Clopper-Pearson bounds"]
+        lines = [
+            f"memorization test ({self.mode}): {self.num_examples} examples, {self.num_classes} classes, "
+            f"chance {self.chance:.3f}, one-sided {self.confidence:.0%} Clopper-Pearson bounds"
+        ]
         for r in (self.nonprivate, self.dp):
             accs = " ".join(f"{a:.2f}" for a in r.train_accuracy)
             lines.append(f"  {r.name:>11} train acc per epoch: {accs}")
-            lines.append(f"  {'':>11} final {r.train_accuracy[-1]:.3f} (lower bound {r.train_lower_bound[-1]:.3f}, "
-                         f"p = {r.train_p_value[-1]:.2g})")
+            lines.append(
+                f"  {'':>11} final {r.train_accuracy[-1]:.3f} (lower bound {r.train_lower_bound[-1]:.3f}, "
+                f"p = {r.train_p_value[-1]:.2g})"
+            )
             if r.test_accuracy is not None:
-                lines.append(f"  {'':>11} test acc {r.test_accuracy[-1]:.3f}, "
-                             f"train-test gap {r.train_accuracy[-1] - r.test_accuracy[-1]:+.3f}")
+                lines.append(
+                    f"  {'':>11} test acc {r.test_accuracy[-1]:.3f}, "
+                    f"train-test gap {r.train_accuracy[-1] - r.test_accuracy[-1]:+.3f}"
+                )
         eps = self.dp.epsilon
         if eps is not None:
             kind = "nominal " if self.mode == "noise" else ""
-            lines.append(f"  DP run: sigma_eff {self.dp.noise_multiplier:.4g}, {self.dp.noised_steps} noised steps, "
-                         f"{kind}epsilon {eps:.3g} at delta {self.delta:.3g}")
+            lines.append(
+                f"  DP run: sigma_eff {self.dp.noise_multiplier:.4g}, {self.dp.noised_steps} noised steps, "
+                f"{kind}epsilon {eps:.3g} at delta {self.delta:.3g}"
+            )
         lines.append(f"verdict: {self.verdict}")
         lines.append(f"privacy: {self.privacy_note}")
         return "\n".join(lines)
@@ -183,16 +189,18 @@ def convnet_builder(input_shape: Sequence[int], num_classes: int, keras_module: 
     keras = _keras(keras_module)
 
     def build():
-        return keras.Sequential([
-            keras.Input(shape=tuple(input_shape)),
-            keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
-            keras.layers.MaxPooling2D(2),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(num_classes),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input(shape=tuple(input_shape)),
+                keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                keras.layers.MaxPooling2D(2),
+                keras.layers.Flatten(),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(num_classes),
+            ]
+        )
 
     return build
 
@@ -226,8 +234,11 @@ def _dp_epsilon(model, optimizer, delta: float) -> tuple[float | None, float | N
     from keras_dpsgd.accounting import compute_epsilon
 
     ledger = model_privacy_ledger(model)
-    return (float(compute_epsilon(ledger, delta)), float(optimizer.effective_noise_multiplier),
-            int(optimizer.noised_steps.numpy()))
+    return (
+        float(compute_epsilon(ledger, delta)),
+        float(optimizer.effective_noise_multiplier),
+        int(optimizer.noised_steps.numpy()),
+    )
 
 
 def _require_accounting(factory):
@@ -236,17 +247,35 @@ def _require_accounting(factory):
     def make(lots):
         opt = factory(lots)
         if getattr(opt, "noised_steps", None) is None or getattr(opt, "effective_noise_multiplier", None) is None:
-            raise ValueError("real-task mode needs a DP optimizer exposing noised_steps and "
-                             "effective_noise_multiplier, so that its epsilon is accounted; got "
-                             f"{type(opt).__name__}")
+            raise ValueError(
+                "real-task mode needs a DP optimizer exposing noised_steps and "
+                "effective_noise_multiplier, so that its epsilon is accounted; got "
+                f"{type(opt).__name__}"
+            )
         return opt
 
     return make
 
 
-def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonprivate_batch_size,
-              nonprivate_learning_rate, dp_optimizer_factory, nonprivate_optimizer_factory, loss,
-              confidence, delta, seed, verbose):
+def _run_pair(
+    mode,
+    build_model,
+    train,
+    test,
+    num_classes,
+    *,
+    dp,
+    epochs,
+    nonprivate_batch_size,
+    nonprivate_learning_rate,
+    dp_optimizer_factory,
+    nonprivate_optimizer_factory,
+    loss,
+    confidence,
+    delta,
+    seed,
+    verbose,
+):
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.tools import _front
 
@@ -268,42 +297,90 @@ def _run_pair(mode, build_model, train, test, num_classes, *, dp, epochs, nonpri
     dp_factory = dp_optimizer_factory or (lambda lots: _default_dp_optimizer(front, dp, lots, child))
     if mode == "real":
         dp_factory = _require_accounting(dp_factory)
-    common = dict(epochs=int(epochs), chance=chance, confidence=confidence, test=test, verbose=verbose,
-                  rng=rng, seeded=seed is not None, front=front)
-    nonpriv, _, _ = train_run("non-private", build_model, lambda _: nonpriv_factory(), make_loss("auto"), train,
-                              batch_size=nonprivate_batch_size, poisson=False, **common)
-    dpres, dp_model, dp_opt = train_run("dp", build_model, dp_factory, make_loss("none"), train,
-                                        batch_size=dp.batch_size, poisson=True,
-                                        physical_batch_size=dp.physical_batch_size, **common)
+    common = dict(
+        epochs=int(epochs),
+        chance=chance,
+        confidence=confidence,
+        test=test,
+        verbose=verbose,
+        rng=rng,
+        seeded=seed is not None,
+        front=front,
+    )
+    nonpriv, _, _ = train_run(
+        "non-private",
+        build_model,
+        lambda _: nonpriv_factory(),
+        make_loss("auto"),
+        train,
+        batch_size=nonprivate_batch_size,
+        poisson=False,
+        **common,
+    )
+    dpres, dp_model, dp_opt = train_run(
+        "dp",
+        build_model,
+        dp_factory,
+        make_loss("none"),
+        train,
+        batch_size=dp.batch_size,
+        poisson=True,
+        physical_batch_size=dp.physical_batch_size,
+        **common,
+    )
     dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_model, dp_opt, delta)
     nonpriv.epsilon = float("inf")
     np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
     dp_mem = bool(dpres.train_lower_bound[-1] > chance)
     if mode == "noise":
         if dp_mem:
-            verdict = (f"FAIL: the DP model memorizes random labels (train accuracy {dpres.train_accuracy[-1]:.3f}, "
-                       f"lower bound {dpres.train_lower_bound[-1]:.3f} > chance {chance:.3f}) "
-                       f"-> privacy parameters too weak")
+            verdict = (
+                f"FAIL: the DP model memorizes random labels (train accuracy {dpres.train_accuracy[-1]:.3f}, "
+                f"lower bound {dpres.train_lower_bound[-1]:.3f} > chance {chance:.3f}) "
+                f"-> privacy parameters too weak"
+            )
         elif not np_mem:
-            verdict = ("INCONCLUSIVE: the non-private model does not memorize random labels either "
-                       "(use a larger model, more epochs or fewer examples)")
+            verdict = (
+                "INCONCLUSIVE: the non-private model does not memorize random labels either "
+                "(use a larger model, more epochs or fewer examples)"
+            )
         else:
-            verdict = (f"PASS: the non-private model memorizes (train accuracy {nonpriv.train_accuracy[-1]:.3f}) "
-                       f"while the DP model stays at chance ({dpres.train_accuracy[-1]:.3f} vs {chance:.3f})")
+            verdict = (
+                f"PASS: the non-private model memorizes (train accuracy {nonpriv.train_accuracy[-1]:.3f}) "
+                f"while the DP model stays at chance ({dpres.train_accuracy[-1]:.3f} vs {chance:.3f})"
+            )
         note = NOISE_PRIVACY_NOTE
     else:
         gap_np = nonpriv.train_accuracy[-1] - nonpriv.test_accuracy[-1]
         gap_dp = dpres.train_accuracy[-1] - dpres.test_accuracy[-1]
-        verdict = (f"train-test gap: non-private {gap_np:+.3f}, DP {gap_dp:+.3f}; test accuracy: non-private "
-                   f"{nonpriv.test_accuracy[-1]:.3f}, DP {dpres.test_accuracy[-1]:.3f} "
-                   f"(DP epsilon {dpres.epsilon:.3g} at delta {delta:.3g})")
+        verdict = (
+            f"train-test gap: non-private {gap_np:+.3f}, DP {gap_dp:+.3f}; test accuracy: non-private "
+            f"{nonpriv.test_accuracy[-1]:.3f}, DP {dpres.test_accuracy[-1]:.3f} "
+            f"(DP epsilon {dpres.epsilon:.3g} at delta {delta:.3g})"
+        )
         note = REAL_PRIVACY_NOTE
-    settings = dict(dataclasses.asdict(dp), epochs=int(epochs), nonprivate_batch_size=nonprivate_batch_size,
-                    nonprivate_learning_rate=nonprivate_learning_rate, seed=seed)
+    settings = dict(
+        dataclasses.asdict(dp),
+        epochs=int(epochs),
+        nonprivate_batch_size=nonprivate_batch_size,
+        nonprivate_learning_rate=nonprivate_learning_rate,
+        seed=seed,
+    )
     return MemorizationReport(
-        mode=mode, num_examples=n, num_classes=num_classes, chance=chance, confidence=confidence, delta=delta,
-        nonprivate=nonpriv, dp=dpres, nonprivate_memorizes=np_mem, dp_memorizes=dp_mem,
-        conclusive=(mode == "real") or dp_mem or np_mem, verdict=verdict, privacy_note=note, settings=settings,
+        mode=mode,
+        num_examples=n,
+        num_classes=num_classes,
+        chance=chance,
+        confidence=confidence,
+        delta=delta,
+        nonprivate=nonpriv,
+        dp=dpres,
+        nonprivate_memorizes=np_mem,
+        dp_memorizes=dp_mem,
+        conclusive=(mode == "real") or dp_mem or np_mem,
+        verdict=verdict,
+        privacy_note=note,
+        settings=settings,
     )
 
 
@@ -363,11 +440,24 @@ def memorization_test(
     rng = np.random.default_rng(seed)
     train = _data.random_noise_data(num_examples, input_shape, num_classes, rng)
     sub_seed = None if seed is None else int(rng.integers(2**31 - 1))
-    return _run_pair("noise", build_model, train, None, int(num_classes), dp=dp, epochs=epochs,
-                     nonprivate_batch_size=nonprivate_batch_size, nonprivate_learning_rate=nonprivate_learning_rate,
-                     dp_optimizer_factory=dp_optimizer_factory,
-                     nonprivate_optimizer_factory=nonprivate_optimizer_factory, loss=loss, confidence=confidence,
-                     delta=delta, seed=sub_seed, verbose=verbose)
+    return _run_pair(
+        "noise",
+        build_model,
+        train,
+        None,
+        int(num_classes),
+        dp=dp,
+        epochs=epochs,
+        nonprivate_batch_size=nonprivate_batch_size,
+        nonprivate_learning_rate=nonprivate_learning_rate,
+        dp_optimizer_factory=dp_optimizer_factory,
+        nonprivate_optimizer_factory=nonprivate_optimizer_factory,
+        loss=loss,
+        confidence=confidence,
+        delta=delta,
+        seed=sub_seed,
+        verbose=verbose,
+    )
 
 
 def real_task_test(
@@ -401,8 +491,21 @@ def real_task_test(
       A :class:`MemorizationReport` (mode "real").
     """
     dp = dp or DPSettings()
-    return _run_pair("real", build_model, train, test, int(num_classes), dp=dp, epochs=epochs,
-                     nonprivate_batch_size=nonprivate_batch_size, nonprivate_learning_rate=nonprivate_learning_rate,
-                     dp_optimizer_factory=dp_optimizer_factory,
-                     nonprivate_optimizer_factory=nonprivate_optimizer_factory, loss=loss, confidence=confidence,
-                     delta=delta, seed=seed, verbose=verbose)
+    return _run_pair(
+        "real",
+        build_model,
+        train,
+        test,
+        int(num_classes),
+        dp=dp,
+        epochs=epochs,
+        nonprivate_batch_size=nonprivate_batch_size,
+        nonprivate_learning_rate=nonprivate_learning_rate,
+        dp_optimizer_factory=dp_optimizer_factory,
+        nonprivate_optimizer_factory=nonprivate_optimizer_factory,
+        loss=loss,
+        confidence=confidence,
+        delta=delta,
+        seed=seed,
+        verbose=verbose,
+    )

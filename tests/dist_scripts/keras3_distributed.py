@@ -44,11 +44,13 @@ result = {"replicas": R, "workers": WORKERS, "worker": WORKER}
 
 def _model(reg=None):
     keras.utils.set_random_seed(3)
-    return keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(4, activation="tanh", kernel_regularizer=reg),
-        keras.layers.Dense(2),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, activation="tanh", kernel_regularizer=reg),
+            keras.layers.Dense(2),
+        ]
+    )
 
 
 def _global_batches(x, y, batch):
@@ -60,7 +62,7 @@ def _global_batches(x, y, batch):
         for start in range(0, len(x), batch):
             for r in range(LOCAL):  # this worker's replicas take consecutive slices of the batch
                 first = start + (WORKER * LOCAL + r) * per_replica
-                parts.append((x[first:first + per_replica], y[first:first + per_replica]))
+                parts.append((x[first : first + per_replica], y[first : first + per_replica]))
         xs = np.concatenate([p[0] for p in parts])
         ys = np.concatenate([p[1] for p in parts])
         return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(per_replica)
@@ -74,8 +76,13 @@ def step_equals_oracle(name, clip, reg=None, accumulation=1, with_noise_free_one
     batch = B // accumulation
     with strategy.scope():
         model = k3.make_private(_model(reg))
-        opt = k3.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot,
-                                gradient_accumulation_steps=accumulation)
+        opt = k3.DPSGDOptimizer(
+            l2_norm_clip=clip,
+            noise_multiplier=0.0,
+            learning_rate=LR,
+            expected_lot_size=lot,
+            gradient_accumulation_steps=accumulation,
+        )
         model.compile(optimizer=opt, loss="mse")
     before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     model.fit(_global_batches(X, Y, batch), epochs=1, steps_per_epoch=accumulation, verbose=0)
@@ -89,15 +96,22 @@ def step_equals_oracle(name, clip, reg=None, accumulation=1, with_noise_free_one
         reg_grads = tape.gradient(penalty, oracle_model.trainable_variables)
         expected = [e + (0 if g is None else g.numpy()) for e, g in zip(expected, reg_grads)]
     errors = [float(np.max(np.abs((b - a) / LR - e))) for b, a, e in zip(before, after, expected)]
-    out = {"max_error": max(errors), "scale": max(float(np.max(np.abs(e))) for e in expected),
-           "noised_steps": int(opt.noised_steps.numpy()), "iterations": int(opt.iterations.numpy())}
+    out = {
+        "max_error": max(errors),
+        "scale": max(float(np.max(np.abs(e))) for e in expected),
+        "noised_steps": int(opt.noised_steps.numpy()),
+        "iterations": int(opt.iterations.numpy()),
+    }
     if with_noise_free_one_device:  # the same step on one device (no strategy)
         single = k3.make_private(_model(reg))
-        single.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR,
-                                                   expected_lot_size=B), loss="mse")
+        single.compile(
+            optimizer=k3.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=B),
+            loss="mse",
+        )
         single.fit(X, Y, batch_size=B, epochs=1, shuffle=False, verbose=0)
-        out["one_device_error"] = max(float(np.max(np.abs(a - s.numpy()))) for a, s in
-                                      zip(after, single.trainable_variables))
+        out["one_device_error"] = max(
+            float(np.max(np.abs(a - s.numpy()))) for a, s in zip(after, single.trainable_variables)
+        )
     result[name] = out
 
 
@@ -106,19 +120,36 @@ def noise_std(name, seed, accumulation=1, per_layer=False):
     lot, sigma, clip, width = 16, 1.0, 2.0, 100
     with strategy.scope():
         keras.utils.set_random_seed(1)
-        model = k3.make_private(keras.Sequential([keras.Input((width,)), keras.layers.Dense(width, use_bias=False),
-                                                  keras.layers.Dense(1, use_bias=False)]))
-        opt = k3.DPSGDOptimizer(l2_norm_clip=[clip, clip] if per_layer else clip, noise_multiplier=sigma,
-                                learning_rate=1.0, expected_lot_size=lot, seed=seed,
-                                gradient_accumulation_steps=accumulation)
+        model = k3.make_private(
+            keras.Sequential(
+                [
+                    keras.Input((width,)),
+                    keras.layers.Dense(width, use_bias=False),
+                    keras.layers.Dense(1, use_bias=False),
+                ]
+            )
+        )
+        opt = k3.DPSGDOptimizer(
+            l2_norm_clip=[clip, clip] if per_layer else clip,
+            noise_multiplier=sigma,
+            learning_rate=1.0,
+            expected_lot_size=lot,
+            seed=seed,
+            gradient_accumulation_steps=accumulation,
+        )
         model.compile(optimizer=opt, loss="mse")
     before = model.trainable_variables[0].numpy()
     x, y = np.zeros((lot, width), "float32"), np.zeros((lot, 1), "float32")
     model.fit(_global_batches(x, y, lot // accumulation), epochs=1, steps_per_epoch=accumulation, verbose=0)
     delta = (model.trainable_variables[0].numpy() - before).ravel()
-    result[name] = {"std": float(delta.std()), "mean": float(delta.mean()), "n": int(delta.size),
-                    "expected": sigma * clip / lot, "first": delta[:8].tolist(),
-                    "noised_steps": int(opt.noised_steps.numpy())}
+    result[name] = {
+        "std": float(delta.std()),
+        "mean": float(delta.mean()),
+        "n": int(delta.size),
+        "expected": sigma * clip / lot,
+        "first": delta[:8].tolist(),
+        "noised_steps": int(opt.noised_steps.numpy()),
+    }
 
 
 def ledger_and_callbacks():
@@ -127,8 +158,9 @@ def ledger_and_callbacks():
     data_rng = np.random.default_rng(5)
     x = data_rng.normal(size=(n, 5)).astype("float32")
     y = data_rng.normal(size=(n, 2)).astype("float32")
-    lots = PoissonLots(x, y, expected_lot_size=lot, num_workers=WORKERS, worker_index=WORKER,
-                       replicas_per_worker=LOCAL, seed=17)
+    lots = PoissonLots(
+        x, y, expected_lot_size=lot, num_workers=WORKERS, worker_index=WORKER, replicas_per_worker=LOCAL, seed=17
+    )
     sizes = [int(len(lots.sample_indices())) for _ in range(300)]  # this worker's shard lots (then summed)
     with strategy.scope():
         model = k3.make_private(_model())
@@ -143,13 +175,20 @@ def ledger_and_callbacks():
     logger = PrivacyLogger(delta)
     target = 0.5 * (eps(10) + eps(11))
     limit = WithinLimit(target, delta, verbose=0)
-    history = model.fit(lots.distribute(strategy), epochs=5, steps_per_epoch=steps_per_epoch,
-                        callbacks=[logger, limit], verbose=0)
+    history = model.fit(
+        lots.distribute(strategy), epochs=5, steps_per_epoch=steps_per_epoch, callbacks=[logger, limit], verbose=0
+    )
     out = {
-        "noised_steps": int(opt.noised_steps.numpy()), "iterations": int(opt.iterations.numpy()),
-        "logged": history.history["epsilon"], "expected_logged": [eps(4), eps(8), eps(10)],
-        "stopped": bool(limit.stopped), "epsilon": model_epsilon(model, target_delta=delta)[0],
-        "expected_epsilon": eps(10), "lot_sizes": sizes, "q": q, "n": n,
+        "noised_steps": int(opt.noised_steps.numpy()),
+        "iterations": int(opt.iterations.numpy()),
+        "logged": history.history["epsilon"],
+        "expected_logged": [eps(4), eps(8), eps(10)],
+        "stopped": bool(limit.stopped),
+        "epsilon": model_epsilon(model, target_delta=delta)[0],
+        "expected_epsilon": eps(10),
+        "lot_sizes": sizes,
+        "q": q,
+        "n": n,
         "physical": lots.physical_batch_size,
     }
     try:
@@ -179,8 +218,10 @@ def checkpoints():
     def build():
         with strategy.scope():
             model = k3.make_private(_model())
-            model.compile(optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.2,
-                                                                     learning_rate=0.1)), loss="mse")
+            model.compile(
+                optimizer=lots.configure(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.2, learning_rate=0.1)),
+                loss="mse",
+            )
         return model
 
     class Interrupt(keras.callbacks.Callback):
@@ -191,13 +232,23 @@ def checkpoints():
     backup = os.path.join(directory, "backup")
     model = build()
     try:
-        model.fit(lots.distribute(strategy), epochs=3, steps_per_epoch=3, verbose=0,
-                  callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()])
+        model.fit(
+            lots.distribute(strategy),
+            epochs=3,
+            steps_per_epoch=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()],
+        )
     except RuntimeError:
         pass
     resumed = build()
-    resumed.fit(lots.distribute(strategy), epochs=3, steps_per_epoch=3, verbose=0,
-                callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    resumed.fit(
+        lots.distribute(strategy),
+        epochs=3,
+        steps_per_epoch=3,
+        verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+    )
     path = os.path.join(directory, f"model{WORKER}.keras")
     resumed.save(path)
     with strategy.scope():
@@ -215,10 +266,13 @@ def refusals():
     out = {}
     with strategy.scope():
         for name, make in {
-            "adaptive": lambda: k3.AdaptiveDPSGDOptimizer(l2_norm_clip=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0,
-                                                          norm_noise_multiplier=1.0, learning_rate=0.1),
+            "adaptive": lambda: k3.AdaptiveDPSGDOptimizer(
+                l2_norm_clip=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
+            ),
             "clipnorm": lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, clipnorm=1.0),
-            "accumulation": lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2),
+            "accumulation": lambda: k3.DPSGDOptimizer(
+                l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2
+            ),
         }.items():
             model = k3.make_private(_model())
             model.compile(optimizer=make(), loss="mse")
@@ -237,8 +291,9 @@ def example():
     import io
     import json
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
-                        "multi_worker.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "multi_worker.py"
+    )
     spec = importlib.util.spec_from_file_location("multi_worker_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -249,8 +304,9 @@ def example():
 
 
 CHECKS = {
-    "flat": lambda: step_equals_oracle("flat", CLIP, reg=keras.regularizers.L2(0.01),
-                                       with_noise_free_one_device=MODE == "mirrored"),
+    "flat": lambda: step_equals_oracle(
+        "flat", CLIP, reg=keras.regularizers.L2(0.01), with_noise_free_one_device=MODE == "mirrored"
+    ),
     # No expected lot size: divided by the realized count, summed over the replicas (B).
     "per_layer_realized": lambda: step_equals_oracle("per_layer_realized", [0.2, 0.1, 0.3, 0.05], lot=None),
     "noise_seeded": lambda: noise_std("noise_seeded_per_layer", seed=4, per_layer=True),

@@ -32,11 +32,13 @@ def data(num: int = GLOBAL_BATCH, dim: int = 5) -> tuple[np.ndarray, np.ndarray]
 def _model(regularized: bool = False) -> keras.Model:
     keras.utils.set_random_seed(1)
     reg = keras.regularizers.L2(WEIGHT_DECAY_L2) if regularized else None
-    return keras.Sequential([
-        keras.Input((5,)),
-        keras.layers.Dense(4, activation="tanh", kernel_regularizer=reg),
-        keras.layers.Dense(1),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(4, activation="tanh", kernel_regularizer=reg),
+            keras.layers.Dense(1),
+        ]
+    )
 
 
 def _loss() -> keras.losses.Loss:
@@ -55,8 +57,9 @@ def one_step(strategy: tf.distribute.Strategy, variant: str, x, y, batch: int = 
         clip = [CLIP] * 4 if variant == "per_layer" else CLIP
         lot = None if variant == "realized" else float(2 * batch if accumulation else len(x))
         extra = dict(gradient_accumulation_steps=2, momentum=0.9) if accumulation else {}
-        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot,
-                                **extra)
+        opt = kt.DPSGDOptimizer(
+            l2_norm_clip=clip, noise_multiplier=0.0, learning_rate=LR, expected_lot_size=lot, **extra
+        )
         if variant == "make_private":
             model = kt.make_private(model)
         model.compile(optimizer=opt, loss=_loss())
@@ -100,15 +103,28 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return float(max(np.max(np.abs(u - v)) for u, v in zip(a, b)))
 
 
-def noise_std(strategy: tf.distribute.Strategy, seed: int | None, sigma: float = 1.0, clip: float = 1.0,
-              lot: float = 8.0, dim: int = 100, accumulation: int = 1) -> list[float]:
+def noise_std(
+    strategy: tf.distribute.Strategy,
+    seed: int | None,
+    sigma: float = 1.0,
+    clip: float = 1.0,
+    lot: float = 8.0,
+    dim: int = 100,
+    accumulation: int = 1,
+) -> list[float]:
     """One lot on a zero gradient (x = 0, no bias): the update is -lr·noise/L; returns it flat."""
     keras.utils.set_random_seed(2)
     with strategy.scope():
         model = keras.Sequential([keras.Input((dim,)), keras.layers.Dense(dim, use_bias=False)])
         w0 = model.trainable_variables[0].numpy()
-        opt = kt.DPSGDOptimizer(l2_norm_clip=clip, noise_multiplier=sigma, learning_rate=1.0,
-                                expected_lot_size=lot, seed=seed, gradient_accumulation_steps=accumulation)
+        opt = kt.DPSGDOptimizer(
+            l2_norm_clip=clip,
+            noise_multiplier=sigma,
+            learning_rate=1.0,
+            expected_lot_size=lot,
+            seed=seed,
+            gradient_accumulation_steps=accumulation,
+        )
         model.compile(optimizer=opt, loss=_loss())
     x = np.zeros((GLOBAL_BATCH * accumulation, dim), np.float32)
     model.fit(x, x, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
@@ -121,8 +137,13 @@ def refusal(strategy: tf.distribute.Strategy, kind: str) -> str:
     with strategy.scope():
         model = _model()
         if kind == "accumulation_weight_decay":
-            opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2,
-                                    expected_lot_size=16.0, weight_decay=0.01)
+            opt = kt.DPSGDOptimizer(
+                l2_norm_clip=1.0,
+                noise_multiplier=1.0,
+                gradient_accumulation_steps=2,
+                expected_lot_size=16.0,
+                weight_decay=0.01,
+            )
         else:
             opt = kt.AdaptiveDPSGDOptimizer([1.0] * 4, 1.0, 1.0, expected_lot_size=8.0)
         model.compile(optimizer=opt, loss=_loss())
@@ -133,8 +154,9 @@ def refusal(strategy: tf.distribute.Strategy, kind: str) -> str:
     return ""
 
 
-def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 2, n: int = 64,
-                 sigma: float = 1.1) -> dict:
+def backup_check(
+    strategy: tf.distribute.Strategy, directory: str, steps: int = 2, n: int = 64, sigma: float = 1.1
+) -> dict:
     """BackupAndRestore under the strategy: a fit of 2 epochs of k steps interrupted after the first,
     then a fresh model and optimizer that resume it: noised_steps, iterations, the ledger's and
     PrivacyLogger's ε, and the accountant's for k and 2k steps at (q, σ); and the `.keras` file of
@@ -147,8 +169,13 @@ def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 
     def build():
         with strategy.scope():
             model = _model()
-            opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.1,
-                                    expected_lot_size=float(GLOBAL_BATCH), sampling_rate=q)
+            opt = kt.DPSGDOptimizer(
+                l2_norm_clip=1.0,
+                noise_multiplier=sigma,
+                learning_rate=0.1,
+                expected_lot_size=float(GLOBAL_BATCH),
+                sampling_rate=q,
+            )
             model.compile(optimizer=opt, loss=_loss())
         return model, opt
 
@@ -163,8 +190,10 @@ def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 
         model.fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(directory), Interrupt()], **fit)
     except RuntimeError:
         pass
-    first = {"noised_steps": int(opt.noised_steps.numpy()),
-             "epsilon": float(ledger.model_epsilon(model, target_delta=1e-5, num_examples=n)[0])}
+    first = {
+        "noised_steps": int(opt.noised_steps.numpy()),
+        "epsilon": float(ledger.model_epsilon(model, target_delta=1e-5, num_examples=n)[0]),
+    }
     model2, opt2 = build()
     logger = PrivacyLogger(target_delta=1e-5, num_examples=n)
     saved = directory + "_model.keras"
@@ -186,14 +215,23 @@ def backup_check(strategy: tf.distribute.Strategy, directory: str, steps: int = 
     }
 
 
-def poisson_fit(strategy: tf.distribute.Strategy, worker: int, workers: int, steps: int = 3, sigma: float = 1.1) -> dict:
+def poisson_fit(
+    strategy: tf.distribute.Strategy, worker: int, workers: int, steps: int = 3, sigma: float = 1.1
+) -> dict:
     """Poisson lots sharded over the workers (one lot per step, ``distribute_datasets_from_function``):
     noised_steps, the ledger's ε and the accountant's for k steps at the sampler's q."""
     from keras_dpsgd import PoissonLots
 
     x, y = data(64)
-    lots = PoissonLots(x, y, expected_lot_size=8.0, num_workers=workers, worker_index=worker, seed=5,
-                       replicas_per_worker=strategy.num_replicas_in_sync // workers)
+    lots = PoissonLots(
+        x,
+        y,
+        expected_lot_size=8.0,
+        num_workers=workers,
+        worker_index=worker,
+        seed=5,
+        replicas_per_worker=strategy.num_replicas_in_sync // workers,
+    )
 
     def build():
         with strategy.scope():
@@ -215,9 +253,14 @@ def poisson_fit(strategy: tf.distribute.Strategy, worker: int, workers: int, ste
     model.fit(lots.distribute(strategy), steps_per_epoch=steps, epochs=1, verbose=0)
     eps, _ = ledger.model_epsilon(model, target_delta=1e-5, num_examples=64)
     truth = compute_epsilon([PoissonSampledGaussianEvent(lots.sampling_rate, sigma, steps)], 1e-5)
-    return {"noised_steps": int(opt.noised_steps.numpy()), "epsilon": float(eps), "truth": float(truth),
-            "refused": refused,
-            "expected_lot_size": float(opt.expected_lot_size), "weights": float(sum(np.sum(w) for w in model.get_weights()))}
+    return {
+        "noised_steps": int(opt.noised_steps.numpy()),
+        "epsilon": float(eps),
+        "truth": float(truth),
+        "refused": refused,
+        "expected_lot_size": float(opt.expected_lot_size),
+        "weights": float(sum(np.sum(w) for w in model.get_weights())),
+    }
 
 
 def lot_sizes(worker: int, workers: int, n: int = 200, q: float = 0.1, num_lots: int = 200) -> list[int]:
