@@ -77,6 +77,7 @@ from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
+from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
 from keras_dpsgd._per_example import (
     find_calling_model,
     per_example_loss,
@@ -627,6 +628,7 @@ class DPSanitizerMixin:
         if tape is None:
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
         refuse_example_mixing(find_calling_model(self, max_depth=24), var_list)
+        refuse_grouped_convolution_layers(find_calling_model(self, max_depth=24))
         refuse_adapted_preprocessing(find_calling_model(self, max_depth=24))
         regularization = None
         if isinstance(loss, (tuple, list)):

@@ -105,3 +105,31 @@ def test_pointwise_conv_with_few_channels_keeps_the_kernel_shape():
     )
     x, y = data((3, 5, 5, 3), (3, 2), seed=7)
     check(model, x, y, reference=False)
+
+
+def test_grouped_conv2d_on_tf_keras_is_refused():
+    """tf_keras runs Conv2D(groups=G) as an XLA-compiled call the fast backend cannot see into, and
+    TensorFlow's vectorized jacobian (pfor) gets grouped convolutions' per-example gradients wrong
+    (checked here against the one-example loop): the DP step refuses the model."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_dpsgd.tf_keras as kt
+
+    x, y = data((3, 5, 5, 4), (3, 2), seed=8)
+    model = keras.Sequential([L.Conv2D(4, 3, groups=2), L.Flatten(), L.Dense(2)])
+    model(x[:1])
+    kernel = model.trainable_variables[0]
+    with tf.GradientTape() as tape:
+        losses = tf.reduce_sum((model(x) - y) ** 2, axis=1)
+    pfor = tape.jacobian(losses, kernel)
+    loop = []
+    for i in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((model(x[i : i + 1]) - y[i : i + 1]) ** 2)
+        loop.append(tape.gradient(loss, kernel))
+    assert not np.allclose(pfor.numpy(), np.stack(loop), atol=1e-3)  # the TensorFlow bug being refused
+    opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1)
+    model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
+    with pytest.raises(ValueError, match="grouped convolution"):
+        model.fit(x, y, batch_size=3, epochs=1, verbose=0)

@@ -45,6 +45,8 @@ def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tap
         return []
     if tape is None:
         raise ValueError("tape must be the GradientTape that recorded the loss, got None")
+    if not tf.executing_eagerly() and hasattr(loss, "graph"):
+        _graph.refuse_grouped_convolutions(loss)
     jac = tape.jacobian(loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.cast(j, tf.float32) for j in jac]
 

@@ -16,6 +16,7 @@ of the loss mixes the examples (then no per-example clipping is private).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -272,3 +273,59 @@ def _embedded(piece_shape, w_shape, axis: int, offset: int, kept: bool, var):
         return embedded
 
     return wrap
+
+
+_CONVOLUTIONS = ("Conv2D", "Conv3D")
+
+GROUPED_CONVOLUTION_MESSAGE = (
+    "{what} is a grouped convolution (groups > 1): Keras runs it as an XLA-compiled call that the fast "
+    "per-example backend cannot see into, and TensorFlow's "
+    "vectorized jacobian (pfor) computes wrong per-example gradients for grouped convolutions, so "
+    "clipping would not bound each example's contribution. Use groups=1 (e.g. G parallel Conv2D "
+    "layers on channel slices, concatenated)."
+)
+
+
+def grouped_convolutions(loss: tf.Tensor) -> list:
+    """The grouped convolution ops (input channels a multiple > 1 of the kernel's) ``loss`` depends on."""
+    found = []
+    for op in ancestors(loss):
+        if op.type not in _CONVOLUTIONS or len(op.inputs) < 2:
+            continue
+        x, w = op.inputs[0], op.inputs[1]
+        channel_axis = 1 if op.get_attr("data_format").decode().startswith("NC") else -1
+        channels = x.shape[channel_axis] if x.shape.rank else None
+        if channels is not None and w.shape.rank and w.shape[-2] is not None and channels != w.shape[-2]:
+            found.append(op)
+    return found
+
+
+def refuse_grouped_convolutions(loss: tf.Tensor) -> None:
+    """Raises ValueError if a per-example jacobian of ``loss`` would go through a grouped convolution."""
+    ops = grouped_convolutions(loss)
+    if ops:
+        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=f"op {ops[0].name!r}"))
+
+
+def grouped_convolution_layers(model: Any) -> list:
+    """The convolution layers of ``model`` with ``groups > 1`` (either Keras)."""
+    if model is None:
+        return []
+    # tf_keras models list their layers as `submodules`, Keras 3 ones through `_flatten_layers`.
+    every = (
+        model.submodules if hasattr(model, "submodules") else model._flatten_layers(include_self=True, recursive=True)
+    )
+    return [
+        layer
+        for layer in every
+        if "Conv" in type(layer).__name__ and isinstance(getattr(layer, "groups", 1), int) and layer.groups > 1
+    ]
+
+
+def refuse_grouped_convolution_layers(model: Any) -> None:
+    """Raises ValueError for a grouped convolution layer where the step would take per-example
+    jacobians through it unseen (tf_keras runs them as an XLA-compiled call; an eager step has no graph)."""
+    layers = grouped_convolution_layers(model)
+    if layers:
+        what = f"layer {layers[0].name!r} ({type(layers[0]).__name__}, groups={layers[0].groups})"
+        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=what))

@@ -209,7 +209,7 @@ def _conv2d(op, index, w, var, clean, static_batch):
     x, y, strides, rates, padding = geometry
     kh, kw, cin, cout = (int(s) for s in w.shape)
     blocks = _blocks(x, clean, static_batch)
-    if x.shape[3] != cin or blocks is None:
+    if x.shape[3] != cin or blocks is None:  # A grouped conv (cin < channels): the reference path refuses it.
         return None
 
     positions = int(y.shape[1]) * int(y.shape[2]) * blocks if _conv.geometry_known(x, y) else None

@@ -67,6 +67,8 @@ class ReferenceBackend:
             checks = _graph.runtime_checks(loss, _graph.analyze(loss))
         elif not checked:
             _warn_unchecked_eager()
+        if not tf.executing_eagerly() and hasattr(loss, "graph"):
+            _graph.refuse_grouped_convolutions(loss)
         jacobians = tape.jacobian(
             loss,
             list(var_list),

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _validate, ledger
+from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
@@ -383,6 +384,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_example_mixing(self)
     refuse_adapted_preprocessing(self)
+    refuse_grouped_convolution_layers(self)  # Run as an XLA call the per-example backends cannot see into.
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
     variables = list(self.trainable_variables)
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
