@@ -710,7 +710,11 @@ def _batch_of_zeros(op, analysis: Analysis) -> Optional[Rows]:
     if op.type not in ("Fill", "Const") or op.outputs[0].dtype not in (tf.float16, tf.bfloat16, tf.float32, tf.float64):
         return None
     out, batch = op.outputs[0], {s.shape[0] for s in analysis.sources}
-    if bool(out.shape.rank) and out.shape[0] is not None and batch == {out.shape[0]}:
+    if out.shape.rank is None or out.shape.rank < 2:
+        # A state is [batch, units]; a rank-1 vector of batch size is not one (tf_keras's fused
+        # LayerNormalization folds the batch into FusedBatchNorm's channels with zero offsets).
+        return None
+    if out.shape[0] is not None and batch == {out.shape[0]}:
         layout = Rows()
     else:
         layout = _batch_sized(op.inputs[0], analysis) if op.type == "Fill" else None
