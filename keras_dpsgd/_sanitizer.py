@@ -627,9 +627,10 @@ class DPSanitizerMixin:
                 loss = loss()
         if tape is None:
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
-        refuse_example_mixing(find_calling_model(self, max_depth=24), var_list)
-        refuse_grouped_convolution_layers(find_calling_model(self, max_depth=24))
-        refuse_adapted_preprocessing(find_calling_model(self, max_depth=24))
+        model = find_calling_model(self, max_depth=24)
+        refuse_example_mixing(model, var_list)
+        refuse_grouped_convolution_layers(model)
+        refuse_adapted_preprocessing(model)
         regularization = None
         if isinstance(loss, (tuple, list)):
             if len(loss) != 2:
