@@ -50,6 +50,25 @@ DEFAULTS = {
     "momentum": 0.9,
 }
 
+# The numeric options of ``train``, in help order: (flag, type, metavar, help); defaults from DEFAULTS.
+_NUMBER_OPTIONS = (
+    ("--width", positive_int, None, "MLP hidden units (default %(default)s)"),
+    ("--target-epsilon", positive_float, "X", "privacy budget ε (default %(default)s)"),
+    ("--delta", float, "D", "δ < 1/N (default 1/N^1.1)"),
+    ("--lot-size", positive_int, "L", "expected Poisson lot size L (default %(default)s)"),
+    (
+        "--physical-batch-size",
+        positive_int,
+        "B",
+        "split each lot into physical batches of B rows (gradient accumulation; saves memory)",
+    ),
+    ("--epochs", positive_int, "E", "epochs of ceil(N/L) lots each (default %(default)s)"),
+    ("--noise-multiplier", float, "S", "σ >= 0 (default: calibrated so that the planned steps spend the target ε)"),
+    ("--l2-norm-clip", positive_float, "C", "per-example gradient norm bound C (default %(default)s)"),
+    ("--learning-rate", positive_float, "LR", "SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)"),
+    ("--momentum", float, None, "SGD momentum (default %(default)s)"),
+)
+
 
 def register(subparsers) -> None:
     from keras_dpsgd._datasets import DATASETS
@@ -81,58 +100,10 @@ def register(subparsers) -> None:
     _register_local_data(p)
     _dp_normalize.register(p)
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
-    p.add_argument("--width", type=positive_int, default=d["width"], help="MLP hidden units (default %(default)s)")
-    p.add_argument(
-        "--target-epsilon",
-        type=positive_float,
-        default=d["target_epsilon"],
-        metavar="X",
-        help="privacy budget ε (default %(default)s)",
-    )
-    p.add_argument("--delta", type=float, default=None, metavar="D", help="δ < 1/N (default 1/N^1.1)")
-    p.add_argument(
-        "--lot-size",
-        type=positive_int,
-        default=d["lot_size"],
-        metavar="L",
-        help="expected Poisson lot size L (default %(default)s)",
-    )
-    p.add_argument(
-        "--physical-batch-size",
-        type=positive_int,
-        default=None,
-        metavar="B",
-        help="split each lot into physical batches of B rows (gradient accumulation; saves memory)",
-    )
-    p.add_argument(
-        "--epochs",
-        type=positive_int,
-        default=d["epochs"],
-        metavar="E",
-        help="epochs of ceil(N/L) lots each (default %(default)s)",
-    )
-    p.add_argument(
-        "--noise-multiplier",
-        type=float,
-        default=None,
-        metavar="S",
-        help="σ >= 0 (default: calibrated so that the planned steps spend the target ε)",
-    )
-    p.add_argument(
-        "--l2-norm-clip",
-        type=positive_float,
-        default=d["l2_norm_clip"],
-        metavar="C",
-        help="per-example gradient norm bound C (default %(default)s)",
-    )
-    p.add_argument(
-        "--learning-rate",
-        type=positive_float,
-        default=None,
-        metavar="LR",
-        help="SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)",
-    )
-    p.add_argument("--momentum", type=float, default=d["momentum"], help="SGD momentum (default %(default)s)")
+    for flag, kind, metavar, text in _NUMBER_OPTIONS:
+        dest = flag[2:].replace("-", "_")
+        default = None if dest == "learning_rate" else d.get(dest)  # learning rate: per model, set in _check_args
+        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     p.add_argument(
         "--accountant", choices=("rdp", "moments", "pld"), default="rdp", help="privacy accountant (default rdp)"
     )
