@@ -8,31 +8,14 @@ import pytest
 from keras_dpsgd.cli import accounting as cli_accounting
 from keras_dpsgd.cli import main
 from keras_dpsgd.cli import tools as cli_tools
+from tests._cli_helpers import ADAPTIVE_NOISE, DATA, EPSILON, LARGE_LOTS, NOISE
 
-_DATA = ["--num-examples", "1000", "--epochs", "1"]
 RUNS = [
-    (cli_accounting, ["epsilon", *_DATA, "--lot-size", "10", "--noise-multiplier", "1.1", "--target-epsilon", "5"]),
-    (cli_accounting, ["noise", *_DATA, "--lot-size", "10", "--target-epsilon", "2"]),
-    (cli_accounting, ["batch-table", *_DATA, "--target-epsilon", "3", "--lot-sizes", "10", "--max-batch-size", "4"]),
-    (cli_tools, ["large-lots", *_DATA, "--target-epsilon", "3", "--lot-sizes", "10"]),
-    (
-        cli_tools,
-        [
-            "adaptive-clipping-noise",
-            "--num-layers",
-            "2",
-            "--norm-noise-multiplier",
-            "5",
-            "--delta",
-            "1e-5",
-            "--sampling-rate",
-            "0.01",
-            "--steps",
-            "10",
-            "--target-epsilon",
-            "3",
-        ],
-    ),
+    (cli_accounting, [*EPSILON, "--target-epsilon", "5"]),
+    (cli_accounting, NOISE),
+    (cli_accounting, ["batch-table", *DATA, "--target-epsilon", "3", "--lot-sizes", "10", "--max-batch-size", "4"]),
+    (cli_tools, LARGE_LOTS),
+    (cli_tools, ADAPTIVE_NOISE),
 ]
 
 

@@ -14,35 +14,17 @@ import pytest
 
 from keras_dpsgd.cli import build_parser, main
 from keras_dpsgd.cli._quiet import is_tensorflow_log_line
+from tests._cli_helpers import ADAPTIVE_NOISE, DATA, EPSILON, LARGE_LOTS, NOISE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (current argv, the same with the deprecated spelling, the option name, the deprecated spelling)
-_ACCOUNTING = ["--num-examples", "1000", "--epochs", "1"]
 SPELLINGS = [
-    (["epsilon", *_ACCOUNTING, "--noise-multiplier", "1.1", "--lot-size", "10"], "--lot-size", "--batch-size"),
-    (["noise", *_ACCOUNTING, "--target-epsilon", "2", "--lot-size", "10"], "--lot-size", "--batch-size"),
+    (EPSILON, "--lot-size", "--batch-size"),
+    (NOISE, "--lot-size", "--batch-size"),
     (["memorization-test", "--lot-size", "10"], "--lot-size", "--batch-size"),
-    (["large-lots", *_ACCOUNTING, "--target-epsilon", "3"], "--target-epsilon", "--epsilon"),
-    (
-        [
-            "adaptive-clipping-noise",
-            "--num-layers",
-            "2",
-            "--norm-noise-multiplier",
-            "5",
-            "--delta",
-            "1e-5",
-            "--sampling-rate",
-            "0.01",
-            "--steps",
-            "10",
-            "--target-epsilon",
-            "3",
-        ],
-        "--target-epsilon",
-        "--epsilon",
-    ),
+    (LARGE_LOTS, "--target-epsilon", "--epsilon"),
+    (ADAPTIVE_NOISE, "--target-epsilon", "--epsilon"),
 ]
 
 
@@ -75,7 +57,7 @@ def test_model_conv_means_cnn_with_a_warning(capsys):
 
 def test_missing_required_option_names_the_current_spelling(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["epsilon", *_ACCOUNTING, "--noise-multiplier", "1"])
+        build_parser().parse_args(["epsilon", *DATA, "--noise-multiplier", "1"])
     err = capsys.readouterr().err
     assert "--lot-size" in err and "--batch-size" not in err
 
@@ -86,7 +68,7 @@ def _json(argv, capsys):
 
 
 def test_json_keys_match_the_documentation(capsys):
-    eps = _json(SPELLINGS[0][0] + ["--target-epsilon", "5"], capsys)
+    eps = _json([*EPSILON, "--target-epsilon", "5"], capsys)
     assert set(eps) == {
         "epsilon",
         "order",
@@ -104,16 +86,16 @@ def test_json_keys_match_the_documentation(capsys):
         "max_epochs",
     }
     assert eps["lot_size"] == eps["batch_size"] == 10
-    noise = _json(SPELLINGS[1][0], capsys)
+    noise = _json(NOISE, capsys)
     assert set(noise) == set(eps) - {"max_steps", "max_epochs"}
-    table = _json(["batch-table", *_ACCOUNTING, "--target-epsilon", "3", "--lot-sizes", "10,20"], capsys)
+    table = _json(["batch-table", *DATA, "--target-epsilon", "3", "--lot-sizes", "10,20"], capsys)
     assert set(table) == {"rows", "num_examples", "epochs", "target_epsilon", "delta", "accountant", "plot"}
     assert table["plot"] is None
     assert set(table["rows"][0]) == {"lot_size", "sampling_rate", "steps", "noise_multiplier", "noise_per_example"}
-    lots = _json(SPELLINGS[3][0] + ["--lot-sizes", "10"], capsys)
+    lots = _json(LARGE_LOTS, capsys)
     assert set(lots) == set(table) | {"epsilon"} and lots["plot"] is None
     assert set(lots["rows"][0]) == set(table["rows"][0]) | {"learning_rate"}
-    adaptive = _json(SPELLINGS[4][0], capsys)
+    adaptive = _json(ADAPTIVE_NOISE, capsys)
     assert set(adaptive) == {
         "noise_multiplier",
         "effective_noise_multiplier",
