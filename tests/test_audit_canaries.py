@@ -16,11 +16,9 @@ import tf_keras
 
 from keras_dpsgd._datasets import load_digits
 from keras_dpsgd.accounting import compute_noise_multiplier
-from keras_dpsgd.audit import canary_audit, with_gradient_canaries
-from keras_dpsgd.audit.one_run import mlp_builder
-from keras_dpsgd.optimizer import DPSGDOptimizer
-
-DELTA = 1e-5
+from keras_dpsgd.audit import with_gradient_canaries
+from keras_dpsgd.tf_keras import DPSGDOptimizer
+from tests._audit_helpers import gradient_audit, input_canary_audit, without_noise
 
 
 @pytest.fixture(scope="module")
@@ -28,28 +26,7 @@ def digits():
     return load_digits()
 
 
-class NoNoiseDPSGD(DPSGDOptimizer):
-    """A deliberately broken optimizer: no noise is added, while the ledger still charges σ."""
-
-    def add_noise(self, summed):
-        return list(summed)
-
-
-def _gradient_audit(digits, sigma, seed, optimizer_cls=None, canaries=1000):
-    return canary_audit(
-        mlp_builder(digits.input_shape, 10, width=64, keras_module=tf_keras),
-        (digits.x_train, digits.y_train),
-        num_classes=10,
-        canaries=canaries,
-        kind="gradient",
-        noise_multiplier=sigma,
-        l2_norm_clip=10.0,
-        lot_size=64,
-        epochs=2,
-        delta=DELTA,
-        seed=seed,
-        optimizer_cls=optimizer_cls,
-    )
+NoNoiseDPSGD = without_noise(DPSGDOptimizer)
 
 
 # -------------------------------------------------------------- the hook
@@ -102,19 +79,7 @@ def test_gradient_canaries_refuse_a_non_dp_class_and_missing_install():
 # -------------------------------------------------------------- acceptance
 def test_power_input_canaries_without_noise(digits):
     """σ = 0 with out-of-distribution input canaries: ε_emp clearly above 1 at 95% (memorization is seen)."""
-    result = canary_audit(
-        mlp_builder(digits.input_shape, 10, width=256, keras_module=tf_keras),
-        (digits.x_train, digits.y_train),
-        num_classes=10,
-        canaries=200,
-        kind="ood",
-        noise_multiplier=0.0,
-        l2_norm_clip=100.0,
-        lot_size=256,
-        epochs=30,
-        delta=DELTA,
-        seed=1,
-    )
+    result = input_canary_audit(tf_keras, digits, canaries=200, epochs=30)
     assert result.epsilon == float("inf")
     assert result.epsilon_lower_bound > 2.0, result
     assert not result.is_violation
@@ -122,7 +87,7 @@ def test_power_input_canaries_without_noise(digits):
 
 def test_bug_detection_noise_off_while_the_ledger_charges_sigma_1(digits):
     """A broken optimizer (no noise, σ = 1 charged) is flagged: ε_emp > reported ε."""
-    result = _gradient_audit(digits, 1.0, seed=1, optimizer_cls=NoNoiseDPSGD)
+    result = gradient_audit(tf_keras, digits, 1.0, seed=1, optimizer_cls=NoNoiseDPSGD)
     assert result.noise_multiplier == 1.0 and 2.0 < result.epsilon < 3.5  # what the ledger charges
     assert result.is_violation, result
     assert result.epsilon_lower_bound > result.epsilon + 0.4
@@ -139,7 +104,7 @@ def test_soundness_dp_training(digits, target):
         )
 
     for seed in (1, 2):
-        result = _gradient_audit(digits, sigma, seed=seed)
+        result = gradient_audit(tf_keras, digits, sigma, seed=seed)
         assert result.epsilon <= target * (1 + 1e-6)
         assert result.epsilon_lower_bound <= result.epsilon, result
         assert not result.is_violation

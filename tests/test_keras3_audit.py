@@ -10,10 +10,8 @@ import tensorflow as tf
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd._datasets import load_digits
-from keras_dpsgd.audit import canary_audit, membership_inference, with_gradient_canaries
-from keras_dpsgd.audit.one_run import mlp_builder
-
-DELTA = 1e-5
+from keras_dpsgd.audit import membership_inference, with_gradient_canaries
+from tests._audit_helpers import gradient_audit, input_canary_audit, without_noise
 
 
 @pytest.fixture(scope="module")
@@ -21,28 +19,7 @@ def digits():
     return load_digits()
 
 
-class NoNoiseDPSGD(k3.DPSGDOptimizer):
-    """A deliberately broken Keras 3 optimizer: no noise is added, while the ledger still charges σ."""
-
-    def add_noise(self, summed):
-        return list(summed)
-
-
-def _gradient_audit(digits, sigma, seed, optimizer_cls=None):
-    return canary_audit(
-        mlp_builder(digits.input_shape, 10, width=64, keras_module=keras),
-        (digits.x_train, digits.y_train),
-        num_classes=10,
-        canaries=1000,
-        kind="gradient",
-        noise_multiplier=sigma,
-        l2_norm_clip=10.0,
-        lot_size=64,
-        epochs=2,
-        delta=DELTA,
-        seed=seed,
-        optimizer_cls=optimizer_cls,
-    )
+NoNoiseDPSGD = without_noise(k3.DPSGDOptimizer)
 
 
 def test_gradient_canaries_on_keras3_add_plus_minus_c_at_their_coordinates():
@@ -65,7 +42,7 @@ def test_gradient_canaries_on_keras3_add_plus_minus_c_at_their_coordinates():
 
 
 def test_bug_detection_on_keras3(digits):
-    result = _gradient_audit(digits, 1.0, seed=1, optimizer_cls=NoNoiseDPSGD)
+    result = gradient_audit(keras, digits, 1.0, seed=1, optimizer_cls=NoNoiseDPSGD)
     assert result.noise_multiplier == 1.0 and np.isfinite(result.epsilon)  # what the ledger charges
     assert result.keras == keras.__version__  # the label of every --json "keras" key
     assert result.is_violation, result
@@ -73,19 +50,7 @@ def test_bug_detection_on_keras3(digits):
 
 
 def test_power_input_canaries_without_noise_on_keras3(digits):
-    result = canary_audit(
-        mlp_builder(digits.input_shape, 10, width=256, keras_module=keras),
-        (digits.x_train, digits.y_train),
-        num_classes=10,
-        canaries=100,
-        kind="ood",
-        noise_multiplier=0.0,
-        l2_norm_clip=100.0,
-        lot_size=256,
-        epochs=20,
-        delta=DELTA,
-        seed=1,
-    )
+    result = input_canary_audit(keras, digits, canaries=100, epochs=20)
     assert result.epsilon == float("inf")
     assert result.epsilon_lower_bound > 1.0, result
 
