@@ -33,6 +33,18 @@ _PSCG = {
     "label": "dp-sgd",
 }
 
+# _ledger()'s events as version 1 and 0.1.0 wrote them (the composed event before version 2).
+_V1_EVENTS = [
+    _PSG,
+    _G,
+    {
+        "type": "composed",
+        "events": [
+            {"type": "poisson_sampled_gaussian", "sampling_rate": 0.5, "noise_multiplier": 2.0, "count": 3, "label": ""}
+        ],
+    },
+]
+
 
 def _ledger():
     return PrivacyLedger(
@@ -137,22 +149,7 @@ def test_version_1_files_still_load():
     version_1 = {
         "format": "keras_dpsgd.ledger",
         "version": 1,
-        "events": [
-            _PSG,
-            _G,
-            {
-                "type": "composed",
-                "events": [
-                    {
-                        "type": "poisson_sampled_gaussian",
-                        "sampling_rate": 0.5,
-                        "noise_multiplier": 2.0,
-                        "count": 3,
-                        "label": "",
-                    }
-                ],
-            },
-        ],
+        "events": _V1_EVENTS,
     }
     assert PrivacyLedger.from_dict(json.loads(json.dumps(version_1))) == _ledger()
 
@@ -166,24 +163,7 @@ def test_a_composed_step_round_trips_as_version_2():
 
 def test_legacy_0_1_0_shape_still_loads():
     # What keras_dpsgd 0.1.0 wrote into checkpoints, .keras files and privacy_report.json.
-    legacy = {
-        "events": [
-            _PSG,
-            _G,
-            {
-                "type": "composed",
-                "events": [
-                    {
-                        "type": "poisson_sampled_gaussian",
-                        "sampling_rate": 0.5,
-                        "noise_multiplier": 2.0,
-                        "count": 3,
-                        "label": "",
-                    }
-                ],
-            },
-        ]
-    }
+    legacy = {"events": _V1_EVENTS}
     assert PrivacyLedger.from_dict(json.loads(json.dumps(legacy))) == _ledger()
     assert PrivacyLedger.from_dict({"events": []}) == PrivacyLedger()
 

@@ -117,35 +117,16 @@ def test_cli_large_lots_json(capsys, tmp_path):
     assert plot.exists()
 
 
+# large-lots on 1000 examples, 5 epochs, ε = 3, lots of 50
+_LARGE_LOTS = ["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3", "--lot-sizes", "50"]
+
+
 def test_cli_large_lots_text_and_bad_input(capsys):
-    assert (
-        main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3", "--lot-sizes", "50"])
-        == 0
-    )
+    assert main(_LARGE_LOTS) == 0
     assert "learning_rate" in capsys.readouterr().out
-    assert (
-        main(
-            [
-                "large-lots",
-                "--num-examples",
-                "1000",
-                "--epochs",
-                "5",
-                "--target-epsilon",
-                "3",
-                "--lot-sizes",
-                "50",
-                "--delta",
-                "0.01",
-            ]
-        )
-        == 2
-    )
+    assert main([*_LARGE_LOTS, "--delta", "0.01"]) == 2
     assert "delta must be < 1/num_examples" in capsys.readouterr().err
-    assert (
-        main(["large-lots", "--num-examples", "1000", "--epochs", "5", "--target-epsilon", "3", "--lot-sizes", "2000"])
-        == 2
-    )
+    assert main([*_LARGE_LOTS, "--lot-sizes", "2000"]) == 2
 
 
 def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monkeypatch, tmp_path):
@@ -153,21 +134,7 @@ def test_cli_large_lots_plot_without_matplotlib_is_one_line_exit_2(capsys, monke
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
-    code = main(
-        [
-            "large-lots",
-            "--num-examples",
-            "1000",
-            "--epochs",
-            "5",
-            "--target-epsilon",
-            "3",
-            "--lot-sizes",
-            "50",
-            "--plot",
-            str(tmp_path / "p.png"),
-        ]
-    )
+    code = main([*_LARGE_LOTS, "--plot", str(tmp_path / "p.png")])
     err = capsys.readouterr().err
     assert code == 2
     assert "matplotlib" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
