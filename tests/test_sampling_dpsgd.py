@@ -54,11 +54,17 @@ def test_padding_adds_nothing_to_the_step(physical_batch_size):
         np.testing.assert_allclose(w.numpy(), w0 - lr * g.numpy() / lot_size, rtol=1e-4, atol=1e-6)
 
 
-def test_within_limit_with_poisson_lots_and_the_real_optimizer():
-    lots = PoissonLots(X, Y, expected_lot_size=6)
-    opt = lots.configure(DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05))
+@pytest.mark.parametrize("lot_size,physical,target", [(6, None, 1.5), (8, 4, 1.3)], ids=["one-batch", "accumulated"])
+def test_within_limit_with_poisson_lots_and_the_real_optimizer(lot_size, physical, target):
+    """WithinLimit stops at the last step within the target; with gradient accumulation at a lot boundary."""
+    lots = PoissonLots(X, Y, expected_lot_size=lot_size, physical_batch_size=physical)
+    k = lots.gradient_accumulation_steps
+    assert (k > 1) == (physical is not None)
+    opt = lots.configure(
+        DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05, gradient_accumulation_steps=k)
+    )
     model = _model(opt)
-    q, delta, target = 6 / N, 1e-3, 1.5
+    q, delta = lot_size / N, 1e-3
     model.fit(
         lots.dataset(),
         steps_per_epoch=lots.steps_per_epoch,
@@ -68,27 +74,5 @@ def test_within_limit_with_poisson_lots_and_the_real_optimizer():
     )
     steps = int(opt.noised_steps.numpy())
     assert model_privacy_ledger(model).events == (PoissonSampledGaussianEvent(q, 1.5, steps, "dp-sgd"),)
-    eps = [compute_epsilon(PoissonSampledGaussianEvent(q, 1.5, s), delta) for s in (steps, steps + 1)]
-    assert eps[0] <= target < eps[1]
-    assert steps > 0
-
-
-def test_within_limit_with_gradient_accumulation_stops_at_a_lot_boundary():
-    lots = PoissonLots(X, Y, expected_lot_size=8, physical_batch_size=4)
-    k = lots.gradient_accumulation_steps
-    assert k > 1
-    opt = lots.configure(
-        DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.5, learning_rate=0.05, gradient_accumulation_steps=k)
-    )
-    model = _model(opt)
-    q, delta, target = 8 / N, 1e-3, 1.3
-    model.fit(
-        lots.dataset(),
-        steps_per_epoch=lots.steps_per_epoch,
-        epochs=100,
-        verbose=0,
-        callbacks=[WithinLimit(target, delta, verbose=0)],
-    )
-    steps = int(opt.noised_steps.numpy())
     eps = [compute_epsilon(PoissonSampledGaussianEvent(q, 1.5, s), delta) for s in (steps, steps + 1)]
     assert steps > 0 and eps[0] <= target < eps[1]
