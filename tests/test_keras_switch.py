@@ -77,31 +77,35 @@ def test_a_name_resolves_on_the_active_front_end_only(fake_front_ends, monkeypat
     assert _which_keras.front_end_attribute("Both", modules=fake_front_ends) == "tfk Both"
 
 
+def _assert_refused(modules, name, *parts):
+    """Asking the active Keras for `name` raises ImportError whose message holds every one of `parts`."""
+    with pytest.raises(ImportError) as err:
+        _which_keras.front_end_attribute(name, modules=modules)
+    for part in parts:
+        assert part in str(err.value), str(err.value)
+
+
 def test_a_name_of_the_other_keras_is_refused_with_the_switch(fake_front_ends, monkeypatch):
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
-    with pytest.raises(ImportError) as err:
-        _which_keras.front_end_attribute("OnlyTfk", modules=fake_front_ends)
-    message = str(err.value)
-    for part in (
+    _assert_refused(
+        fake_front_ends,
+        "OnlyTfk",
         "not available for Keras 3",
         "TF_USE_LEGACY_KERAS is not set",
         "exists for tf_keras",
         "fake_tfk.OnlyTfk",
         "set TF_USE_LEGACY_KERAS=1",
-    ):
-        assert part in message, message
+    )
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "True")
-    with pytest.raises(ImportError) as err:
-        _which_keras.front_end_attribute("OnlyK3", modules=fake_front_ends)
-    message = str(err.value)
-    for part in (
+    _assert_refused(
+        fake_front_ends,
+        "OnlyK3",
         "not available for tf_keras",
         "TF_USE_LEGACY_KERAS='True'",
         "exists for Keras 3",
         "fake_k3.OnlyK3",
         "unset TF_USE_LEGACY_KERAS",
-    ):
-        assert part in message, message
+    )
     with pytest.raises(AttributeError, match="NoSuchName"):
         _which_keras.front_end_attribute("NoSuchName", modules=fake_front_ends)
 

@@ -131,14 +131,24 @@ def test_steps_remaining_of_a_model_counts_its_ledger():
     assert compute_epsilon(prior + [PoissonSampledGaussianEvent(0.05, 1.1, k + 1)], 1e-5) > 2.0
 
 
-def test_checkpoint_restores_steps_and_segments(tmp_path):
+def _two_segments(sigma, *, steps, read_before=False):
+    """A model whose ledger holds 3 steps at σ = 2, then `steps` at `sigma` (its σ changed mid-run).
+
+    `read_before`: the ledger is read right after the change too (a segment closed with no step in it).
+    """
     opt = FakeDPOptimizer(2.0, sampling_rate=0.1)
     model = _model(opt)
     _train(model, 3)
     L.model_privacy_ledger(model)
-    opt.effective_noise_multiplier = 1.0
-    _train(model, 2)
-    saved = L.model_privacy_ledger(model)
+    opt.effective_noise_multiplier = sigma
+    if read_before:
+        L.model_privacy_ledger(model)
+    _train(model, steps)
+    return model, L.model_privacy_ledger(model)
+
+
+def test_checkpoint_restores_steps_and_segments(tmp_path):
+    model, saved = _two_segments(1.0, steps=2)
     path = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
 
     opt2 = FakeDPOptimizer(1.0, sampling_rate=0.1)
@@ -152,14 +162,7 @@ def test_checkpoint_restores_steps_and_segments(tmp_path):
 
 
 def test_restore_before_the_state_is_attached_is_deferred(tmp_path):
-    opt = FakeDPOptimizer(2.0, sampling_rate=0.1)
-    model = _model(opt)
-    _train(model, 3)
-    L.model_privacy_ledger(model)
-    opt.effective_noise_multiplier = 1.5
-    L.model_privacy_ledger(model)
-    _train(model, 1)
-    saved = L.model_privacy_ledger(model)
+    model, saved = _two_segments(1.5, steps=1, read_before=True)
     model.save_weights(str(tmp_path / "w"))
 
     model2 = _model(FakeDPOptimizer(1.5, sampling_rate=0.1))
