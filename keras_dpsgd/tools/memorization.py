@@ -38,7 +38,7 @@ public data to tune).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from keras_dpsgd.tools._training import RunResult, train_run
 __all__ = [
     "DPSettings",
     "MemorizationReport",
+    "RunOptions",
     "convnet_builder",
     "memorization_test",
     "mlp_builder",
@@ -257,6 +258,33 @@ def _require_accounting(factory):
     return make
 
 
+class RunOptions(TypedDict, total=False):
+    """The keyword options of both runs of :func:`memorization_test` and :func:`real_task_test`.
+
+    Each is described, with its default, in :func:`memorization_test`.
+    """
+
+    dp: DPSettings | None
+    epochs: int
+    nonprivate_batch_size: int
+    nonprivate_learning_rate: float
+    confidence: float
+    delta: float | None
+    dp_optimizer_factory: Callable[[Any], Any] | None
+    nonprivate_optimizer_factory: Callable[[], Any] | None
+    loss: Callable[[str], Any] | None
+    seed: int | None
+    verbose: int
+
+
+def _check_options(function: str, options: dict) -> None:
+    unknown = sorted(set(options) - set(RunOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"{function}() got unexpected keyword arguments {unknown}; allowed: {sorted(RunOptions.__annotations__)}"
+        )
+
+
 def _run_pair(
     mode,
     build_model,
@@ -264,18 +292,19 @@ def _run_pair(
     test,
     num_classes,
     *,
-    dp,
-    epochs,
-    nonprivate_batch_size,
-    nonprivate_learning_rate,
-    dp_optimizer_factory,
-    nonprivate_optimizer_factory,
-    loss,
-    confidence,
-    delta,
-    seed,
-    verbose,
+    dp=None,
+    epochs=20,
+    nonprivate_batch_size=32,
+    nonprivate_learning_rate=0.003,
+    dp_optimizer_factory=None,
+    nonprivate_optimizer_factory=None,
+    loss=None,
+    confidence=0.95,
+    delta=None,
+    seed=None,
+    verbose=0,
 ):
+    dp = dp or DPSettings()
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.tools import _front
 
@@ -389,18 +418,8 @@ def memorization_test(
     *,
     input_shape: Sequence[int],
     num_classes: int,
-    dp: DPSettings | None = None,
     num_examples: int = 1000,
-    epochs: int = 20,
-    nonprivate_batch_size: int = 32,
-    nonprivate_learning_rate: float = 0.003,
-    confidence: float = 0.95,
-    delta: float | None = None,
-    dp_optimizer_factory: Callable[[Any], Any] | None = None,
-    nonprivate_optimizer_factory: Callable[[], Any] | None = None,
-    loss: Callable[[str], Any] | None = None,
-    seed: int | None = None,
-    verbose: int = 0,
+    **options: Unpack[RunOptions],
 ) -> MemorizationReport:
     """Trains the model on random noise with random labels, with and without DP (Three Tools, Sec. 2).
 
@@ -411,53 +430,42 @@ def memorization_test(
         `num_classes` classes.
       input_shape: shape of one input (the real data's shape), e.g. (8, 8, 1).
       num_classes: number of classes K >= 2; chance accuracy is 1/K.
-      dp: the DP run's settings (default :class:`DPSettings`()).
       num_examples: number of noise examples.
-      epochs: epochs of both runs.
-      nonprivate_batch_size: batch size of the non-private run.
-      nonprivate_learning_rate: Adam learning rate of the non-private run (high,
-        to memorize fast).
-      confidence: one-sided confidence level of the bounds.
-      delta: δ for the nominal ε (default `accounting.default_delta(num_examples)`).
-      dp_optimizer_factory: optional callable taking the run's
-        `keras_dpsgd.sampling.PoissonLots` and returning the DP optimizer
-        (default: `DPSGDOptimizer` from `dp`, with the lots'
-        gradient_accumulation_steps); it should expose `noised_steps` and
-        `effective_noise_multiplier` for ε to be reported.
-      nonprivate_optimizer_factory: optional callable returning the non-private optimizer.
-      loss: optional callable taking a Keras reduction ("auto" for the
-        non-private run, "none" for the DP run, which needs the per-example
-        loss) and returning the loss (on Keras 3 map "auto" to
-        "sum_over_batch_size"); default sparse categorical cross-entropy on
-        logits.
-      seed: optional seed of the noise data, sampling and DP noise (None: OS entropy).
-      verbose: Keras fit verbosity.
+      **options: the :class:`RunOptions` of both runs:
+
+        - dp: the DP run's settings (default :class:`DPSettings`()).
+        - epochs: epochs of both runs (default 20).
+        - nonprivate_batch_size: batch size of the non-private run (default 32).
+        - nonprivate_learning_rate: Adam learning rate of the non-private run
+          (default 0.003: high, to memorize fast).
+        - confidence: one-sided confidence level of the bounds (default 0.95).
+        - delta: δ for the nominal ε (default `accounting.default_delta(num_examples)`).
+        - dp_optimizer_factory: optional callable taking the run's
+          `keras_dpsgd.sampling.PoissonLots` and returning the DP optimizer
+          (default: `DPSGDOptimizer` from `dp`, with the lots'
+          gradient_accumulation_steps); it should expose `noised_steps` and
+          `effective_noise_multiplier` for ε to be reported.
+        - nonprivate_optimizer_factory: optional callable returning the non-private optimizer.
+        - loss: optional callable taking a Keras reduction ("auto" for the
+          non-private run, "none" for the DP run, which needs the per-example
+          loss) and returning the loss (on Keras 3 map "auto" to
+          "sum_over_batch_size"); default sparse categorical cross-entropy on
+          logits.
+        - seed: optional seed of the noise data, sampling and DP noise (None: OS entropy).
+        - verbose: Keras fit verbosity (default 0).
 
     Returns:
       A :class:`MemorizationReport` (mode "noise") with the verdict.
+
+    Raises:
+      TypeError: an option that is not one of :class:`RunOptions`.
     """
-    dp = dp or DPSettings()
+    _check_options("memorization_test", options)
+    seed = options.pop("seed", None)
     rng = np.random.default_rng(seed)
     train = _data.random_noise_data(num_examples, input_shape, num_classes, rng)
     sub_seed = None if seed is None else int(rng.integers(2**31 - 1))
-    return _run_pair(
-        "noise",
-        build_model,
-        train,
-        None,
-        int(num_classes),
-        dp=dp,
-        epochs=epochs,
-        nonprivate_batch_size=nonprivate_batch_size,
-        nonprivate_learning_rate=nonprivate_learning_rate,
-        dp_optimizer_factory=dp_optimizer_factory,
-        nonprivate_optimizer_factory=nonprivate_optimizer_factory,
-        loss=loss,
-        confidence=confidence,
-        delta=delta,
-        seed=sub_seed,
-        verbose=verbose,
-    )
+    return _run_pair("noise", build_model, train, None, int(num_classes), seed=sub_seed, **options)
 
 
 def real_task_test(
@@ -466,17 +474,7 @@ def real_task_test(
     test: tuple[np.ndarray, np.ndarray],
     *,
     num_classes: int,
-    dp: DPSettings | None = None,
-    epochs: int = 20,
-    nonprivate_batch_size: int = 32,
-    nonprivate_learning_rate: float = 0.003,
-    confidence: float = 0.95,
-    delta: float | None = None,
-    dp_optimizer_factory: Callable[[Any], Any] | None = None,
-    nonprivate_optimizer_factory: Callable[[], Any] | None = None,
-    loss: Callable[[str], Any] | None = None,
-    seed: int | None = None,
-    verbose: int = 0,
+    **options: Unpack[RunOptions],
 ) -> MemorizationReport:
     """Trains the model on the real task with and without DP; reports test accuracy and train-test gap.
 
@@ -484,28 +482,15 @@ def real_task_test(
     from the optimizer's own step count; the non-private run has ε = ∞. See
     the module docstring on the privacy cost of hyperparameter probes.
 
-    Args: as :func:`memorization_test`, plus `train` and `test` as (x, y) numpy
-      pairs with integer labels.
+    Args: as :func:`memorization_test` (`build_model`, `num_classes` and the
+      :class:`RunOptions`), plus `train` and `test` as (x, y) numpy pairs with
+      integer labels.
 
     Returns:
       A :class:`MemorizationReport` (mode "real").
+
+    Raises:
+      TypeError: an option that is not one of :class:`RunOptions`.
     """
-    dp = dp or DPSettings()
-    return _run_pair(
-        "real",
-        build_model,
-        train,
-        test,
-        int(num_classes),
-        dp=dp,
-        epochs=epochs,
-        nonprivate_batch_size=nonprivate_batch_size,
-        nonprivate_learning_rate=nonprivate_learning_rate,
-        dp_optimizer_factory=dp_optimizer_factory,
-        nonprivate_optimizer_factory=nonprivate_optimizer_factory,
-        loss=loss,
-        confidence=confidence,
-        delta=delta,
-        seed=seed,
-        verbose=verbose,
-    )
+    _check_options("real_task_test", options)
+    return _run_pair("real", build_model, train, test, int(num_classes), **options)
