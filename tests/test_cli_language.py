@@ -1,6 +1,7 @@
 """The CLI speaks one language: --target-epsilon, --lot-size, --model mlp|cnn; old spellings deprecated.
 
-And TensorFlow's start-up log lines stay off the terminal.
+And TensorFlow's start-up log lines stay off the terminal (here the quiet import; end to end, a `train`
+process: tests/test_keras3_cli.py).
 """
 
 import json
@@ -181,36 +182,5 @@ def test_quiet_import_drops_only_tensorflow_lines_and_keeps_the_users_level(tmp_
         assert "cuInit" not in out.stderr and "absl::InitializeLog" not in out.stderr
 
 
-def test_tensorflow_subcommand_prints_no_tensorflow_start_up_lines():
-    # memorization-test imports TensorFlow and trains (tiny, on noise); stderr must hold only our own lines.
-    argv = [
-        "memorization-test",
-        "--num-examples",
-        "20",
-        "--epochs",
-        "1",
-        "--width",
-        "4",
-        "--lot-size",
-        "10",
-        "--nonprivate-batch-size",
-        "10",
-        "--seed",
-        "0",
-        "--json",
-    ]
-    out = subprocess.run(
-        [sys.executable, "-m", "keras_dpsgd.cli", *argv],
-        env=_env(PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["mode"] == "noise"
-    leaked = [
-        line
-        for line in out.stderr.splitlines()
-        if is_tensorflow_log_line(line) or "cuda" in line.lower() or "oneDNN" in line
-    ]
-    assert leaked == []
+# End to end (a TensorFlow subcommand in a fresh process prints none of TensorFlow's start-up lines): the
+# `train` runs of tests/test_keras3_cli.py, on both Kerases, which run without TF_CPP_MIN_LOG_LEVEL.

@@ -1,5 +1,8 @@
 """``keras-dpsgd train`` in a fresh process on both Kerases: Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1.
 
+The processes run without TF_CPP_MIN_LOG_LEVEL, as a user's shell does: TensorFlow's start-up log lines
+(oneDNN, CUDA) must stay off their stderr (the CLI imports TensorFlow quietly: tests/test_cli_language.py).
+
 Bad input (exit 2, one line) on the default Keras is in tests/test_cli_train.py (in process).
 """
 
@@ -11,14 +14,15 @@ import sys
 import pytest
 
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.cli._quiet import is_tensorflow_log_line
 from tests._parallel import run_jobs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _train(tmp_path, legacy, *argv):
-    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "TF_CPP_MIN_LOG_LEVEL")}
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
     if legacy:
         env["TF_USE_LEGACY_KERAS"] = "1"
     return subprocess.run(
@@ -47,6 +51,12 @@ def trained(tmp_path_factory):
 def test_train_and_save_on_each_keras(trained, legacy):
     proc, out = trained[legacy].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    leaked = [
+        line
+        for line in proc.stderr.splitlines()
+        if is_tensorflow_log_line(line) or "cuda" in line.lower() or "oneDNN" in line
+    ]
+    assert leaked == []
     result = json.loads(proc.stdout)
     if legacy:
         import tf_keras as keras
