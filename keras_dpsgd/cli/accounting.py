@@ -3,7 +3,9 @@
 Steps = ceil(E·N/L) and sampling rate q = L/N (Poisson sampling of lots of
 expected size L, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
 is refused (exit 2: such a guarantee allows publishing an example in the
-clear), and so is σ = ∞. With σ = 0 the JSON output holds ``"epsilon": "inf"``
+clear), and so is σ = ∞. A missing optional extra (``--accountant pld``
+without dp_accounting) is an ImportError, which :func:`keras_dpsgd.cli.main`
+prints as one line, exit 2, like every bad input. With σ = 0 the JSON output holds ``"epsilon": "inf"``
 (strict JSON has no Infinity) and ``"order": null``.
 
 ``batch-table`` is the one table command: with ``--base-learning-rate`` or
@@ -148,31 +150,21 @@ def _context(args) -> dict:
     }
 
 
-def _epsilon_and_order(event, delta: float, accountant: str):
-    try:
-        return planning.compute_epsilon_and_order(event, delta, accountant=accountant)
-    except ImportError as err:
-        raise ValueError(str(err)) from err
-
-
 def run_epsilon(args) -> dict:
     ctx = _context(args)
     sigma = V.nonnegative(noise_multiplier=args.noise_multiplier)
     event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
-    eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
+    eps, order = planning.compute_epsilon_and_order(event, ctx["delta"], accountant=args.accountant)
     result = {"epsilon": eps, "order": order, "noise_multiplier": sigma, **ctx}
     if args.target_epsilon is not None:
         target = V.positive(target_epsilon=args.target_epsilon)
-        try:
-            max_steps = planning.max_steps_within_budget(
-                target_epsilon=target,
-                target_delta=ctx["delta"],
-                sampling_rate=ctx["sampling_rate"],
-                noise_multiplier=sigma,
-                accountant=args.accountant,
-            )
-        except ImportError as err:
-            raise ValueError(str(err)) from err
+        max_steps = planning.max_steps_within_budget(
+            target_epsilon=target,
+            target_delta=ctx["delta"],
+            sampling_rate=ctx["sampling_rate"],
+            noise_multiplier=sigma,
+            accountant=args.accountant,
+        )
         result.update(
             target_epsilon=target,
             max_steps=max_steps,
@@ -194,18 +186,15 @@ def run_epsilon(args) -> dict:
 def run_noise(args) -> dict:
     ctx = _context(args)
     target = V.positive(target_epsilon=args.target_epsilon)
-    try:
-        sigma = planning.compute_noise_multiplier(
-            target_epsilon=target,
-            target_delta=ctx["delta"],
-            sampling_rate=ctx["sampling_rate"],
-            steps=ctx["steps"],
-            accountant=args.accountant,
-        )
-    except ImportError as err:
-        raise ValueError(str(err)) from err
+    sigma = planning.compute_noise_multiplier(
+        target_epsilon=target,
+        target_delta=ctx["delta"],
+        sampling_rate=ctx["sampling_rate"],
+        steps=ctx["steps"],
+        accountant=args.accountant,
+    )
     event = PoissonSampledGaussianEvent(ctx["sampling_rate"], sigma, ctx["steps"], label="dp-sgd")
-    eps, order = _epsilon_and_order(event, ctx["delta"], args.accountant)
+    eps, order = planning.compute_epsilon_and_order(event, ctx["delta"], accountant=args.accountant)
     result = {"noise_multiplier": sigma, "target_epsilon": target, "epsilon": eps, "order": order, **ctx}
     if not args.json:
         print(
@@ -255,17 +244,14 @@ def _table_rows(args, sizes: list[int], target: float, delta: float) -> list[dic
         lot_sizes=sizes,
         accountant=args.accountant,
     )
-    try:
-        if args.base_learning_rate is None and args.max_batch_size is None:
-            return planning.batch_table(**common)
-        return large_lot_table(
-            **common,
-            base_learning_rate=0.01 if args.base_learning_rate is None else args.base_learning_rate,
-            base_lot_size=args.base_lot_size,
-            max_batch_size=args.max_batch_size,
-        )
-    except ImportError as err:
-        raise ValueError(str(err)) from err
+    if args.base_learning_rate is None and args.max_batch_size is None:
+        return planning.batch_table(**common)
+    return large_lot_table(
+        **common,
+        base_learning_rate=0.01 if args.base_learning_rate is None else args.base_learning_rate,
+        base_lot_size=args.base_lot_size,
+        max_batch_size=args.max_batch_size,
+    )
 
 
 def run_batch_table(args) -> dict:
