@@ -249,10 +249,7 @@ def max_epochs_within_budget(
     E = k·B/N with k = :func:`max_steps_within_budget` at q = B/N, so that
     ceil(E·N/B) = k steps (0.0 if not even one step fits).
     """
-    n = V.integer_at_least(1, num_examples=num_examples)
-    b = V.integer_at_least(1, batch_size=batch_size)
-    if b > n:
-        raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
+    n, b = _examples_and_batch(num_examples, batch_size)
     k = max_steps_within_budget(
         target_epsilon=target_epsilon,
         target_delta=target_delta,
@@ -276,12 +273,18 @@ def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> flo
 
 def steps_for_epochs(num_examples: int, batch_size: int, epochs: float) -> int:
     """ceil(epochs · N / B), exact for decimal `epochs` (no float round-up surprises)."""
+    n, b = _examples_and_batch(num_examples, batch_size)
+    e = V.positive(epochs=epochs)
+    return math.ceil(Fraction(repr(e)) * n / b)
+
+
+def _examples_and_batch(num_examples: int, batch_size: int) -> tuple[int, int]:
+    """(N, B), validated: integers with 1 <= B <= N."""
     n = V.integer_at_least(1, num_examples=num_examples)
     b = V.integer_at_least(1, batch_size=batch_size)
-    e = V.positive(epochs=epochs)
     if b > n:
         raise ValueError(f"batch_size must be <= num_examples ({n}), got {b}")
-    return math.ceil(Fraction(repr(e)) * n / b)
+    return n, b
 
 
 def batch_table(
