@@ -15,6 +15,7 @@ import types
 import pytest
 
 from keras_dpsgd import _which_keras
+from tests._parallel import run_jobs
 
 _TIMEOUT = 300
 
@@ -227,29 +228,58 @@ print("ok")
 """
 
 
-def test_each_environment_and_saved_models_name_the_right_classes(tmp_path):
-    k3_path, tfk_path = str(tmp_path / "keras3.keras"), str(tmp_path / "tf_keras.keras")
-    keras3_run = _run(_KERAS3_RUN, None, k3_path, tfk_path)
-    tf_keras_run = _run(_TF_KERAS_RUN, "True")
-    assert _finish(keras3_run).split()[-1] == "ok"
-    assert _finish(tf_keras_run).split()[-1] == "ok"
-    assert _finish(_run(_LOAD, "0", k3_path, tfk_path)).split()[-1] == "ok"
-
-
-def test_accounting_imports_without_tensorflow():
-    code = "import sys, keras_dpsgd.accounting, keras_dpsgd.tools.adaptive_clipping; print('tensorflow' in sys.modules)"
-    assert _finish(_run(code, None)).strip() == "False"
-
-
-def test_registration_when_both_kerases_are_imported_before_keras_dpsgd():
-    """`from keras_dpsgd import PoissonLots` after `import tf_keras` registers both Kerases' classes. It
-    failed (a circular import, logged as "could not register"): `from keras_dpsgd import ledger` inside
-    our own imports asked the top-level __getattr__, which took it for a front-end name."""
-    code = """
+# A fresh process that imports both Kerases before keras_dpsgd: `from keras_dpsgd import PoissonLots` after
+# `import tf_keras` registers both Kerases' classes. It failed (a circular import, logged as "could not
+# register"): `from keras_dpsgd import ledger` inside our own imports asked the top-level __getattr__, which
+# took it for a front-end name.
+_REGISTRATION = """
 import numpy, tf_keras, keras
 from keras_dpsgd import PoissonLots  # noqa: F401
 assert tf_keras.saving.get_registered_object("keras_dpsgd>DPSGDOptimizer") is not None
 assert keras.saving.get_registered_object("keras_dpsgd>DPSGDOptimizer") is not None
 print("ok")
 """
-    assert _finish(_run(code, None)).split()[-1] == "ok"
+
+_NO_TENSORFLOW = (
+    "import sys, keras_dpsgd.accounting, keras_dpsgd.tools.adaptive_clipping; print('tensorflow' in sys.modules)"
+)
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory):
+    """Every fresh process of this module, two at a time (2 CPU cores); each test reads its own."""
+    directory = tmp_path_factory.mktemp("saved")
+    paths = str(directory / "keras3.keras"), str(directory / "tf_keras.keras")
+    saving = run_jobs(
+        {
+            "keras3": lambda: _finish(_run(_KERAS3_RUN, None, *paths)),
+            "tf_keras": lambda: _finish(_run(_TF_KERAS_RUN, "True")),
+        }
+    )
+    # The load needs the files the Keras 3 process saved (only if it succeeded).
+    load = (
+        (lambda: _finish(_run(_LOAD, "0", *paths))) if saving["keras3"].exception() is None else saving["keras3"].result
+    )
+    rest = run_jobs(
+        {
+            "load": load,
+            "registration": lambda: _finish(_run(_REGISTRATION, None)),
+            "no_tensorflow": lambda: _finish(_run(_NO_TENSORFLOW, None)),
+        }
+    )
+    return {**saving, **rest}
+
+
+def test_each_environment_and_saved_models_name_the_right_classes(processes):
+    assert processes["keras3"].result().split()[-1] == "ok"
+    assert processes["tf_keras"].result().split()[-1] == "ok"
+    assert processes["load"].result().split()[-1] == "ok"
+
+
+def test_accounting_imports_without_tensorflow(processes):
+    assert processes["no_tensorflow"].result().strip() == "False"
+
+
+def test_registration_when_both_kerases_are_imported_before_keras_dpsgd(processes):
+    """See _REGISTRATION."""
+    assert processes["registration"].result().split()[-1] == "ok"
