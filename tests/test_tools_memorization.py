@@ -59,24 +59,25 @@ def test_noise_labels_are_balanced_so_a_constant_guess_is_at_chance():
 
 # ------------------------------------------------------------------ the test itself (small, fast)
 SHAPE, CLASSES = (8, 8, 1), 4
-BUILD = mlp_builder(SHAPE, CLASSES, width=256, keras_module=keras)  # tf_keras (Keras 3: test_keras3_memorization.py)
+BUILD = mlp_builder(SHAPE, CLASSES, width=256, keras_module=keras)  # tf_keras
 
 
-def test_distinguishes_memorizing_nonprivate_from_dp():
+def _noise_test(build=BUILD, **options):
+    """The memorization test (noise mode) of `build`'s model on SHAPE inputs and CLASSES classes."""
+    return memorization_test(build, input_shape=SHAPE, num_classes=CLASSES, **options)
+
+
+@pytest.mark.parametrize("front, epochs", [("tf_keras", 12), ("keras3", 8)])
+def test_distinguishes_memorizing_nonprivate_from_dp(front, epochs):
+    import keras as keras3
+
+    build = BUILD if front == "tf_keras" else mlp_builder(SHAPE, CLASSES, width=256, keras_module=keras3)
     dp = DPSettings(l2_norm_clip=1.0, noise_multiplier=8.0, batch_size=50, learning_rate=0.05)
     # 99.9% bounds: at 95% a fixed seed fails whenever a change to any random stream lands it among
     # the 5% of draws the test rejects by design (and DP at this ε still allows train accuracy a
     # little above chance: 0.25-0.27 on average over seeds here).
-    report = memorization_test(
-        BUILD,
-        input_shape=SHAPE,
-        num_classes=CLASSES,
-        dp=dp,
-        num_examples=200,
-        epochs=12,
-        nonprivate_learning_rate=0.01,
-        seed=5,
-        confidence=0.999,
+    report = _noise_test(
+        build, dp=dp, num_examples=200, epochs=epochs, nonprivate_learning_rate=0.01, seed=5, confidence=0.999
     )
     assert report.nonprivate_memorizes, report.summary()
     assert report.nonprivate.train_accuracy[-1] > 0.45
@@ -84,24 +85,22 @@ def test_distinguishes_memorizing_nonprivate_from_dp():
     assert report.conclusive and report.verdict.startswith("PASS")
     assert report.chance == pytest.approx(0.25)
     # Accounting of the (nominal) DP run: the optimizer's own counter, q = L/N.
-    steps = 12 * 4  # 4 lots per epoch
+    steps = epochs * 4  # 4 Poisson lots of expected size 50 per epoch of 200
     assert report.dp.noised_steps == steps
     assert report.dp.epsilon == pytest.approx(
         accounting.compute_epsilon(
             [accounting.PoissonSampledGaussianEvent(0.25, 8.0, steps)], accounting.default_delta(200)
-        )
+        ),
+        rel=1e-9,
     )
     d = json.loads(json.dumps(report.to_dict()))
     assert d["touches_real_data"] is False and "no real data" in d["privacy_note"]
-    assert len(d["dp"]["train_accuracy"]) == 12
+    assert len(d["dp"]["train_accuracy"]) == epochs
 
 
 def test_fail_verdict_when_the_private_run_memorizes():
     # A "DP" optimizer without noise (plain Adam) memorizes: the verdict must say the parameters are too weak.
-    report = memorization_test(
-        BUILD,
-        input_shape=SHAPE,
-        num_classes=CLASSES,
+    report = _noise_test(
         num_examples=200,
         epochs=12,
         nonprivate_learning_rate=0.01,
@@ -119,10 +118,7 @@ def test_inconclusive_when_the_nonprivate_run_does_not_memorize():
     # The untrained model's accuracy on random labels exceeds the 95% bound with probability 5%: fix
     # the initialization (unseeded, it failed about once in 20 runs).
     keras.utils.set_random_seed(0)
-    report = memorization_test(
-        BUILD,
-        input_shape=SHAPE,
-        num_classes=CLASSES,
+    report = _noise_test(
         dp=dp,
         num_examples=200,
         epochs=2,
@@ -168,9 +164,9 @@ def test_validation():
     with pytest.raises(ValueError, match="noise_multiplier"):
         DPSettings(noise_multiplier=-1)
     with pytest.raises(ValueError, match="delta must be < 1/num_examples"):
-        memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=100, delta=0.05)
+        _noise_test(num_examples=100, delta=0.05)
     with pytest.raises(ValueError, match="batch_size must be <="):
-        memorization_test(BUILD, input_shape=SHAPE, num_classes=CLASSES, num_examples=20, dp=DPSettings(batch_size=64))
+        _noise_test(num_examples=20, dp=DPSettings(batch_size=64))
 
 
 def test_cli_memorization_json(capsys):
