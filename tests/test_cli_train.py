@@ -8,7 +8,6 @@ import pytest
 
 from keras_dpsgd.accounting import (
     PoissonSampledGaussianEvent,
-    PrivacyLedger,
     compute_epsilon,
     compute_noise_multiplier,
     default_delta,
@@ -84,26 +83,8 @@ def test_given_sigma_stops_within_budget(capsys):
     assert eps_now <= 2.0 < eps_next
 
 
-def test_save_writes_model_and_privacy_report(capsys, tmp_path):
-    import keras  # the CLI's default: Keras 3
-
-    import keras_dpsgd.keras3  # noqa: F401 (registers the DP optimizer classes for loading)
-    from keras_dpsgd._datasets import load_digits
-
-    out = tmp_path / "run"
-    result, _ = _run_json(capsys, "--epochs", "1", "--save", str(out), "--delta", "1e-5")
-    assert result["saved_to"] == str(out)
-    with open(out / "privacy_report.json", encoding="utf-8") as f:
-        report = json.load(f)
-    assert report["delta"] == 1e-5 and report["epsilon"] == result["epsilon"]
-    ledger = PrivacyLedger.from_dict(report["ledger"])
-    assert compute_epsilon(ledger, 1e-5) == pytest.approx(result["epsilon"], rel=1e-9)
-    assert report["settings"]["noise_multiplier"] == result["noise_multiplier"]
-    assert result["keras"] == keras.__version__
-    model = keras.models.load_model(out / "model.keras", compile=False)
-    data = load_digits()
-    acc = np.mean(np.argmax(model.predict(data.x_test, verbose=0), axis=-1) == data.y_test)
-    assert acc == pytest.approx(result["test_accuracy"])
+# --save (model.keras and privacy_report.json: ledger, ε, δ, settings; the saved model's accuracy) on both
+# Kerases: the fresh-process runs of tests/test_keras3_cli.py.
 
 
 def test_text_output_has_summary(capsys):

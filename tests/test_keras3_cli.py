@@ -11,9 +11,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd._datasets import load_digits
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, PrivacyLedger, compute_epsilon
 from keras_dpsgd.cli._quiet import is_tensorflow_log_line
 from tests._parallel import run_jobs
 
@@ -80,8 +82,19 @@ def test_train_and_save_on_each_keras(trained, legacy):
     # The .keras file keeps the ledger: the loaded optimizer's steps give the same ε.
     from keras_dpsgd.ledger import model_epsilon
 
+    assert result["saved_to"] == str(out)
     with open(out / "privacy_report.json", encoding="utf-8") as f:
-        assert json.load(f)["epsilon"] == result["epsilon"]
+        report = json.load(f)
+    assert report["delta"] == 1e-4 and report["epsilon"] == result["epsilon"]
+    assert report["settings"]["noise_multiplier"] == sigma
+    # The report's ledger alone gives the run's ε.
+    assert compute_epsilon(PrivacyLedger.from_dict(report["ledger"]), 1e-4) == pytest.approx(
+        result["epsilon"], rel=1e-9
+    )
     model = keras.models.load_model(out / "model.keras")
     assert int(model.optimizer.noised_steps.numpy()) == steps
     assert model_epsilon(model, target_delta=1e-4)[0] == pytest.approx(result["epsilon"], rel=1e-9)
+    # The saved weights are the trained ones: they give the reported test accuracy.
+    data = load_digits()
+    accuracy = np.mean(np.argmax(model.predict(data.x_test, verbose=0), axis=-1) == data.y_test)
+    assert accuracy == pytest.approx(result["test_accuracy"])
