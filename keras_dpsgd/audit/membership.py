@@ -114,24 +114,20 @@ def _epsilon_bound(scores, member, delta, confidence, rng) -> float:
     s1, m1 = scores[half], member[half]
     best_t, best_eps = None, -1.0
     for t in np.unique(s1):
-        pred = s1 >= t
-        eps = statistics.epsilon_lower_bound_from_counts(
-            int(pred[m1].sum()),
-            int(m1.sum()),
-            int(pred[~m1].sum()),
-            int((~m1).sum()),
-            delta=delta,
-            confidence=confidence,
-        )
+        eps = _epsilon_at_threshold(s1, m1, t, delta, confidence)
         if eps > best_eps:
             best_t, best_eps = t, eps
-    s2, m2 = scores[~half], member[~half]
-    pred = s2 >= best_t
+    return _epsilon_at_threshold(scores[~half], member[~half], best_t, delta, confidence)
+
+
+def _epsilon_at_threshold(scores, member, threshold, delta, confidence) -> float:
+    """The ε lower bound of the guess "member iff score >= threshold", from its true and false positives."""
+    pred = scores >= threshold
     return statistics.epsilon_lower_bound_from_counts(
-        int(pred[m2].sum()),
-        int(m2.sum()),
-        int(pred[~m2].sum()),
-        int((~m2).sum()),
+        int(pred[member].sum()),
+        int(member.sum()),
+        int(pred[~member].sum()),
+        int((~member).sum()),
         delta=delta,
         confidence=confidence,
     )
