@@ -304,10 +304,10 @@ def _run_pair(
     seed=None,
     verbose=0,
 ):
-    dp = dp or DPSettings()
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.tools import _front
 
+    dp = dp or DPSettings()
     n = len(train[0])
     if dp.batch_size > n:
         raise ValueError(f"batch_size must be <= the number of examples {n}, got {dp.batch_size}")
