@@ -22,7 +22,8 @@ it downloads nothing.
 
 The defaults are the paper's; the README's "Abadi et al. 2016 on MNIST: paper vs
 keras_dpsgd" gives the tuned commands (large lots, flat clip 1, momentum 0.9, a
-larger step decaying over the whole run) and what changed the accuracy. ``--log
+larger step decaying over the whole run; at ε = 2 500 tanh units) and what
+changed the accuracy. ``--log
 FILE --run NAME`` appends the JSON object to FILE
 (benchmarks/results/mnist_paper_runs.jsonl holds every run made with it).
 ``--ema M`` evaluates Keras' moving average of the weights (post-processing, no

@@ -58,7 +58,8 @@ def test_mnist_smoke_counts_pca_and_steps(legacy, front_end, paper):
     else:
         assert eps == pytest.approx(2.0, rel=1e-2) and eps <= 2.0
     example = _load_example("mnist_dpsgd")
-    pca_noise = example.PRESETS["medium"][2] if paper else example.TUNED["medium"]["pca_noise"]
+    medium = example.PRESETS["medium"]
+    pca_noise = medium.paper_pca_noise if paper else medium.pca_noise
     expected = compute_epsilon([GaussianEvent(pca_noise), PoissonSampledGaussianEvent(0.25, sigma, steps)], delta)
     sgd_only = compute_epsilon(PoissonSampledGaussianEvent(0.25, sigma, steps), delta)
     assert eps == pytest.approx(expected, rel=1e-3) and eps > sgd_only
