@@ -1,45 +1,32 @@
-"""Child of tests/test_keras3_distribute.py: the Keras 3 DP step under a tf.distribute strategy.
+"""The Keras 3 DP step under a tf.distribute strategy: the checks of tests/test_keras3_distribute.py.
 
-``python keras3_distributed.py mirrored`` (one process, 2 logical CPU devices) or ``mwms`` (one
-of the workers of tests/_dist_helpers.run_workers). Runs every check once and writes the numbers
-as JSON; the test asserts on them.
+Run by ``tests/dist_scripts/strategy_child.py`` (one process with 2 logical CPU devices under a
+MirroredStrategy, or one of the workers of ``tests/_dist_helpers.run_workers`` under a
+MultiWorkerMirroredStrategy): :func:`run` runs every check once on the process's strategy and
+returns the numbers; the test asserts on them.
 """
 
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _dist_helpers  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-_dist_helpers.child_setup()
+import keras_dpsgd.keras3 as k3
+from _keras3_helpers import loop_clipped_mean
+from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import keras_dpsgd.keras3 as k3  # noqa: E402
-from _keras3_helpers import loop_clipped_mean  # noqa: E402
-from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon  # noqa: E402
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon  # noqa: E402
-
-keras.config.disable_traceback_filtering()
-MODE = sys.argv[1]
-ONLY = sys.argv[2:]  # debugging: run only these checks
-if MODE == "mirrored":
-    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
-    WORKERS, WORKER = 1, 0
-else:
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    WORKERS, WORKER = strategy.cluster_resolver.cluster_spec().num_tasks("worker"), strategy.cluster_resolver.task_id
-R = strategy.num_replicas_in_sync
-LOCAL = R // WORKERS
 LR, CLIP, B = 0.5, 0.3, 8
 rng = np.random.default_rng(0)
 X = rng.normal(size=(B, 5)).astype("float32")
 Y = rng.normal(size=(B, 2)).astype("float32")
-result = {"replicas": R, "workers": WORKERS, "worker": WORKER}
+# Set by run(): the process's strategy, its mode and this worker's place in the cluster.
+strategy = MODE = None
+R = LOCAL = WORKERS = WORKER = 0
+result: dict = {}
 
 
 def _model(reg=None):
@@ -317,10 +304,24 @@ CHECKS = {
     "example": example,
 }
 # Under several workers only what differs from one machine (the rest is the same code, run mirrored).
-DEFAULT = list(CHECKS) if MODE == "mirrored" else ["flat", "noise_unseeded", "ledger"]
-result["cpu_seconds"] = {"start": time.process_time()}
-for name, check in CHECKS.items():
-    if name in (ONLY or DEFAULT):
-        check()
-        result["cpu_seconds"][name] = time.process_time()
-_dist_helpers.write_result(result)
+WORKER_CHECKS = ["flat", "noise_unseeded", "ledger"]
+
+
+def run(process_strategy: tf.distribute.Strategy, mode: str, only=()) -> dict:
+    """Runs the checks of `mode` ("mirrored": all; "mwms": WORKER_CHECKS) under `process_strategy`."""
+    global strategy, MODE, R, LOCAL, WORKERS, WORKER, result
+    keras.config.disable_traceback_filtering()
+    strategy, MODE = process_strategy, mode
+    if mode == "mirrored":
+        WORKERS, WORKER = 1, 0
+    else:
+        resolver = strategy.cluster_resolver
+        WORKERS, WORKER = resolver.cluster_spec().num_tasks("worker"), resolver.task_id
+    R = strategy.num_replicas_in_sync
+    LOCAL = R // WORKERS
+    result = {"replicas": R, "workers": WORKERS, "worker": WORKER, "cpu_seconds": {"start": time.process_time()}}
+    for name, check in CHECKS.items():
+        if name in (only or (list(CHECKS) if mode == "mirrored" else WORKER_CHECKS)):
+            check()
+            result["cpu_seconds"][name] = time.process_time()
+    return result
