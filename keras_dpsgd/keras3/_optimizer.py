@@ -44,6 +44,10 @@ from keras_dpsgd._sanitizer import (
 
 __all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
 
+# Hook implementations whose own release is split across replicas like the gradient's noise, by
+# hook name (adaptive clipping's norm queries: keras_dpsgd.keras3._adaptive registers them).
+SPLIT_HOOKS: dict[str, Any] = {}
+
 NOT_PRIVATE_MESSAGE = (
     "{cls}.apply got gradients that did not come from its sanitizer: on Keras 3 the model's train "
     "step computes the private gradient, and this model's train step is not private (training on "
@@ -265,7 +269,12 @@ class DPKeras3Mixin:
         sigmas = self._dp.noise_multiplier
         self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(variables)
         self.clip_bounds = self.add_variable(
-            (len(bounds),), initializer=keras.initializers.Constant(bounds), dtype="float32", name="clip_bounds"
+            (len(bounds),),
+            initializer=keras.initializers.Constant(bounds),
+            dtype="float32",
+            # Set in replica context by adaptive clipping, to the same value on every replica.
+            aggregation="only_first_replica",
+            name="clip_bounds",
         )
         if self._dp.accumulation > 1:
             # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
@@ -406,11 +415,12 @@ class DPKeras3Mixin:
                     f"noise; set {option}=None (the DP step clips per example with l2_norm_clip)"
                 )
         for hook in ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step"):
-            if getattr(type(self), hook) is not getattr(DPKeras3Mixin, hook):
+            if getattr(type(self), hook) not in (getattr(DPKeras3Mixin, hook), SPLIT_HOOKS.get(hook)):
                 raise ValueError(
-                    f"{name} overrides {hook} (adaptive clipping, gradient canaries, ...): its own release is not "
+                    f"{name} overrides {hook} (gradient canaries, a hook of its own, ...): its own release is not "
                     f"split across the {_distribute.num_replicas()} replicas of the strategy, which is supported "
-                    "for the plain DP optimizers only; train it on one device (no strategy, or OneDeviceStrategy)"
+                    "for the plain DP optimizers and adaptive clipping only; train it on one device (no strategy, "
+                    "or OneDeviceStrategy)"
                 )
 
     def _group_bounds(self) -> tf.Tensor:
@@ -484,7 +494,7 @@ class DPKeras3Mixin:
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``), drawn like the gradient's
         noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, self._noise_key(index), dtype)
+        return _noise.standard_normal(shape, _distribute.replica_key(self._noise_key(index)), dtype)
 
     def _noise_key(self, index: int) -> tf.Tensor:
         if self._seed is None:
