@@ -14,6 +14,8 @@ keras3_checkpoints.py run every check and return JSON); the tests below assert o
 * BackupAndRestore and a .keras file keep the ledger (MirroredStrategy); with 2 workers,
   keras_dpsgd.keras3.BackupAndRestore (the chief writes) resumes a relaunched cluster with each
   global step counted once, and refuses workers that restored different states;
+* adaptive clipping: its norm queries split like the gradient's noise (σ = 0: the next bounds
+  are the one-device ones; ε the accountant's for σ_eff);
 * what the noise split does not cover is refused under R > 1;
 * examples/multi_worker.py --smoke runs (in the mirrored process).
 """
@@ -124,6 +126,20 @@ def test_backup_and_restore_and_keras_files_keep_the_ledger(mirrored):
     assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12)
 
 
+def test_adaptive_clipping_splits_its_norm_queries_across_replicas(mirrored, workers):
+    for where, run in _both(mirrored, workers).items():
+        out = run["adaptive"]
+        # σ = σ_l2 = 0: the next bounds and the weights are the one-device step's.
+        assert out["bounds_error"] < 1e-6 and out["bounds_moved"] > 1e-3, (where, out)
+        assert out["weights_error"] < 1e-6, (where, out)
+        # Noised: 2 lots counted once each, at σ_eff of the gradient and the norm queries composed.
+        assert out["noised_steps"] == 2, where
+        assert out["epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
+        assert all(b == out["noised_bounds"] for b in out["replica_bounds"]), where  # one bound per replica alike
+    # One noised release, summed once: every worker sets the same next bounds.
+    assert workers[0]["adaptive"]["noised_bounds"] == workers[1]["adaptive"]["noised_bounds"]
+
+
 def test_two_workers_back_up_once_and_resume_a_relaunched_cluster():
     runs = strategy_runs()
     main = [w["keras3_checkpoints"] for w in runs["workers"]]
@@ -143,7 +159,8 @@ def test_two_workers_back_up_once_and_resume_a_relaunched_cluster():
 @pytest.mark.parametrize(
     "what, match",
     [
-        ("adaptive", "overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+        ("hook", "_Hooked overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+        ("adaptive_hook", "_HookedAdaptive overrides on_noised_step .* not split across the 2 replicas"),
         ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
         ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
     ],

@@ -249,12 +249,78 @@ def checkpoints():
     }
 
 
+def adaptive():
+    """Adaptive clipping under R replicas (the norm queries split like the gradient's noise).
+
+    σ = σ_l2 = 0, one lot: the next bounds and the weights equal the one-device step's. Noised
+    (σ = 1, σ_l2 = 2), 2 lots: ε is the accountant's for σ_eff (gradient and norm queries composed).
+    """
+    bounds, q = [0.2, 0.1, 0.3, 0.05], 0.05
+
+    def build(sigma, norm_sigma):
+        model = k3.make_private(_model())
+        opt = k3.AdaptiveDPSGDOptimizer(
+            l2_norm_clip=bounds,
+            noise_multiplier=sigma,
+            norm_noise_multiplier=norm_sigma,
+            learning_rate=LR,
+            expected_lot_size=B,
+            sampling_rate=q,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        return model, opt
+
+    with strategy.scope():
+        model, opt = build(0.0, 0.0)
+    model.fit(_global_batches(X, Y, B), epochs=1, steps_per_epoch=1, verbose=0)
+    single, single_opt = build(0.0, 0.0)
+    single.fit(X, Y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    x2 = np.concatenate([X, X[::-1]])
+    y2 = np.concatenate([Y, Y[::-1]])
+    with strategy.scope():
+        noised, noised_opt = build(1.0, 2.0)
+    noised.fit(_global_batches(x2, y2, B), epochs=1, steps_per_epoch=2, verbose=0)
+    sigma_eff = noised_opt.effective_noise_multiplier
+    result["adaptive"] = {
+        "bounds": opt.clip_bounds.numpy().tolist(),
+        "bounds_error": float(np.max(np.abs(opt.clip_bounds.numpy() - single_opt.clip_bounds.numpy()))),
+        "bounds_moved": float(np.max(np.abs(opt.clip_bounds.numpy() - np.array(bounds)))),
+        "weights_error": max(
+            float(np.max(np.abs(a.numpy() - b.numpy())))
+            for a, b in zip(model.trainable_variables, single.trainable_variables)
+        ),
+        "noised_steps": int(noised_opt.noised_steps.numpy()),
+        "noised_bounds": noised_opt.clip_bounds.numpy().tolist(),
+        "replica_bounds": [
+            v.numpy().tolist() for v in strategy.experimental_local_results(noised_opt.clip_bounds.value)
+        ],
+        "epsilon": model_epsilon(noised, target_delta=1e-5)[0],
+        "expected_epsilon": compute_epsilon([PoissonSampledGaussianEvent(q, sigma_eff, 2)], 1e-5),
+        "sigma_eff": sigma_eff,
+    }
+
+
+class _Hooked(k3.DPSGDOptimizer):
+    """A hook of its own (as gradient canaries have): its release would not be split across replicas."""
+
+    def on_per_example_sq_norms(self, sq_norms):
+        pass
+
+
+class _HookedAdaptive(k3.AdaptiveDPSGDOptimizer):
+    """Adaptive clipping with a hook overridden again: no longer the split release."""
+
+    def on_noised_step(self, num_examples):
+        super().on_noised_step(num_examples)
+
+
 def refusals():
     out = {}
     with strategy.scope():
         for name, make in {
-            "adaptive": lambda: k3.AdaptiveDPSGDOptimizer(
-                l2_norm_clip=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
+            "hook": lambda: _Hooked(l2_norm_clip=1.0, noise_multiplier=1.0),
+            "adaptive_hook": lambda: _HookedAdaptive(
+                l2_norm_clip=[1.0] * 4, noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
             ),
             "clipnorm": lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, clipnorm=1.0),
             "accumulation": lambda: k3.DPSGDOptimizer(
@@ -299,12 +365,13 @@ CHECKS = {
     "noise_seeded": lambda: noise_std("noise_seeded_per_layer", seed=4, per_layer=True),
     "noise_unseeded": lambda: noise_std("noise_unseeded", seed=None),
     "ledger": ledger_and_callbacks,
+    "adaptive": adaptive,
     "checkpoints": lambda: checkpoints(),
     "refusals": refusals,
     "example": example,
 }
 # Under several workers only what differs from one machine (the rest is the same code, run mirrored).
-WORKER_CHECKS = ["flat", "noise_unseeded", "ledger"]
+WORKER_CHECKS = ["flat", "noise_unseeded", "ledger", "adaptive"]
 
 
 def run(process_strategy: tf.distribute.Strategy, mode: str, only=()) -> dict:

@@ -23,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 MODE, DIRECTORY = sys.argv[1], sys.argv[2]
 PHASE = sys.argv[3] if len(sys.argv) > 3 else "main"
 ONLY = os.environ.get("KERAS_DPSGD_DIST_ONLY", "")  # debugging: "keras3", "tf_keras" or "replicas"
+CHECKS = [c for c in os.environ.get("KERAS_DPSGD_DIST_CHECKS", "").split(",") if c]  # debugging: keras3 checks
 
 
 def main() -> dict:
@@ -38,13 +39,13 @@ def main() -> dict:
         parts = {
             "replicas": lambda: distribute_replicas.run(strategy),
             "tf_keras": lambda: tf_keras_checks.mirrored_checks(strategy, DIRECTORY),
-            "keras3": lambda: keras3_distributed.run(strategy, MODE),
+            "keras3": lambda: keras3_distributed.run(strategy, MODE, CHECKS),
         }
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         parts = {
             "tf_keras": lambda: tf_keras_checks.worker_checks(strategy, DIRECTORY, PHASE),
-            "keras3": lambda: keras3_distributed.run(strategy, MODE) if PHASE == "main" else {},
+            "keras3": lambda: keras3_distributed.run(strategy, MODE, CHECKS) if PHASE == "main" else {},
             "keras3_checkpoints": lambda: keras3_checkpoints.run(strategy, DIRECTORY, PHASE),
         }
     result["cpu_seconds"] = {"start": time.process_time()}  # where the time goes (not asserted)
