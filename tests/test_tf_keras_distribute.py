@@ -99,7 +99,9 @@ def test_workers_step_noise_and_epsilon(workers):
         assert p["noised_steps"] == 3 and p["expected_lot_size"] == 8.0  # the global L = qN
         assert p["epsilon"] == pytest.approx(p["truth"], rel=1e-9)
         assert "fit would split each of its batches over 2 steps" in p["refused"]
+    # The one-device step on the chief; every worker holds the same weights after each step.
     assert {"flat", "accumulation"} <= {v for v, s in workers[0]["steps"].items() if "vs_one_device" in s}
+    assert workers[0]["weights"] == workers[1]["weights"]
     # One update, applied identically on every worker.
     assert workers[0]["noise"]["head"] == workers[1]["noise"]["head"]
     assert workers[0]["poisson"]["weights"] == workers[1]["poisson"]["weights"]

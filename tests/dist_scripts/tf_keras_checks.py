@@ -312,6 +312,7 @@ def _steps(strategy: tf.distribute.Strategy, variants, one_device=("flat",)) -> 
         xv, yv = (x3, y3) if variant == "accumulation" else (x, y)
         distributed = one_step(strategy, variant, xv, yv)
         steps[variant] = {
+            "weights": float(sum(np.sum(w, dtype=np.float64) for w in distributed)),
             "vs_oracle": max_diff(distributed, oracle_step(variant, xv, yv)),
             "moved": max_diff(distributed, [w.numpy() for w in _model().trainable_variables]),
             **LAST_COUNTS,
@@ -330,6 +331,8 @@ def mirrored_checks(strategy: tf.distribute.Strategy, directory: str) -> dict:
     result = {"replicas": strategy.num_replicas_in_sync}
     variants = ("flat", "per_layer", "make_private", "accumulation")
     result["steps"] = _steps(strategy, variants, one_device=("flat", "make_private"))
+    for step in result["steps"].values():
+        step.pop("weights")
     seeded = noise_std(strategy, seed=7, accumulation=2)
     result["noise"] = {
         "expected_std": 1.0 * 1.0 / 8.0,
@@ -359,7 +362,11 @@ def worker_checks(strategy: tf.distribute.MultiWorkerMirroredStrategy, directory
     if phase == "resume":
         result["resumed"] = backup_resume(strategy, backup)
         return result
-    result["steps"] = _steps(strategy, ("flat", "realized", "accumulation"), one_device=("flat", "accumulation"))
+    # The one-device steps on the chief only (the same computation on every worker; the weights after the
+    # distributed step are compared across the workers by the test).
+    one_device = ("flat", "accumulation") if worker == 0 else ()
+    result["steps"] = _steps(strategy, ("flat", "realized", "accumulation"), one_device=one_device)
+    result["weights"] = {v: s.pop("weights") for v, s in result["steps"].items()}
     noise = noise_std(strategy, seed=7)
     result["noise"] = {
         "expected_std": 1.0 / 8.0,
