@@ -63,6 +63,13 @@ def worker_index() -> int:
     return int(config.get("task", {}).get("index", 0))
 
 
+def barrier(strategy) -> None:
+    """In a child: returns once every replica of `strategy` got here (a SUM all-reduce)."""
+    import tensorflow as tf
+
+    strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([])))
+
+
 # ---------------------------------------------------------------- in the test
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports free on 127.0.0.1 now (bound and released together)."""

@@ -16,6 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_dpsgd.keras3 as k3
+from _dist_helpers import barrier
 from keras3_distributed import _model
 from keras_dpsgd import PoissonLots, model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
@@ -70,6 +71,7 @@ def run(strategy: tf.distribute.Strategy, directory: str, phase: str) -> dict:
             _fit(strategy, backup, [interrupt])
         except RuntimeError:
             pass
+        barrier(strategy)  # every worker past the interruption: the chief's last save is complete
         return {"interrupted_steps": interrupt.steps, "backup_files": sorted(os.listdir(backup))}
     out = {}
     try:  # worker 1 does not see the chief's backup: every worker refuses to start
@@ -78,6 +80,7 @@ def run(strategy: tf.distribute.Strategy, directory: str, phase: str) -> dict:
     except ValueError as err:
         out["mismatch"] = str(err)
     model = _fit(strategy, backup)
+    barrier(strategy)  # every worker past the end of its fit: the chief has removed the backup
     q = _lots(strategy).sampling_rate
     out.update(
         resumed_steps=int(model.optimizer.noised_steps.numpy()),

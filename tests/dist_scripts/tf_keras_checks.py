@@ -15,6 +15,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 import keras_dpsgd.tf_keras as kt
+from _dist_helpers import barrier
 from keras_dpsgd import ledger
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
@@ -205,11 +206,6 @@ def backup_interrupt(strategy: tf.distribute.Strategy, directory: str) -> dict:
     return dict(interrupt.seen, truth=_truth(BACKUP_STEPS))
 
 
-def _barrier(strategy: tf.distribute.Strategy) -> None:
-    """Returns once every replica got here (a SUM all-reduce)."""
-    strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([])))
-
-
 def backup_resume(strategy: tf.distribute.Strategy, directory: str) -> dict:
     """A fresh model and optimizer resume the interrupted fit from `directory`: noised_steps,
     iterations, the ledger's and PrivacyLogger's ε against the accountant's for 2k steps at (q, σ);
@@ -228,7 +224,7 @@ def backup_resume(strategy: tf.distribute.Strategy, directory: str) -> dict:
         "logged_epsilon": float(history.history["epsilon"][-1]),
         "truth": _truth(2 * BACKUP_STEPS),
     }
-    _barrier(strategy)  # every worker past the chief's save: then each loads the chief's file
+    barrier(strategy)  # every worker past the chief's save: then each loads the chief's file
     with strategy.scope():
         loaded = keras.models.load_model(saved)
     out["loaded_steps"] = int(loaded.optimizer.noised_steps.numpy())
