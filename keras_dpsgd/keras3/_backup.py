@@ -99,15 +99,17 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             # variables (a collective broadcast from the chief), which every worker must run alike.
             optimizer.build(self.model.trainable_variables)
         super().on_train_begin(logs)
-        counts = [float(getattr(self.model, "_initial_epoch", None) or 0), float(optimizer.iterations.numpy())]
+        counts = {"epoch": float(getattr(self.model, "_initial_epoch", None) or 0)}
+        if optimizer is not None:
+            counts["iterations"] = float(optimizer.iterations.numpy())
         if isinstance(optimizer, DPKeras3Mixin):
-            counts.append(float(optimizer.noised_steps.numpy()))
-        if not _same_on_every_replica(strategy, counts):
+            counts["noised_steps"] = float(optimizer.noised_steps.numpy())
+        if not _same_on_every_replica(strategy, list(counts.values())):
             raise ValueError(
                 f"BackupAndRestore: the workers restored different training states from {self.backup_dir!r} "
                 "(epoch, steps): every worker must read the chief's backup directory (a shared file system, "
                 "or a copy of the chief's directory on each machine). This worker restored "
-                f"(epoch, iterations{', noised_steps' if len(counts) == 3 else ''}) = {tuple(int(c) for c in counts)}."
+                f"({', '.join(counts)}) = {tuple(int(c) for c in counts.values())}."
             )
 
     def _save_model(self):
