@@ -1,14 +1,16 @@
 """The one place that builds a private optimizer class, for both front ends (tf_keras, Keras 3).
 
 Each front end checks that the class it is given belongs to its Keras and passes its own sanitizer
-mixin, module name, docstring and registration function; the constructor, the cache (the same
-class for the same optimizer class) and the registration are shared. No Keras is imported here.
+mixin, module name, docstring and registration function; the constructor (its DP arguments are
+checked once, by ``keras_dpsgd._dp_settings``), the cache (the same class for the same optimizer
+class) and the registration are shared. No Keras is imported here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from keras_dpsgd._dp_settings import check_settings
 from keras_dpsgd._tfp_compat import check_num_microbatches
 
 
@@ -25,19 +27,18 @@ def init_private(
     num_microbatches: None,
     base_kwargs: dict[str, Any],
 ) -> None:
-    """Constructs a private optimizer: refuses microbatches, runs the Keras ``__init__``, then ``_init_dp``.
+    """Constructs a private optimizer: checks the DP arguments, runs the Keras ``__init__``, then ``_init_dp``.
 
     Args:
       optimizer: the optimizer being constructed (its class has a sanitizer mixin).
       base_init: the Keras optimizer's ``__init__``, bound to `optimizer`.
       l2_norm_clip, noise_multiplier, gradient_accumulation_steps, expected_lot_size, sampling_rate,
-        per_example_backend, seed: passed to ``_init_dp``.
+        per_example_backend, seed: the DP arguments (``keras_dpsgd._dp_settings.check_settings``).
       num_microbatches: None only (refused otherwise).
       base_kwargs: the keywords of the Keras optimizer.
     """
     check_num_microbatches(num_microbatches)
-    base_init(**base_kwargs)
-    optimizer._init_dp(
+    state = check_settings(
         l2_norm_clip,
         noise_multiplier,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -46,6 +47,8 @@ def init_private(
         per_example_backend=per_example_backend,
         seed=seed,
     )
+    base_init(**base_kwargs)
+    optimizer._init_dp(state)
 
 
 def make_dp_class(

@@ -68,21 +68,18 @@ apart (``keras_dpsgd._tf_keras_step``); activity regularizers and other
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Sequence
 
 import tensorflow as tf
 
 from keras_dpsgd import _distribute, _noise, _step, ledger
-from keras_dpsgd import _validate as V
-from keras_dpsgd.accounting.events import composed_noise_multiplier
+from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
 from keras_dpsgd._per_example import (
     find_calling_model,
     per_example_loss,
     refuse_example_mixing,
-    resolve_backend,
 )
 
 _LOG = logging.getLogger("keras_dpsgd")
@@ -106,87 +103,6 @@ class _EpochBoundary:
         if hook is not None and ledger.fit_frame(model, max_depth=2) is not None:
             hook(model)
         return type(model).reset_metrics(model)
-
-
-def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, float]:
-    """Validates a flat (float), per-variable (list) or by-name (dict) bound."""
-    if isinstance(l2_norm_clip, dict):
-        if not l2_norm_clip:
-            raise ValueError("l2_norm_clip must not be an empty dict")
-        return {str(k): V.positive(**{f"l2_norm_clip[{k!r}]": v}) for k, v in l2_norm_clip.items()}
-    if isinstance(l2_norm_clip, (list, tuple)):
-        if not l2_norm_clip:
-            raise ValueError("l2_norm_clip must not be an empty list")
-        return [V.positive(**{f"l2_norm_clip[{i}]": v}) for i, v in enumerate(l2_norm_clip)]
-    return V.positive(l2_norm_clip=l2_norm_clip)
-
-
-def check_noise_multiplier(noise_multiplier: Any, l2_norm_clip: Any) -> float | list[float]:
-    """Validates σ: a float, or one per variable (per-layer clipping only)."""
-    if isinstance(noise_multiplier, (list, tuple)):
-        if not isinstance(l2_norm_clip, list):
-            raise ValueError(
-                "noise_multiplier may be a list only with a list l2_norm_clip (one entry per "
-                f"trainable variable, same order); got noise_multiplier={noise_multiplier!r} "
-                f"with l2_norm_clip={l2_norm_clip!r}"
-            )
-        if len(noise_multiplier) != len(l2_norm_clip):
-            raise ValueError(
-                f"noise_multiplier must have one entry per clip bound ({len(l2_norm_clip)}), "
-                f"got {len(noise_multiplier)}"
-            )
-        return [V.nonnegative(**{f"noise_multiplier[{i}]": s}) for i, s in enumerate(noise_multiplier)]
-    return V.nonnegative(noise_multiplier=noise_multiplier)
-
-
-def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
-    """σ_eff = (Σ_v 1/σ_v²)^(-1/2) of a per-variable Gaussian step (0 if any σ_v is 0).
-
-    :func:`keras_dpsgd.accounting.composed_noise_multiplier`, the one place σ_eff is computed.
-    """
-    return composed_noise_multiplier(noise_multipliers)
-
-
-def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple[float, ...]:
-    """σ of each Gaussian release of one step: one per clipping group (flat clipping: one)."""
-    if isinstance(l2_norm_clip, float):
-        return (noise_multiplier,)
-    if isinstance(noise_multiplier, list):
-        return tuple(noise_multiplier)
-    return (noise_multiplier,) * len(l2_norm_clip)
-
-
-def check_lot_size(value: Any) -> float | None:
-    """expected_lot_size: None or a finite number > 0 (both front ends)."""
-    return None if value is None else V.positive(expected_lot_size=value)
-
-
-def check_sampling_rate(value: Any) -> float | None:
-    """sampling_rate: None or a number in (0, 1] (both front ends)."""
-    return None if value is None else V.in_range(0, 1, "(]", sampling_rate=value)
-
-
-def check_seed(value: Any) -> int | None:
-    """seed: None or an int64 (both front ends)."""
-    return None if value is None else V.integer_in_range(-(2**63), 2**63 - 1, seed=value)
-
-
-def check_accumulation_steps(value: Any) -> int:
-    """gradient_accumulation_steps: an integer >= 1 (both front ends)."""
-    return V.integer_at_least(1, gradient_accumulation_steps=value)
-
-
-def check_dp_settings(
-    l2_norm_clip: Any, noise_multiplier: Any, per_example_backend: str, sampling_rate: float | None
-) -> tuple[Any, Any, Any, float | None]:
-    """The checked DP settings shared by both front ends: (clip bounds, σ, per-example backend, q).
-
-    Raises:
-      ValueError: naming the first argument out of range (in the order of the signature).
-    """
-    clip = check_l2_norm_clip(l2_norm_clip)
-    sigma = check_noise_multiplier(noise_multiplier, clip)
-    return clip, sigma, resolve_backend(per_example_backend), check_sampling_rate(sampling_rate)
 
 
 def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
@@ -219,131 +135,40 @@ def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[
     return [l2_norm_clip[n] if n in l2_norm_clip else l2_norm_clip[n[:-2]] for n in names]
 
 
-class DPSanitizerMixin:
+class DPSanitizerMixin(DPSettingsMixin):
     """DP-SGD sanitizer for a tf_keras (2.11+) optimizer; put before the optimizer class.
 
     ``keras_dpsgd._dp_classes.init_private`` constructs it (``DPSGDOptimizer`` and the classes of
-    ``make_dp_optimizer``): the tf_keras ``__init__`` first, then ``_init_dp``.
+    ``make_dp_optimizer``): the DP arguments checked, the tf_keras ``__init__``, then ``_init_dp``.
+    The settings' properties and ``get_config`` are shared with Keras 3 (``DPSettingsMixin``).
     """
 
     # ----------------------------------------------------------------- setup
-    def _init_dp(
-        self,
-        l2_norm_clip: Any,
-        noise_multiplier: Any,
-        gradient_accumulation_steps: int = 1,
-        expected_lot_size: float | None = None,
-        sampling_rate: float | None = None,
-        per_example_backend: str = "auto",
-        seed: int | None = None,
-    ) -> None:
-        clip, sigma, backend, self._sampling_rate = check_dp_settings(
-            l2_norm_clip, noise_multiplier, per_example_backend, sampling_rate
-        )
-        # NoDependency: plain lists/dicts (not trackable wrappers) in get_config.
-        self._l2_norm_clip = self._no_dependency(clip)
-        self._noise_multiplier = self._no_dependency(sigma)
-        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
-        self._seed = check_seed(seed)
-        self.per_example_backend = per_example_backend
-        self._backend = self._no_dependency(backend)
+    def _init_dp(self, state: DPState) -> None:
+        """Stores the checked DP settings (`state`) and makes the optimizer's saved variables."""
+        self._init_dp_state(state)
         with tf.init_scope():
-            self.noised_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="noised_steps")
-            # A count over the private data, not noised: a local diagnostic outside
-            # the ledger, never saved (untracked, not in `_variables`).
-            # Under a strategy: each replica counts its own examples, a read sums them (ON_READ, SUM).
-            self.nonfinite_examples = self._no_dependency(
-                tf.Variable(
-                    0,
-                    dtype=tf.int64,
-                    trainable=False,
-                    name="nonfinite_examples",
-                    synchronization=tf.VariableSynchronization.ON_READ,
-                    aggregation=tf.VariableAggregation.SUM,
-                )
-            )
-            # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger): the .keras
-            # format saves optimizer variables but not the ledger's segments.
-            self.ledger_max_sampling_rate = tf.Variable(
-                0.0, dtype=tf.float64, trainable=False, name="ledger_max_sampling_rate"
-            )
-            self.ledger_min_noise_multiplier = tf.Variable(
-                math.inf, dtype=tf.float64, trainable=False, name="ledger_min_noise_multiplier"
-            )
-            # Mirrors expected_lot_size for the traced step (0 = unset). Not
-            # checkpointed: the Python attribute is the source of truth.
-            self._lot_size = self._no_dependency(tf.Variable(0.0, trainable=False, name="expected_lot_size"))
-            # Fresh OS entropy per process, never checkpointed: restoring a
-            # checkpoint twice must not replay the same noise.
-            if seed is None:
-                self._generator = self._no_dependency(tf.random.Generator.from_non_deterministic_state())
+            self.noised_steps = self.add_variable([], tf.int64, name="noised_steps")
+            # The worst (q, σ_eff) the ledger has charged: the .keras format saves optimizer
+            # variables but not the ledger's segments (keras_dpsgd.ledger).
+            self.ledger_max_sampling_rate, self.ledger_min_noise_multiplier = ledger.add_bound_variables(self)
         self._ledger_bounds = self._no_dependency([self.ledger_max_sampling_rate, self.ledger_min_noise_multiplier])
-        self._variables.extend([self.noised_steps, *self._ledger_bounds])
-        self.expected_lot_size = expected_lot_size
-        self._sanitized_grads = self._no_dependency([])
-        self.discarded_lots = 0
-        self.discarded_batches = 0
         # The ledger's copy on the optimizer exists from the start, so a checkpoint
         # restores it at once (no deferred read of a file that may be gone).
         ledger.ledger_state_holders(None, self)
 
     @property
-    def l2_norm_clip(self):
-        return self._l2_norm_clip
-
-    @property
-    def noise_multiplier(self):
-        return self._noise_multiplier
-
-    @property
-    def seed(self) -> int | None:
-        return self._seed
-
-    @property
-    def per_layer_clipping(self) -> bool:
-        return not isinstance(self._l2_norm_clip, float)
-
-    @property
-    def release_noise_multipliers(self) -> tuple[float, ...]:
-        """σ of each Gaussian release of one step (one per clipping group), as the ledger records it."""
-        return release_noise_multipliers(self._l2_norm_clip, self._noise_multiplier)
-
-    @property
-    def effective_noise_multiplier(self) -> float:
-        """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable).
-
-        Per-layer clipping with V variables and one σ gives σ/√V.
-        """
-        return composed_noise_multiplier(self.release_noise_multipliers)
-
-    @property
-    def expected_lot_size(self) -> float | None:
-        return self._expected_lot_size
-
-    @expected_lot_size.setter
-    def expected_lot_size(self, value: float | None) -> None:
-        self._expected_lot_size = check_lot_size(value)
-        self._lot_size.assign(0.0 if value is None else float(value))
-
-    @property
-    def sampling_rate(self) -> float | None:
-        return self._sampling_rate
-
-    @sampling_rate.setter
-    def sampling_rate(self, value: float | None) -> None:
-        """A new q (both front ends): the steps already taken at the old q stay charged at least at it."""
-        new = check_sampling_rate(value)
-        if self._sampling_rate is not None and new != self._sampling_rate:
-            ledger.note_sampling_rate_change(self, self._sampling_rate)
-        self._sampling_rate = new
+    def gradient_accumulation_steps(self) -> int:
+        """k: batches per lot (clipped sums accumulated by ``minimize``, released once per lot)."""
+        return self._dp.accumulation
 
     def build(self, var_list):
         if getattr(self, "_built", False):
             return
         super().build(var_list)
-        bounds = _resolve_bounds(self._l2_norm_clip, var_list)
-        sigmas = self._noise_multiplier
-        self._sigmas = self._no_dependency(list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list))
+        bounds = _resolve_bounds(self._dp.l2_norm_clip, var_list)
+        sigmas = self._dp.noise_multiplier
+        self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list)
         self.clip_bounds = tf.Variable(bounds, dtype=tf.float32, trainable=False, name="clip_bounds")
         self._variables.append(self.clip_bounds)
         if self.gradient_accumulation_steps > 1:
@@ -439,7 +264,7 @@ class DPSanitizerMixin:
         """With Poisson lots (known q), fit's steps_per_epoch must hold whole lots."""
         k = self.gradient_accumulation_steps
         steps = self._fit_steps_per_epoch(model)
-        if self._sampling_rate is not None and steps is not None and steps % k:
+        if self._dp.sampling_rate is not None and steps is not None and steps % k:
             raise ValueError(
                 f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
                 f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
@@ -453,7 +278,7 @@ class DPSanitizerMixin:
         if self._first_epoch_of_fit(model):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
             return
-        if self.discard_partial_lot("at the end of an epoch") and self._sampling_rate is not None:
+        if self.discard_partial_lot("at the end of an epoch") and self._dp.sampling_rate is not None:
             raise ValueError(
                 "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
                 "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
@@ -478,23 +303,10 @@ class DPSanitizerMixin:
         self.discard_partial_lot("at the end of fit")
         return super().finalize_variable_values(var_list)
 
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        config.update(
-            l2_norm_clip=self._l2_norm_clip,
-            noise_multiplier=self._noise_multiplier,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            expected_lot_size=self._expected_lot_size,
-            sampling_rate=self._sampling_rate,
-            per_example_backend=self.per_example_backend,
-            seed=self._seed,
-        )
-        return config
-
     # ------------------------------------------------------ sanitizer steps
     def _clip_groups(self) -> list[int]:
         """The clipping group of each variable (``_step.clip_groups``): flat clipping is one group."""
-        return _step.clip_groups(len(self._sigmas), self.per_layer_clipping)
+        return _step.clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
 
     def _group_bounds(self) -> tf.Tensor:
         """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
@@ -537,20 +349,20 @@ class DPSanitizerMixin:
     # of its own, which must be noised and charged (``release_noise_multipliers``).
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """Step 4, overridable: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
-        stds = _step.noise_stddevs(self._sigmas, self._group_bounds(), self._clip_groups())
+        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
         stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (``_distribute``)
         return [
-            s if self._sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
+            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
             for v, s in enumerate(summed)
         ]
 
     def _noise_seed(self, index: int) -> tf.Tensor:
         """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
         replica's own under a strategy (``_distribute.replica_key``)."""
-        if self._seed is None:
-            key = self._generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        if self._dp.seed is None:
+            key = self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
         else:  # Reproducible and resumable: a function of (seed, noised step, variable[, replica]).
-            key = _step.noise_key(self._seed, self.noised_steps.read_value(), index)
+            key = _step.noise_key(self._dp.seed, self.noised_steps.read_value(), index)
         return _distribute.replica_key(key)
 
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
@@ -561,7 +373,7 @@ class DPSanitizerMixin:
 
     def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
         """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``)."""
-        return _step.normalize(noised, num_examples, self._lot_size)
+        return _step.normalize(noised, num_examples, self._dp.lot)
 
     def on_noised_step(self, num_examples: tf.Tensor) -> None:
         """Hook: called once per noised step (once per lot), after the gradient's release and the
@@ -671,8 +483,7 @@ class DPSanitizerMixin:
 
     def _pending(self, grads):
         """Marks `grads` as the sanitized gradients the next apply_gradients may apply."""
-        del self._sanitized_grads[:]
-        self._sanitized_grads.extend(grads)
+        self._dp.pending[:] = grads
         return grads
 
     def _sanitized_sum(self, loss, var_list, tape):
@@ -795,7 +606,7 @@ class DPSanitizerMixin:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """Applies gradients that came out of this optimizer's sanitizer only."""
         grads_and_vars = list(grads_and_vars)
-        pending = self._sanitized_grads
+        pending = self._dp.pending
         for grad, _ in grads_and_vars:
             if grad is not None and not any(grad is g for g in pending):
                 raise ValueError(

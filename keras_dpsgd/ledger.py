@@ -75,6 +75,7 @@ used and a warning says, once, that this ε assumes Poisson sampling.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import weakref
@@ -411,6 +412,29 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
             "again, or loaded from a SavedModel); a run resumed from it would under-report epsilon. Save "
             "a SavedModel (model.save(directory)) or a tf.train.Checkpoint, which keep the whole ledger"
         )
+
+
+# The optimizer variables that keep the ledger's worst case where its segments are not saved (a
+# .keras file): (name, initial value), in the order they are saved. 0 and inf: nothing charged yet.
+BOUND_VARIABLES = (("ledger_max_sampling_rate", 0.0), ("ledger_min_noise_multiplier", math.inf))
+
+
+def add_bound_variables(optimizer: Any) -> list:
+    """Makes `optimizer`'s saved worst-case bounds [largest q charged, smallest σ_eff charged].
+
+    Made with the optimizer's own ``add_variable`` (tf_keras or Keras 3), so that its Keras saves
+    them with its other variables (``.keras``, h5, checkpoints); the front end keeps them under its
+    attribute names (the checkpoint keys) and exposes them as ``ledger_max_sampling_rate`` and
+    ``ledger_min_noise_multiplier`` (tf.Variables), which the ledger reads and widens.
+    """
+
+    def constant(value: float):
+        return lambda shape, dtype=None: tf.fill(shape, tf.constant(value, tf.float64))
+
+    return [
+        optimizer.add_variable(shape=(), dtype="float64", initializer=constant(value), name=name)
+        for name, value in BOUND_VARIABLES
+    ]
 
 
 def _bound_variables(optimizer: Any) -> Optional[tuple]:

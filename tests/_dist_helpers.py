@@ -12,10 +12,16 @@ first (before anything initializes TensorFlow's devices) and :func:`write_result
 JSON-able dict. Every child runs in its own process group, killed (with all its threads and
 children) at the hard timeout; a child that fails or times out fails the test with the tail of
 its output.
+
+:func:`strategy_runs` launches ``tests/dist_scripts/strategy_child.py`` once per test session for
+every distribution test module (both Kerases share each launch): one MirroredStrategy process, and
+at the same time a cluster of 2 workers, then a relaunch of that cluster on the same directory
+(resuming the first launch's interrupted fits).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -55,6 +61,13 @@ def worker_index() -> int:
     """In a child of :func:`run_workers`: its index in TF_CONFIG (0 outside)."""
     config = json.loads(os.environ.get("TF_CONFIG", "{}") or "{}")
     return int(config.get("task", {}).get("index", 0))
+
+
+def barrier(strategy) -> None:
+    """In a child: returns once every replica of `strategy` got here (a SUM all-reduce)."""
+    import tensorflow as tf
+
+    strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.ones([])))
 
 
 # ---------------------------------------------------------------- in the test
@@ -177,3 +190,41 @@ def run_workers(
 
 def load_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+STRATEGY_CHILD = ROOT / "tests" / "dist_scripts" / "strategy_child.py"
+_RUNS: dict[str, Any] = {}
+
+
+def _launch_all() -> dict:
+    with (
+        tempfile.TemporaryDirectory(prefix="dist_shared_") as mirrored_dir,
+        tempfile.TemporaryDirectory(prefix="dist_shared_") as shared,
+    ):
+
+        def cluster() -> tuple[list[dict], list[dict]]:
+            main = run_workers(STRATEGY_CHILD, num_workers=2, timeout=450, args=["mwms", shared, "main"])
+            resumed = run_workers(STRATEGY_CHILD, num_workers=2, timeout=240, args=["mwms", shared, "resume"])
+            return main, resumed
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            mirrored = pool.submit(
+                run_mirrored, STRATEGY_CHILD, devices=2, timeout=600, args=["mirrored", mirrored_dir]
+            )
+            workers = pool.submit(cluster)
+            main, resumed = workers.result()
+            return {"mirrored": mirrored.result(), "workers": main, "resumed": resumed}
+
+
+def strategy_runs() -> dict:
+    """The results of ``strategy_child.py``, launched once per session (a failure is kept too):
+    ``{"mirrored": {...}, "workers": [worker 0, worker 1], "resumed": [worker 0, worker 1]}``,
+    each with one part per checked module ("replicas", "keras3", "keras3_checkpoints", "tf_keras")."""
+    if "runs" not in _RUNS:
+        try:
+            _RUNS["runs"] = _launch_all()
+        except AssertionError as err:
+            _RUNS["runs"] = err
+    if isinstance(_RUNS["runs"], AssertionError):
+        raise AssertionError(str(_RUNS["runs"]))
+    return _RUNS["runs"]

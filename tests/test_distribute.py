@@ -1,15 +1,12 @@
 """keras_dpsgd._distribute: replica helpers and strategy refusals (both front ends use them)."""
 
 import math
-from pathlib import Path
 
 import pytest
 import tensorflow as tf
 
 from keras_dpsgd import _distribute
-from tests._dist_helpers import run_mirrored
-
-SCRIPTS = Path(__file__).parent / "dist_scripts"
+from tests._dist_helpers import strategy_runs
 
 
 def test_one_replica_is_the_identity():
@@ -49,7 +46,7 @@ def test_central_storage_is_refused_in_its_scope():
 
 
 def test_two_mirrored_replicas():
-    result = run_mirrored(SCRIPTS / "distribute_replicas.py", devices=2, timeout=90)
+    result = strategy_runs()["mirrored"]["replicas"]  # tests/dist_scripts/distribute_replicas.py
     assert result["num_replicas"] == 2 and result["outside"] == 1
     assert result["scale"] == pytest.approx(1 / math.sqrt(2))
     assert result["ids"] == [0, 1]

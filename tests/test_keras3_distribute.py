@@ -1,8 +1,9 @@
 """Keras 3 DP-SGD under tf.distribute (issue 15): MirroredStrategy on 2 logical CPU devices and
 MultiWorkerMirroredStrategy with 2 worker processes on 127.0.0.1.
 
-Each strategy runs once, in fresh processes (tests/dist_scripts/keras3_distributed.py runs every
-check and writes JSON); the tests below assert on the numbers:
+Each strategy runs once per session, in fresh processes shared with the tf_keras tests
+(tests/_dist_helpers.strategy_runs; tests/dist_scripts/keras3_distributed.py and
+keras3_checkpoints.py run every check and return JSON); the tests below assert on the numbers:
 
 * σ = 0: the update equals the one-example-at-a-time oracle on the same global lot (flat
   clipping with a weight regularizer, per-layer clipping) and the one-device step;
@@ -10,31 +11,32 @@ check and writes JSON); the tests below assert on the numbers:
   independent), on 10 000 zero-gradient coordinates;
 * noised_steps, ε, PrivacyLogger and WithinLimit count global steps once; the workers' Poisson
   lots summed are ~ Binomial(N, q);
-* BackupAndRestore and a .keras file keep the ledger (MirroredStrategy);
+* BackupAndRestore and a .keras file keep the ledger (MirroredStrategy); with 2 workers,
+  keras_dpsgd.keras3.BackupAndRestore (the chief writes) resumes a relaunched cluster with each
+  global step counted once, and refuses workers that restored different states;
+* adaptive clipping: its norm queries split like the gradient's noise (σ = 0: the next bounds
+  are the one-device ones; ε the accountant's for σ_eff);
 * what the noise split does not cover is refused under R > 1;
 * examples/multi_worker.py --smoke runs (in the mirrored process).
 """
 
 import math
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._dist_helpers import run_mirrored, run_workers
-
-SCRIPT = Path(__file__).parent / "dist_scripts" / "keras3_distributed.py"
+from tests._dist_helpers import strategy_runs
 
 
 @pytest.fixture(scope="module")
 def mirrored():
-    return run_mirrored(SCRIPT, devices=2, timeout=400, args=["mirrored"])
+    return strategy_runs()["mirrored"]["keras3"]
 
 
 @pytest.fixture(scope="module")
 def workers():
-    return run_workers(SCRIPT, num_workers=2, timeout=400, args=["mwms"])
+    return [w["keras3"] for w in strategy_runs()["workers"]]
 
 
 def _both(mirrored, workers):
@@ -124,10 +126,43 @@ def test_backup_and_restore_and_keras_files_keep_the_ledger(mirrored):
     assert out["loaded_epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12)
 
 
+def test_adaptive_clipping_splits_its_norm_queries_across_replicas(mirrored, workers):
+    for where, run in _both(mirrored, workers).items():
+        out = run["adaptive"]
+        # σ = σ_l2 = 0: the next bounds and the weights are the one-device step's (computed by the chief).
+        if where != "worker 1":
+            assert out["bounds_error"] < 1e-6 and out["weights_error"] < 1e-6, (where, out)
+        assert out["bounds_moved"] > 1e-3, (where, out)
+        assert out["bounds"] == pytest.approx(workers[0]["adaptive"]["bounds"], rel=1e-6), where
+        # Noised: 2 lots counted once each, at σ_eff of the gradient and the norm queries composed.
+        assert out["noised_steps"] == 2, where
+        assert out["epsilon"] == pytest.approx(out["expected_epsilon"], rel=1e-12), where
+        assert all(b == out["noised_bounds"] for b in out["replica_bounds"]), where  # one bound per replica alike
+    # One noised release, summed once: every worker sets the same next bounds.
+    assert workers[0]["adaptive"]["noised_bounds"] == workers[1]["adaptive"]["noised_bounds"]
+
+
+def test_two_workers_back_up_once_and_resume_a_relaunched_cluster():
+    runs = strategy_runs()
+    main = [w["keras3_checkpoints"] for w in runs["workers"]]
+    resumed = [w["keras3_checkpoints"] for w in runs["resumed"]]
+    for where, (first, second) in enumerate(zip(main, resumed)):
+        assert first["interrupted_steps"] == 6, where  # 2 epochs of 3 lots before the interruption
+        # The chief's files only (Keras's own callback: every worker writes them, an HDF5 lock error).
+        assert first["backup_files"] == ["latest.weights.h5", "training_metadata.json"], where
+        assert "the workers restored different training states" in second["mismatch"], where
+        assert "(epoch, iterations, noised_steps) = " in second["mismatch"], where
+        assert second["resumed_steps"] == 9 and second["iterations"] == 9, where  # the third epoch only
+        assert second["resumed_epsilon"] == pytest.approx(second["expected_epsilon"], rel=1e-12), where
+        assert second["backup_removed"], where
+    assert "= (2, 6, 6)" in resumed[0]["mismatch"] and "= (0, 0, 0)" in resumed[1]["mismatch"]
+
+
 @pytest.mark.parametrize(
     "what, match",
     [
-        ("adaptive", "overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+        ("hook", "_Hooked overrides on_per_example_sq_norms .* not split across the 2 replicas"),
+        ("adaptive_hook", "_HookedAdaptive overrides on_noised_step .* not split across the 2 replicas"),
         ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
         ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
     ],
@@ -140,3 +175,44 @@ def test_the_example_runs_on_two_mirrored_devices(mirrored):
     out = mirrored["example"]  # examples/multi_worker.py --smoke, run in the mirrored process
     assert out["strategy"] == "MirroredStrategy" and out["replicas"] == 2 and out["noised_steps"] == 3
     assert 0 < out["epsilon"] < math.inf
+
+
+def test_backup_and_restore_with_one_worker_is_keras_own(tmp_path):
+    """No strategy: keras_dpsgd.keras3.BackupAndRestore writes and restores like Keras's callback
+    (the backup dir itself, resumed at the interrupted epoch, every step counted once, removed at the end)."""
+    import keras
+
+    import keras_dpsgd.keras3 as k3
+    from keras_dpsgd import model_epsilon
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+
+    x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
+    y = x[:, :1]
+    backup = str(tmp_path / "backup")
+
+    def fit(callbacks):
+        keras.utils.set_random_seed(1)
+        model = k3.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+        optimizer = k3.DPSGDOptimizer(
+            l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, expected_lot_size=8, sampling_rate=0.25
+        )
+        model.compile(optimizer=optimizer, loss="mse")
+        history = model.fit(
+            x, y, batch_size=8, epochs=2, verbose=0, callbacks=[k3.BackupAndRestore(backup), *callbacks]
+        )
+        return model, history
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit([Interrupt()])
+    assert sorted(p.name for p in (tmp_path / "backup").iterdir()) == ["latest.weights.h5", "training_metadata.json"]
+    model, history = fit([])
+    assert len(history.history["loss"]) == 1  # the second epoch only
+    assert int(model.optimizer.noised_steps.numpy()) == 8
+    truth = compute_epsilon([PoissonSampledGaussianEvent(0.25, 1.1, 8)], 1e-5)
+    assert model_epsilon(model, target_delta=1e-5)[0] == pytest.approx(truth, rel=1e-12)
+    assert not (tmp_path / "backup").exists()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from keras_dpsgd import _sanitizer, accounting
+from keras_dpsgd import _dp_settings, accounting
 from keras_dpsgd.accounting import (
     PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
@@ -85,7 +85,7 @@ def test_the_event_survives_the_ledger_format(ledgers):
 def test_one_sigma_eff_for_the_sanitizer_planning_and_adaptive_clipping(sigmas):
     expected = 0.0 if 0.0 in sigmas else _old_sigma_eff(sigmas)
     assert composed_noise_multiplier(sigmas) == pytest.approx(expected, rel=1e-15, abs=0)
-    assert _sanitizer.effective_noise_multiplier(sigmas) == composed_noise_multiplier(sigmas)
+    assert _dp_settings.effective_noise_multiplier(sigmas) == composed_noise_multiplier(sigmas)
     assert accounting.effective_noise_multiplier(sigmas) == composed_noise_multiplier(sigmas)
     half = len(sigmas) // 2 or 1
     assert adaptive_clipping.composed_noise_multiplier(sigmas[:half], sigmas[half:] or sigmas) == (

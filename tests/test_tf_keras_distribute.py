@@ -1,7 +1,8 @@
 """The tf_keras DP step under tf.distribute (issue 15; the design in ``keras_dpsgd._distribute``).
 
 Each strategy runs in fresh processes (``tests/_dist_helpers.py``: logical CPU devices must be set
-before TensorFlow starts), one launch per strategy running every check of
+before TensorFlow starts), launched once per session for both Kerases
+(``tests/_dist_helpers.strategy_runs``), running every check of
 ``tests/dist_scripts/tf_keras_checks.py``:
 
 * the σ = 0 step equals the one-example-at-a-time oracle (flat and per-layer clipping, the
@@ -12,12 +13,12 @@ before TensorFlow starts), one launch per strategy running every check of
 * after k steps ``noised_steps`` == k and the ledger's ε (and PrivacyLogger's) is the
   accountant's for k steps; BackupAndRestore and ModelCheckpoint (.keras) under the strategy keep it;
 * MultiWorkerMirroredStrategy (2 workers on 127.0.0.1): the same, with Poisson lots sharded over
-  the workers, whose summed sizes are Binomial(N, q) (statistical bounds at 5 standard errors).
+  the workers, whose summed sizes are Binomial(N, q) (statistical bounds at 5 standard errors);
+  gradient accumulation (one lot's update equals the one-device update); a BackupAndRestore fit
+  interrupted, the cluster relaunched and resumed (the chief writes): each global step counted once.
 """
 
 import math
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +26,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 import keras_dpsgd.tf_keras as kt
-from tests._dist_helpers import run_mirrored, run_workers
+from tests._dist_helpers import strategy_runs
 
-SCRIPTS = Path(__file__).parent / "dist_scripts"
 EXACT = 1e-6
 
 
@@ -40,23 +40,13 @@ def _check_noise(noise: dict, count: int = 10_000) -> None:
 
 
 @pytest.fixture(scope="module")
-def launches():
-    """Both launches at once (the workers spend much of their time starting and waiting on each
-    other): the mirrored child's result and the two workers'."""
-    with ThreadPoolExecutor(2) as pool:
-        mirrored = pool.submit(run_mirrored, SCRIPTS / "tf_keras_mirrored.py", devices=2, timeout=300)
-        workers = pool.submit(run_workers, SCRIPTS / "tf_keras_workers.py", num_workers=2, timeout=300)
-        return mirrored.result(), workers.result()
+def mirrored():
+    return strategy_runs()["mirrored"]["tf_keras"]
 
 
 @pytest.fixture(scope="module")
-def mirrored(launches):
-    return launches[0]
-
-
-@pytest.fixture(scope="module")
-def workers(launches):
-    return launches[1]
+def workers():
+    return [w["tf_keras"] for w in strategy_runs()["workers"]]
 
 
 def test_mirrored_sigma_zero_step_is_the_one_device_step(mirrored):
@@ -67,6 +57,8 @@ def test_mirrored_sigma_zero_step_is_the_one_device_step(mirrored):
         assert step["moved"] > 1e-3, (variant, step)
     assert {"flat", "make_private"} <= {v for v, s in mirrored["steps"].items() if "vs_one_device" in s}
     assert "accumulation" in mirrored["steps"]  # one lot of 2 batches, the partial third discarded
+    # The one NaN example of the discarded batch, on replica 1, is counted once: the count sums the replicas'.
+    assert mirrored["steps"]["accumulation"]["nonfinite_examples"] == 1
 
 
 def test_mirrored_noise_is_sigma_c_over_l(mirrored):
@@ -107,9 +99,25 @@ def test_workers_step_noise_and_epsilon(workers):
         assert p["noised_steps"] == 3 and p["expected_lot_size"] == 8.0  # the global L = qN
         assert p["epsilon"] == pytest.approx(p["truth"], rel=1e-9)
         assert "fit would split each of its batches over 2 steps" in p["refused"]
+    # The one-device step on the chief; every worker holds the same weights after each step.
+    assert {"flat", "accumulation"} <= {v for v, s in workers[0]["steps"].items() if "vs_one_device" in s}
+    assert workers[0]["weights"] == workers[1]["weights"]
     # One update, applied identically on every worker.
     assert workers[0]["noise"]["head"] == workers[1]["noise"]["head"]
     assert workers[0]["poisson"]["weights"] == workers[1]["poisson"]["weights"]
+
+
+def test_workers_resume_a_relaunched_cluster_counting_each_global_step_once(workers):
+    resumed = [w["tf_keras"]["resumed"] for w in strategy_runs()["resumed"]]
+    for where, (w, r) in enumerate(zip(workers, resumed)):
+        first = w["interrupted"]
+        assert first["noised_steps"] == 2 and first["epsilon"] == pytest.approx(first["truth"], rel=1e-9), where
+        assert r["epochs_run"] == 1, where  # the relaunch resumed at the second epoch
+        assert r["noised_steps"] == 4 and r["iterations"] == 4, where
+        assert r["epsilon"] == pytest.approx(r["truth"], rel=1e-9), where
+        assert r["logged_epsilon"] == pytest.approx(r["truth"], rel=1e-9), where
+        assert r["loaded_steps"] == 4, where  # the chief's ModelCheckpoint file, loaded under the strategy
+        assert r["loaded_epsilon"] == pytest.approx(r["truth"], rel=1e-9), where
 
 
 def test_seeded_noise_is_reproducible_for_a_given_number_of_replicas(mirrored, workers):

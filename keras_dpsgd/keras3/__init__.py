@@ -13,6 +13,7 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 """
 
 from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
+from keras_dpsgd.keras3._backup import BackupAndRestore
 from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
@@ -29,6 +30,7 @@ from keras_dpsgd.keras3._train_step import (
 
 __all__ = [
     "AdaptiveDPSGDOptimizer",
+    "BackupAndRestore",
     "ClipBoundsLogger",
     "DPAdamOptimizer",
     "DPKeras3Mixin",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, DPSGDOptimizer
+from keras_dpsgd.keras3._optimizer import SPLIT_HOOKS, DPKeras3Mixin, DPSGDOptimizer
 from keras_dpsgd.tools._adaptive_core import (
     AdaptiveClippingCore,
     ClipBoundsLoggerCore,
@@ -23,7 +23,11 @@ __all__ = ["AdaptiveClippingKeras3Mixin", "AdaptiveDPSGDOptimizer", "make_adapti
 
 
 class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
-    """Adaptive per-layer clipping for a Keras 3 DP optimizer; put before it in the bases."""
+    """Adaptive per-layer clipping for a Keras 3 DP optimizer; put before it in the bases.
+
+    Under R > 1 replicas its norm queries are split like the gradient's noise
+    (``AdaptiveClippingCore._update_clip_bounds``); a subclass overriding these hooks again is refused.
+    """
 
     def build(self, variables):
         if self.built:
@@ -34,6 +38,12 @@ class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
             (len(variables),), initializer="zeros", dtype="float32", name="adaptive_norm_sums"
         )
 
+
+# The norm queries' release is split across replicas (``AdaptiveClippingCore._update_clip_bounds``).
+SPLIT_HOOKS.update(
+    on_per_example_sq_norms=AdaptiveClippingCore.on_per_example_sq_norms,
+    on_noised_step=AdaptiveClippingCore.on_noised_step,
+)
 
 _ADAPTIVE_CLASSES: dict[type, type] = {}
 

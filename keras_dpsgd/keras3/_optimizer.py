@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-import threading
 from typing import Any, Sequence
 
 import keras
@@ -30,19 +28,14 @@ import tensorflow as tf
 
 from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._dp_classes import make_dp_class
-from keras_dpsgd._sanitizer import (
-    DPSanitizerMixin,
-    _EpochBoundary,
-    _resolve_bounds,
-    check_accumulation_steps,
-    check_dp_settings,
-    check_lot_size,
-    check_seed,
-    effective_noise_multiplier,
-    release_noise_multipliers,
-)
+from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
+from keras_dpsgd._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
 
 __all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
+
+# Hook implementations whose own release is split across replicas like the gradient's noise, by
+# hook name (adaptive clipping's norm queries: keras_dpsgd.keras3._adaptive registers them).
+SPLIT_HOOKS: dict[str, Any] = {}
 
 NOT_PRIVATE_MESSAGE = (
     "{cls}.apply got gradients that did not come from its sanitizer: on Keras 3 the model's train "
@@ -55,105 +48,32 @@ NOT_PRIVATE_MESSAGE = (
 
 
 @dataclasses.dataclass
-class _State:
-    """Python state kept out of Keras's and TensorFlow's tracking (never saved)."""
-
-    l2_norm_clip: Any
-    noise_multiplier: Any
-    backend: Any
-    generator: Any = None
-    lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
-    nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
-    sigmas: list = dataclasses.field(default_factory=list)
-    accumulation: int = 1  # Batches per lot (the DP gradient_accumulation_steps).
-    # Per thread: a MirroredStrategy traces each replica's step in a thread of its own.
-    local: threading.local = dataclasses.field(default_factory=threading.local)
-
-    @property
-    def keras_view(self) -> int:
-        """> 0 while Keras's own code runs (in this thread): it must see no accumulation of its own."""
-        return getattr(self.local, "keras_view", 0)
-
-    @keras_view.setter
-    def keras_view(self, value: int) -> None:
-        self.local.keras_view = value
-
-    @property
-    def pending(self) -> list:
-        """The gradients of this thread's last release, the only ones ``apply`` accepts."""
-        if not hasattr(self.local, "pending"):
-            self.local.pending = []
-        return self.local.pending
-
-
-@dataclasses.dataclass
 class _Named:
     name: str
 
 
-class DPKeras3Mixin:
+class DPKeras3Mixin(DPSettingsMixin):
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
-    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd._dp_classes``) refuses
-    microbatches, runs the Keras 3 ``__init__`` and then ``_init_dp``.
+    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd._dp_classes``) checks the
+    DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings' properties and
+    ``get_config`` are shared with tf_keras (``DPSettingsMixin``).
     """
 
-    def _init_dp(
-        self,
-        l2_norm_clip: Any,
-        noise_multiplier: Any,
-        *,
-        gradient_accumulation_steps: int = 1,
-        expected_lot_size: float | None = None,
-        sampling_rate: float | None = None,
-        per_example_backend: str = "auto",
-        seed: int | None = None,
-    ) -> None:
+    def _init_dp(self, state: DPState) -> None:
+        """Stores the checked DP settings (`state`) and makes the optimizer's saved variables."""
         if self.loss_scale_factor is not None:
             raise ValueError(
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
                 "the DP train step does not scale the loss"
             )
-        k = check_accumulation_steps(gradient_accumulation_steps)
-        seed = check_seed(seed)
-        clip, sigma, backend, self._sampling_rate = check_dp_settings(
-            l2_norm_clip, noise_multiplier, per_example_backend, sampling_rate
-        )
-        self._dp = _State(clip, sigma, backend)
-        self._dp.accumulation = k
-        self.discarded_lots = 0
-        self.discarded_batches = 0
-        self.per_example_backend = per_example_backend
-        self._seed = seed
-        with tf.init_scope():
-            self._dp.lot = tf.Variable(0.0, trainable=False, name="expected_lot_size")
-        self.expected_lot_size = expected_lot_size
+        self._init_dp_state(state)
         # Counted once per step under a strategy (the replicas are in sync).
         self.noised_steps = self.add_variable(
             (), initializer="zeros", dtype="int64", aggregation="only_first_replica", name="noised_steps"
         )
-        with tf.init_scope():
-            # An un-noised count over the private data: a local diagnostic outside the ledger, never saved
-            # (each replica counts its examples; reading it sums them).
-            self._dp.nonfinite = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="nonfinite_examples",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
-            )
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
-        self._ledger_q_max = self.add_variable(
-            (), initializer="zeros", dtype="float64", name="ledger_max_sampling_rate"
-        )
-        self._ledger_sigma_min = self.add_variable(
-            (), initializer=keras.initializers.Constant(math.inf), dtype="float64", name="ledger_min_noise_multiplier"
-        )
-        if seed is None:
-            # Fresh OS entropy per process, never checkpointed: a restore never replays noise.
-            with tf.init_scope():
-                self._dp.generator = tf.random.Generator.from_non_deterministic_state()
+        self._ledger_q_max, self._ledger_sigma_min = ledger.add_bound_variables(self)
         # The ledger's copy on the optimizer exists from the start, so that loading a .keras or
         # .weights.h5 file (BackupAndRestore, ModelCheckpoint) restores its segments.
         ledger.ledger_state_holders(None, self)
@@ -205,49 +125,6 @@ class DPKeras3Mixin:
         return self._iterations
 
     @property
-    def nonfinite_examples(self) -> tf.Variable:
-        """Examples whose gradient was non-finite (zeroed): an un-noised statistic of the private data,
-        kept in this process only (never saved: not in `.keras` files nor checkpoints)."""
-        return self._dp.nonfinite
-
-    @property
-    def l2_norm_clip(self):
-        return self._dp.l2_norm_clip
-
-    @property
-    def noise_multiplier(self):
-        return self._dp.noise_multiplier
-
-    @property
-    def seed(self) -> int | None:
-        return self._seed
-
-    @property
-    def per_layer_clipping(self) -> bool:
-        return not isinstance(self._dp.l2_norm_clip, float)
-
-    @property
-    def release_noise_multipliers(self) -> tuple[float, ...]:
-        """σ of each Gaussian release of one step (one per clipping group), as the ledger records it."""
-        return release_noise_multipliers(self._dp.l2_norm_clip, self._dp.noise_multiplier)
-
-    @property
-    def effective_noise_multiplier(self) -> float:
-        """σ_eff of one noised step: σ (flat) or (Σ_v 1/σ_v²)^(-1/2) (per variable)."""
-        return effective_noise_multiplier(self.release_noise_multipliers)
-
-    @property
-    def expected_lot_size(self) -> float | None:
-        return self._expected_lot_size
-
-    @expected_lot_size.setter
-    def expected_lot_size(self, value: float | None) -> None:
-        self._expected_lot_size = check_lot_size(value)
-        self._dp.lot.assign(0.0 if value is None else float(value))
-
-    sampling_rate = DPSanitizerMixin.sampling_rate  # one setter: a q change keeps the old q's steps charged
-
-    @property
     def ledger_max_sampling_rate(self) -> tf.Variable:
         return self._ledger_q_max.value
 
@@ -265,7 +142,12 @@ class DPKeras3Mixin:
         sigmas = self._dp.noise_multiplier
         self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(variables)
         self.clip_bounds = self.add_variable(
-            (len(bounds),), initializer=keras.initializers.Constant(bounds), dtype="float32", name="clip_bounds"
+            (len(bounds),),
+            initializer=keras.initializers.Constant(bounds),
+            dtype="float32",
+            # Set in replica context by adaptive clipping, to the same value on every replica.
+            aggregation="only_first_replica",
+            name="clip_bounds",
         )
         if self._dp.accumulation > 1:
             # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
@@ -276,19 +158,6 @@ class DPKeras3Mixin:
             self._accum_examples = self.add_variable(
                 (), initializer="zeros", dtype="float32", name="dp_accumulated_examples"
             )
-
-    def get_config(self) -> dict[str, Any]:
-        config = super().get_config()
-        config.update(
-            l2_norm_clip=self._dp.l2_norm_clip,
-            noise_multiplier=self._dp.noise_multiplier,
-            gradient_accumulation_steps=self._dp.accumulation,
-            expected_lot_size=self._expected_lot_size,
-            sampling_rate=self._sampling_rate,
-            per_example_backend=self.per_example_backend,
-            seed=self._seed,
-        )
-        return config
 
     # ----------------------------------------------------------- sanitizer
     def sanitize(
@@ -406,11 +275,12 @@ class DPKeras3Mixin:
                     f"noise; set {option}=None (the DP step clips per example with l2_norm_clip)"
                 )
         for hook in ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step"):
-            if getattr(type(self), hook) is not getattr(DPKeras3Mixin, hook):
+            if getattr(type(self), hook) not in (getattr(DPKeras3Mixin, hook), SPLIT_HOOKS.get(hook)):
                 raise ValueError(
-                    f"{name} overrides {hook} (adaptive clipping, gradient canaries, ...): its own release is not "
+                    f"{name} overrides {hook} (gradient canaries, a hook of its own, ...): its own release is not "
                     f"split across the {_distribute.num_replicas()} replicas of the strategy, which is supported "
-                    "for the plain DP optimizers only; train it on one device (no strategy, or OneDeviceStrategy)"
+                    "for the plain DP optimizers and adaptive clipping only; train it on one device (no strategy, "
+                    "or OneDeviceStrategy)"
                 )
 
     def _group_bounds(self) -> tf.Tensor:
@@ -427,7 +297,7 @@ class DPKeras3Mixin:
             finite.append(_step.finite_rows(sq_norms))
             return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
 
-        summed, sq_norms = self._dp.backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
+        summed, sq_norms = self._backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
         # Under a strategy the realized count is the whole lot's (all replicas): normalize, the hooks.
@@ -484,12 +354,12 @@ class DPKeras3Mixin:
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``), drawn like the gradient's
         noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, self._noise_key(index), dtype)
+        return _noise.standard_normal(shape, _distribute.replica_key(self._noise_key(index)), dtype)
 
     def _noise_key(self, index: int) -> tf.Tensor:
-        if self._seed is None:
+        if self._dp.seed is None:
             return self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        return _step.noise_key(self._seed, self.noised_steps.value, index)
+        return _step.noise_key(self._dp.seed, self.noised_steps.value, index)
 
     def apply(self, grads, trainable_variables=None):
         """Applies the descent rule to gradients that came out of ``sanitize`` only."""

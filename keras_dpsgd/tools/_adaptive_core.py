@@ -10,12 +10,13 @@ gradient's release: the norm queries and the next bounds), ``standard_normal`` a
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _per_example, _validate
+from keras_dpsgd import _distribute, _per_example, _validate
 from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
 __all__ = [
@@ -107,6 +108,8 @@ class AdaptiveClippingCore:
                 f"variable name, got the single bound {self.l2_norm_clip!r}"
             )
         self._adaptive = _check_settings(len(self.l2_norm_clip), norm_noise_multiplier, alpha, beta, min_clip_bound)
+        # Untracked (no Keras or TensorFlow tracking): the per-replica norm sums between two hooks of one step.
+        object.__setattr__(self, "_adaptive_replica_state", threading.local())
 
     @property
     def norm_noise_multiplier(self):
@@ -140,22 +143,45 @@ class AdaptiveClippingCore:
         return composed_noise_multiplier(sigmas[:split], sigmas[split:])
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
-        """Accumulates Σ_i min(‖g_i^v‖, β C_v) over the lot (non-finite examples count 0)."""
+        """Accumulates Σ_i min(‖g_i^v‖, β C_v) over the lot (non-finite examples count 0).
+
+        Under R > 1 replicas (Keras 3, where a lot is one batch there) each replica keeps the sums
+        of its share of the lot for this step's release (:meth:`_update_clip_bounds`)."""
         super().on_per_example_sq_norms(sq_norms)
         finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1, keepdims=True)
         norms = tf.where(finite, tf.sqrt(tf.maximum(sq_norms, 0.0)), tf.zeros_like(sq_norms))
         query_bounds = self.beta * tf.convert_to_tensor(self.clip_bounds)
-        self._norm_sums.assign_add(tf.reduce_sum(tf.minimum(norms, query_bounds[None, :]), axis=0))
+        sums = tf.reduce_sum(tf.minimum(norms, query_bounds[None, :]), axis=0)
+        if _distribute.num_replicas() > 1:  # one batch per lot: accumulation is refused under R > 1
+            self._replica_state().norm_sums = sums
+        else:
+            self._norm_sums.assign_add(sums)
+
+    def _replica_state(self) -> threading.local:
+        """This replica's trace-time state (MirroredStrategy traces each replica in a thread of its own)."""
+        return self.__dict__["_adaptive_replica_state"]
 
     def _update_clip_bounds(self, num_examples: tf.Tensor) -> None:
-        """Releases the norm queries of the lot and sets the next bounds (call after the gradient's release)."""
+        """Releases the norm queries of the lot and sets the next bounds (call after the gradient's release).
+
+        Under R replicas the query is split like the gradient's release (``keras_dpsgd._distribute``):
+        replica r adds N(0, σ_l2² β² C_v² / R) to the sums of its share under a key of its own, the
+        noised sums are summed across the replicas once (an all-reduce: ΣS_r + N(0, σ_l2² β² C_v²),
+        the one-device release), and every replica sets the same next bounds from that sum.
+        """
         bounds = tf.convert_to_tensor(self.clip_bounds)
-        noise = self.standard_normal(tf.shape(bounds), NORM_NOISE_INDEX)
-        sigmas = tf.constant(self._adaptive.norm_sigmas, tf.float32)
-        noisy = tf.convert_to_tensor(self._norm_sums) + sigmas * (self.beta * bounds) * noise
+        noise = self.standard_normal(tf.shape(bounds), NORM_NOISE_INDEX)  # this replica's own key
+        sigmas = tf.constant(self._adaptive.norm_sigmas, tf.float32) * _distribute.replica_noise_scale()
+        if _distribute.num_replicas() > 1:
+            state = self._replica_state()
+            sums, state.norm_sums = state.norm_sums, None
+        else:
+            sums = tf.convert_to_tensor(self._norm_sums)
+        noisy = _distribute.global_sum(sums + sigmas * (self.beta * bounds) * noise)
         new_bounds = tf.maximum(self.alpha * self.normalize([noisy], num_examples)[0], self.min_clip_bound)
         self.clip_bounds.assign(new_bounds)
-        self._norm_sums.assign(tf.zeros_like(noisy))
+        if _distribute.num_replicas() == 1:
+            self._norm_sums.assign(tf.zeros_like(noisy))
 
     def discard_partial_lot(self, where: str = "") -> int:
         """Drops an incomplete lot, and its norm sums: a discarded example never enters a later lot's

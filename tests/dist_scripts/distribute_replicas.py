@@ -1,40 +1,31 @@
-"""Child of tests/test_distribute.py: keras_dpsgd._distribute under a 2-replica MirroredStrategy."""
+"""keras_dpsgd._distribute under a 2-replica MirroredStrategy (tests/test_distribute.py)."""
 
-import os
-import sys
+import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _dist_helpers  # noqa: E402
-
-_dist_helpers.child_setup()
-
-import tensorflow as tf  # noqa: E402
-
-from keras_dpsgd import _distribute  # noqa: E402
-
-strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
-key = tf.constant([7, 11], tf.int64)
+from keras_dpsgd import _distribute
 
 
-@tf.function
-def step():
-    def replica_fn():
-        return (
-            _distribute.replica_id(),
-            _distribute.replica_key(key),
-            _distribute.global_sum(tf.cast(_distribute.replica_id(), tf.float32) + 1.0),
-            _distribute.replica_share(tf.constant(6.0)),
-        )
+def run(strategy: tf.distribute.MirroredStrategy) -> dict:
+    """The replica helpers in replica context: ids, keys, sums, shares; R in and outside the scope."""
+    key = tf.constant([7, 11], tf.int64)
 
-    return strategy.run(replica_fn)
+    @tf.function
+    def step():
+        def replica_fn():
+            return (
+                _distribute.replica_id(),
+                _distribute.replica_key(key),
+                _distribute.global_sum(tf.cast(_distribute.replica_id(), tf.float32) + 1.0),
+                _distribute.replica_share(tf.constant(6.0)),
+            )
 
+        return strategy.run(replica_fn)
 
-with strategy.scope():
-    _distribute.check_strategy("test")
-    in_scope = {"num_replicas": _distribute.num_replicas(), "scale": _distribute.replica_noise_scale()}
-ids, keys, sums, shares = (strategy.experimental_local_results(t) for t in step())
-_dist_helpers.write_result(
-    dict(
+    with strategy.scope():
+        _distribute.check_strategy("test")
+        in_scope = {"num_replicas": _distribute.num_replicas(), "scale": _distribute.replica_noise_scale()}
+    ids, keys, sums, shares = (strategy.experimental_local_results(t) for t in step())
+    return dict(
         in_scope,
         ids=[int(i) for i in ids],
         keys=[k.numpy().tolist() for k in keys],
@@ -42,4 +33,3 @@ _dist_helpers.write_result(
         shares=[float(s) for s in shares],
         outside=_distribute.num_replicas(),
     )
-)

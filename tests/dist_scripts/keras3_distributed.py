@@ -1,45 +1,32 @@
-"""Child of tests/test_keras3_distribute.py: the Keras 3 DP step under a tf.distribute strategy.
+"""The Keras 3 DP step under a tf.distribute strategy: the checks of tests/test_keras3_distribute.py.
 
-``python keras3_distributed.py mirrored`` (one process, 2 logical CPU devices) or ``mwms`` (one
-of the workers of tests/_dist_helpers.run_workers). Runs every check once and writes the numbers
-as JSON; the test asserts on them.
+Run by ``tests/dist_scripts/strategy_child.py`` (one process with 2 logical CPU devices under a
+MirroredStrategy, or one of the workers of ``tests/_dist_helpers.run_workers`` under a
+MultiWorkerMirroredStrategy): :func:`run` runs every check once on the process's strategy and
+returns the numbers; the test asserts on them.
 """
 
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _dist_helpers  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-_dist_helpers.child_setup()
+import keras_dpsgd.keras3 as k3
+from _keras3_helpers import loop_clipped_mean
+from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import keras_dpsgd.keras3 as k3  # noqa: E402
-from _keras3_helpers import loop_clipped_mean  # noqa: E402
-from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon  # noqa: E402
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon  # noqa: E402
-
-keras.config.disable_traceback_filtering()
-MODE = sys.argv[1]
-ONLY = sys.argv[2:]  # debugging: run only these checks
-if MODE == "mirrored":
-    strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
-    WORKERS, WORKER = 1, 0
-else:
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    WORKERS, WORKER = strategy.cluster_resolver.cluster_spec().num_tasks("worker"), strategy.cluster_resolver.task_id
-R = strategy.num_replicas_in_sync
-LOCAL = R // WORKERS
 LR, CLIP, B = 0.5, 0.3, 8
 rng = np.random.default_rng(0)
 X = rng.normal(size=(B, 5)).astype("float32")
 Y = rng.normal(size=(B, 2)).astype("float32")
-result = {"replicas": R, "workers": WORKERS, "worker": WORKER}
+# Set by run(): the process's strategy, its mode and this worker's place in the cluster.
+strategy = MODE = None
+R = LOCAL = WORKERS = WORKER = 0
+result: dict = {}
 
 
 def _model(reg=None):
@@ -262,12 +249,80 @@ def checkpoints():
     }
 
 
+def adaptive():
+    """Adaptive clipping under R replicas (the norm queries split like the gradient's noise).
+
+    σ = σ_l2 = 0, one lot: the next bounds and the weights equal the one-device step's. Noised
+    (σ = 1, σ_l2 = 2), 2 lots: ε is the accountant's for σ_eff (gradient and norm queries composed).
+    """
+    bounds, q = [0.2, 0.1, 0.3, 0.05], 0.05
+
+    def build(sigma, norm_sigma):
+        model = k3.make_private(_model())
+        opt = k3.AdaptiveDPSGDOptimizer(
+            l2_norm_clip=bounds,
+            noise_multiplier=sigma,
+            norm_noise_multiplier=norm_sigma,
+            learning_rate=LR,
+            expected_lot_size=B,
+            sampling_rate=q,
+        )
+        model.compile(optimizer=opt, loss="mse")
+        return model, opt
+
+    with strategy.scope():
+        model, opt = build(0.0, 0.0)
+    model.fit(_global_batches(X, Y, B), epochs=1, steps_per_epoch=1, verbose=0)
+    if WORKER == 0:  # the one-device step (the same on every worker; the test compares the workers' bounds)
+        single, single_opt = build(0.0, 0.0)
+        single.fit(X, Y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    x2 = np.concatenate([X, X[::-1]])
+    y2 = np.concatenate([Y, Y[::-1]])
+    with strategy.scope():
+        noised, noised_opt = build(1.0, 2.0)
+    noised.fit(_global_batches(x2, y2, B), epochs=1, steps_per_epoch=2, verbose=0)
+    sigma_eff = noised_opt.effective_noise_multiplier
+    result["adaptive"] = out = {
+        "bounds": opt.clip_bounds.numpy().tolist(),
+        "bounds_moved": float(np.max(np.abs(opt.clip_bounds.numpy() - np.array(bounds)))),
+        "noised_steps": int(noised_opt.noised_steps.numpy()),
+        "noised_bounds": noised_opt.clip_bounds.numpy().tolist(),
+        "replica_bounds": [
+            v.numpy().tolist() for v in strategy.experimental_local_results(noised_opt.clip_bounds.value)
+        ],
+        "epsilon": model_epsilon(noised, target_delta=1e-5)[0],
+        "expected_epsilon": compute_epsilon([PoissonSampledGaussianEvent(q, sigma_eff, 2)], 1e-5),
+        "sigma_eff": sigma_eff,
+    }
+    if WORKER == 0:
+        out["bounds_error"] = float(np.max(np.abs(opt.clip_bounds.numpy() - single_opt.clip_bounds.numpy())))
+        out["weights_error"] = max(
+            float(np.max(np.abs(a.numpy() - b.numpy())))
+            for a, b in zip(model.trainable_variables, single.trainable_variables)
+        )
+
+
+class _Hooked(k3.DPSGDOptimizer):
+    """A hook of its own (as gradient canaries have): its release would not be split across replicas."""
+
+    def on_per_example_sq_norms(self, sq_norms):
+        pass
+
+
+class _HookedAdaptive(k3.AdaptiveDPSGDOptimizer):
+    """Adaptive clipping with a hook overridden again: no longer the split release."""
+
+    def on_noised_step(self, num_examples):
+        super().on_noised_step(num_examples)
+
+
 def refusals():
     out = {}
     with strategy.scope():
         for name, make in {
-            "adaptive": lambda: k3.AdaptiveDPSGDOptimizer(
-                l2_norm_clip=[1.0, 1.0, 1.0, 1.0], noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
+            "hook": lambda: _Hooked(l2_norm_clip=1.0, noise_multiplier=1.0),
+            "adaptive_hook": lambda: _HookedAdaptive(
+                l2_norm_clip=[1.0] * 4, noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
             ),
             "clipnorm": lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, clipnorm=1.0),
             "accumulation": lambda: k3.DPSGDOptimizer(
@@ -312,15 +367,30 @@ CHECKS = {
     "noise_seeded": lambda: noise_std("noise_seeded_per_layer", seed=4, per_layer=True),
     "noise_unseeded": lambda: noise_std("noise_unseeded", seed=None),
     "ledger": ledger_and_callbacks,
+    "adaptive": adaptive,
     "checkpoints": lambda: checkpoints(),
     "refusals": refusals,
     "example": example,
 }
 # Under several workers only what differs from one machine (the rest is the same code, run mirrored).
-DEFAULT = list(CHECKS) if MODE == "mirrored" else ["flat", "noise_unseeded", "ledger"]
-result["cpu_seconds"] = {"start": time.process_time()}
-for name, check in CHECKS.items():
-    if name in (ONLY or DEFAULT):
-        check()
-        result["cpu_seconds"][name] = time.process_time()
-_dist_helpers.write_result(result)
+WORKER_CHECKS = ["flat", "noise_unseeded", "ledger", "adaptive"]
+
+
+def run(process_strategy: tf.distribute.Strategy, mode: str, only=()) -> dict:
+    """Runs the checks of `mode` ("mirrored": all; "mwms": WORKER_CHECKS) under `process_strategy`."""
+    global strategy, MODE, R, LOCAL, WORKERS, WORKER, result
+    keras.config.disable_traceback_filtering()
+    strategy, MODE = process_strategy, mode
+    if mode == "mirrored":
+        WORKERS, WORKER = 1, 0
+    else:
+        resolver = strategy.cluster_resolver
+        WORKERS, WORKER = resolver.cluster_spec().num_tasks("worker"), resolver.task_id
+    R = strategy.num_replicas_in_sync
+    LOCAL = R // WORKERS
+    result = {"replicas": R, "workers": WORKERS, "worker": WORKER, "cpu_seconds": {"start": time.process_time()}}
+    for name, check in CHECKS.items():
+        if name in (only or (list(CHECKS) if mode == "mirrored" else WORKER_CHECKS)):
+            check()
+            result["cpu_seconds"][name] = time.process_time()
+    return result
