@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _noise, _step, ledger
+from keras_dpsgd import _distribute, _step, ledger
 from keras_dpsgd._dp_classes import make_dp_class
 from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
 from keras_dpsgd._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
@@ -266,7 +266,10 @@ class DPKeras3Mixin(DPSettingsMixin):
         conditional (they synchronize: ``only_first_replica``).
         """
         complete = self._lot_complete()
-        noised = lambda: self._noised(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars)  # noqa: E731
+
+        def noised():
+            return self._noised(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars)
+
         grads = tf.cond(complete, noised, lambda: [tf.zeros_like(v) for v in tf_vars])
         self.noised_steps.assign_add(tf.cast(complete, tf.int64))
         self._apply_lot_update(list(grads), tf_vars, complete)
@@ -346,10 +349,6 @@ class DPKeras3Mixin(DPSettingsMixin):
                     "for the plain DP optimizers only; train it on one device (no strategy, or OneDeviceStrategy)"
                 )
 
-    def _group_bounds(self) -> tf.Tensor:
-        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
-        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
-
     def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
         """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
         groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
@@ -386,47 +385,16 @@ class DPKeras3Mixin(DPSettingsMixin):
     # ------------------------------------------------ hooks for subclasses
     # Published extension points (adaptive clipping, gradient canaries): anything a hook derives
     # from the data is a release of its own, which must be noised and charged by the accountant
-    # (through ``effective_noise_multiplier``).
+    # (through ``effective_noise_multiplier``). Steps 4-5 (``add_noise``, ``normalize``,
+    # ``standard_normal``) are the tf_keras ones: ``DPSettingsMixin``.
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Hook: called once per batch (every batch of a lot) inside the traced step with
         ``sq_norms[i, v] = ||g_i[v]||²`` ([B, V]); the clip bounds in force are ``self.clip_bounds``.
         As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``). Default: nothing."""
 
-    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v.
-
-        Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
-        holds N(0, σ_v² C_v²) once (``keras_dpsgd._distribute``).
-        """
-        groups = _step.clip_groups(len(summed), self.per_layer_clipping)
-        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), groups)
-        scale = _distribute.replica_noise_scale()
-        if scale != 1.0:
-            stds = stds * scale
-        return [
-            s
-            if self._dp.sigmas[v] == 0
-            else _noise.add_gaussian(s, stds[v], _distribute.replica_key(self._noise_key(v)))
-            for v, s in enumerate(summed)
-        ]
-
-    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5: divides by expected_lot_size if set, else by `num_examples` (``_step.normalize``)."""
-        return _step.normalize(noised, num_examples, self._dp.lot)
-
     def on_noised_step(self, num_examples: tf.Tensor) -> None:
         """Hook: called once per noised step, after the gradient's release and the ``noised_steps``
         increment, with the realized number of examples. Default: nothing."""
-
-    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
-        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``), drawn like the gradient's
-        noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, self._noise_key(index), dtype)
-
-    def _noise_key(self, index: int) -> tf.Tensor:
-        if self._dp.seed is None:
-            return self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        return _step.noise_key(self._dp.seed, self.noised_steps.value, index)
 
     def apply(self, grads, trainable_variables=None):
         """Applies the descent rule to gradients that came out of ``sanitize`` only."""
