@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
-from keras_dpsgd import ledger
+from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 
@@ -277,3 +277,46 @@ class DPSettingsMixin:
         config = super().get_config()
         config.update(self._dp.config())
         return config
+
+    # ------------------------------------------------- steps 4-5 of a release, both front ends
+    # The front end provides ``clip_bounds`` (its saved variable) and ``noised_steps``.
+    def _clip_groups(self) -> list[int]:
+        """The clipping group of each variable (``_step.clip_groups``): flat clipping is one group."""
+        return _step.clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
+
+    def _group_bounds(self) -> tf.Tensor:
+        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
+        bounds = tf.convert_to_tensor(self.clip_bounds)
+        return bounds if self.per_layer_clipping else bounds[:1]
+
+    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v (flat: C_v = C, σ_v = σ).
+
+        Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
+        holds N(0, σ_v² C_v²) once (``keras_dpsgd._distribute``).
+        """
+        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
+        stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (1 for one replica)
+        return [
+            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
+            for v, s in enumerate(summed)
+        ]
+
+    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
+        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``)."""
+        return _step.normalize(noised, num_examples, self._dp.lot)
+
+    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
+        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's
+        clamp at 5.68), drawn like the gradient's; `index` >= 2**30 keeps a seeded stream apart
+        from the gradient's (indices 0..V-1)."""
+        return _noise.standard_normal(shape, self._noise_key(index), dtype)
+
+    def _noise_key(self, index: int) -> tf.Tensor:
+        """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
+        replica's own under a strategy (``_distribute.replica_key``)."""
+        if self._dp.seed is None:
+            key = self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
+        else:  # Reproducible and resumable: a function of (seed, noised step, tensor[, replica]).
+            key = _step.noise_key(self._dp.seed, tf.convert_to_tensor(self.noised_steps), index)
+        return _distribute.replica_key(key)

@@ -72,7 +72,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _noise, _step, ledger
+from keras_dpsgd import _distribute, _step, ledger
 from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
@@ -304,14 +304,6 @@ class DPSanitizerMixin(DPSettingsMixin):
         return super().finalize_variable_values(var_list)
 
     # ------------------------------------------------------ sanitizer steps
-    def _clip_groups(self) -> list[int]:
-        """The clipping group of each variable (``_step.clip_groups``): flat clipping is one group."""
-        return _step.clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
-
-    def _group_bounds(self) -> tf.Tensor:
-        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
-        return self.clip_bounds if self.per_layer_clipping else self.clip_bounds[:1]
-
     def _clip_factors(self, sq_norms: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
         """Step 2, clip: factors[i, v] = min(1, C / ||g_i||) (flat) or min(1, C_v / ||g_i[v]||).
 
@@ -346,35 +338,8 @@ class DPSanitizerMixin(DPSettingsMixin):
     # ------------------------------------------------ hooks for subclasses
     # Published extension points, the same names as on Keras 3 (``DPKeras3Mixin``): adaptive
     # clipping and gradient canaries use them. Anything a hook derives from the data is a release
-    # of its own, which must be noised and charged (``release_noise_multipliers``).
-    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i ḡ_i[v] + N(0, σ_v² C_v²) (flat: C_v = C, σ_v = σ)."""
-        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
-        stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (``_distribute``)
-        return [
-            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_seed(v))
-            for v, s in enumerate(summed)
-        ]
-
-    def _noise_seed(self, index: int) -> tf.Tensor:
-        """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
-        replica's own under a strategy (``_distribute.replica_key``)."""
-        if self._dp.seed is None:
-            key = self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        else:  # Reproducible and resumable: a function of (seed, noised step, variable[, replica]).
-            key = _step.noise_key(self._dp.seed, self.noised_steps.read_value(), index)
-        return _distribute.replica_key(key)
-
-    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
-        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's
-        clamp at 5.68), drawn like the gradient's; `index` >= 2**30 keeps a seeded stream apart
-        from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, self._noise_seed(index), dtype)
-
-    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``)."""
-        return _step.normalize(noised, num_examples, self._dp.lot)
-
+    # of its own, which must be noised and charged (``release_noise_multipliers``). Steps 4-5
+    # (``add_noise``, ``normalize``, ``standard_normal``) are shared: ``DPSettingsMixin``.
     def on_noised_step(self, num_examples: tf.Tensor) -> None:
         """Hook: called once per noised step (once per lot), after the gradient's release and the
         ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""

@@ -13,8 +13,18 @@ N(0, σ²C²/R) under a key of its own and divides by the global L; Keras's ``ap
 R gradients across replicas (``TFOptimizer._all_reduce_sum_gradients``) before one descent step
 on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device release. The counters
 (``noised_steps``, Keras's ``iterations``) are mirrored and counted once per step
-(``only_first_replica``). Gradient accumulation, Keras's clipnorm/clipvalue and the hooks' own
-releases are refused under R > 1 (``DPKeras3Mixin._refuse_unsplit_releases``).
+(``only_first_replica``). Keras's clipnorm/clipvalue and the hooks' own releases are refused under
+R > 1 (``DPKeras3Mixin._refuse_unsplit_releases``).
+
+Gradient accumulation under R > 1 (``DPKeras3Mixin._release_lot_across_replicas``), as on tf_keras:
+the cross-replica sum is a synchronization point (merge_call), which tf.distribute cannot run inside
+the ``tf.cond`` of a lot's release, so every batch goes through it. Each replica accumulates its
+clipped sums for k batches; on the k-th only, it adds N(0, σ²C²/R) under its own key and divides by
+the global L; on the other batches it contributes zeros. The descent rule is applied (and Keras's
+``iterations``, ``noised_steps`` counted) on the lot's last batch only, inside the cross-replica
+update: one noise draw per global lot, and one gradient all-reduce per batch. That update runs the
+descent rule and the variables' constraints only: Keras's weight decay and EMA are refused with
+accumulation under R > 1.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _noise, _step, ledger
+from keras_dpsgd import _distribute, _step, ledger
 from keras_dpsgd._dp_classes import make_dp_class
 from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
 from keras_dpsgd._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
@@ -227,17 +237,77 @@ class DPKeras3Mixin(DPSettingsMixin):
             acc.assign_add(tf.cast(s, acc.dtype))
         self._accum_examples.assign_add(num_examples)
         self._accum_batches.assign_add(1)
+        if _distribute.num_replicas() > 1:
+            self._release_lot_across_replicas(tf_vars, regularization_grads)
+            return
 
         def release_lot():
-            lot = [tf.cast(acc.value, tf.float32) for acc in self._accumulators]
-            self.apply(self._release(lot, self._accum_examples.value, regularization_grads, tf_vars), variables)
-            for acc in self._accumulators:
-                acc.assign(tf.zeros_like(acc.value))
-            self._accum_examples.assign(0.0)
-            self._accum_batches.assign(0)
-            return tf.constant(True)
+            self.apply(
+                self._release(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars), variables
+            )
+            return self._reset_lot()
 
-        tf.cond(self._accum_batches.value >= self._dp.accumulation, release_lot, lambda: tf.constant(False))
+        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
+
+    def _lot_sums(self) -> list[tf.Tensor]:
+        """The accumulated clipped sums of the lot (this replica's share under a strategy)."""
+        return [tf.cast(acc.value, tf.float32) for acc in self._accumulators]
+
+    def _lot_complete(self) -> tf.Tensor:
+        """True on the last batch of a lot (the same on every replica: each counts the batches)."""
+        return self._accum_batches.value >= self._dp.accumulation
+
+    def _reset_lot(self) -> tf.Tensor:
+        for acc in self._accumulators:
+            acc.assign(tf.zeros_like(acc.value))
+        self._accum_examples.assign(0.0)
+        self._accum_batches.assign(0)
+        return tf.constant(True)
+
+    def _release_lot_across_replicas(self, tf_vars, regularization_grads) -> None:
+        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
+
+        Every batch goes through the cross-replica sum (a synchronization point, which cannot sit
+        in a ``tf.cond``): on the lot's last batch each replica contributes its accumulated sums
+        noised by σC/√R and divided by the global L (``_noised``, no synchronization inside the
+        conditional), zeros on the others. The descent rule runs on the last batch only
+        (``_apply_lot_update``); ``noised_steps`` and ``iterations`` count lots, outside the
+        conditional (they synchronize: ``only_first_replica``).
+        """
+        complete = self._lot_complete()
+
+        def noised():
+            return self._noised(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars)
+
+        grads = tf.cond(complete, noised, lambda: [tf.zeros_like(v) for v in tf_vars])
+        self.noised_steps.assign_add(tf.cast(complete, tf.int64))
+        self._apply_lot_update(list(grads), tf_vars, complete)
+        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
+
+    def _apply_lot_update(self, grads, tf_vars, complete) -> None:
+        """SUMs `grads` across the replicas (every batch), then applies the descent rule and the
+        variables' constraints inside the cross-replica update, on the lot's last batch only."""
+        summed = self._all_reduce_sum_gradients(list(zip(grads, tf_vars)))
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._update_on_lot_end, self._distribution_strategy, summed, self.learning_rate
+        )
+        self._iterations.assign_add(tf.cast(complete, self._iterations.dtype))
+
+    def _update_on_lot_end(self, distribution, grads_and_vars, learning_rate) -> None:
+        """Cross-replica context: each variable's update (and constraint), gated to a lot's end."""
+
+        def update(var, grad, learning_rate):
+            def step():
+                self.update_step(grad, var, learning_rate)
+                constraint = self._trainable_variables[self._get_variable_index(var)].constraint
+                if constraint is not None:
+                    var.assign(constraint(var))
+                return tf.constant(True)
+
+            return tf.cond(self._lot_complete(), step, lambda: tf.constant(False))
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, update, args=(grad, learning_rate), group=False)
 
     def _checked_variables(self, variables: Sequence[Any]) -> list[tf.Variable]:
         """The TF variables of `variables`, which must be those the optimizer is built with."""
@@ -261,12 +331,18 @@ class DPKeras3Mixin(DPSettingsMixin):
         sum (Keras's clipnorm/clipvalue, a hook's own release), which the noise split does not cover."""
         name = type(self).__name__
         if self._dp.accumulation > 1:
-            raise ValueError(
-                f"{name}(gradient_accumulation_steps={self._dp.accumulation}) under {_distribute.num_replicas()} "
-                "replicas: the lot's one release would sit inside a conditional, where tf.distribute cannot "
-                "synchronize the replicas (merge_call); use gradient_accumulation_steps=1 with a global batch of "
-                "the whole lot (the replicas share it), or train on one device"
-            )
+            fixes = {
+                "weight_decay": "weight_decay=None (a kernel_regularizer with make_private instead)",
+                "use_ema": "use_ema=False",
+            }
+            for option, fix in fixes.items():
+                if getattr(self, option):
+                    raise ValueError(
+                        f"{name}({option}={getattr(self, option)!r}, gradient_accumulation_steps="
+                        f"{self._dp.accumulation}) under {_distribute.num_replicas()} replicas: the lot's update, "
+                        "gated to its last batch inside the cross-replica update, applies the descent rule only, "
+                        f"not Keras's {option}; set {fix}, gradient_accumulation_steps=1, or train on one device"
+                    )
         for option in ("clipnorm", "clipvalue", "global_clipnorm"):
             if getattr(self, option, None) is not None:
                 raise ValueError(
@@ -282,10 +358,6 @@ class DPKeras3Mixin(DPSettingsMixin):
                     "for the plain DP optimizers and adaptive clipping only; train it on one device (no strategy, "
                     "or OneDeviceStrategy)"
                 )
-
-    def _group_bounds(self) -> tf.Tensor:
-        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
-        return self.clip_bounds.value if self.per_layer_clipping else self.clip_bounds.value[:1]
 
     def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
         """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
@@ -304,62 +376,35 @@ class DPKeras3Mixin(DPSettingsMixin):
         return summed, _distribute.global_sum(tf.cast(tf.shape(per_example_loss)[0], tf.float32))
 
     def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
-        """Steps 4-5 on a lot's clipped sum (hooks add_noise, normalize), then the regularization
-        gradient (no clip, no noise)."""
-        grads = self.normalize(self.add_noise(summed), num_examples)
+        """Steps 4-5 (``_noised``), counted in ``noised_steps`` (hook ``on_noised_step``), pending for ``apply``."""
+        grads = self._noised(summed, num_examples, regularization_grads, tf_vars)
         self.noised_steps.assign_add(1)
         self.on_noised_step(num_examples)
+        self._dp.pending[:] = grads
+        return grads
+
+    def _noised(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
+        """Steps 4-5 on a lot's clipped sum (hooks add_noise, normalize), then the regularization
+        gradient (no clip, no noise), in the variables' dtypes."""
+        grads = self.normalize(self.add_noise(summed), num_examples)
         if regularization_grads is not None:
             # Every replica computes the same regularization gradient; the cross-replica sum adds R shares.
             grads = [g + tf.cast(_distribute.replica_share(r), g.dtype) for g, r in zip(grads, regularization_grads)]
-        grads = [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
-        self._dp.pending[:] = grads
-        return grads
+        return [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
 
     # ------------------------------------------------ hooks for subclasses
     # Published extension points (adaptive clipping, gradient canaries): anything a hook derives
     # from the data is a release of its own, which must be noised and charged by the accountant
-    # (through ``effective_noise_multiplier``).
+    # (through ``effective_noise_multiplier``). Steps 4-5 (``add_noise``, ``normalize``,
+    # ``standard_normal``) are the tf_keras ones: ``DPSettingsMixin``.
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Hook: called once per batch (every batch of a lot) inside the traced step with
         ``sq_norms[i, v] = ||g_i[v]||²`` ([B, V]); the clip bounds in force are ``self.clip_bounds``.
         As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``). Default: nothing."""
 
-    def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v.
-
-        Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
-        holds N(0, σ_v² C_v²) once (``keras_dpsgd._distribute``).
-        """
-        groups = _step.clip_groups(len(summed), self.per_layer_clipping)
-        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), groups)
-        scale = _distribute.replica_noise_scale()
-        if scale != 1.0:
-            stds = stds * scale
-        return [
-            s
-            if self._dp.sigmas[v] == 0
-            else _noise.add_gaussian(s, stds[v], _distribute.replica_key(self._noise_key(v)))
-            for v, s in enumerate(summed)
-        ]
-
-    def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5: divides by expected_lot_size if set, else by `num_examples` (``_step.normalize``)."""
-        return _step.normalize(noised, num_examples, self._dp.lot)
-
     def on_noised_step(self, num_examples: tf.Tensor) -> None:
         """Hook: called once per noised step, after the gradient's release and the ``noised_steps``
         increment, with the realized number of examples. Default: nothing."""
-
-    def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
-        """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``), drawn like the gradient's
-        noise; `index` >= 2**30 keeps a seeded stream apart from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, _distribute.replica_key(self._noise_key(index)), dtype)
-
-    def _noise_key(self, index: int) -> tf.Tensor:
-        if self._dp.seed is None:
-            return self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        return _step.noise_key(self._dp.seed, self.noised_steps.value, index)
 
     def apply(self, grads, trainable_variables=None):
         """Applies the descent rule to gradients that came out of ``sanitize`` only."""
