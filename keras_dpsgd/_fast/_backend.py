@@ -31,25 +31,13 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _graph, _uses
-from keras_dpsgd._fast._reference import ReferenceBackend
+from keras_dpsgd._fast import _checks, _graph, _uses
+from keras_dpsgd._fast._reference import ReferenceBackend, per_example_jacobians
 
 
 def _reference_backend() -> ReferenceBackend:
     """The optimizer's reference backend (per-example jacobians of every variable)."""
     return ReferenceBackend()
-
-
-def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tape) -> list:
-    """Per-example gradients [B, *var.shape] of ``loss`` ([B]) for each variable (vectorized)."""
-    if not variables:
-        return []
-    if tape is None:
-        raise ValueError("tape must be the GradientTape that recorded the loss, got None")
-    if not tf.executing_eagerly() and hasattr(loss, "graph"):
-        _graph.refuse_grouped_convolutions(loss)
-    jac = tape.jacobian(loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return [tf.cast(j, tf.float32) for j in jac]
 
 
 def _grad_for(y: tf.Tensor, grad) -> tf.Tensor:
@@ -188,13 +176,14 @@ class FastBackend:
         checks = _graph.runtime_checks(loss, analysis)
         # Reordered rows or an op outside the allowlist (ghost norms might mis-group the rows):
         # per-example jacobians are exact (the loss is per example).
-        groups = self._groups(loss, var_list, tape, analysis) if analysis.clean(loss) else None
+        groups = self._groups(loss, var_list, tape, analysis, checks) if analysis.clean(loss) else None
         if groups is None:
             self.last_fallback = [v.name for v in var_list]
             summed, sq_norms = _reference_backend().clipped_sum(loss, var_list, tape, clip_factors, checked=True)
             return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
         batch = tf.shape(loss)[0]
         sq_norms = tf.stack([g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1)
+        sq_norms = _checks.fail_closed(sq_norms)
         factors = tf.cast(clip_factors(sq_norms), tf.float32)
         summed = []
         for v, (group, var) in enumerate(zip(groups, var_list)):
@@ -204,7 +193,9 @@ class FastBackend:
                 summed.append(tf.cast(group.clipped_sum(factors[:, v]), var.dtype))
         return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
 
-    def _groups(self, loss, var_list, tape, clean) -> list | None:
+    def _groups(self, loss, var_list, tape, clean, checks: list) -> list:
+        """One group of per-example uses per variable (None: unused); appends the jacobian
+        fallback's run-time checks to ``checks``."""
         ops = _graph.ancestors(loss)
         static_batch = loss.shape[0]
         plans = []
@@ -222,7 +213,9 @@ class FastBackend:
         grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
         self.last_fallback = [v.name for v in fallback]
-        jacobians = iter(per_example_jacobians(loss, fallback, tape))
+        jacobians, pfor_checks = per_example_jacobians(loss, fallback, tape)
+        checks += pfor_checks
+        jacobians = iter([tf.cast(j, tf.float32) for j in jacobians])
         batch = tf.shape(loss)[0]
         groups = []
         for var, sites in zip(var_list, plans):
