@@ -50,8 +50,9 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list) -> list:
     ``r_i`` in [0.5, 1.5], one plain backward pass (``tf.gradients``, no pfor) gives
     ``∂(Σ_i r_i ℓ_i)/∂w``, which must equal ``Σ_i r_i J_i`` for the jacobian rows ``J_i`` (a wrong
     row, or rows swapped, changes the sum). Per variable, ``‖Σ_i r_i J_i − ∂(Σ r ℓ)/∂w‖`` must be at
-    most ``rtol · (Σ_i r_i ‖J_i‖ + ‖∂(Σ r ℓ)/∂w‖)`` (rtol 1e-3, or 3e-2 where a 16-bit float is upstream
-    of the loss). A step with a non-finite gradient is not checked (its examples are zeroed anyway).
+    most ``rtol · (s_w + 0.01 max_v s_v)`` with ``s_w = Σ_i r_i ‖J_i‖ + ‖∂(Σ r ℓ)/∂w‖`` (rtol 1e-3, or
+    3e-2 where a 16-bit float is upstream of the loss). A variable with a non-finite gradient is not
+    checked (its examples are zeroed anyway).
     """
     batch = tf.shape(loss)[0]
     weights = tf.random.stateless_uniform([batch], seed=_CHECK_SEED, minval=0.5, maxval=1.5)
@@ -60,22 +61,30 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list) -> list:
     )
     ancestors = _graph.ancestors(loss)
     rtol = 3e-2 if any(t.dtype in _HALF for op in ancestors for t in op.outputs) else 1e-3
+    measured = [_disagreement(jac, want, weights, batch) for jac, want in zip(jacobians, plain)]
+    largest = tf.reduce_max(tf.stack([tf.where(finite, scale, 0.0) for _, scale, finite in measured]))
     checks = []
-    for var, jac, want in zip(variables, jacobians, plain):
-        rows = tf.reshape(tf.cast(jac, tf.float32), [batch, -1])
-        want = tf.reshape(tf.cast(want, tf.float32), [-1])
-        got = tf.linalg.matvec(rows, weights, transpose_a=True)
-        err = tf.norm(got - want)
-        scale = tf.reduce_sum(weights * tf.norm(rows, axis=1)) + tf.norm(want)
-        finite = tf.reduce_all(tf.math.is_finite(rows)) & tf.reduce_all(tf.math.is_finite(want))
+    for var, (err, scale, finite) in zip(variables, measured):
         message = (
             f"keras_dpsgd: TensorFlow's vectorized per-example gradients (pfor jacobian) of variable "
             f"{var.name!r} disagree with its plain gradient, so clipping them would not bound each "
             f"example's contribution; the variable is used by {_users(loss, var, ancestors)}. Replace "
             "that layer, or report this op to keras_dpsgd"
         )
-        checks += _checks.check(tf.logical_not(finite) | (err <= rtol * scale), message)
+        # A gradient that is 0 in exact arithmetic (an attention key bias) is rounding noise of the
+        # size of the other variables' gradients: 1% of the largest scale is allowed too.
+        checks += _checks.check(tf.logical_not(finite) | (err <= rtol * (scale + 0.01 * largest)), message)
     return checks
+
+
+def _disagreement(jac: tf.Tensor, want: tf.Tensor, weights: tf.Tensor, batch) -> tuple:
+    """(‖Σ_i r_i J_i − want‖, Σ_i r_i ‖J_i‖ + ‖want‖, all finite) for one variable."""
+    rows = tf.reshape(tf.cast(jac, tf.float32), [batch, -1])
+    want = tf.reshape(tf.cast(want, tf.float32), [-1])
+    got = tf.linalg.matvec(rows, weights, transpose_a=True)
+    scale = tf.reduce_sum(weights * tf.norm(rows, axis=1)) + tf.norm(want)
+    finite = tf.reduce_all(tf.math.is_finite(rows)) & tf.reduce_all(tf.math.is_finite(want))
+    return tf.norm(got - want), scale, finite
 
 
 def _users(loss: tf.Tensor, var, ancestors: set) -> str:
