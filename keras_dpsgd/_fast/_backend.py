@@ -213,7 +213,7 @@ class FastBackend:
         grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
         self.last_fallback = [v.name for v in fallback]
-        jacobians, pfor_checks = per_example_jacobians(loss, fallback, tape)
+        jacobians, _, pfor_checks = per_example_jacobians(loss, fallback, tape)
         checks += pfor_checks
         jacobians = iter([tf.cast(j, tf.float32) for j in jacobians])
         batch = tf.shape(loss)[0]

@@ -20,16 +20,17 @@ _CHECK_SEED = (18, 2026)
 _HALF = (tf.float16, tf.bfloat16)
 
 
-def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tape) -> tuple[list, list]:
-    """Per-example gradients [B, *var.shape] of ``loss`` ([B]) for each variable (pfor), and the
-    run-time checks that they are right (``jacobian_checks``; none in eager mode).
+def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tape) -> tuple[list, list, list]:
+    """Per-example gradients [B, *var.shape] of ``loss`` ([B]) for each variable (pfor), their
+    per-example squared norms (float32 [B] each), and the run-time checks that they are right
+    (``jacobian_checks``; none in eager mode).
 
     Raises:
       ValueError: ``tape`` is None, or the loss depends on a grouped convolution (pfor gets its
         per-example gradients wrong).
     """
     if not variables:
-        return [], []
+        return [], [], []
     if tape is None:
         raise ValueError("tape must be the GradientTape that recorded the loss, got None")
     graph_mode = not tf.executing_eagerly() and hasattr(loss, "graph")
@@ -39,10 +40,12 @@ def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tap
         loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO, experimental_use_pfor=True
     )
     jacobians = [tf.convert_to_tensor(j) for j in jacobians]
-    return jacobians, (jacobian_checks(loss, list(variables), jacobians) if graph_mode else [])
+    sq_norms = [tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians]
+    checks = jacobian_checks(loss, list(variables), jacobians, sq_norms) if graph_mode else []
+    return jacobians, sq_norms, checks
 
 
-def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list) -> list:
+def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list, sq_norms: list) -> list:
     """Run-time checks that TensorFlow's vectorized jacobian (pfor) is each example's gradient.
 
     pfor rewrites every op of the backward pass for a batch of examples; a wrong rewrite (as for
@@ -61,7 +64,7 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list) -> list:
     )
     ancestors = _graph.ancestors(loss)
     rtol = 3e-2 if any(t.dtype in _HALF for op in ancestors for t in op.outputs) else 1e-3
-    measured = [_disagreement(jac, want, weights, batch) for jac, want in zip(jacobians, plain)]
+    measured = [_disagreement(j, sq, want, weights, batch) for j, sq, want in zip(jacobians, sq_norms, plain)]
     largest = tf.reduce_max(tf.stack([tf.where(finite, scale, 0.0) for _, scale, finite in measured]))
     checks = []
     for var, (err, scale, finite) in zip(variables, measured):
@@ -77,14 +80,14 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list) -> list:
     return checks
 
 
-def _disagreement(jac: tf.Tensor, want: tf.Tensor, weights: tf.Tensor, batch) -> tuple:
-    """(‖Σ_i r_i J_i − want‖, Σ_i r_i ‖J_i‖ + ‖want‖, all finite) for one variable."""
+def _disagreement(jac: tf.Tensor, sq_norms: tf.Tensor, want: tf.Tensor, weights: tf.Tensor, batch) -> tuple:
+    """(‖Σ_i r_i J_i − want‖, Σ_i r_i ‖J_i‖ + ‖want‖, all finite) for one variable (one pass over
+    the jacobian: its rows' norms are given)."""
     rows = tf.reshape(tf.cast(jac, tf.float32), [batch, -1])
     want = tf.reshape(tf.cast(want, tf.float32), [-1])
     got = tf.linalg.matvec(rows, weights, transpose_a=True)
-    scale = tf.reduce_sum(weights * tf.norm(rows, axis=1)) + tf.norm(want)
-    finite = tf.reduce_all(tf.math.is_finite(rows)) & tf.reduce_all(tf.math.is_finite(want))
-    return tf.norm(got - want), scale, finite
+    scale = tf.reduce_sum(weights * tf.sqrt(sq_norms)) + tf.norm(want)
+    return tf.norm(got - want), scale, tf.math.is_finite(scale)
 
 
 def _users(loss: tf.Tensor, var, ancestors: set) -> str:
@@ -149,9 +152,9 @@ class ReferenceBackend:
             checks = _graph.runtime_checks(loss, _graph.analyze(loss))
         elif not checked:
             _warn_unchecked_eager()
-        jacobians, pfor_checks = per_example_jacobians(loss, list(var_list), tape)
+        jacobians, sq_norms, pfor_checks = per_example_jacobians(loss, list(var_list), tape)
         checks += pfor_checks
-        sq_norms = tf.stack([tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians], axis=1)
+        sq_norms = tf.stack(sq_norms, axis=1)
         sq_norms = _checks.fail_closed(sq_norms)
         factors = clip_factors(sq_norms)
         summed = []
