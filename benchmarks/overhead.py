@@ -32,7 +32,8 @@ What is measured:
 Models (Abadi et al. 2016): MLP 784-1000-10 (ReLU) at B=256; small AlexNet on 32x32x3 at B=128:
 conv 5x5x64 (SAME, ReLU), max-pool 3/2, conv 5x5x64 (SAME, ReLU), max-pool 3/2, dense 384, 192, 10.
 Issue 18's models, B=64: ``lstm`` / ``gru``: Embedding(5000, 64) -> LSTM(64) / GRU(64) -> Dense(2)
-on T=64 ids; ``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
+on T=64 ids; ``stacked-lstm``: Embedding(5000, 64) -> LSTM(64, return_sequences) -> LSTM(64) -> Dense(2);
+``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
 Conv2D(64, 1) -> global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
 MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
 residual + LayerNormalization -> average pool -> Dense(2).
@@ -51,9 +52,17 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MODES = ("nonprivate", "fast", "reference", "fast-clip-only")
-DEFAULT_BATCH = {"mlp": 256, "alexnet": 128, "lstm": 64, "gru": 64, "depthwise": 64, "transformer": 64}
+DEFAULT_BATCH = {
+    "mlp": 256,
+    "alexnet": 128,
+    "lstm": 64,
+    "gru": 64,
+    "stacked-lstm": 64,
+    "depthwise": 64,
+    "transformer": 64,
+}
 MODEL_NAMES = tuple(DEFAULT_BATCH)
-TEXT_MODELS = ("lstm", "gru", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
+TEXT_MODELS = ("lstm", "gru", "stacked-lstm", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
 VOCABULARY, SEQUENCE_LENGTH = 5000, 64
 KERASES = ("tf_keras", "3")
 _KERAS = {"which": "tf_keras"}  # set by --keras (and by the memory child's argv)
@@ -93,6 +102,16 @@ def build_model(name: str):
                 keras.Input((SEQUENCE_LENGTH,), dtype="int32"),
                 layers.Embedding(VOCABULARY, 64),
                 recurrent(64),
+                layers.Dense(2),
+            ]
+        )
+    if name == "stacked-lstm":
+        return keras.Sequential(
+            [
+                keras.Input((SEQUENCE_LENGTH,), dtype="int32"),
+                layers.Embedding(VOCABULARY, 64),
+                layers.LSTM(64, return_sequences=True),
+                layers.LSTM(64),
                 layers.Dense(2),
             ]
         )

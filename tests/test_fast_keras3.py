@@ -182,3 +182,16 @@ def test_keras3_grouped_conv2d_is_refused():
     model.compile(optimizer=DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1), loss="mse")
     with pytest.raises(ValueError, match=r"groups=2\).*grouped convolution"):
         model.fit(x, y, batch_size=3, epochs=1, verbose=0)
+
+
+def test_keras3_recurrent_layers_equal_the_reference_path():
+    """Tiny shapes (T = 3, B = 3, 2 units), so that the reference jacobian through the loops stays
+    cheap: Masking -> Bidirectional(LSTM, backward GRU; return_sequences) -> SimpleRNN -> Dense, per-layer
+    clipping: fast == reference == the one-example loop."""
+    layer = L.Bidirectional(
+        L.LSTM(2, return_sequences=True), backward_layer=L.GRU(2, return_sequences=True, go_backwards=True)
+    )
+    model = keras.Sequential([keras.Input((3, 2)), L.Masking(0.0), layer, L.SimpleRNN(2), L.Dense(2)])
+    x, y = sequence_data(3, 3, 2, (2,), masked=True, seed=9)
+    factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1, 0.02, 0.05, 0.1, 0.03, 0.02, 0.05])
+    _check(model, x, y, factors=factors, reference=True)

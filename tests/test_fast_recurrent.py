@@ -70,12 +70,15 @@ def test_depthwise_and_separable_convolutions():
     check(model, x, y, factors=factors, reference=False)
 
 
-def test_fit_takes_the_fast_path_for_an_lstm_text_model():
-    """In Model.fit, an Embedding(mask_zero) -> LSTM -> Dense step uses no jacobian fallback."""
+def test_fit_takes_the_fast_path_for_a_stacked_lstm_text_model():
+    """In Model.fit, an Embedding(mask_zero) -> LSTM -> GRU -> Dense step uses no jacobian fallback
+    (and never differentiates the layers' own function calls, which have no gradient there)."""
     ids = np.random.default_rng(5).integers(0, 20, size=(8, 6)).astype("int32")
     ids[:3, 4:] = 0
     labels = np.arange(8) % 2
-    model = keras.Sequential([L.Embedding(20, 4, mask_zero=True), L.LSTM(3), L.Dense(2)])
+    model = keras.Sequential(
+        [L.Embedding(20, 4, mask_zero=True), L.LSTM(3, return_sequences=True), L.GRU(2), L.Dense(2)]
+    )
     opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1)
     model.compile(
         optimizer=opt,
@@ -87,22 +90,36 @@ def test_fit_takes_the_fast_path_for_an_lstm_text_model():
     assert tf.executing_eagerly()
 
 
-def test_simple_rnn_unrolled_and_stacked_lstms():
+def test_simple_rnn_unrolled():
     """SimpleRNN(unroll=True) is plain matmuls per step: fast (the recurrent kernel's first use
-    multiplies the initial zeros: no gradient, no use). Stacked tf_keras LSTMs (the lower layer's
-    output gradient would need the upper layer's own gradient) take the exact reference path."""
+    multiplies the initial zeros: no gradient, no use)."""
     x, y = sequence_data(2, 3, 2, (2,), masked=True, seed=6)
     unrolled = _model(L.SimpleRNN(3, unroll=True), masked=True)
     unrolled(x[:1])
     check(unrolled, x, y, fallback=[], reference=False)
-    stacked = keras.Sequential([L.LSTM(2, return_sequences=True), L.LSTM(2), L.Dense(2)])
-    stacked(x[:1])
-    check(stacked, x, y, fallback=stacked.trainable_variables, reference=False)
 
 
-def test_a_path_around_the_lstm_takes_the_reference_path():
-    """Dense -> (LSTM, and a pooled skip around it) -> Dense: the lower Dense's gradient also flows
-    around the layer, which the copy does not cover: the step keeps exact jacobians."""
+@pytest.mark.parametrize(
+    "lower,upper,batch,masked,per_layer",
+    [(L.LSTM, L.LSTM, 3, True, False), (L.GRU, L.GRU, 3, False, True), (L.LSTM, L.GRU, 1, True, True)],
+)
+def test_stacked_layers(lower, upper, batch, masked, per_layer):
+    """Stacked tf_keras LSTM/GRU calls: the lower layer's per-example deltas come through the upper
+    layer's unrolled copy (the chain of copies), no variable takes the jacobian fallback."""
+    x, y = sequence_data(batch, 4, 2, (2,), masked=masked, seed=6)
+    model = keras.Sequential(
+        ([L.Masking(0.0)] if masked else []) + [lower(3, return_sequences=True), upper(2), L.Dense(2)]
+    )
+    model(x[:1])
+    factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1, 0.02, 0.05, 0.1]) if per_layer else None
+    check(model, x, y, factors=factors, fallback=[], reference=False)
+
+
+def test_a_dense_before_the_lstm_takes_the_reference_path():
+    """Dense -> (LSTM, and a pooled skip around it) -> Dense: the Dense's output comes from
+    tf.tensordot's reshapes with a dynamic batch, so its rows are not proven one per example (the
+    LSTM call's rows rule needs that): the step keeps exact jacobians (paths around a copy are
+    handled, see test_keras3_stacked_layers_and_a_path_around_them)."""
     inputs = keras.Input((3, 2))
     h = L.Dense(3)(inputs)
     out = L.Dense(2)(L.Concatenate()([L.LSTM(2)(h), L.GlobalAveragePooling1D()(h)]))

@@ -26,29 +26,18 @@ reference path. Nothing here adds noise or touches the privacy accounting; the s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _graph, _loops, _uses
-from keras_dpsgd._fast._reference import ReferenceBackend
+from keras_dpsgd._fast import _checks, _graph, _uses
+from keras_dpsgd._fast._reference import ReferenceBackend, per_example_jacobians
 
 
 def _reference_backend() -> ReferenceBackend:
     """The optimizer's reference backend (per-example jacobians of every variable)."""
     return ReferenceBackend()
-
-
-def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tape) -> list:
-    """Per-example gradients [B, *var.shape] of ``loss`` ([B]) for each variable (vectorized)."""
-    if not variables:
-        return []
-    if tape is None:
-        raise ValueError("tape must be the GradientTape that recorded the loss, got None")
-    if not tf.executing_eagerly() and hasattr(loss, "graph"):
-        _graph.refuse_grouped_convolutions(loss)
-    jac = tape.jacobian(loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return [tf.cast(j, tf.float32) for j in jac]
 
 
 def _grad_for(y: tf.Tensor, grad) -> tf.Tensor:
@@ -67,88 +56,70 @@ def _site_grads(site, grads: list, index: dict):
     return got if isinstance(site.y, tuple) else got[0]
 
 
-def _output_grads(total: tf.Tensor, ys: list, plans: list):
-    """``∂total/∂y`` for each y, backpropagating through the sites' copies (``Site.through``).
-
-    With copies ``c`` of op outputs ``o`` (same function of the same inputs), the gradient of a
-    tensor upstream of the op (or inside the copy), whose every path to ``total`` passes through
-    the op, is ``∂total/∂o · ∂c/∂(tensor)``; the op's own gradient is never built (``tf.gradients`` would
-    differentiate a function-call op even as a stop op, and tf_keras's LSTM/GRU function has no
-    gradient function in ``Model.fit``'s graph). Returns None where a tensor reaches ``total``
-    also around the op, or where one op is upstream of another (then the caller uses the reference
-    path).
-    """
-    zero = tf.UnconnectedGradients.ZERO
+def _output_grads(total: tf.Tensor, ys: list, plans: list) -> list:
+    """``∂total/∂y`` for each y, backpropagating through the sites' copies (``Site.through``)."""
     throughs = {}
     for sites in plans:
         for site in sites or ():
             if site.through is not None:
                 throughs.setdefault(site.through[0][0].ref(), site.through)
     if not throughs:
-        return tf.gradients(total, ys, unconnected_gradients=zero)
-    if all(t.op.type in _loops.COPIED_OPS for o, _ in throughs.values() for t in o):
-        return _chained_grads(total, ys, list(throughs.values()))
-    originals = [t for o, _ in throughs.values() for t in o]
-    copies = [t for _, c in throughs.values() for t in c]
-    calls = {t.op for t in originals}
-    # A copy may stand for several ops (a loop and the stacks of its output lists).
-    upstream = set().union(*(_graph.ancestors(t) for op in calls for t in op.inputs if t.op not in calls))
-    if calls & upstream:
-        return None  # Stacked recurrent layers: the lower one's output gradient needs the upper's.
-    to_total = _graph.ancestors(total)
-    up = [k for k, y in enumerate(ys) if y.op in upstream or y.op not in to_total]
-    if any(_reaches_around(ys[k].op, total.op, calls, to_total) for k in up):
-        return None
-    down = [k for k in range(len(ys)) if k not in set(up)]
-    grads = [None] * len(ys)
-    at = tf.gradients(total, [ys[k] for k in down] + originals, unconnected_gradients=zero)
-    for k, g in zip(down, at):
-        grads[k] = g
-    if up:
-        through = tf.gradients(copies, [ys[k] for k in up], grad_ys=at[len(down) :], unconnected_gradients=zero)
-        for k, g in zip(up, through):
-            grads[k] = g
-    return grads
+        return tf.gradients(total, ys, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return _chained_grads(total, ys, list(throughs.values()))
 
 
 def _chained_grads(total: tf.Tensor, ys: list, throughs: list) -> list:
-    """``∂total/∂y`` in the graph whose loops are replaced by their unrolled copies (``_loops``).
+    """``∂total/∂y`` in the graph whose copied ops are replaced by their copies (``Site.through``:
+    the unrolled loops of ``_loops``, the unrolled LSTM/GRU calls of ``_recurrent``).
 
-    Backpropagation stops at every loop's outputs (``stop_gradients``: a ``while`` op is then
-    never differentiated) and continues through its copy instead, with the loop's output
-    gradient; those are found from the last loop to the first (creation order is topological),
-    each the gradient of ``total`` and of the later loops' copies. Every path counts once: around
-    the loops (a skip connection, an input used twice) through ``total``'s own term, through a
-    loop only through its copy, through stacked loops along the chain of copies.
+    With copies ``c`` of op outputs ``o`` (same function of the same inputs), backpropagation
+    never differentiates the op (``_not_differentiated``: a ``while`` op, or a function call whose
+    function has no gradient in ``Model.fit``'s graph) and continues through its copy instead,
+    with the op's output gradient; those are found from the last op to the first (creation order
+    is topological), each the gradient of ``total`` and of the later ops' copies. Every path counts
+    once: around the ops (a skip connection, an input used twice) through ``total``'s own term,
+    through an op only through its copy, through stacked ops (stacked recurrent layers) along the
+    chain of copies.
     """
     zero = tf.UnconnectedGradients.ZERO
     order = sorted(throughs, key=lambda th: _op_index(th[0][0].op), reverse=True)
-    stops = [t for originals, _ in order for t in originals]
-    ys_of, grad_ys = [total], [None]
-    for originals, copies in order:
-        grads = tf.gradients(ys_of, list(originals), grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero)
-        ys_of, grad_ys = ys_of + list(copies), grad_ys + grads
-    return tf.gradients(ys_of, ys, grad_ys=grad_ys, stop_gradients=stops, unconnected_gradients=zero)
+    originals_of = [t for originals, _ in order for t in originals]
+    with _not_differentiated({t.op for t in originals_of}):
+        ys_of, grad_ys = [total], [None]
+        for originals, copies in order:
+            grads = tf.gradients(ys_of, list(originals), grad_ys=grad_ys, unconnected_gradients=zero)
+            ys_of, grad_ys = ys_of + list(copies), grad_ys + grads
+        return tf.gradients(ys_of, ys, grad_ys=grad_ys, unconnected_gradients=zero)
+
+
+@contextlib.contextmanager
+def _not_differentiated(ops: set):
+    """While active, ``tf.gradients`` propagates nothing through ``ops`` (their inputs get no
+    gradient from them).
+
+    ``stop_gradients`` would not do for a function call: ``tf.gradients`` builds a
+    ``SymbolicGradient`` of a call op even when it is a stop op, and tf_keras's
+    ``standard_lstm``/``standard_gru`` function has no gradient in ``Model.fit``'s graph (and must
+    not be differentiated: its copy stands for it). A gradient function that returns None for
+    every input is found before the call's own (``ops.get_gradient_function``).
+    """
+    saved = {op: op._gradient_function for op in ops}  # pylint: disable=protected-access
+    try:
+        for op in ops:
+            op._gradient_function = _no_gradient  # pylint: disable=protected-access
+        yield
+    finally:
+        for op, fn in saved.items():
+            op._gradient_function = fn  # pylint: disable=protected-access
+
+
+def _no_gradient(op, *grads):
+    del grads
+    return [None] * len(op.inputs)
 
 
 def _op_index(op) -> int:
     return op._id  # pylint: disable=protected-access  (creation order within the graph)
-
-
-def _reaches_around(start, target, calls: set, within: set) -> bool:
-    """Whether ``target`` is reachable from ``start`` along data edges through ``within``,
-    avoiding ``calls``."""
-    seen, stack = {start}, [start]
-    while stack:
-        op = stack.pop()
-        if op is target:
-            return True
-        for t in op.outputs:
-            for consumer in t.consumers():
-                if consumer not in seen and consumer in within and consumer not in calls:
-                    seen.add(consumer)
-                    stack.append(consumer)
-    return False
 
 
 class FastBackend:
@@ -203,16 +174,16 @@ class FastBackend:
             raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
         analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.
         checks = _graph.runtime_checks(loss, analysis)
-        # Reordered rows or an op outside the allowlist (ghost norms might mis-group the rows), or
-        # a recurrent copy that cannot stand for its layer (``_output_grads``): per-example
-        # jacobians are exact (the loss is per example).
-        groups = self._groups(loss, var_list, tape, analysis) if analysis.clean(loss) else None
+        # Reordered rows or an op outside the allowlist (ghost norms might mis-group the rows):
+        # per-example jacobians are exact (the loss is per example).
+        groups = self._groups(loss, var_list, tape, analysis, checks) if analysis.clean(loss) else None
         if groups is None:
             self.last_fallback = [v.name for v in var_list]
             summed, sq_norms = _reference_backend().clipped_sum(loss, var_list, tape, clip_factors, checked=True)
             return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
         batch = tf.shape(loss)[0]
         sq_norms = tf.stack([g.sq_norms() if g is not None else tf.zeros([batch]) for g in groups], axis=1)
+        sq_norms = _checks.fail_closed(sq_norms)
         factors = tf.cast(clip_factors(sq_norms), tf.float32)
         summed = []
         for v, (group, var) in enumerate(zip(groups, var_list)):
@@ -222,7 +193,9 @@ class FastBackend:
                 summed.append(tf.cast(group.clipped_sum(factors[:, v]), var.dtype))
         return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
 
-    def _groups(self, loss, var_list, tape, clean) -> list | None:
+    def _groups(self, loss, var_list, tape, clean, checks: list) -> list:
+        """One group of per-example uses per variable (None: unused); appends the jacobian
+        fallback's run-time checks to ``checks``."""
         ops = _graph.ancestors(loss)
         static_batch = loss.shape[0]
         plans = []
@@ -238,11 +211,11 @@ class FastBackend:
                         index[y.ref()] = len(ys)
                         ys.append(y)
         grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
-        if grads is None:
-            return None
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
         self.last_fallback = [v.name for v in fallback]
-        jacobians = iter(per_example_jacobians(loss, fallback, tape))
+        jacobians, _, pfor_checks = per_example_jacobians(loss, fallback, tape)
+        checks += pfor_checks
+        jacobians = iter([tf.cast(j, tf.float32) for j in jacobians])
         batch = tf.shape(loss)[0]
         groups = []
         for var, sites in zip(var_list, plans):

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _rows, _uses
+from keras_dpsgd._fast import _checks, _rows, _uses
 from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
@@ -108,26 +108,16 @@ def runtime_checks(loss: tf.Tensor, analysis: _rows.Analysis) -> list:
     batch = tf.shape(analysis.sources[0])[0]
     checks = []
     for source in analysis.sources:
-        checks.append(
-            tf.debugging.assert_equal(
-                tf.shape(loss)[0],
-                tf.shape(source)[0],
-                message=(
-                    f"keras_dpsgd: the per-example loss must have one entry per example of the "
-                    f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]"
-                ),
-            )
+        checks += _checks.check(
+            tf.equal(tf.shape(loss)[0], tf.shape(source)[0]),
+            f"keras_dpsgd: the per-example loss must have one entry per example of the "
+            f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]",
         )
     for t, axis in analysis.reshapes:
-        checks.append(
-            tf.debugging.assert_equal(
-                tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)),
-                0,
-                message=(
-                    f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
-                    "reshapes values of several examples into one row; the loss is not per example"
-                ),
-            )
+        checks += _checks.check(
+            tf.equal(tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)), 0),
+            f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
+            "reshapes values of several examples into one row; the loss is not per example",
         )
     return checks
 

@@ -31,6 +31,8 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd._fast import _checks
+
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # The ops whose outputs an unrolled copy stands for: the loop and the stacks of its output lists.
 COPIED_OPS = WHILE_OPS | {"TensorListStack"}
@@ -77,17 +79,14 @@ class Unrolled:
 
     def checks(self) -> list:
         """Run-time assertions: the loop ran ``steps`` iterations and the copy equals it."""
-        if not hasattr(self, "_checks"):
-            count = tf.debugging.assert_equal(
-                self.op.outputs[0],
-                tf.constant(self.steps, self.op.outputs[0].dtype),
-                message=(
-                    f"keras_dpsgd: the loop {self.op.name!r} did not run {self.steps} iterations, "
-                    "the length of its sequence; use per_example_backend='reference' and report this"
-                ),
+        if not hasattr(self, "_built_checks"):
+            count = _checks.check(
+                tf.equal(self.op.outputs[0], tf.constant(self.steps, self.op.outputs[0].dtype)),
+                f"keras_dpsgd: the loop {self.op.name!r} did not run {self.steps} iterations, "
+                "the length of its sequence; use per_example_backend='reference' and report this",
             )
-            self._checks = [count] + [c for o, k in zip(self.originals, self.copies) for c in same_values(k, o)]
-        return self._checks
+            self._built_checks = count + [c for o, k in zip(self.originals, self.copies) for c in same_values(k, o)]
+        return self._built_checks
 
 
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -294,13 +293,8 @@ def same_values(mine: tf.Tensor, theirs: tf.Tensor, atol: float = _ATOL, rtol: f
     finite = tf.math.is_finite(mine) & tf.math.is_finite(theirs)
     excess = tf.abs(mine - theirs) - (atol + rtol * tf.abs(theirs))
     worst = tf.reduce_max(tf.where(finite, excess, tf.zeros_like(excess)))
-    return [
-        tf.debugging.assert_less_equal(
-            worst,
-            0.0,
-            message=(
-                f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
-                "the layer's output; use per_example_backend='reference' and report this"
-            ),
-        )
-    ]
+    return _checks.check(
+        worst <= 0.0,
+        f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
+        "the layer's output; use per_example_backend='reference' and report this",
+    )
