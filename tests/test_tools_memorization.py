@@ -148,6 +148,7 @@ def test_real_task_mode_accounts_the_dp_run():
     d = report.to_dict()
     assert d["touches_real_data"] is True and d["nonprivate"]["epsilon"] == "inf"
     assert "cost privacy" in d["privacy_note"]
+    nonprivate_runs = []  # An optimizer that cannot be accounted is refused before any training on the real data.
     with pytest.raises(ValueError, match="accounted"):
         real_task_test(
             mlp_builder(SHAPE, 10, width=8, keras_module=keras),
@@ -156,8 +157,10 @@ def test_real_task_mode_accounts_the_dp_run():
             num_classes=10,
             epochs=1,
             dp_optimizer_factory=lambda lots: keras.optimizers.SGD(0.1),
+            nonprivate_optimizer_factory=lambda: nonprivate_runs.append(1) or keras.optimizers.SGD(0.1),
             loss=lambda r: keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
+    assert nonprivate_runs == []
 
 
 def test_validation():

@@ -336,27 +336,38 @@ def _run_pair(
         seeded=seed is not None,
         front=front,
     )
-    nonpriv, _, _ = train_run(
-        "non-private",
-        build_model,
-        lambda _: nonpriv_factory(),
-        make_loss("auto"),
-        train,
-        batch_size=nonprivate_batch_size,
-        poisson=False,
-        **common,
-    )
-    dpres, dp_model, dp_opt = train_run(
-        "dp",
-        build_model,
-        dp_factory,
-        make_loss("none"),
-        train,
-        batch_size=dp.batch_size,
-        poisson=True,
-        physical_batch_size=dp.physical_batch_size,
-        **common,
-    )
+
+    def nonprivate_run():
+        return train_run(
+            "non-private",
+            build_model,
+            lambda _: nonpriv_factory(),
+            make_loss("auto"),
+            train,
+            batch_size=nonprivate_batch_size,
+            poisson=False,
+            **common,
+        )
+
+    def dp_run():
+        return train_run(
+            "dp",
+            build_model,
+            dp_factory,
+            make_loss("none"),
+            train,
+            batch_size=dp.batch_size,
+            poisson=True,
+            physical_batch_size=dp.physical_batch_size,
+            **common,
+        )
+
+    if mode == "real":  # The DP run first: an optimizer that cannot be accounted is refused before any training.
+        dpres, dp_model, dp_opt = dp_run()
+        nonpriv, _, _ = nonprivate_run()
+    else:
+        nonpriv, _, _ = nonprivate_run()
+        dpres, dp_model, dp_opt = dp_run()
     dpres.epsilon, dpres.noise_multiplier, dpres.noised_steps = _dp_epsilon(dp_model, dp_opt, delta)
     nonpriv.epsilon = float("inf")
     np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
