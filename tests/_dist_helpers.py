@@ -71,6 +71,53 @@ def barrier(strategy) -> None:
 
 
 # ---------------------------------------------------------------- in the test
+def global_batches(strategy, x, y, batch: int, worker: int = 0, local: int | None = None):
+    """The global batches of (x, y), in order, as a distributed dataset: this worker's `local`
+    replicas (default: all of `strategy`'s) take consecutive slices of each, after those of the
+    workers before it."""
+    import numpy as np
+    import tensorflow as tf
+
+    local = strategy.num_replicas_in_sync if local is None else local
+
+    def per_worker(context):
+        per_replica = batch // context.num_replicas_in_sync
+        parts = []
+        for start in range(0, len(x), batch):
+            for r in range(local):
+                first = start + (worker * local + r) * per_replica
+                parts.append((x[first : first + per_replica], y[first : first + per_replica]))
+        xs = np.concatenate([p[0] for p in parts])
+        ys = np.concatenate([p[1] for p in parts])
+        return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(per_replica)
+
+    return strategy.distribute_datasets_from_function(per_worker)
+
+
+def zero_gradient_keras3(strategy, width: int, **optimizer_args):
+    """A Keras 3 private Dense-Dense model (no bias) compiled under `strategy` with a
+    ``keras_dpsgd.keras3.DPSGDOptimizer(learning_rate=1.0, **optimizer_args)``: on x = 0 its gradient
+    is 0, so a lot moves the first kernel by -noise/L only. Returns (model, optimizer)."""
+    import keras
+
+    import keras_dpsgd.keras3 as k3
+
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = k3.make_private(
+            keras.Sequential(
+                [
+                    keras.Input((width,)),
+                    keras.layers.Dense(width, use_bias=False),
+                    keras.layers.Dense(1, use_bias=False),
+                ]
+            )
+        )
+        optimizer = k3.DPSGDOptimizer(learning_rate=1.0, **optimizer_args)
+        model.compile(optimizer=optimizer, loss="mse")
+    return model, optimizer
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct ports free on 127.0.0.1 now (bound and released together)."""
     sockets = []

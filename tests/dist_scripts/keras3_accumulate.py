@@ -49,20 +49,7 @@ def _model(reg=None, constraint=None):
 
 
 def _global_batches(x, y, batch):
-    """The global batches in order, replica r taking the r-th slice of each (the piece of
-    tests/dist_scripts/keras3_distributed.py's helper for one worker)."""
-
-    def per_replica_data(context):
-        per_replica = batch // context.num_replicas_in_sync
-        parts = [
-            (x[s + r * per_replica : s + (r + 1) * per_replica], y[s + r * per_replica : s + (r + 1) * per_replica])
-            for s in range(0, len(x), batch)
-            for r in range(R)
-        ]
-        xs, ys = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-        return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(per_replica)
-
-    return strategy.distribute_datasets_from_function(per_replica_data)
+    return _dist_helpers.global_batches(strategy, x, y, batch)
 
 
 class Weights(keras.callbacks.Callback):
@@ -149,27 +136,16 @@ def noise(name, seed):
     """Zero gradients (x = 0, no bias): the lot moves the kernel by -noise/L only, once; its ε at a
     known q is the accountant's for one step."""
     lot, sigma, clip, width, target_delta = 16, 1.0, 2.0, 100, 1e-5
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = k3.make_private(
-            keras.Sequential(
-                [
-                    keras.Input((width,)),
-                    keras.layers.Dense(width, use_bias=False),
-                    keras.layers.Dense(1, use_bias=False),
-                ]
-            )
-        )
-        opt = k3.DPSGDOptimizer(
-            l2_norm_clip=clip,
-            noise_multiplier=sigma,
-            learning_rate=1.0,
-            expected_lot_size=lot,
-            seed=seed,
-            gradient_accumulation_steps=K,
-            sampling_rate=lot / 256,
-        )
-        model.compile(optimizer=opt, loss="mse")
+    model, opt = _dist_helpers.zero_gradient_keras3(
+        strategy,
+        width,
+        l2_norm_clip=clip,
+        noise_multiplier=sigma,
+        expected_lot_size=lot,
+        seed=seed,
+        gradient_accumulation_steps=K,
+        sampling_rate=lot / 256,
+    )
     before = model.trainable_variables[0].numpy()
     weights = Weights()
     x, y = np.zeros((lot, width), "float32"), np.zeros((lot, 1), "float32")

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+import _dist_helpers
 import keras_dpsgd.keras3 as k3
 from _keras3_helpers import loop_clipped_mean
 from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
@@ -41,20 +42,7 @@ def _model(reg=None):
 
 
 def _global_batches(x, y, batch):
-    """The global batches (in order) as a distributed dataset: each worker its slice of each one."""
-
-    def per_worker(context):
-        per_replica = batch // context.num_replicas_in_sync
-        parts = []
-        for start in range(0, len(x), batch):
-            for r in range(LOCAL):  # this worker's replicas take consecutive slices of the batch
-                first = start + (WORKER * LOCAL + r) * per_replica
-                parts.append((x[first : first + per_replica], y[first : first + per_replica]))
-        xs = np.concatenate([p[0] for p in parts])
-        ys = np.concatenate([p[1] for p in parts])
-        return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(per_replica)
-
-    return strategy.distribute_datasets_from_function(per_worker)
+    return _dist_helpers.global_batches(strategy, x, y, batch, WORKER, LOCAL)
 
 
 def step_equals_oracle(name, clip, reg=None, accumulation=1, with_noise_free_one_device=False, lot=B):
@@ -105,26 +93,15 @@ def step_equals_oracle(name, clip, reg=None, accumulation=1, with_noise_free_one
 def noise_std(name, seed, accumulation=1, per_layer=False):
     """Zero gradients (x = 0, no bias): one step moves the weights by -LR·noise/L only."""
     lot, sigma, clip, width = 16, 1.0, 2.0, 100
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = k3.make_private(
-            keras.Sequential(
-                [
-                    keras.Input((width,)),
-                    keras.layers.Dense(width, use_bias=False),
-                    keras.layers.Dense(1, use_bias=False),
-                ]
-            )
-        )
-        opt = k3.DPSGDOptimizer(
-            l2_norm_clip=[clip, clip] if per_layer else clip,
-            noise_multiplier=sigma,
-            learning_rate=1.0,
-            expected_lot_size=lot,
-            seed=seed,
-            gradient_accumulation_steps=accumulation,
-        )
-        model.compile(optimizer=opt, loss="mse")
+    model, opt = _dist_helpers.zero_gradient_keras3(
+        strategy,
+        width,
+        l2_norm_clip=[clip, clip] if per_layer else clip,
+        noise_multiplier=sigma,
+        expected_lot_size=lot,
+        seed=seed,
+        gradient_accumulation_steps=accumulation,
+    )
     before = model.trainable_variables[0].numpy()
     x, y = np.zeros((lot, width), "float32"), np.zeros((lot, 1), "float32")
     model.fit(_global_batches(x, y, lot // accumulation), epochs=1, steps_per_epoch=accumulation, verbose=0)
