@@ -248,15 +248,16 @@ def _launch_all() -> dict:
         tempfile.TemporaryDirectory(prefix="dist_shared_") as mirrored_dir,
         tempfile.TemporaryDirectory(prefix="dist_shared_") as shared,
     ):
-
+        # Hard timeouts ~4x their time on the 2-core CI machine, where under `pytest -n 2` the other
+        # worker runs tests beside these 3 processes.
         def cluster() -> tuple[list[dict], list[dict]]:
-            main = run_workers(STRATEGY_CHILD, num_workers=2, timeout=450, args=["mwms", shared, "main"])
-            resumed = run_workers(STRATEGY_CHILD, num_workers=2, timeout=240, args=["mwms", shared, "resume"])
+            main = run_workers(STRATEGY_CHILD, num_workers=2, timeout=600, args=["mwms", shared, "main"])
+            resumed = run_workers(STRATEGY_CHILD, num_workers=2, timeout=300, args=["mwms", shared, "resume"])
             return main, resumed
 
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             mirrored = pool.submit(
-                run_mirrored, STRATEGY_CHILD, devices=2, timeout=600, args=["mirrored", mirrored_dir]
+                run_mirrored, STRATEGY_CHILD, devices=2, timeout=900, args=["mirrored", mirrored_dir]
             )
             workers = pool.submit(cluster)
             main, resumed = workers.result()
@@ -266,7 +267,8 @@ def _launch_all() -> dict:
 def strategy_runs() -> dict:
     """The results of ``strategy_child.py``, launched once per session (a failure is kept too):
     ``{"mirrored": {...}, "workers": [worker 0, worker 1], "resumed": [worker 0, worker 1]}``,
-    each with one part per checked module ("replicas", "keras3", "keras3_checkpoints", "tf_keras")."""
+    each with one part per checked module ("replicas", "keras3", "keras3_accumulate" (mirrored only),
+    "keras3_checkpoints" (workers only), "tf_keras")."""
     if "runs" not in _RUNS:
         try:
             _RUNS["runs"] = _launch_all()

@@ -1,8 +1,9 @@
 """Keras 3 gradient accumulation under a MirroredStrategy with 2 replicas (issue 15): k = 2 batches
 per lot, one noise draw per GLOBAL lot.
 
-One fresh process (tests/dist_scripts/keras3_accumulate.py, 2 logical CPU devices, hard timeout)
-runs every check and writes JSON; the tests assert on the numbers:
+The shared MirroredStrategy process of the distribution tests (tests/_dist_helpers.strategy_runs:
+tests/dist_scripts/keras3_accumulate.py, 2 logical CPU devices, hard timeout) runs every check and
+writes JSON; the tests assert on the numbers:
 
 * σ = 0: the lot's update equals the one-example-at-a-time oracle on the same global lot (with a
   weight regularizer), applied once, after the lot's last batch; two lots with momentum and a
@@ -14,19 +15,16 @@ runs every check and writes JSON; the tests assert on the numbers:
 """
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests._dist_helpers import run_mirrored
-
-SCRIPT = Path(__file__).parent / "dist_scripts" / "keras3_accumulate.py"
+from tests._dist_helpers import strategy_runs
 
 
 @pytest.fixture(scope="module")
 def run():
-    return run_mirrored(SCRIPT, devices=2, timeout=300)
+    return strategy_runs()["mirrored"]["keras3_accumulate"]
 
 
 def test_the_lot_update_equals_the_one_example_oracle_once(run):

@@ -1,33 +1,27 @@
-"""Child of tests/test_keras3_accumulate_distribute.py: Keras 3 gradient accumulation under a
-MirroredStrategy on 2 logical CPU devices (k = 2 batches per lot). Runs every check once and writes
-the numbers as JSON; the test asserts on them.
+"""Keras 3 gradient accumulation under a MirroredStrategy on 2 logical CPU devices (k = 2 batches per
+lot), for tests/test_keras3_accumulate_distribute.py: :func:`run` (called by strategy_child.py in the
+shared MirroredStrategy process) runs every check once and returns the numbers; the test asserts on
+them.
 """
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import _dist_helpers  # noqa: E402
+import _dist_helpers
+import keras
+import numpy as np
+import tensorflow as tf
+from _keras3_helpers import loop_clipped_mean
 
-_dist_helpers.child_setup()
+import keras_dpsgd.keras3 as k3
+from keras_dpsgd import model_epsilon, model_privacy_ledger
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import keras_dpsgd.keras3 as k3  # noqa: E402
-from _keras3_helpers import loop_clipped_mean  # noqa: E402
-from keras_dpsgd import model_epsilon, model_privacy_ledger  # noqa: E402
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon  # noqa: E402
-
-keras.config.disable_traceback_filtering()
-strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
-R, K, LR, CLIP = strategy.num_replicas_in_sync, 2, 0.5, 0.3
+strategy = None  # set by run()
+K, LR, CLIP = 2, 0.5, 0.3
 rng = np.random.default_rng(0)
 X = rng.normal(size=(16, 5)).astype("float32")
 Y = rng.normal(size=(16, 2)).astype("float32")
-result = {"replicas": R}
+result = {}
 
 
 class Shrink(keras.constraints.Constraint):
@@ -184,10 +178,17 @@ CHECKS = {
     "noise_unseeded": lambda: noise("noise_unseeded", None),
     "refusals": refusals,
 }
-ONLY = sys.argv[1:]  # debugging: run only these checks
-result["seconds"] = {"start": time.monotonic()}
-for name, check in CHECKS.items():
-    if name in (ONLY or CHECKS):
-        check()
-        result["seconds"][name] = time.monotonic() - result["seconds"]["start"]
-_dist_helpers.write_result(result)
+
+
+def run(process_strategy: tf.distribute.Strategy, only=()) -> dict:
+    """Runs the checks (all, or those named in `only`) under `process_strategy` (2 replicas)."""
+    global strategy
+    keras.config.disable_traceback_filtering()
+    strategy = process_strategy
+    result.clear()
+    result.update(replicas=strategy.num_replicas_in_sync, cpu_seconds={"start": time.process_time()})
+    for name, check in CHECKS.items():
+        if name in (only or CHECKS):
+            check()
+            result["cpu_seconds"][name] = time.process_time()
+    return result

@@ -4,8 +4,8 @@
 ``python strategy_child.py mwms DIR PHASE`` (one worker of a MultiWorkerMirroredStrategy cluster;
 PHASE "main" or "resume", a relaunch of the cluster on the same DIR). One strategy per process
 (collective keys), shared by the checks of both Kerases: ``_distribute``'s helpers
-(distribute_replicas), Keras 3 (keras3_distributed, keras3_checkpoints) and tf_keras
-(tf_keras_checks). Writes one JSON result with a part per module.
+(distribute_replicas), Keras 3 (keras3_distributed, keras3_checkpoints, keras3_accumulate) and
+tf_keras (tf_keras_checks). Writes one JSON result with a part per module.
 """
 
 import os
@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 MODE, DIRECTORY = sys.argv[1], sys.argv[2]
 PHASE = sys.argv[3] if len(sys.argv) > 3 else "main"
-ONLY = os.environ.get("KERAS_DPSGD_DIST_ONLY", "")  # debugging: "keras3", "tf_keras" or "replicas"
+ONLY = os.environ.get("KERAS_DPSGD_DIST_ONLY", "")  # debugging: "keras3", "tf_keras", "replicas", ...
 CHECKS = [c for c in os.environ.get("KERAS_DPSGD_DIST_CHECKS", "").split(",") if c]  # debugging: keras3 checks
 
 
@@ -34,12 +34,14 @@ def main() -> dict:
     result = {}
     if MODE == "mirrored":
         import distribute_replicas
+        import keras3_accumulate
 
         strategy = tf.distribute.MirroredStrategy([d.name for d in tf.config.list_logical_devices("CPU")])
         parts = {
             "replicas": lambda: distribute_replicas.run(strategy),
             "tf_keras": lambda: tf_keras_checks.mirrored_checks(strategy, DIRECTORY),
             "keras3": lambda: keras3_distributed.run(strategy, MODE, CHECKS),
+            "keras3_accumulate": lambda: keras3_accumulate.run(strategy),
         }
     else:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
