@@ -1,0 +1,70 @@
+"""How pytest-xdist shares the suite among its workers (``python -m pytest -q -n 2``).
+
+Whole modules go to one worker, so that a module-scoped fixture (a training, a subprocess launch)
+runs once; the modules that read the one launch of ``tests/_dist_helpers.strategy_runs`` (a cache
+in the worker's process) go to one worker together. The modules that take longest start first, so
+that no worker is left alone with a long one at the end; the others follow by number of tests
+(pytest-xdist's own order).
+
+Loaded by ``tests/conftest.py`` only when pytest-xdist distributes the run with its default
+``--dist load``; any other ``--dist`` keeps pytest-xdist's scheduler.
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+# The modules whose tests read tests/_dist_helpers.strategy_runs().
+SHARED_LAUNCH = frozenset(
+    {
+        "test_distribute.py",
+        "test_keras3_accumulate_distribute.py",
+        "test_keras3_distribute.py",
+        "test_tf_keras_distribute.py",
+    }
+)
+DISTRIBUTION = "distribution"
+# Longest first (2-core CI, seconds of their slowest parts): the distribution launch, then the
+# modules whose fixtures run subprocesses or train for long.
+LONGEST_FIRST = (
+    DISTRIBUTION,
+    "test_examples_main.py",
+    "test_examples_tools.py",
+    "test_fast_recurrent.py",
+    "test_fail_closed_graph.py",
+    "test_fast_keras3.py",
+    "test_keras3_resume.py",
+    "test_fail_closed_resume.py",
+    "test_ledger_resume.py",
+    "test_keras_switch.py",
+    "test_keras3_cli.py",
+    "test_audit_cli.py",
+    "test_audit_canaries.py",
+    "test_data_local.py",
+    "test_cli_train.py",
+)
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work of a test: its module's path, or DISTRIBUTION for the modules that share
+    the distribution launch."""
+    path = nodeid.split("::", 1)[0]
+    return DISTRIBUTION if path.rsplit("/", 1)[-1] in SHARED_LAUNCH else path
+
+
+def _rank(scope: str, tests: int) -> tuple[int, int]:
+    name = scope.rsplit("/", 1)[-1]
+    first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    return first, -tests
+
+
+class ModuleScheduling(LoadScopeScheduling):
+    """pytest-xdist's scope scheduler with the suite's units of work (:func:`scope_of`), longest first."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return scope_of(nodeid)
+
+    def _assign_work_unit(self, node) -> None:
+        scope = min(self.workqueue, key=lambda s: _rank(s, len(self.workqueue[s])))
+        self.workqueue.move_to_end(scope, last=False)
+        super()._assign_work_unit(node)
