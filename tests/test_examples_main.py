@@ -15,7 +15,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 _RESULT = re.compile(r"test accuracy ([0-9.]+) at ε = ([0-9.e+-]+) \(δ = ([0-9.e+-]+)\), (\d+) DP-SGD steps")
 
 
-def _run(script, *argv, timeout=120, **env_vars):
+def _run(script, *argv, timeout=240, **env_vars):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **env_vars)
     proc = subprocess.run(
         [sys.executable, os.path.join(EXAMPLES, script), "--smoke", *argv],
