@@ -384,7 +384,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_example_mixing(self)
     refuse_adapted_preprocessing(self)
-    refuse_grouped_convolution_layers(self)  # Run as an XLA call the per-example backends cannot see into.
+    refuse_grouped_convolution_layers(self, optimizer._backend)  # Only the fast backend reads them exactly.
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
     variables = list(self.trainable_variables)
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
