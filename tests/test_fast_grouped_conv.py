@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
-from _fast_helpers import assert_same, data, flat_factors, loop_oracle, per_layer_factors, run_traced
+from _fast_helpers import assert_same, data, flat_factors, loop_oracle, per_example_loss, per_layer_factors
 from _keras3_helpers import loop_clipped_mean, one_sgd_step
 
 import keras_dpsgd.keras3 as k3
@@ -23,17 +23,16 @@ LR = 0.5
 
 
 def _conv2d_model(front_end):
-    """A plain Conv2D below three grouped ones (the first layer's δ flows through their calls):
-    groups 2 and 4, 'same' and 'valid', a stride, a dilation, 2 and 32 input channels per group
+    """A plain Conv2D below two grouped ones (the first layer's δ flows through their calls):
+    groups 4 then 2, 'valid' with a stride then 'same' dilated, 1 then 32 input channels per group
     (both layouts of ``_conv.per_example_kernel_grads``)."""
     layers = front_end.layers
     return front_end.Sequential(
         [
             front_end.Input((7, 7, 3)),
             layers.Conv2D(4, 1),
-            layers.Conv2D(8, 3, groups=2, padding="same", activation="tanh"),
-            layers.Conv2D(64, 3, groups=4, strides=2, padding="valid"),
-            layers.Conv2D(4, 2, groups=2, dilation_rate=2, padding="same", activation="relu"),
+            layers.Conv2D(64, 3, groups=4, strides=2, activation="tanh"),
+            layers.Conv2D(4, 2, groups=2, dilation_rate=2, padding="same"),
             layers.Flatten(),
             layers.Dense(2),
         ]
@@ -41,20 +40,16 @@ def _conv2d_model(front_end):
 
 
 def _conv1d_model(front_end):
-    """Conv1D runs as Conv2D on ExpandDims (and, dilated, on SpaceToBatchND blocks) inside the call."""
+    """Conv1D runs as Conv2D on ExpandDims, here dilated: on SpaceToBatchND blocks, inside the call."""
     layers = front_end.layers
     return front_end.Sequential(
         [
             front_end.Input((9, 4)),
-            layers.Conv1D(4, 3, groups=2, padding="causal", dilation_rate=2, activation="tanh"),
-            layers.Conv1D(8, 2, groups=4, strides=2),
+            layers.Conv1D(8, 3, groups=4, padding="causal", dilation_rate=2, activation="tanh"),
             layers.Flatten(),
             layers.Dense(2),
         ]
     )
-
-
-MODELS = {"conv2d": (_conv2d_model, (7, 7, 3)), "conv1d": (_conv1d_model, (9, 4))}
 
 
 def _backend_view(model):
@@ -69,24 +64,56 @@ def _backend_view(model):
     return view
 
 
-@pytest.mark.parametrize("front", sorted(FRONT_ENDS))
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_fast_backend_equals_the_one_example_loop(front, name):
-    """Flat clipping (B = 3), per-layer clipping (B = 2) and B = 1: the fast backend == the loop, no
-    variable on the jacobian fallback."""
-    make, shape = MODELS[name]
-    model = make(FRONT_ENDS[front])
-    x, y = data((3,) + shape, (3, 2), seed=4)
+def _traced_view(view):
+    """``view`` called through one tf.function: the loop's examples reuse one trace (and one XLA
+    compilation of the grouped convolution) instead of one per example."""
+    call = tf.function(view)
+
+    def traced(x):
+        return call(x)
+
+    traced.trainable_variables = view.trainable_variables
+    return traced
+
+
+def _traced_step(backend, view, factors, x_shape, y_shape):
+    """``backend.clipped_sum`` of the per-example loss in one tf.function for every batch size
+    (without autograph, which is slow to convert the backend)."""
+
+    @tf.function(
+        autograph=False,
+        input_signature=[tf.TensorSpec((None,) + tuple(x_shape)), tf.TensorSpec((None,) + tuple(y_shape))],
+    )
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = per_example_loss(view, x, y)
+        return backend.clipped_sum(loss, view.trainable_variables, tape, factors)
+
+    return step
+
+
+def _check(model, x, y, factors, batches):
+    """The fast backend == the one-example loop, at each batch size, with no jacobian fallback."""
     model(x[:1])
     view = _backend_view(model)
-    per_layer = per_layer_factors(
-        [0.05, 0.3, 0.02, 0.4, 0.1, 0.05, 0.2, 0.1, 0.3, 0.05][: len(model.trainable_variables)]
-    )
-    for batch, factors in ((3, flat_factors(1.0)), (2, per_layer), (1, flat_factors(0.5))):
-        backend = FastBackend()
-        got = run_traced(backend, view, x[:batch], y[:batch], factors)
+    backend = FastBackend()
+    step = _traced_step(backend, view, factors, x.shape[1:], y.shape[1:])
+    for batch in batches:
+        summed, sq_norms = step(x[:batch], y[:batch])
         assert backend.last_fallback == []
-        assert_same(got, loop_oracle(view, x[:batch], y[:batch], factors))
+        got = ([s.numpy() for s in summed], sq_norms.numpy())
+        assert_same(got, loop_oracle(_traced_view(view), x[:batch], y[:batch], factors))
+
+
+@pytest.mark.parametrize("front", sorted(FRONT_ENDS))
+def test_fast_backend_equals_the_one_example_loop(front):
+    """Flat clipping (B = 3 and B = 1), per-layer clipping (B = 2): the fast backend == the loop of
+    each example's own gradient, no variable on the jacobian fallback."""
+    front_end = FRONT_ENDS[front]
+    x, y = data((3, 7, 7, 3), (3, 2), seed=4)
+    _check(_conv2d_model(front_end), x, y, flat_factors(1.0), batches=(3, 1))
+    x, y = data((2, 9, 4), (2, 2), seed=5)
+    _check(_conv1d_model(front_end), x, y, per_layer_factors([0.1, 0.02, 0.3, 0.05]), batches=(2,))
 
 
 def test_the_rule_reads_only_kerass_convolution_calls():
@@ -111,8 +138,7 @@ def _fit_model(front_end):
     return front_end.Sequential(
         [
             front_end.Input((6, 6, 4)),
-            layers.Conv2D(8, 3, groups=4, padding="same", activation="relu"),
-            layers.Conv2D(8, 3, groups=2, strides=2),
+            layers.Conv2D(8, 3, groups=4, strides=2, activation="relu"),
             layers.GlobalAveragePooling2D(),
             layers.Dense(3),
         ]
@@ -133,22 +159,21 @@ def _compiled(front, clip, backend="auto", run_eagerly=False):
     return model, opt
 
 
-@pytest.mark.parametrize("front", sorted(FRONT_ENDS))
-def test_fit_update_is_the_clipped_mean_of_the_one_example_loop(front):
-    """σ = 0: one fit step moves the weights by LR times the loop's clipped mean, flat and per-layer,
-    on the fast path (before the fast rule, fit refused the model)."""
+@pytest.mark.parametrize("front, clip, per_layer", [("tf_keras", 0.2, False), ("keras3", [0.1, 0.02, 0.3, 0.04], True)])
+def test_fit_update_is_the_clipped_mean_of_the_one_example_loop(front, clip, per_layer):
+    """σ = 0: one fit step moves the weights by LR times the loop's clipped mean, on the fast path
+    (before the fast rule, fit refused the model)."""
     gen = np.random.default_rng(3)
     x = gen.normal(size=(4, 6, 6, 4)).astype("float32")
     y = gen.integers(0, 3, size=4)
-    for clip, per_layer in ((0.2, False), ([0.1, 0.02, 0.2, 0.05, 0.3, 0.04], True)):
-        model, opt = _compiled(front, clip)
-        loss_fn = FRONT_ENDS[front].losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-        expected = loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=per_layer)
-        before, after = one_sgd_step(model, x, y, LR)
-        assert opt._backend.last_fallback == []
-        for b, a, g in zip(before, after, expected):
-            np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
-        assert any(np.any(b != a) for b, a in zip(before, after))
+    model, opt = _compiled(front, clip)
+    loss_fn = FRONT_ENDS[front].losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    expected = loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=per_layer)
+    before, after = one_sgd_step(model, x, y, LR)
+    assert opt._backend.last_fallback == []
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+    assert all(np.any(b != a) for b, a in zip(before, after))
 
 
 @pytest.mark.parametrize("front", sorted(FRONT_ENDS))
@@ -170,6 +195,7 @@ def test_in_the_trace_a_grouped_convolution_off_the_fast_path_is_refused(front):
     model = front_end.Sequential([front_end.Input((None, None, 4)), layers.Conv2D(4, 3, groups=2), layers.Dense(2)])
     x, y = data((2, 5, 5, 4), (2, 3, 3, 2), seed=1)
     model(x[:1])
+    view = _backend_view(model)
     for backend in (FastBackend(), ReferenceBackend()):
         with pytest.raises(ValueError, match=r"PartitionedCall' is a grouped convolution"):
-            run_traced(backend, _backend_view(model), x, y, flat_factors(1.0), dynamic_dims=3)
+            _traced_step(backend, view, flat_factors(1.0), (None, None, 4), y.shape[1:])(x, y)
