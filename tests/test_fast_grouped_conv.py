@@ -199,3 +199,38 @@ def test_in_the_trace_a_grouped_convolution_off_the_fast_path_is_refused(front):
     for backend in (FastBackend(), ReferenceBackend()):
         with pytest.raises(ValueError, match=r"PartitionedCall' is a grouped convolution"):
             _traced_step(backend, view, flat_factors(1.0), (None, None, 4), y.shape[1:])(x, y)
+
+
+class _OwnStep(keras.Model):
+    """A Keras 3 model with its own train_step (``keras_dpsgd.keras3.private_update``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.flat, self.dense = (
+            keras.layers.Conv2D(4, 3, groups=2),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        )
+
+    def call(self, x):
+        return self.dense(self.flat(self.conv(x)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(self(x, training=True) - y), axis=1)
+        k3.private_update(self.optimizer, loss, self.trainable_variables, tape)
+        return {"loss": tf.reduce_mean(loss)}
+
+
+def test_keras3_own_eager_step_refuses_a_grouped_convolution():
+    """A model's own step run eagerly has no graph to read or check: it trained on pfor's wrong
+    per-example gradients before (private_update did not look at the model's layers)."""
+    x, y = data((2, 5, 5, 4), (2, 2), seed=2)
+    model = _OwnStep()
+    model(x[:1])
+    model.compile(
+        optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.1), run_eagerly=True
+    )
+    with pytest.raises(ValueError, match=r"groups=2\).*grouped convolution.*runs eagerly"):
+        model.fit(x, y, batch_size=2, epochs=1, verbose=0)

@@ -304,6 +304,8 @@ def _refuse_data_losses(model: keras.Model, num_weight_terms: int) -> None:
 def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss):
     """Checks the arguments of a model's own step; the regularization gradient (or None)."""
     optimizer = _check_dp_optimizer(optimizer)
+    # An eager step, or the reference backend, would take pfor jacobians through a grouped convolution.
+    refuse_grouped_convolution_layers(ledger.saving_model(optimizer), optimizer._backend)
     variables = list(variables)
     loss = tf.convert_to_tensor(per_example_loss)
     if loss.shape.rank == 0 or loss.shape.rank is None:
