@@ -222,48 +222,32 @@ class _Reader:
         return self.body.op(node.name).inputs[k].shape.rank or 0
 
 
-def _after(reader: _Reader) -> Optional[tuple]:
-    """(the convolution node, the output-side steps in order) from the body's output, or None."""
-    steps, ref = [], reader.body.ref(reader.body.output)
-    while reader.kind(ref) != "Conv2D":
-        kind = reader.kind(ref)
-        node = reader.node(ref, kind) if kind in ("Squeeze", "BatchToSpaceND") else None
-        if node is None:
-            return None
-        if kind == "Squeeze":
-            if reader.axis(node, reader.rank(node)) != 1:
-                return None
-            steps.append(("squeeze", 1))
-        else:
-            blocks = reader.blocks(node)
-            if blocks is None:
-                return None
-            steps.append(("batch_to_space",) + blocks)
-        ref = reader.inputs(node)[0]
-    conv = reader.node(ref, "Conv2D")
-    return None if conv is None else (conv, tuple(reversed(steps)))
+# The value-preserving ops around the convolution, by side: op type -> step name.
+_OUTPUT_SIDE = {"Squeeze": "squeeze", "BatchToSpaceND": "batch_to_space"}
+_DATA_SIDE = {"ExpandDims": "expand", "SpaceToBatchND": "space_to_batch"}
 
 
-def _before(reader: _Reader, ref) -> Optional[tuple]:
-    """(the body input it starts from, the data-side steps in order) from the convolution's data
-    input, or None."""
+def _steps(reader: _Reader, ref, kinds: dict, end: str) -> Optional[tuple]:
+    """Walking back from ``ref`` through ops of ``kinds`` to a node of type ``end`` (or a body
+    input, ``end="arg"``): (where the walk ended, the steps in forward order), or None."""
     steps = []
-    while reader.kind(ref) != "arg":
+    while reader.kind(ref) != end:
         kind = reader.kind(ref)
-        node = reader.node(ref, kind) if kind in ("ExpandDims", "SpaceToBatchND") else None
-        if node is None:
+        node = reader.node(ref, kind) if kind in kinds else None
+        step = None if node is None else _step(reader, node, kinds[kind])
+        if step is None:
             return None
-        if kind == "ExpandDims":
-            if reader.axis(node, reader.rank(node)) != 1:
-                return None
-            steps.append(("expand", 1))
-        else:
-            blocks = reader.blocks(node)
-            if blocks is None:
-                return None
-            steps.append(("space_to_batch",) + blocks)
+        steps.append(step)
         ref = reader.inputs(node)[0]
-    return reader.follow(ref)[1], tuple(reversed(steps))
+    return reader.follow(ref), tuple(reversed(steps))
+
+
+def _step(reader: _Reader, node, name: str) -> Optional[tuple]:
+    """("squeeze" or "expand", 1) for the Conv1D axis; (name, block shape, paddings or crops)."""
+    if name in ("squeeze", "expand"):
+        return (name, 1) if reader.axis(node, reader.rank(node)) == 1 else None
+    blocks = reader.blocks(node)
+    return None if blocks is None else (name,) + blocks
 
 
 def _kernel_arg(reader: _Reader, ref, expanded: bool) -> Optional[int]:
@@ -319,15 +303,16 @@ def recognize(op) -> Optional[GroupedConv]:
     if body is None or len(op.outputs) != 1:
         return None
     reader = _Reader(body)
-    found = _after(reader)
-    if found is None:
+    found = _steps(reader, body.ref(body.output), _OUTPUT_SIDE, "Conv2D")
+    conv = None if found is None else reader.node(found[0], "Conv2D")
+    if conv is None:
         return None
-    conv, after = found
+    after = found[1]
     geometry = _geometry(conv)
-    started = _before(reader, reader.inputs(conv)[0])
+    started = _steps(reader, reader.inputs(conv)[0], _DATA_SIDE, "arg")
     if geometry is None or started is None:
         return None
-    x_index, before = started
+    (_, x_index), before = started
     kernel_index = _kernel_arg(reader, reader.inputs(conv)[1], expanded=any(s[0] == "expand" for s in before))
     if kernel_index is None or kernel_index == x_index or not _consistent(before, after) or not _only_chain(reader):
         return None
