@@ -34,7 +34,9 @@ conv 5x5x64 (SAME, ReLU), max-pool 3/2, conv 5x5x64 (SAME, ReLU), max-pool 3/2, 
 Issue 18's models, B=64: ``lstm`` / ``gru``: Embedding(5000, 64) -> LSTM(64) / GRU(64) -> Dense(2)
 on T=64 ids; ``stacked-lstm``: Embedding(5000, 64) -> LSTM(64, return_sequences) -> LSTM(64) -> Dense(2);
 ``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
-Conv2D(64, 1) -> global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
+Conv2D(64, 1) -> global average pool -> Dense(10); ``grouped-conv`` (ResNeXt-style): 32x32x3 ->
+Conv2D(32, 3) -> Conv2D(64, 3, strides=2, groups=4) -> Conv2D(64, 1) -> Conv2D(64, 3, groups=4) ->
+global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
 MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
 residual + LayerNormalization -> average pool -> Dense(2).
 """
@@ -59,6 +61,7 @@ DEFAULT_BATCH = {
     "gru": 64,
     "stacked-lstm": 64,
     "depthwise": 64,
+    "grouped-conv": 64,
     "transformer": 64,
 }
 MODEL_NAMES = tuple(DEFAULT_BATCH)
@@ -122,6 +125,18 @@ def build_model(name: str):
                 layers.Conv2D(32, 3, padding="same", activation="relu"),
                 layers.DepthwiseConv2D(3, padding="same", activation="relu"),
                 layers.Conv2D(64, 1, activation="relu"),
+                layers.GlobalAveragePooling2D(),
+                layers.Dense(10),
+            ]
+        )
+    if name == "grouped-conv":
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(32, 3, padding="same", activation="relu"),
+                layers.Conv2D(64, 3, strides=2, groups=4, padding="same", activation="relu"),
+                layers.Conv2D(64, 1, activation="relu"),
+                layers.Conv2D(64, 3, groups=4, padding="same", activation="relu"),
                 layers.GlobalAveragePooling2D(),
                 layers.Dense(10),
             ]

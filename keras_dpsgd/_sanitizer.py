@@ -406,7 +406,7 @@ class DPSanitizerMixin(DPSettingsMixin):
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
         model = find_calling_model(self, max_depth=24)
         refuse_example_mixing(model, var_list)
-        refuse_grouped_convolution_layers(model)
+        refuse_grouped_convolution_layers(model, self._backend)
         refuse_adapted_preprocessing(model)
         regularization = None
         if isinstance(loss, (tuple, list)):

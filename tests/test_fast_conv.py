@@ -107,10 +107,10 @@ def test_pointwise_conv_with_few_channels_keeps_the_kernel_shape():
     check(model, x, y, reference=False)
 
 
-def test_grouped_conv2d_on_tf_keras_is_refused():
-    """tf_keras runs Conv2D(groups=G) as an XLA-compiled call the fast backend cannot see into, and
-    TensorFlow's vectorized jacobian (pfor) gets grouped convolutions' per-example gradients wrong
-    (checked here against the one-example loop): the DP step refuses the model."""
+def test_grouped_conv2d_on_the_reference_backend_is_refused():
+    """TensorFlow's vectorized jacobian (pfor) gets grouped convolutions' per-example gradients
+    wrong (checked here against the one-example loop), so the reference backend, which would take
+    them, refuses the model; the fast backend's rule is in tests/test_fast_grouped_conv.py."""
     import numpy as np
     import tensorflow as tf
 
@@ -129,7 +129,7 @@ def test_grouped_conv2d_on_tf_keras_is_refused():
             loss = tf.reduce_sum((model(x[i : i + 1]) - y[i : i + 1]) ** 2)
         loop.append(tape.gradient(loss, kernel))
     assert not np.allclose(pfor.numpy(), np.stack(loop), atol=1e-3)  # the TensorFlow bug being refused
-    opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1)
+    opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, per_example_backend="reference")
     model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
-    with pytest.raises(ValueError, match="grouped convolution"):
+    with pytest.raises(ValueError, match="grouped convolution.*Only the fast per-example backend"):
         model.fit(x, y, batch_size=3, epochs=1, verbose=0)

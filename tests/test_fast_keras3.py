@@ -138,7 +138,7 @@ def test_keras3_stacked_layers_and_a_path_around_them():
 @pytest.mark.parametrize("front_end", [keras, tf_keras])
 def test_dilated_convolutions(front_end):
     """Dilated Conv2D and Conv1D run on SpaceToBatchND blocks: each example's blocks are summed
-    (== the reference path). Grouped convolutions (no CPU kernel) stay on the reference path."""
+    (== the reference path)."""
     layers = front_end.layers
     model = front_end.Sequential(
         [
@@ -171,15 +171,17 @@ def test_keras3_fit_takes_the_fast_path_for_a_gru_text_model():
     assert all(np.all(np.isfinite(v.numpy())) for v in model.trainable_variables)
 
 
-def test_keras3_grouped_conv2d_is_refused():
+def test_keras3_grouped_conv2d_on_the_reference_backend_is_refused():
     """Keras 3 runs Conv2D(groups=G) as an XLA-compiled call (CPU has no grouped kernel without
-    XLA), opaque to the fast backend, and pfor jacobians of grouped convolutions are wrong
-    (tests/test_fast_conv.py): the private step refuses the model, naming the layer."""
+    XLA), and pfor jacobians of grouped convolutions are wrong (tests/test_fast_conv.py): the
+    reference backend refuses the model, naming the layer (the fast backend's rule:
+    tests/test_fast_grouped_conv.py)."""
     from keras_dpsgd.keras3 import DPSGDOptimizer, make_private
 
     x, y = data((3, 5, 5, 4), (3, 2), seed=8)
     model = make_private(keras.Sequential([keras.Input((5, 5, 4)), L.Conv2D(4, 3, groups=2), L.Flatten(), L.Dense(2)]))
-    model.compile(optimizer=DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1), loss="mse")
+    opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, per_example_backend="reference")
+    model.compile(optimizer=opt, loss="mse")
     with pytest.raises(ValueError, match=r"groups=2\).*grouped convolution"):
         model.fit(x, y, batch_size=3, epochs=1, verbose=0)
 

@@ -87,6 +87,28 @@ def per_example_kernel_grads(
     return _chained(lambda row: tf.einsum("bhwkc,bhwo->bkco", shifted[:, row], g), [(row,) for row in rows])
 
 
+def per_example_grouped_kernel_grads(
+    x: tf.Tensor, g: tf.Tensor, kernel: tuple[int, int], strides, rates, padding: str, groups: int
+) -> list[tf.Tensor]:
+    """Per-example kernel gradients of a grouped NHWC Conv2D, in the pieces of
+    :func:`per_example_kernel_grads`.
+
+    With ``G = groups``, a ``[kh, kw, cin / G, cout]`` kernel's columns ``[g·cout/G, (g+1)·cout/G)``
+    convolve input channels ``[g·cin/G, (g+1)·cin/G)`` only: group ``g``'s gradient is that of a
+    plain convolution of those input channels, with ``g``'s output channels of ∂L/∂y. Each piece
+    of the kernel is the groups' pieces side by side along the output channels (the last axis).
+
+    Args:
+      x: the convolution's input, [B, H, W, cin] (float32, static H, W and cin).
+      g: ∂(Σ_i ℓ_i)/∂y, [B, Ho, Wo, cout] (float32, static Ho, Wo and cout).
+      kernel, strides, rates, padding: as for :func:`per_example_kernel_grads`.
+      groups: G, dividing cin and cout.
+    """
+    xs, gs = tf.split(x, groups, axis=3), tf.split(g, groups, axis=3)
+    per_group = [per_example_kernel_grads(xg, gg, kernel, strides, rates, padding) for xg, gg in zip(xs, gs)]
+    return [tf.concat(list(pieces), axis=-1) for pieces in zip(*per_group)]
+
+
 def per_example_depthwise_grads(
     x: tf.Tensor, g: tf.Tensor, kernel: tuple[int, int], strides, rates, padding: str
 ) -> list[tf.Tensor]:

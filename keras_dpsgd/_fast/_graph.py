@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _rows, _uses
+from keras_dpsgd._fast import _checks, _grouped, _rows, _uses
 from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
@@ -265,28 +265,33 @@ def _embedded(piece_shape, w_shape, axis: int, offset: int, kept: bool, var):
     return wrap
 
 
-_CONVOLUTIONS = ("Conv2D", "Conv3D")
-
 GROUPED_CONVOLUTION_MESSAGE = (
-    "{what} is a grouped convolution (groups > 1): Keras runs it as an XLA-compiled call that the fast "
-    "per-example backend cannot see into, and TensorFlow's "
-    "vectorized jacobian (pfor) computes wrong per-example gradients for grouped convolutions, so "
-    "clipping would not bound each example's contribution. Use groups=1 (e.g. G parallel Conv2D "
-    "layers on channel slices, concatenated)."
+    "{what} is a grouped convolution (groups > 1), and TensorFlow's vectorized jacobian (pfor) computes "
+    "wrong per-example gradients for grouped convolutions, so clipping them would not bound each example's "
+    "contribution. {why} Use groups=1 (e.g. G parallel convolutions on channel slices, concatenated) otherwise."
+)
+# Why the per-example jacobian path would be taken, for the message.
+_NOT_TRACED = "This step runs eagerly (run_eagerly=True): there is no graph for the fast backend's rule to read."
+_NOT_FAST = (
+    "Only the fast per-example backend (per_example_backend='auto' or 'fast') computes them exactly, for "
+    "Conv1D/Conv2D with channels_last data, in a traced step (the default of fit)."
+)
+_NO_RULE = (
+    "The fast backend computes them exactly for Keras's Conv1D/Conv2D(groups=G) with channels_last data, "
+    "static spatial sizes and the layer's own float32 kernel, when the rest of the model needs no per-example "
+    "jacobians either; here it could not (an unknown op or a variable without a fast rule)."
 )
 
 
 def grouped_convolutions(loss: tf.Tensor) -> list:
-    """The grouped convolution ops (input channels a multiple > 1 of the kernel's) ``loss`` depends on."""
+    """The grouped convolution ops (input channels a multiple > 1 of the kernel's) ``loss`` depends on:
+    in the step's graph, and in the bodies of Keras's XLA-compiled convolution calls (``_grouped``)."""
     found = []
     for op in ancestors(loss):
-        if op.type not in _CONVOLUTIONS or len(op.inputs) < 2:
-            continue
-        x, w = op.inputs[0], op.inputs[1]
-        channel_axis = 1 if op.get_attr("data_format").decode().startswith("NC") else -1
-        channels = x.shape[channel_axis] if x.shape.rank else None
-        if channels is not None and w.shape.rank and w.shape[-2] is not None and channels != w.shape[-2]:
+        if _grouped.is_grouped(op):
             found.append(op)
+        elif op.type in _grouped.CALL_OPS:
+            found += [op] if _grouped.grouped_bodies(op) else []
     return found
 
 
@@ -294,7 +299,7 @@ def refuse_grouped_convolutions(loss: tf.Tensor) -> None:
     """Raises ValueError if a per-example jacobian of ``loss`` would go through a grouped convolution."""
     ops = grouped_convolutions(loss)
     if ops:
-        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=f"op {ops[0].name!r}"))
+        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=f"op {ops[0].name!r}", why=_NO_RULE))
 
 
 def grouped_convolution_layers(model: Any) -> list:
@@ -312,10 +317,31 @@ def grouped_convolution_layers(model: Any) -> list:
     ]
 
 
-def refuse_grouped_convolution_layers(model: Any) -> None:
-    """Raises ValueError for a grouped convolution layer where the step would take per-example
-    jacobians through it unseen (tf_keras runs them as an XLA-compiled call; an eager step has no graph)."""
+def _fast_rule_covers(layer) -> bool:
+    """Whether the grouped-convolution rule (``_grouped``) reads this layer's call: a Conv1D or
+    Conv2D (not transposed) on channels_last data."""
+    return (
+        getattr(layer, "rank", None) in (1, 2)
+        and getattr(layer, "data_format", None) == "channels_last"
+        and "Transpose" not in type(layer).__name__
+    )
+
+
+def refuse_grouped_convolution_layers(model: Any, backend: Any = None) -> None:
+    """Raises ValueError for a grouped convolution layer whose per-example gradients would come from
+    per-example jacobians (pfor, wrong for them): unless the step is traced and ``backend`` is the fast
+    backend, whose rule covers the layer (in the trace, a grouped convolution the rule cannot read is
+    refused by :func:`refuse_grouped_convolutions`)."""
     layers = grouped_convolution_layers(model)
-    if layers:
-        what = f"layer {layers[0].name!r} ({type(layers[0]).__name__}, groups={layers[0].groups})"
-        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=what))
+    if not layers:
+        return
+    fast = getattr(backend, "name", None) == "fast"
+    if tf.executing_eagerly():
+        why = _NOT_TRACED
+    elif not fast or not all(_fast_rule_covers(layer) for layer in layers):
+        layers = [layer for layer in layers if not fast or not _fast_rule_covers(layer)]
+        why = _NOT_FAST
+    else:
+        return
+    what = f"layer {layers[0].name!r} ({type(layers[0]).__name__}, groups={layers[0].groups})"
+    raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=what, why=why))

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _conv, _loops, _recurrent, _uses
+from keras_dpsgd._fast import _conv, _grouped, _loops, _recurrent, _uses
 
 MakeUse = Callable[..., object]
 
@@ -375,10 +375,38 @@ def _einsum(op, index, w, var, clean, static_batch):
     return Site(y, make)
 
 
-@register_rule("PartitionedCall", "StatefulPartitionedCall")
-def _recurrent_call(op, index, w, var, clean, static_batch):
-    """tf_keras LSTM/GRU kernels, recurrent kernels and biases (``_recurrent``)."""
+@register_rule(*_grouped.CALL_OPS)
+def _call(op, index, w, var, clean, static_batch):
+    """A function call: Keras's grouped convolution (``_grouped``), or tf_keras LSTM/GRU kernels,
+    recurrent kernels and biases (``_recurrent``)."""
+    if _grouped.recognize(op) is not None:
+        return _grouped_conv(op, index, w, var, clean, static_batch)
     return _recurrent.site_for(op, index, w, var, clean, static_batch, Site)
+
+
+def _grouped_conv(op, index, w, var, clean, static_batch):
+    """The kernel of Keras's grouped Conv1D/Conv2D call (``_grouped.recognize``): per-example
+    kernel gradients per group of channels (``_conv.per_example_grouped_kernel_grads``), from the
+    body's convolution input and output gradient rebuilt from the call's (``GroupedConv``); each
+    example's SpaceToBatchND blocks (a dilated convolution) are summed as for Conv2D."""
+    call = _grouped.recognize(op)
+    if int(index) != call.kernel_index or var.shape.num_elements() != call.kernel.num_elements():
+        return None
+    x, y = op.inputs[call.x_index], op.outputs[0]
+    if not clean.clean(x) or not _batch_major(x, static_batch):
+        return None
+    if not x.shape[1:].is_fully_defined() or not y.shape[1:].is_fully_defined():
+        return None
+    taps = (int(call.kernel[0]), int(call.kernel[1]))
+
+    def make(g, batch):
+        xc, gc = call.conv_input(_f32(x)), call.conv_output_grad(_f32(g))
+        parts = _conv.per_example_grouped_kernel_grads(
+            xc, gc, taps, call.strides, call.rates, call.padding, call.groups
+        )
+        return _uses.PiecesUse(parts if call.blocks == 1 else _summed_blocks(parts, call.blocks, batch))
+
+    return Site(y, make)
 
 
 @register_rule(*sorted(_loops.WHILE_OPS))

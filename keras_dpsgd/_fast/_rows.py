@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _loops, _recurrent
+from keras_dpsgd._fast import _grouped, _loops, _recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -518,9 +518,11 @@ def _fused_batch_norm(op, ins):
     return [r] + [stats] * (len(op.outputs) - 1)
 
 
-def _recurrent_call(op, ins):
-    """tf_keras's LSTM/GRU function call (``_recurrent.recognize``); any other call is opaque."""
-    return _recurrent.rows_rule(op, ins, OPAQUE, mixed)
+def _call(op, ins):
+    """Keras's grouped-convolution call (``_grouped.recognize``) or tf_keras's LSTM/GRU function
+    call (``_recurrent.recognize``); any other call is opaque."""
+    conv = _grouped.rows_rule(op, ins, mixed)
+    return conv if conv is not None else _recurrent.rows_rule(op, ins, OPAQUE, mixed)
 
 
 def _xent(op, ins):
@@ -583,8 +585,8 @@ _RULES = {
     "FusedBatchNormV3": _fused_batch_norm,
     "SparseSoftmaxCrossEntropyWithLogits": _xent,
     "SoftmaxCrossEntropyWithLogits": _xent,
-    "PartitionedCall": _recurrent_call,
-    "StatefulPartitionedCall": _recurrent_call,
+    "PartitionedCall": _call,
+    "StatefulPartitionedCall": _call,
 }
 # Ops whose data inputs are paired row by row: rows of two different orders must not meet.
 _PAIRING = _ELEMENTWISE | {

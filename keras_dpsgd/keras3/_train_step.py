@@ -304,6 +304,8 @@ def _refuse_data_losses(model: keras.Model, num_weight_terms: int) -> None:
 def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss):
     """Checks the arguments of a model's own step; the regularization gradient (or None)."""
     optimizer = _check_dp_optimizer(optimizer)
+    # An eager step, or the reference backend, would take pfor jacobians through a grouped convolution.
+    refuse_grouped_convolution_layers(ledger.saving_model(optimizer), optimizer._backend)
     variables = list(variables)
     loss = tf.convert_to_tensor(per_example_loss)
     if loss.shape.rank == 0 or loss.shape.rank is None:
@@ -384,7 +386,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_example_mixing(self)
     refuse_adapted_preprocessing(self)
-    refuse_grouped_convolution_layers(self)  # Run as an XLA call the per-example backends cannot see into.
+    refuse_grouped_convolution_layers(self, optimizer._backend)  # Only the fast backend reads them exactly.
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
     variables = list(self.trainable_variables)
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
