@@ -672,13 +672,49 @@ def _propagate(op, ins) -> list:
 
 
 def is_source(op, captured: set) -> bool:
-    """An input of the step: a placeholder argument (not a capture) or an iterator output."""
+    """An input of the step: a placeholder argument (not a capture), an iterator output, or
+    tf.distribute's choice between iterator outputs (:func:`is_element_choice`)."""
+    if op.type in _IFS:
+        return is_element_choice(op)
     if op.type not in _SOURCES:
         return False
     if op.type == "Placeholder":
         t = op.outputs[0]
         return t.dtype != tf.resource and t.ref() not in captured and t.shape.rank != 0
     return True
+
+
+_IFS = frozenset({"If", "StatelessIf"})
+_ELEMENTS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+
+
+def is_element_choice(op) -> bool:
+    """Whether the ``If`` op ``op`` returns, whichever branch runs, components of the elements of
+    input iterators (or empty batches): then each of its outputs is batch-major, like an iterator's.
+
+    tf.distribute reads a MultiWorkerMirroredStrategy step's batch so (``input_lib``'s partial
+    batch handling): ``cond(any worker has data, [cond(has_value, optional.get_value(), dummy)
+    for each local replica], iterator.get_next())``, where a dummy has 0 rows. Recognized: in
+    every branch (nested ``If`` ops included), every output is, through ``Identity`` ops, an
+    output of an iterator read (``IteratorGetNext``, ``OptionalGetValue``), or a tensor with no
+    rows (static size 0 on axis 0). Anything else is not a source (its outputs stay unknown to
+    the analysis, and the step takes the reference path).
+    """
+    if op.type not in _IFS:
+        return False
+    branches = [getattr(op, name, None) for name in ("_true_graph", "_false_graph")]
+    return all(b is not None and all(_element_or_empty(t) for t in b.outputs) for b in branches)
+
+
+def _element_or_empty(t: tf.Tensor) -> bool:
+    """``t`` is an output of an iterator read (through ``Identity`` ops), or has no rows."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    if t.shape.rank is None or t.shape.rank == 0:
+        return False
+    if t.shape[0] == 0:
+        return True  # The dummy of a replica without data: no rows, no example.
+    return t.op.type in _ELEMENTS or is_element_choice(t.op)
 
 
 @dataclasses.dataclass
