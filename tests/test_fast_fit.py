@@ -142,3 +142,33 @@ def test_a_layer_mixing_the_examples_is_refused_under_a_strategy_reading_partial
     shift = L.Lambda(lambda t: t - tf.reduce_mean(t, axis=0, keepdims=True), name="batch_shift")
     with pytest.raises(ValueError, match="batch_shift.*reduces over the batch axis"):
         _fit_dataset(mirrored, _unknown_batch_dataset(), shift)
+
+
+class _FakeGPU:
+    device_type = "GPU"
+    name = "/physical_device:GPU:0"
+
+
+def test_keras3_make_private_resolves_jit_compile_auto_to_false(monkeypatch):
+    # Keras's "auto" turns XLA on where a GPU is present; under XLA the backends' run-time checks
+    # are verdicts (a failing batch silently adds noise only) rather than errors: only an explicit
+    # jit_compile=True compiles the private step so.
+    import keras
+
+    import keras_dpsgd.keras3
+
+    real = tf.config.list_physical_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda *kind: real(*kind) + [_FakeGPU()])
+
+    def build():
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+
+    plain = build()
+    plain.compile(optimizer="sgd", loss="mse", jit_compile="auto")
+    assert plain.jit_compile is True  # Keras's own resolution with a GPU present
+    private = keras_dpsgd.keras3.make_private(build())
+    optimizer = keras_dpsgd.keras3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, expected_lot_size=4.0)
+    private.compile(optimizer=optimizer, loss="mse", jit_compile="auto")
+    assert private.jit_compile is False
+    private.compile(optimizer=optimizer, loss="mse", jit_compile=True)
+    assert private.jit_compile is True
