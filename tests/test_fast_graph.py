@@ -197,3 +197,18 @@ def test_a_reshape_whose_shape_comes_from_gathered_dims_is_checked_at_trace_time
     model = keras.Sequential([keras.Input((3, 2)), GatheredReshape(name="gathered"), L.Dense(2)])
     with pytest.raises(ValueError, match="gathered.*puts values of several examples into one row"):
         run_traced(FastBackend(), model, x, y, flat_factors(1.0))
+
+
+def test_an_empty_batch_adds_zeros_of_the_variables_shapes():
+    # A replica without data gets tf.distribute's empty dummy batch (MultiWorkerMirroredStrategy):
+    # its sums must have the variables' shapes for the cross-replica SUM (pfor's had other shapes).
+    from keras_dpsgd._fast._backend import _reference_backend
+
+    x, y = data((3, 5), (3, 3), seed=23)
+    model = dense_mlp()
+    model(x[:1])
+    for backend in (FastBackend(), _reference_backend()):
+        summed, sq = run_traced(backend, model, x[:0], y[:0], flat_factors(1.0))
+        assert sq.shape == (0, 4), backend
+        assert [s.shape for s in summed] == [tuple(v.shape) for v in model.trainable_variables], backend
+        assert all(np.all(s == 0) for s in summed), backend
