@@ -179,3 +179,36 @@ def test_cross_example_mixing_is_refused_naming_the_layer():
     for backend in (FastBackend(), _reference_backend()):
         with pytest.raises(ValueError, match="batch_mean_shift.*reduces over the batch axis"):
             run_traced(backend, model, x, y, flat_factors(1.0))
+
+
+class GatheredReshape(L.Layer):
+    """Reshapes [B, 3, 2] to [B/2, 3, 2, 2] with the shape taken from tf.shape(x) (GatherV2): two
+    examples share each row (then sums them to [B/2, 1])."""
+
+    def call(self, x):
+        rows = tf.reshape(x, tf.concat([[-1], tf.gather(tf.shape(x), [1, 2, 2])], 0))
+        return tf.reduce_sum(rows, axis=[1, 2, 3])[:, None]
+
+
+def test_a_reshape_whose_shape_comes_from_gathered_dims_is_checked_at_trace_time():
+    # TensorFlow's shape inference leaves [?, ?, ?, ?] here; the analysis reads the gathered dims
+    # (as in tf.tensordot) and finds rows of two examples: refused before the step runs.
+    x, y = data((4, 3, 2), (2, 2), seed=22)
+    model = keras.Sequential([keras.Input((3, 2)), GatheredReshape(name="gathered"), L.Dense(2)])
+    with pytest.raises(ValueError, match="gathered.*puts values of several examples into one row"):
+        run_traced(FastBackend(), model, x, y, flat_factors(1.0))
+
+
+def test_an_empty_batch_adds_zeros_of_the_variables_shapes():
+    # A replica without data gets tf.distribute's empty dummy batch (MultiWorkerMirroredStrategy):
+    # its sums must have the variables' shapes for the cross-replica SUM (pfor's had other shapes).
+    from keras_dpsgd._fast._backend import _reference_backend
+
+    x, y = data((3, 5), (3, 3), seed=23)
+    model = dense_mlp()
+    model(x[:1])
+    for backend in (FastBackend(), _reference_backend()):
+        summed, sq = run_traced(backend, model, x[:0], y[:0], flat_factors(1.0))
+        assert sq.shape == (0, 4), backend
+        assert [s.shape for s in summed] == [tuple(v.shape) for v in model.trainable_variables], backend
+        assert all(np.all(s == 0) for s in summed), backend

@@ -101,6 +101,9 @@ def test_workers_step_noise_and_epsilon(workers):
         assert "fit would split each of its batches over 2 steps" in p["refused"]
     # The one-device step on the chief; every worker holds the same weights after each step.
     assert {"flat", "accumulation"} <= {v for v, s in workers[0]["steps"].items() if "vs_one_device" in s}
+    # The one NaN example (worker 1's) is counted once on every worker, not its whole per-replica batch
+    # of 4 (the jacobian fallback, taken before under MWMS: 0·NaN spread over the batch).
+    assert [w["steps"]["accumulation"]["nonfinite_examples"] for w in workers] == [1, 1]
     assert workers[0]["weights"] == workers[1]["weights"]
     # One update, applied identically on every worker.
     assert workers[0]["noise"]["head"] == workers[1]["noise"]["head"]

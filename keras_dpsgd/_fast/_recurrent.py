@@ -207,47 +207,66 @@ def _f32(t):
     return t if t.dtype == tf.float32 else tf.cast(t, tf.float32)
 
 
-def _lstm_step(x_t, states, kernel, recurrent_kernel, bias):
-    """One step of ``standard_lstm``; returns (pre-activations, new output, new states)."""
+def _projected(x_seq, kernel, input_bias=None):
+    """``x_t K`` (+ the input bias) for every step at once: [B, T, G] (one matmul, not T)."""
+    steps, width = int(x_seq.shape[1]), int(x_seq.shape[2])
+    xk = tf.matmul(tf.reshape(x_seq, [-1, width]), kernel)
+    if input_bias is not None:
+        xk = tf.nn.bias_add(xk, input_bias)
+    return tf.reshape(xk, [-1, steps, int(kernel.shape[-1])])
+
+
+def _lstm_step(xk_t, states, recurrent_kernel, bias):
+    """One step of ``standard_lstm`` from ``x_t K``; returns (per-step pre-activations, output, states)."""
     h, c = states
-    z = tf.matmul(x_t, kernel)
-    z += tf.matmul(h, recurrent_kernel)
+    z = xk_t + tf.matmul(h, recurrent_kernel)
     z = tf.nn.bias_add(z, bias)
     z0, z1, z2, z3 = tf.split(z, 4, axis=1)
     c_new = tf.sigmoid(z1) * c + tf.sigmoid(z0) * tf.tanh(z2)
     h_new = tf.sigmoid(z3) * tf.tanh(c_new)
-    return (z,), h_new, (h_new, c_new)
+    return (), h_new, (h_new, c_new)
 
 
-def _gru_step(x_t, states, kernel, recurrent_kernel, bias):
-    """One step of ``standard_gru`` (reset_after); returns (pre-activations, output, states)."""
+def _gru_step(mx_t, states, recurrent_kernel, recurrent_bias):
+    """One step of ``standard_gru`` (reset_after) from ``x_t K + b_in``; returns (per-step
+    pre-activations, output, states)."""
     (h,) = states
-    input_bias, recurrent_bias = tf.unstack(bias)
-    mx = tf.nn.bias_add(tf.matmul(x_t, kernel), input_bias)
     mi = tf.nn.bias_add(tf.matmul(h, recurrent_kernel), recurrent_bias)
-    x_z, x_r, x_h = tf.split(mx, 3, axis=1)
+    x_z, x_r, x_h = tf.split(mx_t, 3, axis=1)
     r_z, r_r, r_h = tf.split(mi, 3, axis=1)
     z = tf.sigmoid(x_z + r_z)
     r = tf.sigmoid(x_r + r_r)
     hh = tf.tanh(x_h + r * r_h)
     h_new = z * h + (1 - z) * hh
-    return (mx, mi), h_new, (h_new,)
+    return (mi,), h_new, (h_new,)
 
 
 def _unrolled(call: Call):
-    """The recurrence of ``backend.rnn`` unrolled: (outputs like the call's, pre-acts, h_{t-1})."""
+    """The recurrence of ``backend.rnn`` unrolled: (outputs like the call's, the input projection
+    ``x K`` [B, T, G] in step order, the per-step pre-activations, h_{t-1} per step, x in step order).
+
+    The input projection of every step is one matmul (the same products as the loop's
+    ``x_t K``, batched); only the recurrent part runs step by step.
+    """
     t = call.tensors
-    step = _lstm_step if call.kind == "lstm" else _gru_step
     x, mask = t["inputs"], t.get("mask")
+    x_seq = tf.reverse(x, [1]) if call.go_backwards else x
     steps = range(int(x.shape[1]))
     order = list(reversed(steps)) if call.go_backwards else list(steps)
+    if call.kind == "lstm":
+        projected = _projected(x_seq, t["kernel"])
+        step, weights = _lstm_step, (t["recurrent_kernel"], t["bias"])
+    else:
+        input_bias, recurrent_bias = tf.unstack(t["bias"])
+        projected = _projected(x_seq, t["kernel"], input_bias)
+        step, weights = _gru_step, (t["recurrent_kernel"], recurrent_bias)
     states = tuple(t[s] for s in _STATES[call.kind])
     prev = tf.zeros_like(states[0])
     pre, h_prev, outs = [], [], []
-    for k in order:
+    for k, xk_t in zip(order, tf.unstack(projected, axis=1)):
         h_prev.append(states[0])
-        z, out, new_states = step(x[:, k], states, t["kernel"], t["recurrent_kernel"], t["bias"])
-        pre.append(z)
+        z, out, new_states = step(xk_t, states, *weights)
+        pre.extend(z)
         if mask is not None:
             m = tf.cast(mask[:, k], tf.bool)[:, None]
             out = tf.where(m, out, tf.zeros_like(out) if call.zero_output_for_mask else prev)
@@ -256,17 +275,21 @@ def _unrolled(call: Call):
         prev, states = out, new_states
     last = outs[-1]
     seq = tf.stack(outs, axis=1) if call.return_sequences else last[:, None]
-    return (last, seq) + tuple(states), pre, h_prev, order
+    return (last, seq) + tuple(states), projected, pre, h_prev, x_seq
 
 
 class _Copy:
-    """The recurrence of one call, unrolled: its outputs (like the call's) and pre-activations."""
+    """The recurrence of one call, unrolled: its outputs (like the call's) and pre-activations.
+
+    ``pre_flat``: the tensors whose gradients give the per-step deltas: the input projection
+    ``x K (+ b_in)`` [B, T, G], then (GRU) each step's ``h_t-1 R + b_rec``. In the LSTM both
+    products enter one sum ``z_t``, so the projection's gradient is ``δ_t`` of both kernels.
+    """
 
     def __init__(self, call: Call):
         self.call = call
-        self.outputs, pre, h_prev, _ = _unrolled(call)
-        self.gates = len(pre[0])
-        self.pre_flat = tuple(z for zs in pre for z in zs)
+        self.outputs, projected, pre, h_prev, self.x_seq = _unrolled(call)
+        self.pre_flat = (projected, *pre)
         self.h_seq = tf.stack([_f32(h) for h in h_prev], axis=1)
         self._uses = {}
 
@@ -278,19 +301,17 @@ class _Copy:
         return self._uses[key]
 
     def _make_uses(self, deltas: tuple) -> dict:
-        call, n = self.call, self.gates
-        per_gate = [tf.stack([_f32(d) for d in deltas[j::n]], axis=1) for j in range(n)]  # [B, T, G]
+        call = self.call
         with tf.control_dependencies(_loops.same_values(self.outputs[0], call.op.outputs[0])):
-            delta_x = tf.identity(per_gate[0])
-        delta_h = delta_x if n == 1 else per_gate[1]
-        x = _f32(call.tensors["inputs"])
-        x_seq = tf.reverse(x, [1]) if call.go_backwards else x
-        if n == 1:
+            delta_x = tf.identity(_f32(deltas[0]))  # [B, T, G]
+        if call.kind == "lstm":
+            delta_h = delta_x
             bias = tf.reduce_sum(delta_x, axis=1)
         else:
+            delta_h = tf.stack([_f32(d) for d in deltas[1:]], axis=1)
             bias = tf.stack([tf.reduce_sum(delta_x, axis=1), tf.reduce_sum(delta_h, axis=1)], axis=1)
         return {
-            "kernel": _uses.OuterUse(x_seq, delta_x),
+            "kernel": _uses.OuterUse(_f32(self.x_seq), delta_x),
             "recurrent_kernel": _uses.OuterUse(self.h_seq, delta_h),
             "bias": _uses.DenseUse(bias),
         }

@@ -39,7 +39,13 @@ def per_example_jacobians(loss: tf.Tensor, variables: Sequence[tf.Variable], tap
     jacobians = tape.jacobian(
         loss, list(variables), unconnected_gradients=tf.UnconnectedGradients.ZERO, experimental_use_pfor=True
     )
+    # [B, *var.shape]: pfor's shapes for an empty batch (a replica without data) are not the variable's.
+    batch = tf.shape(loss)[:1]
     jacobians = [tf.convert_to_tensor(j) for j in jacobians]
+    jacobians = [
+        tf.reshape(j, tf.concat([batch, v.shape], 0)) if v.shape.is_fully_defined() else j
+        for j, v in zip(jacobians, variables)
+    ]
     sq_norms = [tf.cast(_sq_norm_per_example(j), tf.float32) for j in jacobians]
     checks = jacobian_checks(loss, list(variables), jacobians, sq_norms) if graph_mode else []
     return jacobians, sq_norms, checks
@@ -83,7 +89,8 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list, sq_norms:
 def _disagreement(jac: tf.Tensor, sq_norms: tf.Tensor, want: tf.Tensor, weights: tf.Tensor, batch) -> tuple:
     """(‖Σ_i r_i J_i − want‖, Σ_i r_i ‖J_i‖ + ‖want‖, all finite) for one variable (one pass over
     the jacobian: its rows' norms are given)."""
-    rows = tf.reshape(tf.cast(jac, tf.float32), [batch, -1])
+    size = want.shape.num_elements()  # The variable's: [batch, -1] is ambiguous for an empty batch.
+    rows = tf.reshape(tf.cast(jac, tf.float32), [batch, -1 if size is None else size])
     want = tf.reshape(tf.cast(want, tf.float32), [-1])
     got = tf.linalg.matvec(rows, weights, transpose_a=True)
     scale = tf.reduce_sum(weights * tf.sqrt(sq_norms)) + tf.norm(want)

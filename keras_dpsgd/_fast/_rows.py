@@ -225,6 +225,85 @@ def _squeeze(op, ins):
     return dataclasses.replace(r, axis=r.axis - sum(d < r.axis for d in dims))
 
 
+def _partial_value(t, depth: int = 0):
+    """The value of the int32/int64 shape computation ``t`` as far as the trace knows it: an int or
+    None for a scalar, a list of (int or None) for a vector, None if unknown.
+
+    Follows what ``tf.tensordot`` (tf_keras's Dense on sequences) and ``tf.reshape`` callers build
+    from ``tf.shape(x)``: constants, ``Shape`` (the static dims of ``x``), ``GatherV2`` and
+    ``StridedSlice`` of a vector with constant indices, ``Prod`` of a vector, ``Pack`` and
+    ``ConcatV2``. TensorFlow's own shape inference stops at ``GatherV2`` and ``Prod``.
+    """
+    value = _static(t)
+    if value is not None:
+        return value.tolist() if value.ndim <= 1 else None
+    if depth > 16 or t.shape.rank not in (0, 1):
+        return None
+    op, deeper = t.op, depth + 1
+    if op.type in ("Identity", "Cast"):
+        return _partial_value(op.inputs[0], deeper)
+    if op.type == "Shape":
+        x = op.inputs[0]
+        return None if x.shape.rank is None else list(x.shape)
+    if op.type == "Pack" and op.get_attr("axis") == 0:
+        parts = [_partial_value(i, deeper) for i in op.inputs]
+        return None if any(isinstance(p, list) for p in parts) else parts
+    if op.type == "ConcatV2" and _static(op.inputs[-1]) is not None and int(_static(op.inputs[-1])) == 0:
+        parts = [_partial_value(i, deeper) for i in op.inputs[:-1]]
+        return None if any(not isinstance(p, list) for p in parts) else [d for p in parts for d in p]
+    if op.type == "GatherV2":
+        return _gathered(op, deeper)
+    if op.type == "Prod":
+        v, axis = _partial_value(op.inputs[0], deeper), _static(op.inputs[1])
+        if (
+            not isinstance(v, list)
+            or axis is None
+            or set(np.ravel(axis).tolist()) - {0, -1}
+            or op.get_attr("keep_dims")
+        ):
+            return None
+        return int(np.prod(v)) if all(d is not None for d in v) else None
+    if op.type == "StridedSlice":
+        return _sliced(op, deeper)
+    return None
+
+
+def _gathered(op, depth: int):
+    v, indices, axis = _partial_value(op.inputs[0], depth), _static(op.inputs[1]), _static(op.inputs[2])
+    if not isinstance(v, list) or indices is None or axis is None or int(axis) != 0 or op.get_attr("batch_dims"):
+        return None
+    if indices.ndim > 1 or any(not 0 <= int(i) < len(v) for i in np.ravel(indices)):
+        return None
+    picked = [v[int(i)] for i in np.ravel(indices)]
+    return picked if indices.ndim == 1 else picked[0]
+
+
+def _sliced(op, depth: int):
+    """A StridedSlice of a vector with constant bounds (no ellipsis, no new axis)."""
+    v = _partial_value(op.inputs[0], depth)
+    begin, end, strides = (_static(t) for t in op.inputs[1:4])
+    masks = [op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")]
+    if not isinstance(v, list) or begin is None or end is None or strides is None or begin.size != 1:
+        return None
+    if masks[2] or masks[3]:
+        return None
+    b = None if masks[0] & 1 else int(begin[0])
+    e = None if masks[1] & 1 else int(end[0])
+    if masks[4] & 1:
+        return v[b] if b is not None and -len(v) <= b < len(v) else None
+    return v[slice(b, e, int(strides[0]))]
+
+
+def _target_shape(op) -> list:
+    """The output dims of a Reshape: its static shape, completed from its shape operand."""
+    y = op.outputs[0]
+    dims = list(y.shape)
+    value = _partial_value(op.inputs[1])
+    if isinstance(value, list) and len(value) == len(dims):
+        dims = [d if d is not None else (v if v is not None and v >= 0 else None) for d, v in zip(dims, value)]
+    return dims
+
+
 def _reshape(op, ins):
     r = ins[0]
     x, y = op.inputs[0], op.outputs[0]
@@ -232,9 +311,10 @@ def _reshape(op, ins):
         return mixed(op, "reshapes to or from an unknown rank")
     if any(s != 1 for s in x.shape[: r.axis]):
         return mixed(op, "merges the batch axis with the axes before it")
-    j = next((i for i, s in enumerate(y.shape) if s != 1), 0)
+    target = _target_shape(op)
+    j = next((i for i, s in enumerate(target) if s != 1), 0)
     per_example = [r.k, *x.shape[r.axis + 1 :]]
-    row = list(y.shape[j + 1 :])
+    row = target[j + 1 :]
     if all(s is not None for s in per_example + row):
         e, w = int(np.prod(per_example)), int(np.prod(row))
         if e % w:
@@ -674,13 +754,49 @@ def _propagate(op, ins) -> list:
 
 
 def is_source(op, captured: set) -> bool:
-    """An input of the step: a placeholder argument (not a capture) or an iterator output."""
+    """An input of the step: a placeholder argument (not a capture), an iterator output, or
+    tf.distribute's choice between iterator outputs (:func:`is_element_choice`)."""
+    if op.type in _IFS:
+        return is_element_choice(op)
     if op.type not in _SOURCES:
         return False
     if op.type == "Placeholder":
         t = op.outputs[0]
         return t.dtype != tf.resource and t.ref() not in captured and t.shape.rank != 0
     return True
+
+
+_IFS = frozenset({"If", "StatelessIf"})
+_ELEMENTS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+
+
+def is_element_choice(op) -> bool:
+    """Whether the ``If`` op ``op`` returns, whichever branch runs, components of the elements of
+    input iterators (or empty batches): then each of its outputs is batch-major, like an iterator's.
+
+    tf.distribute reads a MultiWorkerMirroredStrategy step's batch so (``input_lib``'s partial
+    batch handling): ``cond(any worker has data, [cond(has_value, optional.get_value(), dummy)
+    for each local replica], iterator.get_next())``, where a dummy has 0 rows. Recognized: in
+    every branch (nested ``If`` ops included), every output is, through ``Identity`` ops, an
+    output of an iterator read (``IteratorGetNext``, ``OptionalGetValue``), or a tensor with no
+    rows (static size 0 on axis 0). Anything else is not a source (its outputs stay unknown to
+    the analysis, and the step takes the reference path).
+    """
+    if op.type not in _IFS:
+        return False
+    branches = [getattr(op, name, None) for name in ("_true_graph", "_false_graph")]
+    return all(b is not None and all(_element_or_empty(t) for t in b.outputs) for b in branches)
+
+
+def _element_or_empty(t: tf.Tensor) -> bool:
+    """``t`` is an output of an iterator read (through ``Identity`` ops), or has no rows."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    if t.shape.rank is None or t.shape.rank == 0:
+        return False
+    if t.shape[0] == 0:
+        return True  # The dummy of a replica without data: no rows, no example.
+    return t.op.type in _ELEMENTS or is_element_choice(t.op)
 
 
 @dataclasses.dataclass

@@ -442,6 +442,20 @@ def _reduce_first_batch_per_leaf(model: keras.Model) -> None:
     model._maybe_symbolic_build = maybe_symbolic_build
 
 
+def _no_automatic_xla(model: keras.Model) -> None:
+    """``compile(jit_compile="auto")`` (Keras's default) resolves to False for this instance.
+
+    Keras turns XLA on for "auto" where a GPU is present. XLA ignores run-time assertions, so there
+    the per-example backends' checks (a reshape keeping whole examples, an unrolled loop equal to
+    the layer, the jacobian against a plain backward pass) become verdicts: a failing batch adds
+    noise only, is counted in ``nonfinite_examples`` and is logged once, instead of stopping the
+    fit with the reason. That trade is the user's to make: ``jit_compile=True`` still compiles the
+    private step with XLA. (A model compiled with "auto" before ``make_private`` keeps what Keras
+    resolved then; compile after it, or pass ``jit_compile=False``.)
+    """
+    model._resolve_auto_jit_compile = lambda: False
+
+
 def _overridden(model: keras.Model, method: str) -> bool:
     return getattr(type(model), method) is not getattr(keras.Model, method)
 
@@ -472,6 +486,7 @@ def make_private(model: keras.Model) -> keras.Model:
     refuse_example_mixing(model)
     model.train_step = types.MethodType(_private_train_step, model)
     _reduce_first_batch_per_leaf(model)
+    _no_automatic_xla(model)
     setattr(model, _PRIVATE_ATTR, True)
     model.train_function = None  # Rebuilt on the next fit with the private step.
     return model
