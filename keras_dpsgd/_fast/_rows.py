@@ -195,6 +195,18 @@ def _cumulative(op, ins):
     return r
 
 
+def _top_k(op, ins):
+    """``tf.math.top_k`` / ``tf.sort`` (TopKV2 works along the last axis): rows kept unless that
+    axis is the batch axis."""
+    data = _data(ins)
+    if [i for i, _ in data] != [0]:
+        return mixed(op, "takes k from the data")
+    r, rank = data[0][1], op.inputs[0].shape.rank
+    if rank is None or r.axis == rank - 1:
+        return mixed(op, "sorts along the batch axis")
+    return r
+
+
 def _transpose(op, ins):
     ((_, r),) = _data(ins)
     perm = _static(op.inputs[1])
@@ -562,7 +574,9 @@ def _inside(r: Optional[Rows], call) -> Optional[Rows]:
     """``r`` of a call's body output, a mixing reason naming the call too."""
     if r is None or r.kind != "mixed":
         return r
-    return dataclasses.replace(r, reason=f"{r.reason}, inside the function called by op {call.name!r} (layer {layer_scope(call)!r})")
+    return dataclasses.replace(
+        r, reason=f"{r.reason}, inside the function called by op {call.name!r} (layer {layer_scope(call)!r})"
+    )
 
 
 def _xent(op, ins):
@@ -583,6 +597,7 @@ _RULES = {
     "Cumsum": _cumulative,
     "Cumprod": _cumulative,
     "CumulativeLogsumexp": _cumulative,
+    "TopKV2": _top_k,
     "Transpose": _transpose,
     "ExpandDims": _expand_dims,
     "Squeeze": _squeeze,
@@ -654,6 +669,7 @@ _ROW_WISE = (
         "Cumsum",
         "Cumprod",
         "CumulativeLogsumexp",
+        "TopKV2",
         "Transpose",
         "ExpandDims",
         "Squeeze",
