@@ -24,8 +24,12 @@ def _halves(h, b):
     return h[:b] + h[b:]
 
 
+def _segment_sum(h, ids):
+    return tf.math.unsorted_segment_sum(h, ids, num_segments=tf.shape(h)[0])
+
+
 # pattern(h [B, 4], dense) -> [B, 3]; expected outcome: "fast" (no fallback), "reference"
-# (the whole step on per-example jacobians) or "raise".
+# (the whole step on per-example jacobians: reordered rows) or "raise".
 PATTERNS = {
     # Benign: the examples stay apart and in order.
     "identity": ("fast", lambda h, d: d(h)),
@@ -39,8 +43,12 @@ PATTERNS = {
     "softmax_features": ("fast", lambda h, d: d(tf.nn.softmax(h, axis=-1))),
     "slice_all_rows": ("fast", lambda h, d: d(h[:, :]) + d(h[..., ::-1])),
     "feature_reduce": ("fast", lambda h, d: d(h - tf.reduce_mean(h, axis=1, keepdims=True))),
-    # Not in the allowlist (TopKV2): per-example jacobians, exact since the model is per example.
-    "opaque_sort": ("reference", lambda h, d: d(tf.sort(h, axis=-1))),
+    # Sorting each example's features (TopKV2 along the last axis) keeps the rows.
+    "sort_features": ("fast", lambda h, d: d(tf.sort(h, axis=-1))),
+    # Not in the allowlist (UnsortedSegmentSum): refused whether or not it mixes, since the
+    # analysis cannot tell (pairs of rows summed mixed examples and trained before the refusal).
+    "unknown_op_per_example": ("raise", lambda h, d: d(_segment_sum(h, tf.range(tf.shape(h)[0])))),
+    "unknown_op_pairs": ("raise", lambda h, d: d(_segment_sum(h, tf.range(tf.shape(h)[0]) // 2))),
     # Rows regrouped across examples (hole 1: the fast path took them as batch-major).
     "pack_batch": ("raise", lambda h, d: _halves(d(tf.reshape(tf.stack([h, 2.0 * h]), [-1, 4])), tf.shape(h)[0])),
     "tile_batch": ("raise", lambda h, d: _halves(d(tf.tile(h, [2, 1])), tf.shape(h)[0])),

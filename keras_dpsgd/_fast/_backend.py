@@ -174,8 +174,8 @@ class FastBackend:
             raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
         analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.
         checks = _graph.runtime_checks(loss, analysis)
-        # Reordered rows or an op outside the allowlist (ghost norms might mis-group the rows):
-        # per-example jacobians are exact (the loss is per example).
+        # Reordered rows (ghost norms might mis-group them): per-example jacobians are exact (the
+        # loss is per example; an unknown op upstream has been refused by `analyze`).
         groups = self._groups(loss, var_list, tape, analysis, checks) if analysis.clean(loss) else None
         if groups is None:
             self.last_fallback = [v.name for v in var_list]

@@ -64,12 +64,50 @@ _MIXING_HINT = (
 )
 
 
+_NO_INPUT_MESSAGE = (
+    "keras_dpsgd cannot find the batch the per-example loss {loss!r} is computed from: no input of the "
+    "step (a placeholder argument or a dataset read) it knows is upstream of the loss, so it cannot prove "
+    "that each example's loss depends on that example alone. Feed the batch through Model.fit / the "
+    "train step's arguments; a custom input pipeline inside the step is not supported."
+)
+_UNKNOWN_OP_MESSAGE = (
+    "keras_dpsgd cannot prove that the per-example loss depends on each example alone: the batch goes "
+    "through {ops}, which the per-example analysis does not know (an op outside its allowlist, a loop or "
+    "a condition it cannot see into, a function without its graph). Such an op may mix the examples of "
+    "the batch, and then no per-example clipping bounds one example's influence, so keras_dpsgd refuses "
+    "rather than guess. Write the layer with standard TensorFlow ops (elementwise math, matmul, "
+    "convolutions, reductions over non-batch axes); for a recurrent layer, give the sequences a static "
+    "length (its loop is read only when the number of steps is known when the step is traced: pad to a "
+    "fixed length, e.g. fit on arrays or padded_batch with fixed padded_shapes); or train with a static "
+    "batch of one example, where nothing can mix."
+)
+
+
+def unknown_ops(loss: tf.Tensor, analysis: _rows.Analysis, limit: int = 3) -> list:
+    """The ops where the batch first becomes opaque on its way to ``loss`` (at most ``limit``):
+    an opaque output whose data inputs are not opaque, named with their layer."""
+    opaque = lambda t: getattr(analysis.rows.get(t.ref()), "kind", None) == "opaque"  # noqa: E731
+    found, seen, stack = [], {loss.op}, [loss.op]
+    while stack:
+        op = stack.pop()
+        upstream = [t for t in op.inputs if opaque(t)]
+        if not upstream and any(opaque(t) for t in op.outputs):
+            found.append(f"op {op.name!r} ({op.type}) in layer {_rows.layer_scope(op)!r}")
+        for t in upstream:
+            if t.op not in seen:
+                seen.add(t.op)
+                stack.append(t.op)
+    return sorted(found)[:limit]
+
+
 def analyze(loss: tf.Tensor) -> _rows.Analysis:
     """Rows of every data tensor upstream of ``loss``; raises if the loss mixes examples.
 
     Raises:
       ValueError: an op upstream of the loss mixes the examples of the batch (the message names
-        the op and its Keras layer), or the loss has a static size other than the inputs' batch.
+        the op and its Keras layer), the batch reaches the loss through an op the analysis does
+        not know (it cannot prove the loss is per example), no known input of the step is upstream
+        of the loss, or the loss has a static size other than the inputs' batch.
     """
     graph = loss.graph
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
@@ -80,6 +118,10 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
     status = analysis.rows.get(loss.ref())
     if status is not None and status.kind == "mixed":
         raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
+    if status is None:
+        raise ValueError(_NO_INPUT_MESSAGE.format(loss=loss.name))
+    if status.kind == "opaque":
+        raise ValueError(_UNKNOWN_OP_MESSAGE.format(ops=", ".join(unknown_ops(loss, analysis)) or "unknown ops"))
     if status is not None and status.kind == "rows" and status.k not in (None, 1):
         raise ValueError(
             f"The per-example loss must have one entry per example; it has {status.k} per example "

@@ -31,7 +31,9 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+from keras_dpsgd._fast import _calls
+
+CALL_OPS = _calls.CALL_OPS
 # tf_keras's BaseConv._jit_compiled_convolution_op and Keras 3's backend conv's _conv_xla.
 _FUNCTION_NAME = re.compile(r"^__inference__(jit_compiled_convolution_op|conv_xla)_\d+$")
 _CONVOLUTIONS = ("Conv2D", "Conv3D")
@@ -66,19 +68,10 @@ class _Body:
 
 def _body(op) -> Optional[_Body]:
     """The body of a call of one of Keras's convolution functions (one output), or None."""
-    if op.type not in CALL_OPS:
+    found = _calls.definition(op)
+    if found is None or not _FUNCTION_NAME.match(found[1].signature.name):
         return None
-    try:
-        name = op.get_attr("f").name
-    except ValueError:
-        return None
-    if not _FUNCTION_NAME.match(name):
-        return None
-    try:
-        fn = op.graph._get_function(name)  # pylint: disable=protected-access
-        fdef = fn.cached_definition if hasattr(fn, "cached_definition") else fn.definition
-    except (AttributeError, KeyError, ValueError):
-        return None
+    fn, fdef = found
     graph, sig = getattr(fn, "graph", None), fdef.signature
     if not isinstance(graph, tf.Graph) or len(sig.output_arg) != 1 or len(sig.input_arg) != len(op.inputs):
         return None

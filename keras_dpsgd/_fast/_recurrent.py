@@ -34,9 +34,8 @@ from typing import Optional
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _loops, _uses
+from keras_dpsgd._fast import _calls, _loops, _uses
 
-_CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 _ARGS = {
     "lstm": (
         "inputs",
@@ -103,7 +102,7 @@ def _signature(op) -> Optional[tuple]:
 
 def recognize(op) -> Optional[Call]:
     """The call of ``standard_lstm``/``standard_gru`` that ``op`` is, or None."""
-    if op.type not in _CALL_OPS:
+    if op.type not in _calls.CALL_OPS:
         return None
     try:
         name = op.get_attr("f").name

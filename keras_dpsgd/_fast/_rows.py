@@ -16,8 +16,11 @@ The outcomes, per tensor:
   ``tf.tile``, a gather or concat along the batch axis): per-example jacobians stay exact, ghost
   norms would mis-group them; anything later that would pair rows of two orders, or restructure
   the batch axis, is *mixing*;
-* opaque (``Rows.kind == "opaque"``): an op outside the allowlist (control flow, custom ops); only
-  the jacobian (reference) path is used, which is exact as long as the model is per-example;
+* opaque (``Rows.kind == "opaque"``): an op outside the allowlist (control flow, custom ops, a call
+  whose body cannot be read): nothing is proven about the rows any more, so a loss that depends on
+  the batch only through opaque tensors is refused by ``_graph.analyze`` (an unknown op could mix
+  the examples), unless the batch is statically one example. A function call's body is analyzed
+  with the same rules (``_call_body``);
 * mixing (``Rows.kind == "mixed"``): a reduction over the batch axis, a matmul contracting it,
   batch statistics, a reshape putting values of two examples in one row, ... No per-example
   clipping can bound the sensitivity then: ``analyze`` raises ``ValueError`` naming the layer.
@@ -35,7 +38,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _grouped, _loops, _recurrent
+from keras_dpsgd._fast import _calls, _grouped, _loops, _recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +192,18 @@ def _cumulative(op, ins):
     axis = _static(op.inputs[1])
     if rank is None or axis is None or int(axis) % rank == r.axis:
         return mixed(op, "accumulates along the batch axis")
+    return r
+
+
+def _top_k(op, ins):
+    """``tf.math.top_k`` / ``tf.sort`` (TopKV2 works along the last axis): rows kept unless that
+    axis is the batch axis."""
+    data = _data(ins)
+    if [i for i, _ in data] != [0]:
+        return mixed(op, "takes k from the data")
+    r, rank = data[0][1], op.inputs[0].shape.rank
+    if rank is None or r.axis == rank - 1:
+        return mixed(op, "sorts along the batch axis")
     return r
 
 
@@ -599,10 +614,53 @@ def _fused_batch_norm(op, ins):
 
 
 def _call(op, ins):
-    """Keras's grouped-convolution call (``_grouped.recognize``) or tf_keras's LSTM/GRU function
-    call (``_recurrent.recognize``); any other call is opaque."""
+    """Keras's grouped-convolution call (``_grouped.recognize``), tf_keras's LSTM/GRU function
+    call (``_recurrent.recognize``), or any other call through its body (``_call_body``)."""
     conv = _grouped.rows_rule(op, ins, mixed)
-    return conv if conv is not None else _recurrent.rows_rule(op, ins, OPAQUE, mixed)
+    if conv is not None:
+        return conv
+    if _recurrent.recognize(op) is not None:
+        return _recurrent.rows_rule(op, ins, OPAQUE, mixed)
+    return _call_body(op, ins)
+
+
+def _call_body(op, ins) -> list:
+    """Rows of a call's outputs, from its function body (``_calls.body_graph``) analyzed with the
+    same rules, the body's arguments having the rows of the call's inputs.
+
+    A body that mixes the examples makes the outputs mixed (the reason names the op inside);
+    a body the rules cannot see through (no body graph, a loop, a reshape checked only at run
+    time, a data read of its own) makes them opaque.
+    """
+    n = len(op.outputs)
+    found = _calls.body_graph(op)
+    if found is None:
+        return [OPAQUE] * n
+    body, outputs = found
+    inner = Analysis({}, [], [])
+    for arg, r in zip(body.inputs, ins):
+        if r is not None:
+            inner.rows[arg.ref()] = r
+    args = {t.ref() for t in body.inputs}
+    for body_op in body.get_operations():
+        if body_op.type in _loops.WHILE_OPS:
+            if any(inner.rows.get(t.ref()) is not None for t in body_op.inputs):
+                for t in body_op.outputs:
+                    inner.rows[t.ref()] = OPAQUE
+            continue
+        _visit(body_op, inner, args)
+    if inner.sources or inner.reshapes:
+        return [OPAQUE] * n
+    return [_inside(inner.rows.get(t.ref()), op) for t in outputs]
+
+
+def _inside(r: Optional[Rows], call) -> Optional[Rows]:
+    """``r`` of a call's body output, a mixing reason naming the call too."""
+    if r is None or r.kind != "mixed":
+        return r
+    return dataclasses.replace(
+        r, reason=f"{r.reason}, inside the function called by op {call.name!r} (layer {layer_scope(call)!r})"
+    )
 
 
 def _xent(op, ins):
@@ -623,6 +681,7 @@ _RULES = {
     "Cumsum": _cumulative,
     "Cumprod": _cumulative,
     "CumulativeLogsumexp": _cumulative,
+    "TopKV2": _top_k,
     "Transpose": _transpose,
     "ExpandDims": _expand_dims,
     "Squeeze": _squeeze,
@@ -694,6 +753,7 @@ _ROW_WISE = (
         "Cumsum",
         "Cumprod",
         "CumulativeLogsumexp",
+        "TopKV2",
         "Transpose",
         "ExpandDims",
         "Squeeze",
