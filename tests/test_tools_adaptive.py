@@ -100,8 +100,8 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_l2_beta_c():
     )
     norms = _per_example_norms(model, x, y)
 
-    @tf.function
-    def step():
+    @tf.function  # the batch as the step's arguments (a captured constant is not a known input)
+    def step(x, y):
         with tf.GradientTape() as tape:
             loss = LOSS(y, model(x, training=True))
         opt.minimize(loss, model.trainable_variables, tape=tape)
@@ -109,7 +109,7 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_l2_beta_c():
     zs = []
     prev = np.ones(4)
     for _ in range(60):
-        step()
+        step(x, y)
         new = opt.clip_bounds.numpy()
         signal = np.minimum(norms, beta * prev[None, :]).sum(axis=0)
         z = (len(x) * new / alpha - signal) / (sigma_l2 * beta * prev)

@@ -301,13 +301,15 @@ def initial_clip_bounds(
     variables = [getattr(v, "value", v) if _is_keras3(model) else v for v in model.trainable_variables]
     backend = _per_example.resolve_backend(per_example_backend)
 
-    @tf.function  # traced, as in training: the per-example backend's graph checks run
-    def sq_norms():
+    # Traced, as in training, with the batch as the step's arguments: the per-example backend's
+    # graph checks run (they find the batch among the step's inputs).
+    @tf.function
+    def sq_norms(x, y):
         with tf.GradientTape(persistent=True) as tape:
             per_example = loss(y, model(x, training=True))
         return backend.clipped_sum(per_example, variables, tape, tf.zeros_like)[1]
 
-    means = np.mean(np.sqrt(np.maximum(sq_norms().numpy(), 0.0)), axis=0)
+    means = np.mean(np.sqrt(np.maximum(sq_norms(x, y).numpy(), 0.0)), axis=0)
     return [max(float(m), 1e-6) for m in means]
 
 
