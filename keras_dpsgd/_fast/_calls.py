@@ -3,8 +3,8 @@
 A ``tf.function`` called inside a layer (Keras's own XLA-compiled convolution, tf_keras's LSTM/GRU
 kernels, or a user's helper) shows up in the step's graph as one call op whose ops live in a
 function of the graph's library. :func:`body_graph` returns the ``FuncGraph`` that function was
-traced from (and its output tensors), only if its ops are those of the function's definition (what executes): same names,
-same types, inputs and outputs matching the call's. Anything else (a function imported without
+traced from (and its output tensors), only if its ops are those of the function's definition
+(what executes): same names, same types, inputs and outputs matching the call's. Anything else (a function imported without
 its Python graph, a definition rewritten after tracing) is ``None``: the caller must then treat
 the call as unknown.
 """

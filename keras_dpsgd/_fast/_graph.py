@@ -116,13 +116,13 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
         # One example (static shapes): nothing can mix or mis-group, every row is example 0.
         analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
     status = analysis.rows.get(loss.ref())
-    if status is not None and status.kind == "mixed":
-        raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
     if status is None:
         raise ValueError(_NO_INPUT_MESSAGE.format(loss=loss.name))
+    if status.kind == "mixed":
+        raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
     if status.kind == "opaque":
         raise ValueError(_UNKNOWN_OP_MESSAGE.format(ops=", ".join(unknown_ops(loss, analysis)) or "unknown ops"))
-    if status is not None and status.kind == "rows" and status.k not in (None, 1):
+    if status.kind == "rows" and status.k not in (None, 1):
         raise ValueError(
             f"The per-example loss must have one entry per example; it has {status.k} per example "
             f"(loss shape {loss.shape}). Average the entries of each example (shape [batch_size])."

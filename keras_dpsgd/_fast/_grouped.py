@@ -71,18 +71,13 @@ def _body(op) -> Optional[_Body]:
     found = _calls.definition(op)
     if found is None or not _FUNCTION_NAME.match(found[1].signature.name):
         return None
-    fn, fdef = found
-    graph, sig = getattr(fn, "graph", None), fdef.signature
-    if not isinstance(graph, tf.Graph) or len(sig.output_arg) != 1 or len(sig.input_arg) != len(op.inputs):
+    fdef = found[1]
+    sig, checked = fdef.signature, _calls.body_graph(op)
+    if checked is None or len(sig.output_arg) != 1:
         return None
     nodes = {n.name: n for n in fdef.node_def}
-    try:
-        if any(graph.get_operation_by_name(n).type != node.op for n, node in nodes.items()):
-            return None
-    except KeyError:
-        return None
     args = tuple(a.name for a in sig.input_arg)
-    return _Body(nodes, args, fdef.ret[sig.output_arg[0].name], graph)
+    return _Body(nodes, args, fdef.ret[sig.output_arg[0].name], checked[0])
 
 
 def is_grouped(conv: tf.Operation) -> bool:

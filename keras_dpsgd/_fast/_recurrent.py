@@ -90,31 +90,18 @@ class Call:
         return next(i for i, t in enumerate(self.op.inputs) if t is self.tensors[name])
 
 
-def _signature(op) -> Optional[tuple]:
-    try:
-        fn = op.graph._get_function(op.get_attr("f").name)
-    except (ValueError, AttributeError, KeyError):
-        return None
-    graph = getattr(fn, "graph", None)
-    sig = getattr(graph, "structured_input_signature", None)
-    return sig
-
-
 def recognize(op) -> Optional[Call]:
     """The call of ``standard_lstm``/``standard_gru`` that ``op`` is, or None."""
-    if op.type not in _calls.CALL_OPS:
+    found = _calls.definition(op)
+    if found is None:
         return None
-    try:
-        name = op.get_attr("f").name
-    except ValueError:
-        return None
-    match = _FUNCTION_NAME.match(name)
-    sig = _signature(op) if match else None
+    fn, fdef = found
+    match = _FUNCTION_NAME.match(fdef.signature.name)
+    sig = getattr(getattr(fn, "graph", None), "structured_input_signature", None) if match else None
     if sig is None or sig[1]:
         return None
     kind, args = match.group(1), sig[0]
-    fn = op.graph._get_function(name)
-    attrs = fn.cached_definition.attr if hasattr(fn, "cached_definition") else fn.definition.attr
+    attrs = fdef.attr
     implements = attrs["api_implements"].s.decode() if "api_implements" in attrs else ""
     if not implements.startswith(kind + "_") or len(args) != len(_ARGS[kind]):
         return None
@@ -145,14 +132,15 @@ def _shapes_known(call: Call) -> bool:
 
 # ----------------------------------------------------------------- rows (``_rows``)
 def rows_rule(op, ins, opaque, mixed):
-    """Rows of a recognized call's outputs: those of its (batch-major) data inputs.
+    """Rows of a recognized call's outputs: those of its (batch-major) data inputs; None if ``op``
+    is not recognized.
 
     The recurrence runs per example (row ``i`` of every output depends on row ``i`` of the
-    sequence, the mask and the initial states only); anything else is opaque.
+    sequence, the mask and the initial states only); other data inputs make it opaque.
     """
     call = recognize(op)
     if call is None:
-        return opaque
+        return None
     data = {name: ins[call.index_of(name)] for name in call.tensors}
     if any(data[w] is not None for w in _WEIGHTS):
         return mixed(op, "runs a recurrence with weights computed from the batch")

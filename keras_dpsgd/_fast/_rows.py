@@ -616,12 +616,10 @@ def _fused_batch_norm(op, ins):
 def _call(op, ins):
     """Keras's grouped-convolution call (``_grouped.recognize``), tf_keras's LSTM/GRU function
     call (``_recurrent.recognize``), or any other call through its body (``_call_body``)."""
-    conv = _grouped.rows_rule(op, ins, mixed)
-    if conv is not None:
-        return conv
-    if _recurrent.recognize(op) is not None:
-        return _recurrent.rows_rule(op, ins, OPAQUE, mixed)
-    return _call_body(op, ins)
+    rows = _grouped.rows_rule(op, ins, mixed)
+    if rows is None:
+        rows = _recurrent.rows_rule(op, ins, OPAQUE, mixed)
+    return rows if rows is not None else _call_body(op, ins)
 
 
 def _call_body(op, ins) -> list:
