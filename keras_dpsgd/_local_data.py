@@ -31,6 +31,7 @@ import gzip
 import math
 import os
 import re
+import warnings
 from typing import Optional, Sequence
 
 import numpy as np
@@ -125,23 +126,38 @@ def scale_to_unit(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------- checks
 
 
-def check_finite(x: np.ndarray, what: str, names: Optional[Sequence[str]] = None) -> None:
-    """Raises ValueError naming the first NaN/inf entry: its row (0-based), or CSV line and column if named."""
-    bad = ~np.isfinite(x)
-    if not bad.any():
-        return
+def _location(x: np.ndarray, bad: np.ndarray, names: Optional[Sequence[str]]) -> str:
+    """Where the first True of `bad` is: its row (0-based), or CSV line and column if named."""
     where = np.argwhere(bad)[0]
     at = f"row {int(where[0])}"
     if x.ndim == 2:
-        at = (
+        return (
             f"line {int(where[0]) + 2}, column {names[where[1]]!r}"
             if names is not None
             else f"{at}, feature {int(where[1])}"
         )
-    raise ValueError(
-        f"{what} holds NaN or infinite values ({int(bad.sum())} in all; first at {at}): "
-        f"remove or impute them before training"
-    )
+    return at
+
+
+def check_finite(x: np.ndarray, what: str, names: Optional[Sequence[str]] = None) -> None:
+    """Raises ValueError naming the first NaN/inf entry, or the first that float32 cannot hold.
+
+    Training runs in float32: a value beyond its largest (about 3.4e38, e.g. 1e300) would become
+    infinite there and break clipping and training as NaN and inf do.
+    """
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise ValueError(
+            f"{what} holds NaN or infinite values ({int(bad.sum())} in all; first at {_location(x, bad, names)}): "
+            f"remove or impute them before training"
+        )
+    big = np.abs(x) > np.finfo(np.float32).max
+    if big.any():
+        raise ValueError(
+            f"{what} holds values that do not fit float32 (|value| > {np.finfo(np.float32).max:.4g}; "
+            f"{int(big.sum())} in all; first {float(x[tuple(np.argwhere(big)[0])]):g} at "
+            f"{_location(x, big, names)}): rescale or remove them before training"
+        )
 
 
 def check_labels(y: np.ndarray, what: str) -> np.ndarray:
@@ -224,7 +240,11 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
     if len(set(header)) != len(header):
         raise ValueError(f"{path!r} repeats a column name in its header")
     try:
-        table = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, quotechar='"', encoding="utf-8")
+        with warnings.catch_warnings():  # a header without rows: our one-line error below, not numpy's warning
+            warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
+            table = np.loadtxt(
+                path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, quotechar='"', encoding="utf-8"
+            )
     except ValueError:
         _raise_bad_cell(path, header)
         raise

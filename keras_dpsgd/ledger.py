@@ -20,7 +20,8 @@ optimizer adds the new steps to the old ones.
 Resuming. The step count is the optimizer's ``noised_steps`` variable; the
 segments (runs of steps with one (q, σ)) live in a string variable of a small
 ``tf.Module`` attached to the optimizer and to the model (attribute
-``_dpsgd_ledger_state``). What each way of saving keeps:
+``_dpsgd_ledger_state``; a checkpoint dependency, never one of the model's
+weights). What each way of saving keeps:
 
 * ``tf.train.Checkpoint``, ``model.save_weights(path)`` with a TF-format path
   (no ``.h5``), ``ModelCheckpoint(save_weights_only=True)`` to such a path,
@@ -40,9 +41,10 @@ segments (runs of steps with one (q, σ)) live in a string variable of a small
   Where the ledger holds more than the optimizer's counter (steps of an
   earlier optimizer: compiled again, or loaded from a SavedModel) these saves
   are refused. For an exact ledger after changing q or σ, save with checkpoints.
-* h5 weights (``save_weights("w.h5")``, ``ModelCheckpoint("w.h5",
-  save_weights_only=True)``): the layers' weights only, no ledger: a loud
-  warning at every save; such a file is for inference, not for resuming.
+* tf_keras h5 weights (``save_weights("w.h5")``, ``ModelCheckpoint("w.h5",
+  save_weights_only=True)``): the layers' weights only, no ledger: refused
+  (the callback at the start of ``fit``), since a run resumed from them
+  would restart ε at 0.
 * Keras 3 (``keras_dpsgd.keras3``): ``.keras`` files and ``.weights.h5``
   weights (``model.save``, ``save_weights``, ``ModelCheckpoint``,
   ``BackupAndRestore``) keep the optimizer's variables and its copy of the
@@ -239,7 +241,7 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
                     # Loaded from a SavedModel as a plain object: keep its state in a LedgerState,
                     # which refreshes itself at the next save.
                     holder.state.assign(revived.state)
-                setattr(owner, _STATE_ATTR, holder)  # also applies a pending (deferred) restore
+                _hold(owner, holder)  # also applies a pending (deferred) restore
             # tf_keras optimizers cache their checkpoint children on the first
             # save or restore; a holder attached after that must join the cache
             # or it would silently be left out of later checkpoints.
@@ -248,6 +250,30 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
                 cached[_STATE_ATTR] = holder
         holders.append(holder)
     return holders
+
+
+def _callback_guard():
+    """keras_dpsgd._callback_guard, imported late: it reads this module's fit_frame."""
+    from keras_dpsgd import _callback_guard
+
+    return _callback_guard
+
+
+def _hold(owner: Any, holder: LedgerState) -> None:
+    """Sets ``owner._dpsgd_ledger_state``: a checkpoint dependency of `owner`, never one of its weights.
+
+    A tf_keras model counts every ``tf.Module`` set as its attribute among its weights, so the
+    ledger would show in ``model.weights``/``get_weights()`` (a bytes array), break
+    ``set_weights`` from a plain model's list and go into h5 weight files. There it is tracked for
+    checkpoints and SavedModels only (``_track_trackable``), out of Keras's weight lists.
+    """
+    if not hasattr(owner, "_self_tracked_trackables"):  # Keras 3 and the optimizers: no such weight list
+        setattr(owner, _STATE_ATTR, holder)
+        return
+    if getattr(owner, _STATE_ATTR, None) is not None:
+        delattr(owner, _STATE_ATTR)  # a holder revived from a SavedModel leaves Keras's weight lists
+    object.__setattr__(owner, _STATE_ATTR, holder)
+    owner._track_trackable(holder, name=_STATE_ATTR, overwrite=True)
 
 
 def _refresh(model: Any, optimizer: Any) -> None:
@@ -298,28 +324,39 @@ def attach(model: Any, optimizer: Any) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
+            _callback_guard().watch_fits(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         if model is not None:
             holders[0]._model = weakref.ref(model)
         _refresh(model, optimizer)
 
 
-H5_WEIGHTS_WARNING = (
-    "keras_dpsgd: %s does not keep the privacy ledger (h5 weights hold the layers' weights only, "
-    "not the optimizer's noised_steps nor the ledger): a run resumed from it would restart epsilon at 0. "
-    "Save TF-format weights (a path without .h5), a tf.train.Checkpoint, BackupAndRestore or a .keras "
-    "model to resume; keep this file for inference only."
-)
+def refuse_h5_weights(where: str) -> None:
+    """Refuses tf_keras h5 weights of a model with a ledger: they hold the layers' weights only.
+
+    A run resumed from them would restart ε at 0 (issue 25.6), so the save is refused, not warned.
+
+    Raises:
+      ValueError: always, naming `where` and the formats that keep the ledger.
+    """
+    raise ValueError(
+        f"{where} is refused: h5 weights hold the layers' weights only, not the privacy ledger nor the "
+        "optimizer's noised_steps, so a run resumed from them would restart epsilon at 0. Save TF-format "
+        "weights (a path without .h5), a tf.train.Checkpoint, BackupAndRestore or a SavedModel (model.save("
+        "directory)), which keep the whole ledger, or a .keras model (its counter and worst case); for "
+        "inference, model.get_weights() holds the layers' weights only"
+    )
 
 
-def _is_h5(path: str, kwargs: dict) -> bool:
+def is_h5(path: str, kwargs: dict) -> bool:
+    """True if a tf_keras save to `path` with these keyword arguments writes an h5 file."""
     return path.endswith((".h5", ".hdf5")) or kwargs.get("save_format") in ("h5", "hdf5")
 
 
 def _guard_saves(model: Any) -> None:
     """Wraps `model.save_weights` and `model.save` (instance attributes) where h5 loses the ledger.
 
-    h5 weights: a loud warning at every save. A full h5 model keeps what
+    tf_keras h5 weights: refused (:func:`refuse_h5_weights`). A full h5 model keeps what
     ``.keras`` keeps (the optimizer's counter): refused when the ledger holds
     more (see :func:`refuse_lost_history`).
     """
@@ -329,12 +366,12 @@ def _guard_saves(model: Any) -> None:
 
     def guarded_save_weights(filepath, *args, **kwargs):
         # Keras 3's .weights.h5 is its native format: it keeps the optimizer and the ledger.
-        if _is_h5(str(filepath), kwargs) and not is_keras3(model):
-            _LOG.warning(H5_WEIGHTS_WARNING, f"save_weights({str(filepath)!r})")
+        if is_h5(str(filepath), kwargs) and not is_keras3(model):
+            refuse_h5_weights(f"save_weights({str(filepath)!r})")
         return save_weights(filepath, *args, **kwargs)
 
     def guarded_save(filepath, *args, **kwargs):
-        if _is_h5(str(filepath), kwargs) and is_dp_optimizer(getattr(model, "optimizer", None)):
+        if is_h5(str(filepath), kwargs) and is_dp_optimizer(getattr(model, "optimizer", None)):
             refuse_lost_history(model, model.optimizer, "an h5 file")
         return save(filepath, *args, **kwargs)
 

@@ -6,6 +6,7 @@ Every file is generated here (never /work/shared/data).
 import gzip
 import json
 import struct
+import warnings
 
 import numpy as np
 import pytest
@@ -215,6 +216,13 @@ def _bad_inputs(tmp_path):
     text = good.read_text().splitlines()
     text[6] = text[6].replace(text[6].split(",")[0], "nan", 1)
     (tmp_path / "nan.csv").write_text("\n".join(text) + "\n")
+    text = good.read_text().splitlines()
+    text[3] = text[3].replace(text[3].split(",")[1], "1e300", 1)
+    (tmp_path / "huge.csv").write_text("\n".join(text) + "\n")
+    (tmp_path / "header.csv").write_text(text[0] + "\n")
+    xh = x.astype(np.float64)
+    xh[5, 2] = -1e300
+    np.savez(tmp_path / "huge.npz", x_train=xh, y_train=y)
     t = str(tmp_path)
     return {
         "missing file": ([f"{t}/nope.npz"], "does not exist"),
@@ -230,6 +238,12 @@ def _bad_inputs(tmp_path):
         "non-numeric cell": ([f"{t}/cell.csv", "--label-column", "label"], "line 6, column 'f2': 'abc' is not a"),
         "ragged row": ([f"{t}/ragged.csv", "--label-column", "label"], "line 5 has 5 cells, the header has 4"),
         "NaN cell": ([f"{t}/nan.csv", "--label-column", "label"], "NaN or infinite values .* line 7, column 'f0'"),
+        "beyond float32 cell": (
+            [f"{t}/huge.csv", "--label-column", "label"],
+            "do not fit float32 .* line 4, column 'f1'",
+        ),
+        "beyond float32 array": ([f"{t}/huge.npz"], "do not fit float32 .*-1e\\+300 at row 5, feature 2"),
+        "header only": ([f"{t}/header.csv", "--label-column", "label"], "has a header but no rows"),
         "empty directory": ([t + "/emptydir"], "holds no IDX files"),
         "with --dataset": ([str(good), "--dataset", "mnist", "--label-column", "label"], "not both"),
         "bad range": ([str(good), "--label-column", "label", "--feature-range", "5,1"], "LO < HI"),
@@ -247,6 +261,16 @@ def test_cli_bad_data_exits_2_one_line_nothing_written(capsys, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("keras-dpsgd train: error: "), (what, err[-2000:])
         assert __import__("re").search(message, lines[0]), (what, lines[0])
         assert not save.exists(), what
+
+
+def test_cli_header_only_csv_is_one_line_without_numpy_warning(capsys, tmp_path):
+    # numpy's "loadtxt: input contained no data" UserWarning (and its source line) came first.
+    (tmp_path / "header.csv").write_text("f0,f1,label\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(["train", "--data", str(tmp_path / "header.csv"), "--label-column", "label"])
+    assert code == 2 and [str(w.message) for w in caught] == []
+    assert "has a header but no rows" in capsys.readouterr().err
 
 
 def test_cli_local_flags_need_data(capsys):
