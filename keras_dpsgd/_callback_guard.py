@@ -15,7 +15,8 @@ them takes a decision on the private data that no noise covers and that ε does 
 
 A monitor is allowed when it names a quantity that is not a function of the training set
 without noise: ``val_*`` (computed by Keras on validation data, which is outside the training
-set: ``validation_data`` or ``validation_split``) or what keras_dpsgd releases from its ledger or
+set: ``validation_data`` or ``validation_split``; refused when ``validation_data`` holds fit's ``x``
+itself) or what keras_dpsgd releases from its ledger or
 with noise (``epsilon``, ``delta`` from ``PrivacyLogger``; ``clip_bound/*`` from
 ``ClipBoundsLogger``). A callback of the user's own that reads ``logs`` is not recognized.
 
@@ -48,17 +49,31 @@ _PLATEAU = (keras.callbacks.ReduceLROnPlateau, tf_keras.callbacks.ReduceLROnPlat
 _EARLY_STOPPING = (keras.callbacks.EarlyStopping, tf_keras.callbacks.EarlyStopping)
 
 
-def is_released(monitor: str) -> bool:
-    """True if `monitor` names a quantity that is no un-noised function of the training set."""
+def is_released(monitor: str, validates_on_training_data: bool = False) -> bool:
+    """True if `monitor` names a quantity that is no un-noised function of the training set.
+
+    ``val_*`` is not when fit's validation data is its training data (the same object).
+    """
+    if validates_on_training_data and monitor.startswith("val_"):
+        return False
     return monitor in RELEASED_MONITORS or monitor.startswith(RELEASED_PREFIXES)
 
 
-def _decision(callback: Any) -> Optional[tuple]:
+def _validates_on_training_data(fit_locals: dict) -> bool:
+    """True if fit's ``validation_data`` holds its training inputs ``x`` themselves."""
+    validation, x = fit_locals.get("validation_data"), fit_locals.get("x")
+    if validation is None or x is None:
+        return False
+    first = validation[0] if isinstance(validation, (tuple, list)) and validation else validation
+    return first is x
+
+
+def _decision(callback: Any, validates_on_training_data: bool) -> Optional[tuple]:
     """(monitored quantity, what the callback does with it) if it acts on the training logs, else None."""
     if isinstance(callback, _TERMINATE_ON_NAN):
         return "loss", "stops training when it is NaN or infinite"
     monitor = getattr(callback, "monitor", None)
-    if not isinstance(monitor, str) or is_released(monitor):
+    if not isinstance(monitor, str) or is_released(monitor, validates_on_training_data):
         return None
     if isinstance(callback, _CHECKPOINTS):
         if not callback.save_best_only:
@@ -90,6 +105,7 @@ def refuse_private_decisions(model: Any) -> None:
     frame = ledger.fit_frame(model)
     if frame is None:
         return
+    on_training_data = _validates_on_training_data(frame.f_locals)
     for callback in _listed(frame.f_locals.get("callbacks")):
         if not ledger.is_keras3(model) and isinstance(callback, _CHECKPOINTS) and callback.save_weights_only:
             if ledger.is_h5(str(callback.filepath), {}):
@@ -97,14 +113,15 @@ def refuse_private_decisions(model: Any) -> None:
                 ledger.refuse_h5_weights(
                     f"{type(callback).__name__}({str(callback.filepath)!r}, save_weights_only=True)"
                 )
-        decision = _decision(callback)
+        decision = _decision(callback, on_training_data)
         if decision is None:
             continue
         monitor, action = decision
+        where = "data (validation_data is fit's x)" if monitor.startswith("val_") else "lots"
         model.train_function = None  # a fit after the fix traces afresh (Keras 3 cannot retrace a failed trace)
         raise ValueError(
             f"{type(callback).__name__}(monitor={monitor!r}) is refused in a DP fit: {monitor!r} is computed on "
-            f"the private training lots without noise, and the callback {action}, a decision on the private "
+            f"the private training {where} without noise, and the callback {action}, a decision on the private "
             "data that epsilon does not count. Monitor a 'val_' quantity computed on data outside the training "
             "set (validation_data=... or validation_split=...), or a quantity keras_dpsgd releases with noise "
             "('epsilon' from PrivacyLogger, 'clip_bound/...' from ClipBoundsLogger); or remove the callback."

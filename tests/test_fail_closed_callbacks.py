@@ -3,7 +3,8 @@
 EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), TerminateOnNaN and any
 callback with a `monitor` on a training quantity decide on the private data without noise. Each
 is refused before any weight changes, on both Kerases, at the first fit (the DP step's trace)
-and at a later fit (no new trace). Controls: `val_` and ε monitors still train.
+and at a later fit (no new trace). A `val_` monitor is refused too when fit's validation_data
+holds its training inputs themselves. Controls: `val_` and ε monitors still train.
 
 Every refusal test here failed on the code before the fix (the fits trained).
 """
@@ -64,6 +65,8 @@ def test_callbacks_acting_on_the_training_logs_are_refused_before_any_step(keras
             _fit(model, [callback])
         assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model))), name
         assert int(model.optimizer.noised_steps.numpy()) == 0, name
+    with pytest.raises(ValueError, match=r"EarlyStopping\(monitor='val_loss'\).*validation_data is fit's x"):
+        _fit(model, [front.keras.callbacks.EarlyStopping(monitor="val_loss")], validation_data=(X, Y))
     _fit(model, [])  # the callback removed, the same model trains
     assert int(model.optimizer.noised_steps.numpy()) == 2 * N // B
 
