@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd import _distribute, _noise, _step, ledger
+from keras_dpsgd._fast import _state
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 
@@ -303,8 +304,30 @@ class DPSettingsMixin:
         ]
 
     def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``)."""
-        return _step.normalize(noised, num_examples, self._dp.lot)
+        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``).
+
+        The result is the step's release: what the step computes from it (the update of the
+        weights) is post-processing, not a write of the batch (``_state.mark_released``)."""
+        released = _step.normalize(noised, num_examples, self._dp.lot)
+        _state.mark_released(released)
+        return released
+
+    def _refuse_batch_writes(self, loss: tf.Tensor, model: Any) -> None:
+        """At trace time: the step writes no value of the batch into a variable other than this
+        optimizer's own (slots, counters, lot sums, noise state) and Keras's metrics' (``_state``).
+
+        Raises:
+          ValueError: naming the variable, the op and its layer, and the way out.
+        """
+        if tf.executing_eagerly() or not hasattr(loss, "graph"):
+            return  # An eager step is refused by the per-example backend.
+        own = self.variables() if callable(self.variables) else self.variables
+        own = list(own) + [self._dp.lot, self._dp.nonfinite]
+        if self._dp.generator is not None:
+            own.append(self._dp.generator.state)
+        # Keras's metrics (the compiled loss's mean, compile metrics): documented as not released.
+        own += [v for m in (getattr(model, "metrics", None) or ()) for v in m.variables]
+        _state.refuse_batch_writes(loss, own, model)
 
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd._noise``: tails to 11.6, not TF's

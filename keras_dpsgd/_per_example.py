@@ -30,7 +30,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from keras_dpsgd._fast import FastBackend, ReferenceBackend
-from keras_dpsgd._fast._reference import ClipFactorsFn, _eager_warned  # noqa: F401 (re-exported)
+from keras_dpsgd._fast._reference import ClipFactorsFn
 
 BACKEND_NAMES = ("auto", "reference", "fast")
 

@@ -320,6 +320,7 @@ class DPSanitizerMixin(DPSettingsMixin):
             return self._clip_factors(sq_norms, finite[-1])
 
         summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, factors)
+        self._refuse_batch_writes(loss, find_calling_model(self, max_depth=24))  # At trace time.
         nonfinite = tf.logical_not(finite[-1][:, 0])
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         self.on_per_example_sq_norms(sq_norms)

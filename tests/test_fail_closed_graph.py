@@ -236,21 +236,3 @@ def test_layer_normalization_and_inference_mode_statistics_still_train():
     x, y = _xy()
     model.fit(x, y, batch_size=4, verbose=0)
     assert opt._backend.last_fallback == []
-
-
-@pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_an_eager_step_says_loudly_that_mixing_is_not_checked(backend, caplog):
-    """run_eagerly=True has no graph to check: the step must not pass as checked in silence."""
-    from keras_dpsgd import _per_example
-
-    _per_example._eager_warned.clear()
-    x, y = _xy()
-    model = keras.Sequential([keras.layers.Dense(3)])
-    model.compile(
-        optimizer=DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, per_example_backend=backend),
-        loss=_loss(),
-        run_eagerly=True,
-    )
-    with caplog.at_level("WARNING", logger="keras_dpsgd"):
-        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
-    assert any("runs eagerly" in r.getMessage() for r in caplog.records)

@@ -29,7 +29,7 @@ def _convnet():
     )
 
 
-def _fit(make_model, x, y, backend, l2_norm_clip, run_eagerly=False):
+def _fit(make_model, x, y, backend, l2_norm_clip):
     model = make_model()
     model.set_weights(_initial_weights(make_model))
     opt = DPSGDOptimizer(
@@ -42,7 +42,6 @@ def _fit(make_model, x, y, backend, l2_norm_clip, run_eagerly=False):
     model.compile(
         optimizer=opt,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
-        run_eagerly=run_eagerly,
     )
     model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
     assert isinstance(opt._backend, FastBackend) == (backend == "fast")
@@ -76,17 +75,6 @@ def _initial_weights(make_model):
     if make_model not in _INITIAL:
         _INITIAL[make_model] = make_model().get_weights()
     return _INITIAL[make_model]
-
-
-def test_fit_run_eagerly_falls_back_with_same_result():
-    gen = np.random.default_rng(1)
-    x = gen.normal(size=(10, 6)).astype("float32")
-    y = gen.integers(0, 3, size=(10,))
-    graph, _ = _fit(_mlp, x, y, "fast", 0.3)
-    eager, opt = _fit(_mlp, x, y, "fast", 0.3, run_eagerly=True)
-    assert len(opt._backend.last_fallback) == 4
-    for a, b in zip(graph, eager):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_auto_resolves_to_fast():

@@ -19,8 +19,8 @@ Algorithm (one DP-SGD step, Abadi et al. 2016, Alg. 1, lines "compute gradient" 
 4. ``clip_factors(sq_norms)`` (flat or per-layer clipping, decided by the caller).
 5. Clipped sums ``Σ_i c_iv g_i[v]`` by book-keeping (Bu et al. 2023).
 
-In eager mode (``run_eagerly=True``) there is no graph to inspect: the whole step uses the
-reference path. Nothing here adds noise or touches the privacy accounting; the sums are exactly
+In eager mode (``run_eagerly=True``) there is no graph to inspect: the step is refused
+(``_reference.EAGER_MESSAGE``). Nothing here adds noise or touches the privacy accounting; the sums are exactly
 (up to float rounding) those of the reference path.
 """
 
@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd._fast import _checks, _graph, _uses
-from keras_dpsgd._fast._reference import ReferenceBackend, per_example_jacobians
+from keras_dpsgd._fast._reference import ReferenceBackend, per_example_jacobians, refuse_eager
 
 
 def _reference_backend() -> ReferenceBackend:
@@ -150,7 +150,7 @@ class FastBackend:
 
         Args:
           loss: per-example loss, shape [B], recorded on `tape` (a graph tensor inside the traced
-            train step; an eager tensor sends the whole call to the reference path).
+            train step; an eager tensor is refused: nothing can be checked).
           var_list: the trainable variables (V of them).
           tape: the GradientTape that recorded `loss` (used for jacobian fallbacks only).
           clip_factors: maps sq_norms [B, V] to factors [B, V].
@@ -161,15 +161,14 @@ class FastBackend:
           the float32 per-example squared norms [B, V].
 
         Raises:
-          ValueError: empty `var_list`, `loss` not of rank 1, or an op upstream of the loss that
-            mixes the examples of the batch (``_graph.analyze``).
+          ValueError: empty `var_list`, an eager step, `loss` not of rank 1, or an op upstream of
+            the loss that mixes the examples of the batch (``_graph.analyze``).
         """
         var_list = list(var_list)
         if not var_list:
             raise ValueError("var_list must hold at least one variable, got an empty list")
         if tf.executing_eagerly() or not hasattr(loss, "graph"):
-            self.last_fallback = [v.name for v in var_list]
-            return _reference_backend().clipped_sum(loss, var_list, tape, clip_factors)
+            refuse_eager()
         if loss.shape.rank != 1:
             raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
         analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.

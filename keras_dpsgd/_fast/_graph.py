@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _grouped, _rows, _uses
+from keras_dpsgd._fast import _checks, _grouped, _rows, _state, _uses
 from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
@@ -107,7 +107,8 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
       ValueError: an op upstream of the loss mixes the examples of the batch (the message names
         the op and its Keras layer), the batch reaches the loss through an op the analysis does
         not know (it cannot prove the loss is per example), no known input of the step is upstream
-        of the loss, or the loss has a static size other than the inputs' batch.
+        of the loss, the loss reads a variable the step wrote a value of the batch into
+        (``_state``), or the loss has a static size other than the inputs' batch.
     """
     graph = loss.graph
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
@@ -127,6 +128,7 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
             f"The per-example loss must have one entry per example; it has {status.k} per example "
             f"(loss shape {loss.shape}). Average the entries of each example (shape [batch_size])."
         )
+    _state.refuse_state_reads(loss)  # A statistic of the batch kept in a variable, then read back.
     for source in analysis.sources:
         n, b = loss.shape[0], source.shape[0]
         if n is not None and b is not None and n != b:

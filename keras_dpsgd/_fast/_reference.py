@@ -7,7 +7,6 @@ clip_factors) -> (summed, sq_norms)``) with ``GradientTape.jacobian``; the fast 
 
 from __future__ import annotations
 
-import logging
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -120,7 +119,7 @@ class ReferenceBackend:
 
     Works for every layer that TensorFlow's pfor vectorizes (Dense, Conv,
     Embedding, normalization, recurrent layers, ...) inside the ``tf.function``
-    Keras builds, under XLA and eagerly. It materializes every g_i
+    Keras builds, with or without XLA; an eager step is refused (``EAGER_MESSAGE``). It materializes every g_i
     ([B, *variable.shape] per variable), so memory grows with B × parameters.
     """
 
@@ -150,15 +149,14 @@ class ReferenceBackend:
           variable, and the per-example squared norms [B, V].
 
         Raises:
-          ValueError: in a traced step, an op upstream of the loss mixes the
-            examples of the batch, or the loss does not have one entry per
-            example (a jacobian per row cannot make that private either).
+          ValueError: the step runs eagerly (nothing can be checked), an op
+            upstream of the loss mixes the examples of the batch, or the loss
+            does not have one entry per example (a jacobian per row cannot make
+            that private either).
         """
-        checks = []
-        if not checked and not tf.executing_eagerly() and hasattr(loss, "graph"):
-            checks = _graph.runtime_checks(loss, _graph.analyze(loss))
-        elif not checked:
-            _warn_unchecked_eager()
+        if tf.executing_eagerly() or not hasattr(loss, "graph"):
+            refuse_eager()
+        checks = [] if checked else _graph.runtime_checks(loss, _graph.analyze(loss))
         jacobians, sq_norms, pfor_checks = per_example_jacobians(loss, list(var_list), tape)
         checks += pfor_checks
         sq_norms = tf.stack(sq_norms, axis=1)
@@ -178,17 +176,17 @@ class ReferenceBackend:
         return summed, sq_norms
 
 
-_EAGER_WARNING = (
-    "keras_dpsgd: this DP step runs eagerly (run_eagerly=True or an eager custom loop): there is no graph, so "
-    "the check that the loss has one entry per example and that no op mixes the examples of the batch "
-    "(batch statistics, a batch mean, rows reordered) cannot run, and the privacy guarantee rests on the "
-    "model being per example. Train in a tf.function (the default of fit) to have it checked."
+EAGER_MESSAGE = (
+    "keras_dpsgd refuses to run a DP-SGD step eagerly (compile(..., run_eagerly=True), "
+    "tf.config.run_functions_eagerly(True), or the optimizer called outside a tf.function): without the "
+    "traced graph it cannot check that each example's loss depends on that example alone (no op mixing the "
+    "batch, no statistic of the batch kept in a variable), and an unchecked step may let one example move "
+    "the update by more than the clipping bound. Remove run_eagerly=True (fit traces the step, the default), "
+    "or wrap a custom step in tf.function. To debug, call the model eagerly outside the DP step "
+    "(model(x, training=True)), or print from inside the traced step with tf.print."
 )
-_eager_warned = []
 
 
-def _warn_unchecked_eager() -> None:
-    """Says once per process, loudly, that an eager step's per-example property is not checked."""
-    if not _eager_warned:
-        _eager_warned.append(True)
-        logging.getLogger("keras_dpsgd").warning(_EAGER_WARNING)
+def refuse_eager() -> None:
+    """Raises ValueError: a DP step that runs eagerly cannot be checked (``EAGER_MESSAGE``)."""
+    raise ValueError(EAGER_MESSAGE)

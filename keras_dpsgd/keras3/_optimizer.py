@@ -370,6 +370,7 @@ class DPKeras3Mixin(DPSettingsMixin):
             return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
 
         summed, sq_norms = self._backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
+        self._refuse_batch_writes(per_example_loss, ledger.saving_model(self))  # At trace time.
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
         # Under a strategy the realized count is the whole lot's (all replicas): normalize, the hooks.
