@@ -59,7 +59,8 @@ def ancestors(loss: tf.Tensor) -> set:
 _MIXING_HINT = (
     "DP-SGD clips each example's gradient, which bounds nothing when one example changes the "
     "loss of the others. Make the loss per example: compute statistics per example "
-    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization), "
+    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization, or freeze a "
+    "pretrained BatchNormalization: `layer.trainable = False` runs it in inference mode), "
     "and return one loss value per example of the batch."
 )
 
@@ -352,11 +353,13 @@ def grouped_convolution_layers(model: Any) -> list:
     every = (
         model.submodules if hasattr(model, "submodules") else model._flatten_layers(include_self=True, recursive=True)
     )
-    return [
-        layer
-        for layer in every
-        if "Conv" in type(layer).__name__ and isinstance(getattr(layer, "groups", 1), int) and layer.groups > 1
-    ]
+    # DepthwiseConv2D has no ``groups`` (its pfor jacobian is right): only a ``groups`` > 1 counts.
+    return [layer for layer in every if "Conv" in type(layer).__name__ and _groups(layer) > 1]
+
+
+def _groups(layer) -> int:
+    groups = getattr(layer, "groups", 1)
+    return groups if isinstance(groups, int) else 1
 
 
 def _fast_rule_covers(layer) -> bool:
