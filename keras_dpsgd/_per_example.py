@@ -57,13 +57,15 @@ class PerExampleBackend(Protocol):
         """Returns (Σ_i factors[i, v] g_i[v] for each v, sq_norms [B, V])."""
 
 
-def resolve_backend(name: str = "auto") -> PerExampleBackend:
+def resolve_backend(name: str = "auto", jacobian_fallback: str = "warn") -> PerExampleBackend:
     """Returns the per-example gradient backend called `name`.
 
     Args:
       name: "auto" or "fast" (``keras_dpsgd._fast.FastBackend``: ghost norms where the graph
         is understood, per-example jacobians elsewhere) or "reference" (per-example jacobians
         of every variable, ``keras_dpsgd._fast.ReferenceBackend``).
+      jacobian_fallback: the fast backend's answer to a variable no rule reads: "warn" (it takes
+        per-example jacobians, one warning per traced step) or "refuse" (ValueError).
 
     Returns:
       A backend instance.
@@ -75,7 +77,7 @@ def resolve_backend(name: str = "auto") -> PerExampleBackend:
         raise ValueError(f"per_example_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "reference":
         return ReferenceBackend()
-    return FastBackend()
+    return FastBackend(jacobian_fallback)
 
 
 # ------------------------------------------- preconditions of per-example gradients

@@ -197,8 +197,9 @@ def internal_handles(graph, var) -> list:
     return found
 
 
-def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
-    """All uses of the variable on the way to the loss, or None if one of them is unknown."""
+def find_sites(handles: list, var, ops: set, clean: dict, static_batch, stopped: list | None = None):
+    """All uses of the variable on the way to the loss, or None if one of them is unknown (then
+    ``(op, reason)`` of the use that stopped the analysis is appended to ``stopped``)."""
     sites = []
     stack = list(handles)
     while stack:
@@ -218,7 +219,7 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                 if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
                     continue
                 if t.dtype != tf.resource and _SPLITS.get(consumer.type) == index:
-                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch)
+                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch, stopped)
                     if pieces is None:
                         return None
                     sites.extend(pieces)
@@ -226,9 +227,11 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                 if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
                     continue  # A product with zeros (a recurrence's initial state): no gradient.
                 rule = rule_for(consumer.type)
-                site = rule(consumer, index, t, var, clean, static_batch) if rule else None
+                if rule is None:
+                    return _stop(stopped, consumer, "no per-example rule for this op type")
+                site = rule(consumer, index, t, var, clean, static_batch)
                 if site is None:
-                    return None
+                    return _stop(stopped, consumer, f"the {consumer.type} rule does not cover this use")
                 sites.extend(site if isinstance(site, list) else [site])
     return sites
 
@@ -266,7 +269,14 @@ def _pieces(op, w) -> list | None:
     return out if offset == int(w.shape[axis]) else None
 
 
-def _split_sites(op, w, var, ops: set, clean, static_batch):
+def _stop(stopped: list | None, op, reason: str) -> None:
+    """Records why the analysis of a variable stopped at ``op``; returns None (no sites)."""
+    if stopped is not None:
+        stopped.append((op, reason))
+    return None
+
+
+def _split_sites(op, w, var, ops: set, clean, static_batch, stopped: list | None = None):
     """Uses of the pieces of a split of ``w`` (Keras 3 GRU's input and recurrent biases:
     ``ops.unstack`` is a Split and Squeezes).
 
@@ -274,14 +284,12 @@ def _split_sites(op, w, var, ops: set, clean, static_batch):
     [B, *var.shape] that are zero outside the piece (the variable's other uses are summed before
     the norm, as for any shared weight).
     """
-    if not w.shape.is_fully_defined():
-        return None
-    pieces = _pieces(op, w)
+    pieces = _pieces(op, w) if w.shape.is_fully_defined() else None
     if pieces is None:
-        return None
+        return _stop(stopped, op, "a split of the variable along an axis of unknown size")
     sites = []
     for piece, axis, offset, kept in pieces:
-        found = find_sites([piece], _Piece(piece.shape, piece.dtype, var.name), ops, clean, static_batch)
+        found = find_sites([piece], _Piece(piece.shape, piece.dtype, var.name), ops, clean, static_batch, stopped)
         if found is None:
             return None
         embed = _embedded(piece.shape, w.shape, axis, offset, kept, var)

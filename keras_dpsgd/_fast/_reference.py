@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _graph
+from keras_dpsgd._fast import _checks, _graph, _report
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -115,6 +115,9 @@ def _sq_norm_per_example(jac: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.square(flat), axis=1)
 
 
+_CHOSEN = "per_example_backend='reference' computes per-example jacobians of every variable"
+
+
 class ReferenceBackend:
     """Per-example gradients with ``GradientTape.jacobian`` (pfor).
 
@@ -125,6 +128,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    last_report: _report.PerExampleReport | None = None  # Set by each call: every variable, by choice.
 
     def clipped_sum(
         self,
@@ -154,6 +158,9 @@ class ReferenceBackend:
             examples of the batch, or the loss does not have one entry per
             example (a jacobian per row cannot make that private either).
         """
+        self.last_report = _report.PerExampleReport(
+            self.name, (), tuple(_report.fallback_of(v, None, _CHOSEN) for v in var_list)
+        )
         checks = []
         if not checked and not tf.executing_eagerly() and hasattr(loss, "graph"):
             checks = _graph.runtime_checks(loss, _graph.analyze(loss))
