@@ -27,7 +27,9 @@ What is measured:
   non-private delta. RSS includes allocator caching, so it is an upper bound on live tensors.
 * ``max_batch`` (``--max-batch``): the largest batch ``B0·2^k`` (k >= 0, at most
   ``--max-batch-limit``) whose measured peak (as above, delta) stays within ``--memory-budget-mib``.
-  A bounded doubling search, one process per probe; "limit" means it never exceeded the budget.
+  A bounded doubling search, one process per probe (each probe's ``peak_mib`` and ``delta_mib``);
+  "limit" means it never exceeded the budget. ``peak_ratio_at_b0``: each DP mode's delta at the first
+  batch B0 over the non-private one's (the peak-memory ratio, measured in the same probes).
 
 Models (Abadi et al. 2016): MLP 784-1000-10 (ReLU) at B=256; small AlexNet on 32x32x3 at B=128:
 conv 5x5x64 (SAME, ReLU), max-pool 3/2, conv 5x5x64 (SAME, ReLU), max-pool 3/2, dense 384, 192, 10.
@@ -38,7 +40,9 @@ Conv2D(64, 1) -> global average pool -> Dense(10); ``grouped-conv`` (ResNeXt-sty
 Conv2D(32, 3) -> Conv2D(64, 3, strides=2, groups=4) -> Conv2D(64, 1) -> Conv2D(64, 3, groups=4) ->
 global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
 MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
-residual + LayerNormalization -> average pool -> Dense(2).
+residual + LayerNormalization -> average pool -> Dense(2). Issue 26: ``frozen-mobilenet``:
+``applications.MobileNetV2(weights=None)`` on 32x32x3, frozen (``trainable = False``, called with
+``training=False``: BatchNormalization in inference mode) -> global average pool -> Dense(10), B=64.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ DEFAULT_BATCH = {
     "depthwise": 64,
     "grouped-conv": 64,
     "transformer": 64,
+    "frozen-mobilenet": 64,
 }
 MODEL_NAMES = tuple(DEFAULT_BATCH)
 TEXT_MODELS = ("lstm", "gru", "stacked-lstm", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
@@ -147,6 +152,11 @@ def build_model(name: str):
         h = layers.LayerNormalization()(h + layers.MultiHeadAttention(4, 32)(h, h))
         h = layers.LayerNormalization()(h + layers.Dense(64)(layers.Dense(128, activation="relu")(h)))
         return keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(h)))
+    if name == "frozen-mobilenet":
+        base = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), include_top=False)
+        base.trainable = False  # BatchNormalization in inference mode; only the head trains
+        images = keras.Input((32, 32, 3))
+        return keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
     raise ValueError(f"model must be one of {MODEL_NAMES}, got {name!r}")
 
 
@@ -327,11 +337,18 @@ def max_batch(name: str, mode: str, start: int, limit: int, budget_mib: float, s
     while batch <= limit:
         mem = spawn_memory(name, mode, batch, steps)
         ok = not mem.get("failed") and mem["delta_mib"] <= budget_mib
-        probes.append({"batch": batch, "ok": ok, "delta_mib": mem.get("delta_mib")})
+        probes.append({"batch": batch, "ok": ok, "delta_mib": mem.get("delta_mib"), "peak_mib": mem.get("peak_mib")})
         if not ok:
             break
         best, batch = batch, batch * 2
     return {"max_batch": best, "hit_limit": best is not None and best * 2 > limit, "probes": probes}
+
+
+def _ratio_at_first_probe(searches: dict) -> dict:
+    """Each DP mode's training-memory delta at the first batch over the non-private one's."""
+    first = {m: s["probes"][0].get("delta_mib") for m, s in searches.items() if s["probes"]}
+    base = first.pop("nonprivate", None)
+    return {m: d / base for m, d in first.items() if d is not None and base}
 
 
 def main(argv=None) -> dict:
@@ -384,6 +401,7 @@ def main(argv=None) -> dict:
             res["max_batch"] = {
                 m: max_batch(name, m, batch, args.max_batch_limit, args.memory_budget_mib, 2) for m in args.modes
             }
+            res["max_batch"]["peak_ratio_at_b0"] = _ratio_at_first_probe(res["max_batch"])
         report["results"][name] = res
     report["load_average_end"] = os.getloadavg()
     return report

@@ -26,6 +26,7 @@ def init_private(
     seed: int | None,
     num_microbatches: None,
     base_kwargs: dict[str, Any],
+    jacobian_fallback: str = "warn",
 ) -> None:
     """Constructs a private optimizer: checks the DP arguments, runs the Keras ``__init__``, then ``_init_dp``.
 
@@ -33,7 +34,8 @@ def init_private(
       optimizer: the optimizer being constructed (its class has a sanitizer mixin).
       base_init: the Keras optimizer's ``__init__``, bound to `optimizer`.
       l2_norm_clip, noise_multiplier, gradient_accumulation_steps, expected_lot_size, sampling_rate,
-        per_example_backend, seed: the DP arguments (``keras_dpsgd._dp_settings.check_settings``).
+        per_example_backend, seed, jacobian_fallback: the DP arguments
+        (``keras_dpsgd._dp_settings.check_settings``).
       num_microbatches: None only (refused otherwise).
       base_kwargs: the keywords of the Keras optimizer.
     """
@@ -45,6 +47,7 @@ def init_private(
         expected_lot_size=expected_lot_size,
         sampling_rate=sampling_rate,
         per_example_backend=per_example_backend,
+        jacobian_fallback=jacobian_fallback,
         seed=seed,
     )
     base_init(**base_kwargs)
@@ -92,6 +95,7 @@ def make_dp_class(
         expected_lot_size=None,
         sampling_rate=None,
         per_example_backend="auto",
+        jacobian_fallback="warn",
         seed=None,
         num_microbatches=None,
         **kwargs,
@@ -99,7 +103,9 @@ def make_dp_class(
         kwargs.setdefault("name", cls_name)
         base_init = lambda **base_kwargs: optimizer_cls.__init__(self, **base_kwargs)  # noqa: E731
         dp_args = (gradient_accumulation_steps, expected_lot_size, sampling_rate, per_example_backend, seed)
-        init_private(self, base_init, l2_norm_clip, noise_multiplier, *dp_args, num_microbatches, kwargs)
+        init_private(
+            self, base_init, l2_norm_clip, noise_multiplier, *dp_args, num_microbatches, kwargs, jacobian_fallback
+        )
 
     cls = type(cls_name, (mixin, optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": module})
     cache[optimizer_cls] = register(cls)

@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras_dpsgd import _validate as V
 from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._fast import _state
+from keras_dpsgd._fast._report import FALLBACK_CHOICES, PerExampleReport
 from keras_dpsgd._per_example import resolve_backend
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 
@@ -108,6 +109,7 @@ class DPState:
     backend: Any
     accumulation: int
     per_example_backend: str
+    jacobian_fallback: str
     seed: int | None
     sampling_rate: float | None
     expected_lot_size: float | None
@@ -142,6 +144,7 @@ class DPState:
             expected_lot_size=self.expected_lot_size,
             sampling_rate=self.sampling_rate,
             per_example_backend=self.per_example_backend,
+            jacobian_fallback=self.jacobian_fallback,
             seed=self.seed,
         )
 
@@ -154,6 +157,7 @@ def check_settings(
     expected_lot_size: Any = None,
     sampling_rate: Any = None,
     per_example_backend: str = "auto",
+    jacobian_fallback: str = "warn",
     seed: Any = None,
 ) -> DPState:
     """The checked DP arguments of a private optimizer (both front ends), as a :class:`DPState`.
@@ -164,14 +168,16 @@ def check_settings(
     """
     clip = check_l2_norm_clip(l2_norm_clip)
     sigma = check_noise_multiplier(noise_multiplier, clip)
+    fallback = V.one_of(FALLBACK_CHOICES, jacobian_fallback=jacobian_fallback)
     return DPState(
         l2_norm_clip=clip,
         noise_multiplier=sigma,
         accumulation=check_accumulation_steps(gradient_accumulation_steps),
         expected_lot_size=check_lot_size(expected_lot_size),
         sampling_rate=check_sampling_rate(sampling_rate),
-        backend=resolve_backend(per_example_backend),
+        backend=resolve_backend(per_example_backend, fallback),
         per_example_backend=per_example_backend,
+        jacobian_fallback=fallback,
         seed=check_seed(seed),
     )
 
@@ -223,6 +229,21 @@ class DPSettingsMixin:
     def per_example_backend(self) -> str:
         """The backend asked for ("auto", "reference" or "fast")."""
         return self._dp.per_example_backend
+
+    @property
+    def jacobian_fallback(self) -> str:
+        """ "warn" or "refuse": what the fast backend does with a variable no per-example rule reads."""
+        return self._dp.jacobian_fallback
+
+    @property
+    def per_example_report(self) -> PerExampleReport | None:
+        """How the last traced step computed per-example gradients (None before the first step).
+
+        ``report.fallback`` lists the variables that took per-example jacobians (about B times the
+        cost of their gradient), each with the op that stopped the fast analysis and why;
+        ``report.fast`` the variables the fast rules computed; ``str(report)`` is the warning's text.
+        """
+        return getattr(self._dp.backend, "last_report", None)
 
     @property
     def _backend(self):

@@ -29,6 +29,7 @@ from typing import Any, Protocol, Sequence
 import tensorflow as tf
 import tf_keras as keras
 
+from keras_dpsgd import _mixing
 from keras_dpsgd._fast import FastBackend, ReferenceBackend
 from keras_dpsgd._fast._reference import ClipFactorsFn
 
@@ -56,13 +57,15 @@ class PerExampleBackend(Protocol):
         """Returns (Σ_i factors[i, v] g_i[v] for each v, sq_norms [B, V])."""
 
 
-def resolve_backend(name: str = "auto") -> PerExampleBackend:
+def resolve_backend(name: str = "auto", jacobian_fallback: str = "warn") -> PerExampleBackend:
     """Returns the per-example gradient backend called `name`.
 
     Args:
       name: "auto" or "fast" (``keras_dpsgd._fast.FastBackend``: ghost norms where the graph
         is understood, per-example jacobians elsewhere) or "reference" (per-example jacobians
         of every variable, ``keras_dpsgd._fast.ReferenceBackend``).
+      jacobian_fallback: the fast backend's answer to a variable no rule reads: "warn" (it takes
+        per-example jacobians, one warning per traced step) or "refuse" (ValueError).
 
     Returns:
       A backend instance.
@@ -74,7 +77,7 @@ def resolve_backend(name: str = "auto") -> PerExampleBackend:
         raise ValueError(f"per_example_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "reference":
         return ReferenceBackend()
-    return FastBackend()
+    return FastBackend(jacobian_fallback)
 
 
 # ------------------------------------------- preconditions of per-example gradients
@@ -97,39 +100,34 @@ def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | Non
     return None
 
 
-def _mixes_examples(layer: Any) -> bool:
+def _is_batch_norm(layer: Any) -> bool:
     from tf_keras.src.layers.normalization import batch_normalization
 
-    return (
-        isinstance(layer, batch_normalization.BatchNormalizationBase)
-        or "BatchNorm" in type(layer).__name__
-        or bool(getattr(layer, "mixes_examples", False))
-    )
+    return isinstance(layer, batch_normalization.BatchNormalizationBase) or "BatchNorm" in type(layer).__name__
 
 
-def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable]) -> None:
-    """Raises ValueError if a layer mixes the examples of a batch in training.
+def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable], loss: tf.Tensor | None) -> None:
+    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd._mixing``).
 
-    With BatchNormalization one example changes every other example's output
-    (batch statistics), so per-example clipping no longer bounds its
-    influence. The model's layers are inspected (BatchNormalization and its
-    subclasses, any class named *BatchNorm*, any layer with a true
-    ``mixes_examples`` attribute); without a model (custom loop), the
-    variable names are checked for Keras's batch-normalization naming.
+    With BatchNormalization in training mode one example changes every other example's output
+    (batch statistics), so per-example clipping no longer bounds its influence. A frozen
+    BatchNormalization (``trainable = False``: inference mode) is accepted when the traced step
+    proves it: no write to its moving statistics, no batch statistics upstream of `loss`. Layers of
+    `model` (BatchNormalization and its subclasses, any class named *BatchNorm*, any layer with a
+    true ``mixes_examples`` attribute) are checked; without a model (custom loop), a variable of
+    `var_list` named like Keras's batch normalization is refused.
     """
-    hint = (
-        "DP-SGD clips each example's gradient, which is meaningless when a layer mixes the "
-        "examples of a batch (batch statistics). Replace {what} with "
-        "keras.layers.GroupNormalization or keras.layers.LayerNormalization."
-    )
     if model is not None:
-        for layer in model.submodules:
-            if isinstance(layer, keras.layers.Layer) and _mixes_examples(layer):
-                raise ValueError(hint.format(what=f"layer {layer.name!r} ({type(layer).__name__})"))
+        layers = [layer for layer in model.submodules if isinstance(layer, keras.layers.Layer)]
+        _mixing.refuse_example_mixing(layers, loss, _is_batch_norm)
         return
     for var in var_list:
         if "batch_normalization" in var.name or "batchnorm" in var.name.lower():
-            raise ValueError(hint.format(what=f"the layer owning variable {var.name!r}"))
+            raise ValueError(
+                f"Variable {var.name!r} is trained and belongs to a batch normalization layer, which mixes the "
+                "examples of a batch in training (batch statistics): DP-SGD clips each example's gradient, "
+                "which bounds nothing then. " + _mixing.FREEZE_HINT
+            )
 
 
 def per_example_loss(loss: tf.Tensor, tape: tf.GradientTape, cls_name: str) -> tf.Tensor:

@@ -406,7 +406,6 @@ class DPSanitizerMixin(DPSettingsMixin):
         if tape is None:
             raise ValueError(f"tape is required when a Tensor loss is passed to {type(self).__name__}")
         model = find_calling_model(self, max_depth=24)
-        refuse_example_mixing(model, var_list)
         refuse_grouped_convolution_layers(model, self._backend)
         refuse_adapted_preprocessing(model)
         regularization = None
@@ -416,6 +415,7 @@ class DPSanitizerMixin(DPSettingsMixin):
                     f"loss must be a Tensor or a (per_example_loss, regularization_loss) pair, got {len(loss)} items"
                 )
             loss, regularization = loss
+        refuse_example_mixing(model, var_list, loss)
         loss = per_example_loss(loss, tape, type(self).__name__)
         reg_grads = None
         if callable(regularization):  # A function of the weights only (``_tf_keras_step``): its own tape.

@@ -47,6 +47,13 @@ _DP_DOC = """
         None divides by the realized number of examples in the lot.
       sampling_rate: q, read by the accountant (not used by the step).
       per_example_backend: "auto", "reference" or "fast".
+      jacobian_fallback: "warn" (default) or "refuse": what the fast backend
+        does with a variable none of its per-example rules reads. "warn": it
+        takes exact per-example jacobians (about B times the cost of its
+        gradient) and each traced step logs one warning naming the variables
+        and the op that stopped the analysis; "refuse": ValueError at the
+        first step, before any update. `per_example_report` holds the last
+        traced step's report (which variables, which op, why).
       num_microbatches: None only (TF Privacy's default: per-example
         clipping); any other value is refused (no microbatch clipping).
       seed: None (noise from OS entropy; never checkpointed, so a restored
@@ -72,7 +79,9 @@ _DP_DOC = """
     use_ema with accumulation are refused under several replicas.
 
     The loss must be per example (`reduction="none"`); a scalar loss raises a
-    ValueError at the first step. Models with BatchNormalization are refused.
+    ValueError at the first step. BatchNormalization in training mode is
+    refused (a frozen one, `trainable = False`, runs in inference mode and
+    is accepted).
     Regularization: see `keras_dpsgd._sanitizer` (weight_decay, or a
     (per_example_loss, regularization_loss) pair with a persistent tape).
 """
@@ -101,12 +110,22 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
         per_example_backend: str = "auto",
         seed: int | None = None,
         name: str = "DPSGDOptimizer",
+        jacobian_fallback: str = "warn",
         num_microbatches: None = None,
         **kwargs: Any,
     ):
         base_kwargs = dict(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
         dp_args = (gradient_accumulation_steps, expected_lot_size, sampling_rate, per_example_backend, seed)
-        init_private(self, super().__init__, l2_norm_clip, noise_multiplier, *dp_args, num_microbatches, base_kwargs)
+        init_private(
+            self,
+            super().__init__,
+            l2_norm_clip,
+            noise_multiplier,
+            *dp_args,
+            num_microbatches,
+            base_kwargs,
+            jacobian_fallback,
+        )
 
 
 _DP_CLASSES[keras.optimizers.SGD] = DPSGDOptimizer

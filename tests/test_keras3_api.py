@@ -39,16 +39,6 @@ def test_make_private_needs_a_dp_optimizer():
         model.fit(*_data(), verbose=0)
 
 
-def test_make_private_refuses_batch_normalization_by_type():
-    class MyNorm(keras.layers.BatchNormalization):
-        pass
-
-    for layer in (keras.layers.BatchNormalization(), MyNorm()):
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), layer])
-        with pytest.raises(ValueError, match="GroupNormalization"):
-            k3.make_private(model)
-
-
 def test_make_private_refuses_own_train_step_and_compute_loss():
     class OwnStep(keras.Sequential):
         def train_step(self, data):

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _graph, _uses
+from keras_dpsgd._fast import _checks, _graph, _report, _uses
 from keras_dpsgd._fast._reference import ReferenceBackend, per_example_jacobians, refuse_eager
 
 
@@ -122,6 +122,16 @@ def _op_index(op) -> int:
     return op._id  # pylint: disable=protected-access  (creation order within the graph)
 
 
+def _unclean(loss, analysis, var_list: list) -> list:
+    """(variable, op, reason) of every variable when the loss's rows are not proven batch-major."""
+    rows = analysis.rows.get(loss.ref())
+    order = getattr(rows, "order", None)
+    reason = "the loss's rows are not proven to be the examples of the batch in order"
+    if order:
+        reason = f"op {order!r} reorders the examples of the batch (ghost norms could pair rows with other examples)"
+    return [(var, None, reason) for var in var_list]
+
+
 class FastBackend:
     """Per-example clipped gradient sums from ghost norms (Goodfellow 2015; Li et al. 2022;
     Bu et al. 2023), with per-example jacobians for the variables it cannot analyze.
@@ -133,10 +143,33 @@ class FastBackend:
 
     name = "fast"
 
-    def __init__(self):
-        # Names of variables that used the jacobian fallback in the last traced step (for tests
-        # and diagnostics; filled at trace time).
-        self.last_fallback: list[str] = []
+    def __init__(self, jacobian_fallback: str = "warn"):
+        """Args: jacobian_fallback: "warn" (a variable no rule reads takes per-example jacobians,
+        with one warning per traced step) or "refuse" (ValueError at trace time instead)."""
+        self.jacobian_fallback = jacobian_fallback
+        # What the last traced step did (filled at trace time): the variables that took per-example
+        # jacobians, and why (``_report.PerExampleReport``); ``last_fallback`` lists their names.
+        self.last_report: _report.PerExampleReport | None = None
+        self._said: _report.PerExampleReport | None = None  # The last report warned about.
+
+    @property
+    def last_fallback(self) -> list[str]:
+        """Names of the variables that took per-example jacobians in the last traced step."""
+        return self.last_report.fallback_variables if self.last_report is not None else []
+
+    def _report(self, var_list: list, fallback: list) -> None:
+        """Records the step's :class:`_report.PerExampleReport` (``fallback``: (variable, op, reason)),
+        then refuses or warns (``jacobian_fallback``) if any variable took per-example jacobians: one
+        warning per traced step, none for a trace (or an eager step) that repeats the last report."""
+        slow = {id(var) for var, _, _ in fallback}
+        self.last_report = _report.PerExampleReport(
+            backend=self.name,
+            fast=tuple(v.name for v in var_list if id(v) not in slow),
+            fallback=tuple(_report.fallback_of(var, op, reason) for var, op, reason in fallback),
+        )
+        if self.jacobian_fallback == "refuse" or self.last_report != self._said:
+            _report.refuse_or_warn(self.last_report, self.jacobian_fallback)
+            self._said = self.last_report
 
     @tf.autograph.experimental.do_not_convert
     def clipped_sum(
@@ -177,7 +210,7 @@ class FastBackend:
         # loss is per example; an unknown op upstream has been refused by `analyze`).
         groups = self._groups(loss, var_list, tape, analysis, checks) if analysis.clean(loss) else None
         if groups is None:
-            self.last_fallback = [v.name for v in var_list]
+            self._report(var_list, _unclean(loss, analysis, var_list))
             summed, sq_norms = _reference_backend().clipped_sum(loss, var_list, tape, clip_factors, checked=True)
             return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
         batch = tf.shape(loss)[0]
@@ -197,11 +230,16 @@ class FastBackend:
         fallback's run-time checks to ``checks``."""
         ops = _graph.ancestors(loss)
         static_batch = loss.shape[0]
-        plans = []
+        plans, fallback = [], []
         for var in var_list:
             handles = _graph.internal_handles(loss.graph, var)
-            sites = _graph.find_sites(handles, var, ops, clean, static_batch) if handles else None
+            stopped = []
+            sites = _graph.find_sites(handles, var, ops, clean, static_batch, stopped) if handles else None
             plans.append(sites)
+            if sites is None:
+                op, reason = stopped[0] if stopped else (None, "the step's graph does not show the variable")
+                fallback.append((var, op, reason))
+        self._report(var_list, fallback)  # Raises here with jacobian_fallback="refuse".
         ys, index = [], {}
         for sites in plans:
             for site in sites or ():
@@ -211,7 +249,6 @@ class FastBackend:
                         ys.append(y)
         grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
         fallback = [var for var, sites in zip(var_list, plans) if sites is None]
-        self.last_fallback = [v.name for v in fallback]
         jacobians, _, pfor_checks = per_example_jacobians(loss, fallback, tape)
         checks += pfor_checks
         jacobians = iter([tf.cast(j, tf.float32) for j in jacobians])

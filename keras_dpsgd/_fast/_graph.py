@@ -59,7 +59,8 @@ def ancestors(loss: tf.Tensor) -> set:
 _MIXING_HINT = (
     "DP-SGD clips each example's gradient, which bounds nothing when one example changes the "
     "loss of the others. Make the loss per example: compute statistics per example "
-    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization), "
+    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization, or freeze a "
+    "pretrained BatchNormalization: `layer.trainable = False` runs it in inference mode), "
     "and return one loss value per example of the batch."
 )
 
@@ -198,8 +199,9 @@ def internal_handles(graph, var) -> list:
     return found
 
 
-def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
-    """All uses of the variable on the way to the loss, or None if one of them is unknown."""
+def find_sites(handles: list, var, ops: set, clean: dict, static_batch, stopped: list | None = None):
+    """All uses of the variable on the way to the loss, or None if one of them is unknown (then
+    ``(op, reason)`` of the use that stopped the analysis is appended to ``stopped``)."""
     sites = []
     stack = list(handles)
     while stack:
@@ -219,7 +221,7 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                 if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
                     continue
                 if t.dtype != tf.resource and _SPLITS.get(consumer.type) == index:
-                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch)
+                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch, stopped)
                     if pieces is None:
                         return None
                     sites.extend(pieces)
@@ -227,9 +229,11 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch):
                 if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
                     continue  # A product with zeros (a recurrence's initial state): no gradient.
                 rule = rule_for(consumer.type)
-                site = rule(consumer, index, t, var, clean, static_batch) if rule else None
+                if rule is None:
+                    return _stop(stopped, consumer, "no per-example rule for this op type")
+                site = rule(consumer, index, t, var, clean, static_batch)
                 if site is None:
-                    return None
+                    return _stop(stopped, consumer, f"the {consumer.type} rule does not cover this use")
                 sites.extend(site if isinstance(site, list) else [site])
     return sites
 
@@ -267,7 +271,14 @@ def _pieces(op, w) -> list | None:
     return out if offset == int(w.shape[axis]) else None
 
 
-def _split_sites(op, w, var, ops: set, clean, static_batch):
+def _stop(stopped: list | None, op, reason: str) -> None:
+    """Records why the analysis of a variable stopped at ``op``; returns None (no sites)."""
+    if stopped is not None:
+        stopped.append((op, reason))
+    return None
+
+
+def _split_sites(op, w, var, ops: set, clean, static_batch, stopped: list | None = None):
     """Uses of the pieces of a split of ``w`` (Keras 3 GRU's input and recurrent biases:
     ``ops.unstack`` is a Split and Squeezes).
 
@@ -275,14 +286,12 @@ def _split_sites(op, w, var, ops: set, clean, static_batch):
     [B, *var.shape] that are zero outside the piece (the variable's other uses are summed before
     the norm, as for any shared weight).
     """
-    if not w.shape.is_fully_defined():
-        return None
-    pieces = _pieces(op, w)
+    pieces = _pieces(op, w) if w.shape.is_fully_defined() else None
     if pieces is None:
-        return None
+        return _stop(stopped, op, "a split of the variable along an axis of unknown size")
     sites = []
     for piece, axis, offset, kept in pieces:
-        found = find_sites([piece], _Piece(piece.shape, piece.dtype, var.name), ops, clean, static_batch)
+        found = find_sites([piece], _Piece(piece.shape, piece.dtype, var.name), ops, clean, static_batch, stopped)
         if found is None:
             return None
         embed = _embedded(piece.shape, w.shape, axis, offset, kept, var)
@@ -354,11 +363,13 @@ def grouped_convolution_layers(model: Any) -> list:
     every = (
         model.submodules if hasattr(model, "submodules") else model._flatten_layers(include_self=True, recursive=True)
     )
-    return [
-        layer
-        for layer in every
-        if "Conv" in type(layer).__name__ and isinstance(getattr(layer, "groups", 1), int) and layer.groups > 1
-    ]
+    # DepthwiseConv2D has no ``groups`` (its pfor jacobian is right): only a ``groups`` > 1 counts.
+    return [layer for layer in every if "Conv" in type(layer).__name__ and _groups(layer) > 1]
+
+
+def _groups(layer) -> int:
+    groups = getattr(layer, "groups", 1)
+    return groups if isinstance(groups, int) else 1
 
 
 def _fast_rule_covers(layer) -> bool:

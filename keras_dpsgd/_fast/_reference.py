@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _graph
+from keras_dpsgd._fast import _checks, _graph, _report
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -114,6 +114,9 @@ def _sq_norm_per_example(jac: tf.Tensor) -> tf.Tensor:
     return tf.reduce_sum(tf.square(flat), axis=1)
 
 
+_CHOSEN = "per_example_backend='reference' computes per-example jacobians of every variable"
+
+
 class ReferenceBackend:
     """Per-example gradients with ``GradientTape.jacobian`` (pfor).
 
@@ -124,6 +127,7 @@ class ReferenceBackend:
     """
 
     name = "reference"
+    last_report: _report.PerExampleReport | None = None  # Set by each call: every variable, by choice.
 
     def clipped_sum(
         self,
@@ -156,6 +160,9 @@ class ReferenceBackend:
         """
         if tf.executing_eagerly() or not hasattr(loss, "graph"):
             refuse_eager()
+        self.last_report = _report.PerExampleReport(
+            self.name, (), tuple(_report.fallback_of(v, None, _CHOSEN) for v in var_list)
+        )
         checks = [] if checked else _graph.runtime_checks(loss, _graph.analyze(loss))
         jacobians, sq_norms, pfor_checks = per_example_jacobians(loss, list(var_list), tape)
         checks += pfor_checks

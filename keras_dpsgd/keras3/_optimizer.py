@@ -473,6 +473,10 @@ _DP_DOC = """
       expected_lot_size: divide the noised sum by this L; None divides by the realized batch size.
       sampling_rate: q, read by the accountant.
       per_example_backend: "auto", "reference" or "fast".
+      jacobian_fallback: "warn" (default: a variable no fast per-example rule reads takes exact
+        per-example jacobians, about B times the cost of its gradient, with one warning per traced
+        step naming it and the op that stopped the analysis) or "refuse" (ValueError at the first
+        step, before any update). `per_example_report` holds the last traced step's report.
       seed: None (OS entropy, never checkpointed) or an integer (reproducible noise; keep it secret).
       num_microbatches: None only (TF Privacy's default); any other value is refused.
 

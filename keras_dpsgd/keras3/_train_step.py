@@ -30,7 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _validate, ledger
+from keras_dpsgd import _mixing, _validate, ledger
 from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
@@ -56,26 +56,19 @@ _OWN_STEP_MESSAGE = (
 )
 
 
-def _mixes_examples(layer: Any) -> bool:
-    return isinstance(layer, keras.layers.BatchNormalization) or bool(getattr(layer, "mixes_examples", False))
+def refuse_example_mixing(model: keras.Model, loss: tf.Tensor | None = None) -> None:
+    """Raises ValueError if a layer of `model` mixes the examples of a batch in the step of `loss`.
 
-
-def refuse_example_mixing(model: keras.Model) -> None:
-    """Raises ValueError if a layer of `model` mixes the examples of a batch (by layer type).
-
-    With BatchNormalization one example changes every other example's output in training (batch
-    statistics), so clipping each example's gradient no longer bounds its influence. Refused:
-    ``keras.layers.BatchNormalization`` and its subclasses, and any layer whose
-    ``mixes_examples`` attribute is true.
+    With BatchNormalization in training mode one example changes every other example's output
+    (batch statistics), so clipping each example's gradient no longer bounds its influence. A frozen
+    ``keras.layers.BatchNormalization`` (``trainable = False``: inference mode) or a subclass is
+    accepted when the traced step of `loss` (the per-example loss) proves it: no write to its moving
+    statistics, no batch statistics upstream of the loss (``keras_dpsgd._mixing``). Without `loss`
+    nothing is proven and every BatchNormalization layer is refused; a layer whose
+    ``mixes_examples`` attribute is true always is.
     """
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        if _mixes_examples(layer):
-            raise ValueError(
-                "DP-SGD clips each example's gradient, which is meaningless when a layer mixes the "
-                f"examples of a batch (batch statistics). Replace layer {layer.name!r} "
-                f"({type(layer).__name__}) with keras.layers.GroupNormalization or "
-                "keras.layers.LayerNormalization."
-            )
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    _mixing.refuse_example_mixing(layers, loss, lambda layer: isinstance(layer, keras.layers.BatchNormalization))
 
 
 def _fitted_state(layer: Any) -> str | None:
@@ -384,7 +377,6 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     optimizer = _check_dp_optimizer(self.optimizer)
-    refuse_example_mixing(self)
     refuse_adapted_preprocessing(self)
     refuse_grouped_convolution_layers(self, optimizer._backend)  # Only the fast backend reads them exactly.
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
@@ -393,6 +385,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     with tf.GradientTape(persistent=num_weight_terms > 0) as tape:
         y_pred = self(x, training=True)
         losses = per_example_loss(self, y, y_pred, sample_weight)
+        refuse_example_mixing(self, losses)  # Frozen BatchNormalization proven from the traced step.
         _refuse_data_losses(self, num_weight_terms)
         regularization = weight_regularization(self)
     private_update(optimizer, losses, variables, tape, regularization_loss=regularization, model=self)
@@ -473,7 +466,8 @@ def make_private(model: keras.Model) -> keras.Model:
     Raises:
       TypeError: `model` is not a Keras 3 model.
       ValueError: the model overrides ``train_step`` or ``compute_loss`` (use
-        :func:`sanitized_gradients` in its own step), or has a BatchNormalization layer.
+        :func:`sanitized_gradients` in its own step). (A BatchNormalization layer in training mode is
+        refused at the first step: :func:`refuse_example_mixing`.)
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -483,7 +477,6 @@ def make_private(model: keras.Model) -> keras.Model:
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
-    refuse_example_mixing(model)
     model.train_step = types.MethodType(_private_train_step, model)
     _reduce_first_batch_per_leaf(model)
     _no_automatic_xla(model)

@@ -1,0 +1,115 @@
+"""No silent slow path: a variable that takes per-example jacobians is reported, warned about once
+per traced step, readable as ``optimizer.per_example_report``, and refused with
+``jacobian_fallback="refuse"`` (both Kerases)."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import keras_dpsgd.keras3 as k3
+import keras_dpsgd.tf_keras as tk
+
+KERASES = {"keras3": (keras, k3), "tf_keras": (tf_keras, tk)}
+
+
+def _sin_scale(lib):
+    """``x * sin(w)``: no fast rule reads ``w`` through Sin, so it takes per-example jacobians."""
+
+    class SinScale(lib.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(name="w", shape=(shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * tf.sin(self.w)
+
+    return SinScale(name="sin_scale")
+
+
+def _fit(name, jacobian_fallback="warn", epochs=1, backend="auto"):
+    lib, front = KERASES[name]
+    lib.utils.set_random_seed(0)
+    model = lib.Sequential([lib.Input((5,)), _sin_scale(lib), lib.layers.Dense(3, name="head")])
+    opt = front.DPSGDOptimizer(
+        1.0, 0.0, learning_rate=0.1, jacobian_fallback=jacobian_fallback, per_example_backend=backend
+    )
+    model.compile(opt, loss=lib.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+    if name == "keras3":
+        front.make_private(model)
+    gen = np.random.default_rng(0)
+    x, y = gen.normal(size=(12, 5)).astype("float32"), gen.integers(0, 3, 12)
+    return model, opt, (x, y, epochs)
+
+
+def _run(model, data):
+    x, y, epochs = data
+    model.fit(x, y, batch_size=4, epochs=epochs, shuffle=False, verbose=0)
+
+
+@pytest.mark.parametrize("name", sorted(KERASES))
+def test_fallback_warns_once_per_traced_step_and_is_reported(name, caplog):
+    model, opt, data = _fit(name, epochs=2)
+    assert opt.per_example_report is None and opt.jacobian_fallback == "warn"
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        _run(model, data)  # 6 steps (Keras 3 traces the step twice): one warning.
+    warnings = [r.getMessage() for r in caplog.records if "per-example jacobians" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "sin_scale" in warnings[0] and "(Sin)" in warnings[0] and "B times" in warnings[0]
+    report = opt.per_example_report
+    (fallback,) = report.fallback
+    assert fallback.op_type == "Sin" and "sin_scale" in fallback.op and "w" in fallback.variable
+    assert report.fallback_variables == [fallback.variable] == opt._backend.last_fallback
+    assert len(report.fast) == 2 and all("head" in v for v in report.fast)
+    assert report.backend == "fast" and str(report) in warnings[0]
+
+
+@pytest.mark.parametrize("name", sorted(KERASES))
+def test_refuse_raises_before_any_weight_changes(name):
+    model, opt, data = _fit(name, jacobian_fallback="refuse")
+    before = [v.numpy() for v in model.weights]
+    with pytest.raises(ValueError, match=r"sin_scale.*\(Sin\).*jacobian_fallback='refuse'"):
+        _run(model, data)
+    for b, v in zip(before, model.weights):
+        np.testing.assert_array_equal(b, v.numpy())
+    assert int(opt.noised_steps.numpy()) == 0
+
+
+@pytest.mark.parametrize("name", sorted(KERASES))
+def test_a_model_without_fallback_reports_none_and_passes_refuse(name, caplog):
+    lib, front = KERASES[name]
+    model = lib.Sequential([lib.Input((5,)), lib.layers.Dense(3)])
+    opt = front.DPSGDOptimizer(1.0, 0.0, jacobian_fallback="refuse")
+    model.compile(opt, loss=lib.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"))
+    if name == "keras3":
+        front.make_private(model)
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        model.fit(np.ones((4, 5), "float32"), np.zeros(4), batch_size=4, verbose=0)
+    assert opt.per_example_report.fallback == () and len(opt.per_example_report.fast) == 2
+    assert not [r for r in caplog.records if "per-example jacobians" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", sorted(KERASES))
+def test_reference_backend_reports_every_variable_without_warning(name, caplog):
+    model, opt, data = _fit(name, jacobian_fallback="refuse", backend="reference")
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        _run(model, data)  # The reference backend's jacobians are a choice, not a fallback.
+    assert opt.per_example_report.backend == "reference"
+    assert len(opt.per_example_report.fallback) == 3 and opt.per_example_report.fast == ()
+    assert not [r for r in caplog.records if "per-example jacobians" in r.getMessage()]
+
+
+@pytest.mark.parametrize("name", sorted(KERASES))
+def test_jacobian_fallback_config_round_trip_and_validation(name):
+    front = KERASES[name][1]
+    opt = front.DPSGDOptimizer(1.0, 1.0, jacobian_fallback="refuse")
+    config = opt.get_config()
+    assert config["jacobian_fallback"] == "refuse"
+    again = type(opt).from_config(config)
+    assert again.jacobian_fallback == "refuse" and again._backend.jacobian_fallback == "refuse"
+    assert front.DPSGDOptimizer(1.0, 1.0).get_config()["jacobian_fallback"] == "warn"
+    for bad in ("silent", True, None):
+        with pytest.raises(ValueError, match=r"jacobian_fallback must be one of \('warn', 'refuse'\)"):
+            front.DPSGDOptimizer(1.0, 1.0, jacobian_fallback=bad)
