@@ -122,7 +122,7 @@ def _classifier(backbone, bert=False):
     ids = keras.Input((STEPS,), dtype="int32")
     inputs = {"token_ids": ids, "padding_mask": keras.ops.not_equal(ids, 0)}
     if bert:
-        inputs["segment_ids"] = keras.ops.cast(keras.ops.greater(ids, VOCAB // 2), "int32")
+        inputs["segment_ids"] = keras.ops.zeros_like(ids)
         return keras.Model(ids, L.Dense(2)(backbone(inputs)["pooled_output"]))
     return keras.Model(ids, L.Dense(2)(backbone(inputs)[:, 0, :]))
 

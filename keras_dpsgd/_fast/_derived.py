@@ -33,10 +33,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd._fast import _uses
-from keras_dpsgd._fast._handlers import rule_for
+from keras_dpsgd._fast._handlers import Site, rule_for
+from keras_dpsgd._fast._handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
-_PULLED = frozenset({"MatMul", "Mul", "Add", "AddV2", "Sub", "Transpose", "Slice", "BroadcastTo"})
+_PULLED = frozenset({"MatMul", "Mul", "Add", "AddV2", "Sub", "Transpose", "Slice", "BroadcastTo", "GatherV2"})
 _PAIRING = frozenset({"Add", "AddV2", "Sub", "Mul"})
 
 
@@ -64,6 +65,8 @@ def sites(op, index: int, w: tf.Tensor, var, ops: set, analysis, static_batch):
     out = op.outputs[0]
     if op.type == "BroadcastTo":
         return _broadcast_sites(op, w, var, ops, analysis, static_batch)
+    if op.type == "GatherV2":
+        return _gather_sites(op, index, w, ops, analysis, static_batch)
     pull = _pullback(op, index, w)
     if pull is None or not out.shape.is_fully_defined() or not w.shape.is_fully_defined():
         return None
@@ -85,19 +88,63 @@ def _pulled(make, pull, out_shape, var):
 
 def _broadcast_sites(op, w, var, ops, analysis, static_batch):
     """``BroadcastTo(w)`` paired elementwise with the examples: each pairing op's rule on ``w``."""
-    out, found = op.outputs[0], []
-    for consumer in out.consumers():
-        if consumer not in ops or consumer.type in ("Shape", "ShapeN", "Size", "Rank"):
-            continue
-        if consumer.type not in _PAIRING:
+    found = []
+    for consumer, j in _consumers(op.outputs[0], ops):
+        site = (
+            rule_for(consumer.type)(consumer, j, w, var, analysis, static_batch) if consumer.type in _PAIRING else None
+        )
+        if site is None:
             return None
-        for j, inp in enumerate(consumer.inputs):
-            if inp is out:
-                site = rule_for(consumer.type)(consumer, j, w, var, analysis, static_batch)
-                if site is None:
-                    return None
-                found.append(site)
+        found.append(site)
     return found or None
+
+
+def _consumers(t, ops):
+    """The ops of ``ops`` that take ``t`` (metadata reads aside), with the input index."""
+    for consumer in t.consumers():
+        if consumer in ops and consumer.type not in ("Shape", "ShapeN", "Size", "Rank"):
+            for j, inp in enumerate(consumer.inputs):
+                if inp is t:
+                    yield consumer, j
+
+
+def _gather_sites(op, index, w, ops, analysis, static_batch):
+    """Rows of a table looked up with ids that hold no example data (``zeros_like(token_ids)``
+    segment ids), paired row by row with the examples: ``y = x ± v`` or ``x · v`` where
+    ``v = table[ids]`` has ``y``'s shape (or one row, broadcast): example ``i``'s gradient is
+    ``Σ_t onehot(ids[i, t]) ∂ℓ_i/∂v[i, t]``."""
+    axis = tf.get_static_value(op.inputs[2])
+    ids, v = op.inputs[1], op.outputs[0]
+    if index != 0 or op.get_attr("batch_dims") != 0 or axis is None or int(axis) != 0 or w.shape.rank != 2:
+        return None
+    if ids.shape.rank is None or ids.shape.rank < 1 or not v.shape[1:].is_fully_defined():
+        return None
+    found = []
+    for consumer, j in _consumers(v, ops):
+        site = _paired_rows(consumer, j, ids, w.shape, analysis, static_batch)
+        if site is None:
+            return None
+        found.append(site)
+    return found or None
+
+
+def _paired_rows(op, j, ids, table_shape, analysis, static_batch):
+    y, v, other = op.outputs[0], op.inputs[j], op.inputs[1 - j]
+    if op.type not in _PAIRING or not analysis.clean(y) or not batch_major(y, static_batch):
+        return None
+    if y.shape.rank != v.shape.rank or y.shape[1:].as_list() != v.shape[1:].as_list():
+        return None
+    vocab, width = int(table_shape[0]), int(table_shape[1])
+    sign = -1.0 if op.type == "Sub" and j == 1 else 1.0
+
+    def make(g, batch):
+        p = _f32(g) * _f32(other) if op.type == "Mul" else _f32(g) * sign
+        rows = tf.broadcast_to(ids, tf.concat([tf.shape(p)[:1], tf.shape(ids)[1:]], axis=0))
+        return _uses.IndexUse(
+            tf.reshape(rows, tf.stack([batch, -1])), tf.reshape(p, tf.stack([batch, -1, width])), vocab
+        )
+
+    return Site(y, make)
 
 
 def _dense(use, shape) -> tf.Tensor:
