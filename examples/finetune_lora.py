@@ -23,7 +23,6 @@ The held-out split (20%) is not trained on; its accuracy is printed with ε.
 """
 
 import argparse
-import sys
 import zlib
 
 from keras_dpsgd.cli import add_option, import_tensorflow_quietly

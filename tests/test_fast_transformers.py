@@ -9,7 +9,8 @@ through ops on weights alone, such as LoRA's ``W + s·A·B``).
 import keras
 import numpy as np
 import pytest
-from _fast_helpers import assert_same, flat_factors, loop_oracle, per_layer_factors, run_traced
+import tensorflow as tf
+from _fast_helpers import assert_same, flat_factors, loop_oracle, per_example_loss, per_layer_factors, run_traced
 
 from keras_dpsgd._fast import FastBackend
 
@@ -185,11 +186,19 @@ def test_sensitivity_to_one_example_is_bounded(per_layer):
     x, y = _tokens(4, seed=3), 50.0 * _targets(4, 2, seed=4)  # Large errors: every example is clipped.
     model(x[:1])
     view = _TfVariables(model)
-    factors = _factors(view, per_layer)
-    full, _ = _fast(view, x, y, factors)
+    factors, backend = _factors(view, per_layer), FastBackend()
+
+    @tf.function(input_signature=[tf.TensorSpec([None, STEPS], tf.int32), tf.TensorSpec([None, 2], tf.float32)])
+    def clipped_sum(x, y):  # traced once, for every batch
+        with tf.GradientTape() as tape:
+            loss = per_example_loss(view, x, y)
+        return backend.clipped_sum(loss, view.trainable_variables, tape, factors)[0]
+
+    full = [t.numpy() for t in clipped_sum(x, y)]
+    assert backend.last_fallback == []
     for drop in range(len(x)):
         keep = [i for i in range(len(x)) if i != drop]
-        part, _ = _fast(view, x[keep], y[keep], factors)
+        part = [t.numpy() for t in clipped_sum(x[keep], y[keep])]
         moves = np.array([np.linalg.norm(a - b) for a, b in zip(full, part)])
         if per_layer:
             bounds = 0.05 + 0.01 * np.arange(len(moves))

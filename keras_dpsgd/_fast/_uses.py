@@ -169,7 +169,8 @@ class IndexGroup:
     """
 
     def __init__(self, uses: list[IndexUse], shape: tf.TensorShape):
-        self.ids = tf.concat([u.ids for u in uses], axis=1) if len(uses) > 1 else uses[0].ids
+        # ids of one table may come as int32 and int64 (a gather and a slice of it).
+        self.ids = tf.concat([tf.cast(u.ids, tf.int64) for u in uses], axis=1) if len(uses) > 1 else uses[0].ids
         self.g = tf.concat([u.g for u in uses], axis=1) if len(uses) > 1 else uses[0].g
         self.vocab = uses[0].vocab
         self.shape = shape
