@@ -100,7 +100,24 @@ def _token_and_position():
     return keras.Model(ids, L.Dense(2)(L.Flatten()(h)))
 
 
+class _SharedTable(L.Layer):
+    """One table looked up with int64 token ids and sliced for positions (added to every example)."""
+
+    def build(self, shape):
+        self.table = self.add_weight(shape=(VOCAB, 4))
+
+    def call(self, ids):
+        tokens = tf.gather(self.table, tf.cast(ids, tf.int64))
+        return tokens + tf.broadcast_to(self.table[:STEPS], tf.shape(tokens))
+
+
+def _shared_table():
+    ids = keras.Input((STEPS,), dtype="int32")
+    return keras.Model(ids, L.Dense(2)(L.Flatten()(_SharedTable()(ids))))
+
+
 _SMALL = {
+    "shared-table": (_shared_table, True),
     "lora-dense-2d": (_lora_dense_2d, False),
     "lora-einsum-embedding": (_lora_einsum_and_embedding, True),
     "mha-lora": (_mha_lora, True),

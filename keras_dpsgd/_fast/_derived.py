@@ -37,7 +37,9 @@ from keras_dpsgd._fast._handlers import Site, rule_for
 from keras_dpsgd._fast._handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
-_PULLED = frozenset({"MatMul", "Mul", "Add", "AddV2", "Sub", "Transpose", "Slice", "BroadcastTo", "GatherV2"})
+_PULLED = frozenset(
+    {"MatMul", "Mul", "Add", "AddV2", "Sub", "Transpose", "Slice", "StridedSlice", "BroadcastTo", "GatherV2"}
+)
 _PAIRING = frozenset({"Add", "AddV2", "Sub", "Mul"})
 
 
@@ -176,7 +178,7 @@ def _pullback(op, index, w):
         return lambda use, shape: _scale(use, shape, -1.0 if op.type == "Sub" else tf.reshape(_f32(other), []))
     if op.type == "Transpose":
         return _transpose_pullback(op)
-    if op.type == "Slice":
+    if op.type in ("Slice", "StridedSlice"):
         return _slice_pullback(op, w)
     if op.type == "MatMul":
         if op.get_attr("transpose_a") or op.get_attr("transpose_b") or w.shape.rank != 2 or other.shape.rank != 2:
@@ -204,14 +206,35 @@ def _transpose_pullback(op):
     return pull
 
 
+def _first_row(op, w):
+    """The first row of a slice of rows ``[b, b + T)`` of the 2-D table ``w`` taking all its
+    columns (``Slice``, or ``StridedSlice`` with unit strides and no axis added or removed), or None."""
+    out = op.outputs[0]
+    if w.shape.rank != 2 or out.shape.rank != 2 or out.shape[1] != w.shape[1]:
+        return None
+    begin = tf.get_static_value(op.inputs[1])
+    if begin is None:
+        return None
+    if op.type == "Slice":
+        return int(begin[0]) if int(begin[1]) == 0 else None
+    strides = tf.get_static_value(op.inputs[3])
+    masks = [op.get_attr(m) for m in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")]
+    if strides is None or any(int(k) != 1 for k in strides) or any(masks):
+        return None
+    # Axes past the given ones (table[:T] gives one) are taken whole.
+    starts = [
+        0 if k >= len(begin) or op.get_attr("begin_mask") & (1 << k) else int(begin[k]) % int(w.shape[k])
+        for k in (0, 1)
+    ]
+    return starts[0] if starts[1] == 0 else None
+
+
 def _slice_pullback(op, w):
     """Rows ``[b, b + T)`` of a 2-D table (all columns): an ``IndexUse`` of the ids ``b + t``."""
-    begin, size = tf.get_static_value(op.inputs[1]), tf.get_static_value(op.inputs[2])
-    if begin is None or size is None or w.shape.rank != 2 or int(begin[1]) != 0:
+    first = _first_row(op, w)
+    if first is None:
         return None
-    if int(size[1]) not in (-1, int(w.shape[1])):
-        return None
-    first, vocab = int(begin[0]), int(w.shape[0])
+    vocab = int(w.shape[0])
 
     def pull(use, shape):
         if isinstance(use, _uses.IndexUse):
