@@ -10,27 +10,21 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _fast_helpers import assert_same, flat_factors, loop_oracle, per_example_loss, per_layer_factors, run_traced
+from _fast_helpers import (
+    TfVariables,
+    assert_same,
+    flat_factors,
+    loop_oracle,
+    per_example_loss,
+    per_layer_factors,
+    run_traced,
+)
 
 from keras_dpsgd._fast import FastBackend
 
 keras_hub = pytest.importorskip("keras_hub")
 L = keras.layers
 VOCAB, STEPS = 40, 6
-
-
-class _TfVariables:
-    """A Keras 3 model seen through its tf.Variables (what the keras3 optimizer hands the backend)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, x):
-        return self.model(x)
-
-    @property
-    def trainable_variables(self):
-        return [v.value for v in self.model.trainable_variables]
 
 
 def _factors(view, per_layer):
@@ -47,7 +41,7 @@ def _fast(view, x, y, factors):
 
 def _check(model, x, y, per_layer=False):
     model(x[:1])
-    view = _TfVariables(model)
+    view = TfVariables(model)
     factors = _factors(view, per_layer)
     got = _fast(view, x, y, factors)
     assert_same(got, loop_oracle(view, x, y, factors), rtol=5e-4, atol=5e-5)
@@ -202,7 +196,7 @@ def test_sensitivity_to_one_example_is_bounded(per_layer):
     model = _mha_lora()
     x, y = _tokens(4, seed=3), 50.0 * _targets(4, 2, seed=4)  # Large errors: every example is clipped.
     model(x[:1])
-    view = _TfVariables(model)
+    view = TfVariables(model)
     factors, backend = _factors(view, per_layer), FastBackend()
 
     @tf.function(input_signature=[tf.TensorSpec([None, STEPS], tf.int32), tf.TensorSpec([None, 2], tf.float32)])
@@ -239,7 +233,7 @@ def test_weight_only_op_without_rule_falls_back():
 
     model = keras.Sequential([keras.Input((4,)), Scaled(), L.Dense(2)])
     x = np.random.default_rng(0).normal(size=(3, 4)).astype("float32")
-    view = _TfVariables(model)
+    view = TfVariables(model)
     backend = FastBackend()
     got = run_traced(backend, view, x, _targets(3, 2), flat_factors(0.5))
     assert sorted(backend.last_fallback) == sorted(v.name for v in view.trainable_variables[:2])

@@ -14,8 +14,8 @@ if ``D`` were a variable; they give each example's gradient of ``D``, and the ch
 * ``Mul`` by a weight-only scalar (LoRA's ``alpha / rank``), ``Add``/``AddV2``/``Sub`` with a
   weight-only tensor of the same shape (the frozen kernel, RMSNorm's ``1 +``): scaled / the same.
 * ``Slice`` of rows of a table (``PositionEmbedding``): the rows ``begin + t`` of the table, an
-  ``IndexUse``; ``Transpose``: the gradient transposed back (for a 2-D transpose of an
-  ``OuterUse``, its two factors swapped).
+  ``IndexUse``; ``Transpose``: the use kept in the transposed layout (``PermutedUse``: same norms,
+  the clipped sum transposed back; for a 2-D transpose of an ``OuterUse``, its factors swapped).
 * ``BroadcastTo`` (a table broadcast over the batch, then added to each example's activations):
   the elementwise rule of the op that pairs it with the examples, applied to the table before the
   broadcast (numpy broadcasting gives the same sums).
@@ -162,6 +162,8 @@ def _scaled(use, s):
         return _uses.OuterUse(use.a, use.g * s)
     if isinstance(use, _uses.IndexUse):
         return _uses.IndexUse(use.ids, use.g * s, use.vocab)
+    if isinstance(use, _uses.PermutedUse):
+        return _uses.PermutedUse(_scale(use.inner, use.inner_shape, s), use.inner_shape, use.perm)
     return None
 
 
@@ -201,7 +203,7 @@ def _transpose_pullback(op):
     def pull(use, shape):
         if list(perm) == [1, 0] and isinstance(use, _uses.OuterUse):
             return _uses.OuterUse(use.g, use.a)  # (A_iᵀ G_i)ᵀ = G_iᵀ A_i.
-        return _uses.DenseUse(tf.transpose(_dense(use, shape), [0] + [k + 1 for k in inverse]))
+        return _uses.PermutedUse(use, shape, tuple(inverse))  # Norms and sums in the transposed layout.
 
     return pull
 
