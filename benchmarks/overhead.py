@@ -43,6 +43,12 @@ MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, R
 residual + LayerNormalization -> average pool -> Dense(2). Issue 26: ``frozen-mobilenet``:
 ``applications.MobileNetV2(weights=None)`` on 32x32x3, frozen (``trainable = False``, called with
 ``training=False``: BatchNormalization in inference mode) -> global average pool -> Dense(10), B=64.
+Issue 26's models (``--keras 3`` only, keras_hub, random weights, hidden 64, 2 layers, T=32, B=64,
+a Dense(2) head): ``bert`` (BertBackbone, pooled output; segment ids from the token ids),
+``bert-lora`` (the same, ``backbone.enable_lora(4)``), ``gpt2`` (GPT2Backbone, first token),
+``gemma`` (GemmaBackbone, 2 query heads, 1 key/value head, head_dim 32, first token); ``mha-lora``:
+Embedding(5000, 64) on T=32 -> MultiHeadAttention(2 x 32) + residual + LayerNormalization ->
+Dense(64, ReLU) -> average pool -> Dense(2), ``enable_lora(4)`` on the Dense, query and value.
 """
 
 from __future__ import annotations
@@ -68,10 +74,17 @@ DEFAULT_BATCH = {
     "grouped-conv": 64,
     "transformer": 64,
     "frozen-mobilenet": 64,
+    "bert": 64,
+    "bert-lora": 64,
+    "mha-lora": 64,
+    "gpt2": 64,
+    "gemma": 64,
 }
 MODEL_NAMES = tuple(DEFAULT_BATCH)
 TEXT_MODELS = ("lstm", "gru", "stacked-lstm", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
 VOCABULARY, SEQUENCE_LENGTH = 5000, 64
+HUB_MODELS = ("bert", "bert-lora", "mha-lora", "gpt2", "gemma")  # Keras 3, int ids [B, HUB_LENGTH], 2 classes
+HUB_LENGTH = 32
 KERASES = ("tf_keras", "3")
 _KERAS = {"which": "tf_keras"}  # set by --keras (and by the memory child's argv)
 
@@ -157,7 +170,41 @@ def build_model(name: str):
         base.trainable = False  # BatchNormalization in inference mode; only the head trains
         images = keras.Input((32, 32, 3))
         return keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
+    if name in HUB_MODELS:
+        if _KERAS["which"] != "3":
+            raise ValueError(f"model {name!r} needs Keras 3 (keras_hub): run with --keras 3")
+        return _hub_model(name)
     raise ValueError(f"model must be one of {MODEL_NAMES}, got {name!r}")
+
+
+def _hub_model(name: str):
+    """Issue 26's transformer and LoRA models (see the module doc)."""
+    import keras
+
+    layers, ops = keras.layers, keras.ops
+    ids = keras.Input((HUB_LENGTH,), dtype="int32")
+    if name == "mha-lora":
+        h = layers.Embedding(VOCABULARY, 64)(ids)
+        mha, dense = layers.MultiHeadAttention(2, 32), layers.Dense(64, activation="relu")
+        h = dense(layers.LayerNormalization()(h + mha(h, h)))
+        for layer in (dense, mha.query_dense, mha.value_dense):
+            layer.enable_lora(4)
+        return keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(h)))
+    import keras_hub
+
+    sizes = dict(vocabulary_size=VOCABULARY, num_layers=2, hidden_dim=64, intermediate_dim=128)
+    inputs = {"token_ids": ids, "padding_mask": ops.not_equal(ids, 0)}
+    if name in ("bert", "bert-lora"):
+        backbone = keras_hub.models.BertBackbone(num_heads=2, max_sequence_length=HUB_LENGTH, **sizes)
+        inputs["segment_ids"] = ops.cast(ops.greater_equal(ids, VOCABULARY // 2), "int32")
+        if name == "bert-lora":
+            backbone.enable_lora(4)
+        return keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
+    if name == "gpt2":
+        backbone = keras_hub.models.GPT2Backbone(num_heads=2, max_sequence_length=HUB_LENGTH, **sizes)
+    else:
+        backbone = keras_hub.models.GemmaBackbone(num_query_heads=2, num_key_value_heads=1, head_dim=32, **sizes)
+    return keras.Model(ids, layers.Dense(2)(backbone(inputs)[:, 0, :]))
 
 
 def make_data(name: str, batch: int, batches: int, seed: int = 0):
@@ -165,8 +212,11 @@ def make_data(name: str, batch: int, batches: int, seed: int = 0):
 
     gen = np.random.default_rng(seed)
     n = batch * batches
-    if name in TEXT_MODELS:
-        x = gen.integers(0, VOCABULARY, size=(n, SEQUENCE_LENGTH)).astype("int32")
+    if name in TEXT_MODELS or name in HUB_MODELS:
+        length = HUB_LENGTH if name in HUB_MODELS else SEQUENCE_LENGTH
+        x = gen.integers(1 if name in HUB_MODELS else 0, VOCABULARY, size=(n, length)).astype("int32")
+        if name in HUB_MODELS:
+            x[:, -4:] = 0  # padding
         return x, gen.integers(0, 2, size=(n,)).astype("int32")
     shape = (784,) if name == "mlp" else (32, 32, 3)
     x = gen.normal(size=(n, *shape)).astype("float32")
@@ -385,6 +435,8 @@ def main(argv=None) -> dict:
         args.modes = ["nonprivate"] + args.modes
     if len(args.keras) > 1 and (args.memory or args.max_batch):
         raise ValueError("--memory and --max-batch measure one Keras at a time: give one --keras")
+    if "tf_keras" in args.keras and set(args.models) & set(HUB_MODELS):
+        parser.error(f"--models {' '.join(sorted(set(args.models) & set(HUB_MODELS)))} need --keras 3 (keras_hub)")
     _KERAS["which"] = args.keras[0]
     report = {"keras": args.keras, "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(), "results": {}}
     for name in args.models:

@@ -129,6 +129,20 @@ def dense_mlp():
     return keras.Sequential([keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
 
 
+class TfVariables:
+    """A Keras 3 model seen through its tf.Variables (what the keras3 optimizer hands the backend)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        return self.model(x)
+
+    @property
+    def trainable_variables(self):
+        return [v.value for v in self.model.trainable_variables]
+
+
 class Wrap(keras.Model):
     """Calls an inner model through `fn(inner, x)` (tracks the inner model's variables)."""
 

@@ -126,3 +126,13 @@ def test_small_alexnet_architecture():
     y[1] = 0.0
     np.testing.assert_allclose(model(x)[0], model(y)[0], rtol=1e-5, atol=1e-6)
     assert isinstance(model, keras.Model)
+
+
+def test_finetune_lora_smoke():
+    """keras_hub BERT (random, tiny) with LoRA, DP-SGD on generated text: only the LoRA factors and
+    the head train, and the run spends the calibrated ε."""
+    pytest.importorskip("keras_hub")
+    out, acc, eps, delta, steps = _run("finetune_lora.py")
+    trained, total = (int(v) for v in re.search(r"LoRA rank 4: (\d+) trainable parameters of (\d+)", out).groups())
+    assert 0 < trained < total / 20
+    assert steps >= 3 and 2.5 < eps <= 3.0 + 1e-6 and 0 < delta < 1e-2

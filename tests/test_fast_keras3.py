@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 from _fast_helpers import (
+    TfVariables,
     assert_same,
     data,
     flat_factors,
@@ -28,23 +29,9 @@ from keras_dpsgd._fast._backend import _reference_backend
 L = keras.layers
 
 
-class _TfVariables:
-    """A Keras 3 model seen through its tf.Variables (what the keras3 optimizer hands the backend)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, x):
-        return self.model(x)
-
-    @property
-    def trainable_variables(self):
-        return [v.value for v in self.model.trainable_variables]
-
-
 def _check(model, x, y, factors=None, reference=False):
     model(x[:1])
-    view = model if isinstance(model, tf_keras.Model) else _TfVariables(model)
+    view = model if isinstance(model, tf_keras.Model) else TfVariables(model)
     factors = factors or flat_factors(1.0)
     backend = FastBackend()
     got = run_traced(backend, view, x, y, factors)
@@ -118,7 +105,7 @@ def test_a_loop_with_a_random_op_is_refused():
     x, y = sequence_data(2, 3, 2, (2,), masked=False, seed=5)
     model = _model(L.RNN(_NoisyCell()), 3, 2, masked=False)
     model(x[:1])
-    view = _TfVariables(model)
+    view = TfVariables(model)
     with pytest.raises(ValueError, match="cannot prove that the per-example loss"):
         run_traced(FastBackend(), view, x, y, flat_factors(1.0))
 

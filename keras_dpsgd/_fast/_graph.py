@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _checks, _grouped, _rows, _state, _uses
+from keras_dpsgd._fast import _checks, _derived, _grouped, _rows, _state, _uses
 from keras_dpsgd._fast._handlers import rule_for
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
@@ -228,6 +228,14 @@ def find_sites(handles: list, var, ops: set, clean: dict, static_batch, stopped:
                     continue
                 if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
                     continue  # A product with zeros (a recurrence's initial state): no gradient.
+                if t.dtype != tf.resource and _derived.is_derived(consumer, index, clean):
+                    pulled = _derived.sites(consumer, index, t, var, ops, clean, static_batch, stopped)
+                    if pulled is None:
+                        if not stopped or stopped[-1][0] is not consumer:
+                            _stop(stopped, consumer, f"no pullback through this {consumer.type} on weights")
+                        return None
+                    sites.extend(pulled)
+                    continue
                 rule = rule_for(consumer.type)
                 if rule is None:
                     return _stop(stopped, consumer, "no per-example rule for this op type")

@@ -68,6 +68,16 @@ class PiecesUse:
         return tf.reshape(flat, tf.concat([tf.shape(flat)[:1], shape], axis=0))
 
 
+@dataclasses.dataclass
+class PermutedUse:
+    """Per-example gradient ``transpose(G_i, perm)`` where ``inner`` is a use giving ``G_i`` in
+    the layout ``inner_shape`` (the weight's transpose, e.g. Gemma's attention kernels)."""
+
+    inner: object
+    inner_shape: tf.TensorShape
+    perm: tuple
+
+
 def _row_shape(c: tf.Tensor, rank: int) -> tf.Tensor:
     return tf.concat([tf.shape(c), tf.ones([rank - 1], tf.int32)], axis=0)
 
@@ -169,7 +179,8 @@ class IndexGroup:
     """
 
     def __init__(self, uses: list[IndexUse], shape: tf.TensorShape):
-        self.ids = tf.concat([u.ids for u in uses], axis=1) if len(uses) > 1 else uses[0].ids
+        # ids of one table may come as int32 and int64 (a gather and a slice of it).
+        self.ids = tf.concat([tf.cast(u.ids, tf.int64) for u in uses], axis=1) if len(uses) > 1 else uses[0].ids
         self.g = tf.concat([u.g for u in uses], axis=1) if len(uses) > 1 else uses[0].g
         self.vocab = uses[0].vocab
         self.shape = shape
@@ -211,8 +222,27 @@ class DenseGroup:
         return tf.reshape(flat, self.shape)
 
 
+class PermutedGroup:
+    """Uses of a transposed weight, all through the same transpose: the norms are those of the
+    inner group (a transpose keeps the norm), the clipped sum is its sum transposed."""
+
+    def __init__(self, uses: list[PermutedUse], shape: tf.TensorShape):
+        self.inner_shape, self.perm, self.shape = uses[0].inner_shape, list(uses[0].perm), shape
+        self.inner = make_group([u.inner for u in uses], self.inner_shape)
+
+    def sq_norms(self) -> tf.Tensor:
+        return self.inner.sq_norms()
+
+    def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
+        summed = tf.reshape(self.inner.clipped_sum(c), self.inner_shape)
+        return tf.reshape(tf.transpose(summed, self.perm), self.shape)
+
+
 def make_group(uses: list, shape: tf.TensorShape):
     """Combines the uses of one variable into a group (weight sharing: sum before the norm)."""
+    if all(isinstance(u, PermutedUse) for u in uses):
+        if len({(tuple(u.inner_shape.as_list()), tuple(u.perm)) for u in uses}) == 1:
+            return PermutedGroup(uses, shape)
     if all(isinstance(u, OuterUse) for u in uses):
         same = {(int(u.a.shape[2]), int(u.g.shape[2])) for u in uses}
         if len(same) == 1:
@@ -236,4 +266,7 @@ def materialize(use, shape: tf.TensorShape) -> tf.Tensor:
         return IndexGroup([use], shape).materialize()
     if isinstance(use, PiecesUse):
         return use.materialize(shape)
+    if isinstance(use, PermutedUse):
+        p = tf.transpose(materialize(use.inner, use.inner_shape), [0] + [k + 1 for k in use.perm])
+        return tf.reshape(p, tf.concat([tf.shape(p)[:1], shape], axis=0))
     return use.p
