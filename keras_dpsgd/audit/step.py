@@ -80,7 +80,9 @@ class StepAuditMixin(GradientCanaryMixin):
                 "got per-layer clipping; audit with a flat l2_norm_clip"
             )
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError("the step audit runs on one replica (each replica adds part of the noise); run it unsharded")
+            raise ValueError(
+                "the step audit runs on one replica (each replica adds part of the noise); run it unsharded"
+            )
         steps = V.integer_at_least(1, steps=steps)
         super().install_gradient_canaries(var_list, included, rng=rng, sampling_rate=sampling_rate)
         with tf.init_scope():
@@ -233,9 +235,7 @@ def step_audit(
     )
     trace = run.optimizer.step_statistics()
     n0, s0, n1, s1, s2 = trace.sum(axis=0)
-    bounds = statistics.noise_multiplier_upper_bound(
-        int(n0), s0, int(n1), s1, s2, confidence=confidence
-    )
+    bounds = statistics.noise_multiplier_upper_bound(int(n0), s0, int(n1), s1, s2, confidence=confidence)
     steps = len(trace)
     sigma_high = bounds["noise_multiplier_upper_bound"]
     lower = statistics.subsampled_gaussian_epsilon_lower(sigma_high, run.sampling_rate, steps, run.delta)
