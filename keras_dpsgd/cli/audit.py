@@ -193,9 +193,11 @@ def _plot(path: str, points, result) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finite = [(s, e, lb) for s, e, lb in points if math.isfinite(e)]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    top = max([e for _, e, _ in finite] + [lb for _, _, lb in points] + [1.0])
+    finite = [(s, e, lb) for s, e, lb in points if math.isfinite(e) and math.isfinite(lb)]
+    per_step = getattr(result, "per_step", None)  # the step audit: what every step released
+    fig, axes = plt.subplots(1, 1 if per_step is None else 2, figsize=(5 if per_step is None else 10, 4))
+    ax = axes if per_step is None else axes[0]
+    top = max([e for _, e, _ in finite] + [lb for _, _, lb in finite] + [1.0])
     ax.plot([0, top], [0, top], "k--", lw=1, label="ε_emp = ε (above: a bug)")
     ax.plot([e for _, e, _ in finite], [lb for _, e, lb in finite], "o-", label=f"ε_emp ({result.method})")
     for s, e, lb in finite:
@@ -204,6 +206,17 @@ def _plot(path: str, points, result) -> str:
     ax.set_ylabel(f"ε_emp at {result.confidence:.0%} confidence")
     ax.set_title(f"{result.method} audit, {result.canaries} canaries, δ = {result.delta:.2g}")
     ax.legend(fontsize=8)
+    if per_step is not None:
+        steps = range(1, len(per_step) + 1)
+        axes[1].plot(steps, per_step[:, 0], ".", label="noise std / C measured")
+        axes[1].plot(steps, per_step[:, 1], "x", ms=4, label="canaries' shift / C measured (claimed 1)")
+        axes[1].axhline(
+            result.noise_multiplier, color="k", ls="--", lw=1, label=f"claimed σ = {result.noise_multiplier:.3g}"
+        )
+        axes[1].axhline(1.0, color="gray", ls=":", lw=1)
+        axes[1].set_xlabel("step")
+        axes[1].set_title("every step of the audited run")
+        axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
