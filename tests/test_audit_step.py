@@ -124,7 +124,7 @@ def test_step_record_in_closed_form_and_refusals():
     per_layer.build(variables)
     with pytest.raises(ValueError, match="flat clipping"):
         per_layer.install_gradient_canaries(
-            variables, np.ones(2, bool), rng=np.random.default_rng(0), sampling_rate=1.0
+            variables, np.ones(2, bool), rng=np.random.default_rng(0), sampling_rate=1.0, steps=1
         )
 
 

@@ -67,12 +67,13 @@ class StepAuditMixin(GradientCanaryMixin):
         *,
         rng: np.random.Generator,
         sampling_rate: float | None = None,
-        steps: int = 1,
+        steps: int,
     ) -> None:
         """As :meth:`GradientCanaryMixin.install_gradient_canaries`; `steps`: the noised steps to record.
 
         Raises:
-          ValueError: per-layer clipping, several replicas, or the canaries' own errors.
+          ValueError: per-layer clipping, several replicas, or the canaries' own errors. Recording
+            more than `steps` steps fails the step (``InvalidArgumentError``).
         """
         if self.per_layer_clipping:
             raise ValueError(
