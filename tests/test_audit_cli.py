@@ -110,6 +110,18 @@ def test_noise_multiplier_0_is_non_private(capsys, argv):
     assert result["violation"] is False
 
 
+def test_step_mode_without_dp_accounting_exits_2_before_work(capsys, monkeypatch):
+    import sys
+
+    from keras_dpsgd.audit import step
+
+    monkeypatch.setitem(sys.modules, "dp_accounting", None)  # import dp_accounting raises ImportError
+    monkeypatch.setattr(step, "step_audit", None)  # any work would fail otherwise
+    assert main(["audit", *BASE]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("keras-dpsgd audit: error:") and "keras-dpsgd[pld]" in last and "--mode one-run" in last
+
+
 @pytest.mark.parametrize(
     "argv,fragment",
     [

@@ -50,6 +50,7 @@ __all__ = [
     "one_run_epsilon",
     "one_run_guesses",
     "one_run_p_value",
+    "require_pld",
     "roc_auc",
     "subsampled_gaussian_epsilon_lower",
 ]
@@ -373,6 +374,22 @@ def gdp_epsilon(mu: float, delta: float) -> float:
     return float(optimize.brentq(lambda e: gdp_delta(mu, e) - d, 0.0, high, xtol=1e-12, rtol=1e-12))
 
 
+def require_pld():
+    """dp_accounting's ``privacy_loss_distribution`` module, which the step audit's ε needs.
+
+    Raises:
+      ImportError: dp_accounting is not installed; the message names the extra and the way out.
+    """
+    try:
+        from dp_accounting.pld import privacy_loss_distribution
+    except ImportError as err:
+        raise ImportError(
+            "the step audit needs dp_accounting for its ε: pip install keras-dpsgd[pld] "
+            "(or audit with --mode one-run / canary_audit, which does not)"
+        ) from err
+    return privacy_loss_distribution
+
+
 def subsampled_gaussian_epsilon_lower(
     noise_multiplier: float, sampling_rate: float, steps: int, delta: float, *, discretization: float = 1e-3
 ) -> float:
@@ -395,9 +412,7 @@ def subsampled_gaussian_epsilon_lower(
     sigma = max(sigma, 0.2)
     if q == 1.0:
         return gdp_epsilon(math.sqrt(t) / sigma, d)
-    from dp_accounting.pld import privacy_loss_distribution as pld
-
-    dist = pld.from_gaussian_mechanism(
+    dist = require_pld().from_gaussian_mechanism(
         sigma,
         sampling_prob=q,
         pessimistic_estimate=False,

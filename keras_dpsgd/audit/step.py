@@ -208,7 +208,9 @@ def step_audit(
 
     Raises:
       ValueError: arguments out of range (the message names the argument), per-layer clipping.
+      ImportError: dp_accounting is not installed (checked before training).
     """
+    statistics.require_pld()
     if canaries is not None:
         canaries = V.integer_at_least(1, canaries=canaries)
     confidence = statistics.check_confidence(confidence)

@@ -113,6 +113,10 @@ def _check(args) -> None:
         raise ValueError(
             f"--canary-kind {args.canary_kind} needs --mode one-run (the step audit uses gradient canaries)"
         )
+    else:
+        from keras_dpsgd.audit.statistics import require_pld
+
+        require_pld()  # before any work: ImportError, exit 2
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ValueError(f"plot must be a file name ending in .png, got {args.plot!r}")
     train_cli._check_args(args)
