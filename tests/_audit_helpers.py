@@ -1,10 +1,10 @@
 """The canary-audit set-ups shared by the audit tests on both Kerases.
 
-tests/test_audit_canaries.py runs them on tf_keras, tests/test_keras3_audit.py on Keras 3
+tests/test_audit_canaries.py and tests/test_audit_step.py run them on tf_keras, tests/test_keras3_audit.py on Keras 3
 (scikit-learn digits, a small MLP: cheap on 2 CPU cores).
 """
 
-from keras_dpsgd.audit import canary_audit
+from keras_dpsgd.audit import canary_audit, step_audit
 from keras_dpsgd.audit.one_run import mlp_builder
 
 DELTA = 1e-5
@@ -18,6 +18,34 @@ def without_noise(optimizer_cls):
             return list(summed)
 
     return NoNoiseDPSGD
+
+
+def scaled_noise(optimizer_cls, factor):
+    """A deliberately broken subclass: the noise it adds is `factor` × the noise σ charges (the ledger charges σ)."""
+
+    class ScaledNoiseDPSGD(optimizer_cls):
+        def add_noise(self, summed):
+            noised = optimizer_cls.add_noise(self, summed)
+            return [s + factor * (n - s) for s, n in zip(summed, noised)]
+
+    return ScaledNoiseDPSGD
+
+
+def step_audit_run(keras_module, digits, sigma=1.0, *, seed, optimizer_cls=None, delta=None, epochs=2):
+    """The white-box step audit at noise multiplier `sigma` (digits, 64-unit MLP, C = 10, lots of 64, a canary
+    on every coordinate), the CLI's default δ unless `delta`."""
+    return step_audit(
+        mlp_builder(digits.input_shape, 10, width=64, keras_module=keras_module),
+        (digits.x_train, digits.y_train),
+        num_classes=10,
+        noise_multiplier=sigma,
+        seed=seed,
+        optimizer_cls=optimizer_cls,
+        delta=delta,
+        l2_norm_clip=10.0,
+        lot_size=64,
+        epochs=epochs,
+    )
 
 
 # Dirac gradient canaries audit the step without memorization; C = 10 is large against the data's

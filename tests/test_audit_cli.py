@@ -1,4 +1,5 @@
-"""``keras-dpsgd audit``: one JSON object with the documented keys, honest ε, the verdict, the plot, errors."""
+"""``keras-dpsgd audit``: one JSON object with the documented keys, honest ε, the verdict, the plot, errors,
+exit codes (0 consistent, 1 a leak found, 2 bad input), both modes (step by default, one-run by name)."""
 
 import json
 import math
@@ -9,14 +10,36 @@ import pytest
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon, default_delta
 from keras_dpsgd.cli import main
 
-KEYS = {"epsilon", "epsilon_lower_bound", "confidence", "canaries", "auc", "method"}
-SMALL = ["--epochs", "1", "--lot-size", "128", "--width", "16", "--canaries", "200", "--seed", "3"]
+KEYS = {"epsilon", "epsilon_lower_bound", "confidence", "canaries", "auc", "method", "mode", "verdict", "violation"}
+STEP_KEYS = {
+    "epsilon",
+    "epsilon_lower_bound",
+    "confidence",
+    "canaries",
+    "method",
+    "mode",
+    "verdict",
+    "violation",
+    "noise_multiplier",
+    "noise_multiplier_estimate",
+    "noise_multiplier_upper_bound",
+    "shift_estimate",
+    "observations",
+    "canary_joins",
+    "sampling_rate",
+    "assumption",
+    "steps",
+    "delta",
+    "keras",
+}
+BASE = ["--epochs", "1", "--lot-size", "128", "--width", "16", "--seed", "3"]
+SMALL = [*BASE, "--mode", "one-run", "--canaries", "200"]
 
 
-def _run_json(capsys, *argv):
+def _run_json(capsys, *argv, expect=0):
     code = main(["audit", "--json", *argv])
     out, err = capsys.readouterr()
-    assert code == 0, err[-2000:]
+    assert code == expect, err[-2000:]
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must be exactly one JSON object, got {out[:500]!r}"
     return json.loads(lines[0])
@@ -43,16 +66,69 @@ def test_json_keys_reported_epsilon_is_the_ledgers_and_plot(capsys, tmp_path):
         assert p["epsilon_lower_bound"] <= p["epsilon"]
 
 
-def test_noise_multiplier_0_is_non_private(capsys):
-    result = _run_json(capsys, *SMALL, "--noise-multiplier", "0")
+def test_step_mode_is_the_default_json_keys_and_plot(capsys, tmp_path):
+    path = tmp_path / "step.png"
+    result = _run_json(capsys, *BASE, "--noise-multiplier", "1", "--plot", str(path))
+    assert set(result) >= STEP_KEYS and not {"auc", "guesses"} & set(result)
+    assert result["mode"] == "step" and result["method"] == "step-gradient"
+    q, steps = 128 / 1347, math.ceil(1347 / 128)
+    assert result["steps"] == steps and result["sampling_rate"] == pytest.approx(q)
+    assert result["canaries"] == 64 * 16 + 16 + 16 * 10 + 10  # one per trainable coordinate of the MLP
+    assert result["observations"] == steps * result["canaries"]
+    assert result["noise_multiplier_estimate"] == pytest.approx(1.0, rel=0.03)
+    assert result["epsilon"] == pytest.approx(
+        compute_epsilon(PoissonSampledGaussianEvent(q, 1.0, steps), default_delta(1347)), rel=1e-9
+    )
+    assert 0.0 <= result["epsilon_lower_bound"] <= result["epsilon"] and result["violation"] is False
+    assert os.path.getsize(path) > 1000
+    for p in result["plot_points"]:
+        assert p["epsilon_lower_bound"] <= p["epsilon"]
+
+
+def test_a_leak_found_exits_1_with_the_result(capsys, monkeypatch):
+    """A broken optimizer (half the noise charged): the JSON is printed, then one error line, exit 1."""
+    import functools
+
+    from keras_dpsgd.audit import step
+    from keras_dpsgd.tools import _front
+    from tests._audit_helpers import scaled_noise
+
+    half = scaled_noise(_front.active().dp_sgd, 0.5)
+    monkeypatch.setattr(step, "step_audit", functools.partial(step.step_audit, optimizer_cls=half))
+    code = main(["audit", "--json", *BASE, "--noise-multiplier", "1"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    result = json.loads(out)
+    assert result["violation"] is True and result["epsilon_lower_bound"] > result["epsilon"]
+    assert err.strip().splitlines()[-1].startswith("keras-dpsgd audit: error: BUG")
+
+
+@pytest.mark.parametrize("argv", [SMALL, BASE], ids=["one-run", "step"])
+def test_noise_multiplier_0_is_non_private(capsys, argv):
+    result = _run_json(capsys, *argv, "--noise-multiplier", "0")
     assert result["epsilon"] == "inf" and result["noise_multiplier"] == 0.0
     assert result["violation"] is False
+
+
+def test_step_mode_without_dp_accounting_exits_2_before_work(capsys, monkeypatch):
+    import sys
+
+    from keras_dpsgd.audit import step
+
+    for name in ["dp_accounting", *(m for m in list(sys.modules) if m.startswith("dp_accounting."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError, imported before or not
+    monkeypatch.setattr(step, "step_audit", None)  # any work would fail otherwise
+    assert main(["audit", *BASE]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("keras-dpsgd audit: error:") and "keras-dpsgd[pld]" in last and "--mode one-run" in last
 
 
 @pytest.mark.parametrize(
     "argv,fragment",
     [
-        (["--canaries", "1"], "canaries"),
+        (["--mode", "one-run", "--canaries", "1"], "canaries"),
+        (["--canary-kind", "ood"], "--mode one-run"),
+        (["--mode", "steps"], "--mode"),
         (["--confidence", "1.5"], "confidence"),
         (["--noise-multiplier", "-1"], "noise_multiplier"),
         (["--save", "x"], "--save"),

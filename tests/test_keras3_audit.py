@@ -1,4 +1,4 @@
-"""The audit on Keras 3 (cheap versions of tests/test_audit_*.py): the gradient-canary hook in closed
+"""The audit on Keras 3 (cheap versions of tests/test_audit_*.py): the step audit, the gradient-canary hook in closed
 form, bug detection (noise off while the ledger charges σ = 1), power (no noise: memorization seen),
 membership inference with its Keras 3 callback, and the CLI's choice of Keras (soundness: the tf_keras
 module, which shares the statistics and the canary code)."""
@@ -11,7 +11,7 @@ import tensorflow as tf
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd._datasets import load_digits
 from keras_dpsgd.audit import membership_inference, with_gradient_canaries
-from tests._audit_helpers import gradient_audit, input_canary_audit, without_noise
+from tests._audit_helpers import gradient_audit, input_canary_audit, scaled_noise, step_audit_run, without_noise
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,17 @@ def test_bug_detection_on_keras3(digits):
     assert result.keras == keras.__version__  # the label of every --json "keras" key
     assert result.is_violation, result
     assert result.verdict().startswith("BUG")
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_step_audit_on_keras3(digits, factor):
+    """The white-box step audit through the Keras 3 add_noise hook: a correct optimizer is not flagged, half
+    the charged noise is (tests/test_audit_step.py has the rest, on tf_keras)."""
+    broken = None if factor == 1.0 else scaled_noise(k3.DPSGDOptimizer, factor)
+    result = step_audit_run(keras, digits, seed=2, optimizer_cls=broken)
+    assert result.keras == keras.__version__ and result.epsilon == pytest.approx(2.07, abs=0.01)
+    assert result.noise_multiplier_estimate == pytest.approx(factor, rel=0.01)
+    assert result.is_violation == (factor < 1.0), result
 
 
 def test_power_input_canaries_without_noise_on_keras3(digits):

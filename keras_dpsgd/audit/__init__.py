@@ -15,6 +15,8 @@ a bug that the accountant cannot see.
 3. :mod:`~keras_dpsgd.audit.one_run` and :mod:`~keras_dpsgd.audit.canaries`:
    the one-run canary audit with gradient (Dirac) canaries in the DP-SGD step
    or input canaries in the data.
+4. :mod:`~keras_dpsgd.audit.step`: the white-box step audit (Nasr et al. 2023): the noised release of
+   every step against the claimed Gaussian mechanism; the strongest mode, it assumes the noise's form.
 
 Every audit run is itself a training run on the data: its ε is its own.
 
@@ -36,6 +38,10 @@ _LAZY = {
     "one_run_guesses": "keras_dpsgd.audit.statistics",
     "one_run_audit": "keras_dpsgd.audit.statistics",
     "roc_auc": "keras_dpsgd.audit.statistics",
+    "gdp_delta": "keras_dpsgd.audit.statistics",
+    "gdp_epsilon": "keras_dpsgd.audit.statistics",
+    "noise_multiplier_upper_bound": "keras_dpsgd.audit.statistics",
+    "subsampled_gaussian_epsilon_lower": "keras_dpsgd.audit.statistics",
     # membership inference
     "membership_inference": "keras_dpsgd.audit.membership",
     "MembershipInferenceReport": "keras_dpsgd.audit.membership",
@@ -47,6 +53,11 @@ _LAZY = {
     "GradientCanaryMixin": "keras_dpsgd.audit.canaries",
     "with_gradient_canaries": "keras_dpsgd.audit.canaries",
     "make_input_canaries": "keras_dpsgd.audit.canaries",
+    # white-box step audit
+    "step_audit": "keras_dpsgd.audit.step",
+    "StepAuditResult": "keras_dpsgd.audit.step",
+    "StepAuditMixin": "keras_dpsgd.audit.step",
+    "with_step_audit": "keras_dpsgd.audit.step",
 }
 
 __all__ = sorted(_LAZY)

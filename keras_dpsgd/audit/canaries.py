@@ -169,10 +169,14 @@ class GradientCanaryMixin:
         with_canaries, signs = self._insert_canaries(summed)
         noised = super().add_noise(with_canaries)
         self._score_canaries(noised, signs)
+        self._observe_step(summed, with_canaries, noised)
         return noised
 
+    def _observe_step(self, summed: list[tf.Tensor], with_canaries: list[tf.Tensor], noised: list[tf.Tensor]) -> None:
+        """What a white-box auditor sees of each step (the step audit overrides it); nothing here."""
 
-_CANARY_CLASSES: dict[type, type] = {}
+
+_CANARY_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def with_gradient_canaries(optimizer_cls: type) -> type:
@@ -183,18 +187,25 @@ def with_gradient_canaries(optimizer_cls: type) -> type:
         (a subclass of ``keras_dpsgd._sanitizer.DPSanitizerMixin`` or of
         ``keras_dpsgd.keras3.DPKeras3Mixin``).
     """
+    return with_canary_mixin(GradientCanaryMixin, optimizer_cls)
+
+
+def with_canary_mixin(mixin: type, optimizer_cls: type) -> type:
+    """The subclass (mixin, optimizer_cls) of a keras_dpsgd DP optimizer class, made once per pair."""
     if not (
         _is_dp_class(optimizer_cls, "keras_dpsgd._sanitizer.DPSanitizerMixin")
         or _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin")
     ):
         raise ValueError(f"optimizer_cls must be a keras_dpsgd DP optimizer class, got {optimizer_cls!r}")
-    if issubclass(optimizer_cls, GradientCanaryMixin):
+    if issubclass(optimizer_cls, mixin):
         return optimizer_cls
-    if optimizer_cls not in _CANARY_CLASSES:
-        _CANARY_CLASSES[optimizer_cls] = type(
-            f"GradientCanary{optimizer_cls.__name__}", (GradientCanaryMixin, optimizer_cls), {"__module__": __name__}
+    if (mixin, optimizer_cls) not in _CANARY_CLASSES:
+        _CANARY_CLASSES[(mixin, optimizer_cls)] = type(
+            f"{mixin.__name__.replace('Mixin', '')}{optimizer_cls.__name__}",
+            (mixin, optimizer_cls),
+            {"__module__": mixin.__module__},
         )
-    return _CANARY_CLASSES[optimizer_cls]
+    return _CANARY_CLASSES[(mixin, optimizer_cls)]
 
 
 def _is_dp_class(cls: Any, base_path: str) -> bool:

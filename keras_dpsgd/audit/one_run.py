@@ -26,8 +26,34 @@ from keras_dpsgd.audit.canaries import CANARY_KINDS
 __all__ = ["CanaryAuditResult", "canary_audit", "mlp_builder"]
 
 
+class AuditVerdict:
+    """The verdict of an audit result (a dataclass with epsilon, epsilon_lower_bound, confidence)."""
+
+    @property
+    def is_violation(self) -> bool:
+        """True when ε_emp > ε: the run leaked more than the accountant allows (a bug)."""
+        return self.epsilon_lower_bound > self.epsilon
+
+    def verdict(self) -> str:
+        if self.is_violation:
+            return (
+                f"BUG: the audit proves ε >= {self.epsilon_lower_bound:.3g} at {self.confidence:.0%} confidence, "
+                f"more than the reported ε = {self.epsilon:.3g}: the implementation leaks more than it accounts"
+            )
+        return (
+            f"consistent: ε_emp = {self.epsilon_lower_bound:.3g} <= reported ε = {self.epsilon:.3g} "
+            "(an audit can only find leaks, never prove their absence)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["verdict"] = self.verdict()
+        d["violation"] = self.is_violation
+        return d
+
+
 @dataclasses.dataclass
-class CanaryAuditResult:
+class CanaryAuditResult(AuditVerdict):
     """The outcome of one audited training run.
 
     Attributes:
@@ -57,28 +83,6 @@ class CanaryAuditResult:
     steps: int
     seconds: float
     keras: str
-
-    @property
-    def is_violation(self) -> bool:
-        """True when ε_emp > ε: the run leaked more than the accountant allows (a bug)."""
-        return self.epsilon_lower_bound > self.epsilon
-
-    def verdict(self) -> str:
-        if self.is_violation:
-            return (
-                f"BUG: the audit proves ε >= {self.epsilon_lower_bound:.3g} at {self.confidence:.0%} confidence, "
-                f"more than the reported ε = {self.epsilon:.3g}: the implementation leaks more than it accounts"
-            )
-        return (
-            f"consistent: ε_emp = {self.epsilon_lower_bound:.3g} <= reported ε = {self.epsilon:.3g} "
-            "(an audit can only find leaks, never prove their absence)"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["verdict"] = self.verdict()
-        d["violation"] = self.is_violation
-        return d
 
 
 def canary_audit(
@@ -130,30 +134,121 @@ def canary_audit(
     Raises:
       ValueError: arguments out of range (the message names the argument).
     """
-    from keras_dpsgd.accounting import check_delta, default_delta
-    from keras_dpsgd.audit.canaries import make_input_canaries, per_example_loss, with_gradient_canaries
-    from keras_dpsgd.ledger import model_epsilon
-    from keras_dpsgd.sampling import PoissonLots
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.audit.canaries import per_example_loss
 
     if kind not in CANARY_KINDS:
         raise ValueError(f"kind must be one of {list(CANARY_KINDS)}, got {kind!r}")
     canaries = V.integer_at_least(2, canaries=canaries)
     confidence = statistics.check_confidence(confidence)
     start = time.perf_counter()
+    run = _train_with_canaries(
+        build_model,
+        train,
+        num_classes=num_classes,
+        canaries=canaries,
+        kind=kind,
+        coins=True,
+        noise_multiplier=noise_multiplier,
+        l2_norm_clip=l2_norm_clip,
+        lot_size=lot_size,
+        epochs=epochs,
+        learning_rate=learning_rate,
+        momentum=momentum,
+        delta=delta,
+        accountant=accountant,
+        optimizer_cls=optimizer_cls,
+        held_out=held_out,
+        seed=seed,
+        verbose=verbose,
+    )
+    optimizer, included, delta = run.optimizer, run.included, run.delta
+    if kind == "gradient":
+        scores = optimizer.canary_scores()
+    else:
+        scores = -per_example_loss(run.model, *run.input_canaries)
+    audit = statistics.one_run_audit(scores, included, delta=delta, confidence=confidence)
+    return CanaryAuditResult(
+        epsilon=run.epsilon,
+        epsilon_lower_bound=float(audit["epsilon_lower_bound"]),
+        delta=float(delta),
+        confidence=confidence,
+        canaries=int(canaries),
+        method=f"one-run-{kind}",
+        auc=statistics.roc_auc(scores, included),
+        guesses=int(audit["guesses"]),
+        correct=int(audit["correct"]),
+        noise_multiplier=run.noise_multiplier,
+        steps=int(optimizer.noised_steps.numpy()),
+        seconds=time.perf_counter() - start,
+        keras=run.keras,
+    )
+
+
+@dataclasses.dataclass
+class _Run:
+    """A trained audit run (:func:`_train_with_canaries`)."""
+
+    model: Any
+    optimizer: Any
+    included: np.ndarray
+    input_canaries: tuple | None
+    delta: float
+    epsilon: float
+    noise_multiplier: float
+    sampling_rate: float
+    keras: str
+
+
+def _train_with_canaries(
+    build_model,
+    train,
+    *,
+    num_classes,
+    canaries,
+    kind,
+    coins,
+    noise_multiplier,
+    l2_norm_clip,
+    lot_size,
+    epochs,
+    learning_rate,
+    momentum,
+    delta,
+    accountant,
+    optimizer_cls,
+    held_out,
+    seed,
+    verbose,
+    canary_mixin=None,
+) -> _Run:
+    """Trains one model with m canaries, shared by the one-run and the step audit.
+
+    `coins`: each canary included by a fair coin drawn before training (one-run), else all
+    included (the step audit, which tests the released noise, not membership; `canaries` None:
+    one on every trainable coordinate). `canary_mixin`:
+    the function that makes the gradient-canary class (default :func:`with_gradient_canaries`).
+    """
+    from keras_dpsgd.accounting import check_delta, default_delta
+    from keras_dpsgd.audit.canaries import make_input_canaries, with_gradient_canaries
+    from keras_dpsgd.ledger import model_epsilon
+    from keras_dpsgd.sampling import PoissonLots
+    from keras_dpsgd.tools import _front
+
     rng = np.random.default_rng(seed)
     if seed is not None:
         _front.set_random_seed(seed)
-    included = rng.random(int(canaries)) < 0.5  # the fair coins, drawn before training
+    included = rng.random(int(canaries)) < 0.5 if coins else None  # the coins, drawn before training
     x, y = np.asarray(train[0], np.float32), np.asarray(train[1], np.int64)
+    input_canaries = None
     if kind != "gradient":
-        cx, cy = make_input_canaries(
+        input_canaries = make_input_canaries(
             kind, int(canaries), input_shape=x.shape[1:], num_classes=num_classes, rng=rng, pool=held_out
         )
+        cx, cy = input_canaries
         x, y = np.concatenate([x, cx[included]]), np.concatenate([y, cy[included]])
     # The run's parameters must not depend on the coins: q, the normalizer and δ use the public size
     # N + m/2 (the expected size with input canaries), not the realized one.
-    n = len(train[0]) + (int(canaries) // 2 if kind != "gradient" else 0)
+    n = len(train[0]) + (len(included) // 2 if kind != "gradient" else 0)
     if not 1 <= lot_size <= n:
         raise ValueError(f"lot_size must be in [1, N = {n}], got {lot_size}")
     delta = default_delta(n) if delta is None else check_delta(delta, n)
@@ -162,9 +257,12 @@ def canary_audit(
     sigma = float(noise_multiplier(lots, delta) if callable(noise_multiplier) else noise_multiplier)
     model = build_model()
     front = _front.of_model(model)  # Keras 3 or tf_keras: whichever built the model
+    if included is None:  # no coins: every canary in; None canaries: one on every trainable coordinate
+        total = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+        included = np.ones(total if canaries is None else int(canaries), bool)
     cls = optimizer_cls or front.dp_sgd
     if kind == "gradient":
-        cls = with_gradient_canaries(cls)
+        cls = (canary_mixin or with_gradient_canaries)(cls)
     optimizer = cls(
         l2_norm_clip,
         sigma,
@@ -178,27 +276,19 @@ def canary_audit(
     model = front.private(model)
     model.compile(optimizer=optimizer, loss=front.cross_entropy(per_example=True))
     if kind == "gradient":
-        optimizer.install_gradient_canaries(model.trainable_variables, included, rng=rng)
+        steps = {} if canary_mixin is None else {"steps": epochs * lots.lots_per_epoch}
+        optimizer.install_gradient_canaries(model.trainable_variables, included, rng=rng, **steps)
     model.fit(lots.dataset(), epochs=epochs, steps_per_epoch=lots.steps_per_epoch, verbose=verbose)
-    if kind == "gradient":
-        scores = optimizer.canary_scores()
-    else:
-        scores = -per_example_loss(model, cx, cy)
     epsilon, delta = model_epsilon(model, target_delta=delta, num_examples=n, accountant=accountant)
-    audit = statistics.one_run_audit(scores, included, delta=delta, confidence=confidence)
-    return CanaryAuditResult(
-        epsilon=float(epsilon),
-        epsilon_lower_bound=float(audit["epsilon_lower_bound"]),
+    return _Run(
+        model=model,
+        optimizer=optimizer,
+        included=included,
+        input_canaries=input_canaries,
         delta=float(delta),
-        confidence=confidence,
-        canaries=int(canaries),
-        method=f"one-run-{kind}",
-        auc=statistics.roc_auc(scores, included),
-        guesses=int(audit["guesses"]),
-        correct=int(audit["correct"]),
+        epsilon=float(epsilon),
         noise_multiplier=sigma,
-        steps=int(optimizer.noised_steps.numpy()),
-        seconds=time.perf_counter() - start,
+        sampling_rate=float(lots.sampling_rate),
         keras=front.label,
     )
 

@@ -43,11 +43,16 @@ __all__ = [
     "clopper_pearson_upper",
     "epsilon_from_rates",
     "epsilon_lower_bound_from_counts",
+    "gdp_delta",
+    "gdp_epsilon",
+    "noise_multiplier_upper_bound",
     "one_run_audit",
     "one_run_epsilon",
     "one_run_guesses",
     "one_run_p_value",
+    "require_pld",
     "roc_auc",
+    "subsampled_gaussian_epsilon_lower",
 ]
 
 
@@ -292,3 +297,126 @@ def roc_auc(scores: Sequence[float], positive: Sequence[bool]) -> float:
         return math.nan
     ranks = stats.rankdata(s)
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+# ---------------------------------------------------- white-box step audit
+def noise_multiplier_upper_bound(
+    noise_count: int,
+    noise_sum_squares: float,
+    shift_count: int,
+    shift_sum: float,
+    shift_sum_squares: float,
+    *,
+    confidence: float = 0.95,
+) -> dict:
+    """An upper confidence bound on the effective noise multiplier of observed Gaussian releases.
+
+    The step audit (:mod:`keras_dpsgd.audit.step`) observes, in units of the clip bound C,
+    u = (noised sum − clipped sum) / C at every coordinate of every step. Under the claimed
+    mechanism u = b + z with z ~ N(0, σ²) i.i.d. and b the canary (±1 where a canary joined,
+    0 elsewhere). Two exact Gaussian intervals, each at 1 − β/2 (union bound):
+
+    * noise: the `noise_count` observations with b = 0 give σ_high² = Σu² / χ²_{β/2}(n₀);
+    * shift: the `shift_count` observations with b = ±1 give b·u ~ N(a, σ²) with a = 1 for a
+      correct step; a_low = mean − t_{1−β/2}(n₁ − 1)·sd/√n₁ (Student).
+
+    The effective noise multiplier (noise over the sensitivity the canaries show) is then at
+    most σ_high / a_low with probability >= `confidence`; ∞ when a_low <= 0 or n₁ < 2.
+
+    Returns:
+      dict with noise_multiplier_upper_bound, noise_multiplier_estimate (√(Σu²/n₀)),
+      noise_multiplier_high (σ_high), shift_estimate, shift_lower_bound, confidence.
+    """
+    n0 = _check_count("noise_count", noise_count, 1)
+    n1 = _check_count("shift_count", shift_count, 0)
+    c = check_confidence(confidence)
+    beta = 1.0 - c
+    s0 = float(noise_sum_squares)
+    if not (math.isfinite(s0) and s0 >= 0.0):
+        raise ValueError(f"noise_sum_squares must be finite and >= 0, got {noise_sum_squares}")
+    sigma_hat = math.sqrt(s0 / n0)
+    sigma_high = math.sqrt(s0 / float(stats.chi2.ppf(beta / 2.0, n0)))
+    if n1 >= 2:
+        mean = float(shift_sum) / n1
+        var = max(0.0, (float(shift_sum_squares) - n1 * mean * mean) / (n1 - 1))
+        shift_low = mean - float(stats.t.ppf(1.0 - beta / 2.0, n1 - 1)) * math.sqrt(var / n1)
+    else:
+        mean, shift_low = math.nan, -math.inf
+    upper = sigma_high / shift_low if shift_low > 0.0 else math.inf
+    return {
+        "noise_multiplier_upper_bound": upper,
+        "noise_multiplier_estimate": sigma_hat,
+        "noise_multiplier_high": sigma_high,
+        "shift_estimate": mean,
+        "shift_lower_bound": shift_low,
+        "confidence": c,
+    }
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """δ(ε) of μ-Gaussian DP (Dong, Roth, Su 2019, Corollary 2.13): Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    mu = V.positive(mu=mu)
+    eps = V.nonnegative(epsilon=epsilon)
+    return float(stats.norm.cdf(-eps / mu + mu / 2.0) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2.0))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """The ε at which μ-GDP holds with `delta` (the root of :func:`gdp_delta`; 0 if δ(0) <= δ)."""
+    from scipy import optimize
+
+    mu = V.positive(mu=mu)
+    d = V.in_range(0, 1, "()", delta=delta)
+    if gdp_delta(mu, 0.0) <= d:
+        return 0.0
+    high = 1.0
+    while gdp_delta(mu, high) > d:
+        high *= 2.0
+    return float(optimize.brentq(lambda e: gdp_delta(mu, e) - d, 0.0, high, xtol=1e-12, rtol=1e-12))
+
+
+def require_pld():
+    """dp_accounting's ``privacy_loss_distribution`` module, which the step audit's ε needs.
+
+    Raises:
+      ImportError: dp_accounting is not installed; the message names the extra and the way out.
+    """
+    try:
+        from dp_accounting.pld import privacy_loss_distribution
+    except ImportError as err:
+        raise ImportError(
+            "the step audit needs dp_accounting for its ε: pip install keras-dpsgd[pld] "
+            "(or audit with --mode one-run / canary_audit, which does not)"
+        ) from err
+    return privacy_loss_distribution
+
+
+def subsampled_gaussian_epsilon_lower(
+    noise_multiplier: float, sampling_rate: float, steps: int, delta: float, *, discretization: float = 1e-3
+) -> float:
+    """A LOWER bound on the exact ε(δ) of `steps` Poisson-subsampled Gaussian releases.
+
+    q = 1: the exact μ-GDP value with μ = √T/σ (:func:`gdp_epsilon`). q < 1: dp_accounting's
+    privacy loss distribution with the optimistic discretization (``pessimistic_estimate=False``),
+    whose ε never exceeds the true one (the accountants report the pessimistic, upper one).
+    σ = 0: ∞ when the chance that the example joins a lot, 1 − (1 − q)^T, exceeds δ (a noiseless
+    release shows it). σ below 0.2 is raised to 0.2 (ε only grows as σ falls: still a lower bound).
+    """
+    sigma = V.in_range(0, math.inf, "[]", noise_multiplier=noise_multiplier)
+    q = V.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+    t = V.integer_at_least(1, steps=steps)
+    d = V.in_range(0, 1, "()", delta=delta)
+    if sigma == 0.0:
+        return math.inf if 1.0 - (1.0 - q) ** t > d else 0.0
+    if not math.isfinite(sigma):
+        return 0.0
+    sigma = max(sigma, 0.2)
+    if q == 1.0:
+        return gdp_epsilon(math.sqrt(t) / sigma, d)
+    dist = require_pld().from_gaussian_mechanism(
+        sigma,
+        sampling_prob=q,
+        pessimistic_estimate=False,
+        use_connect_dots=False,
+        value_discretization_interval=discretization,
+    )
+    return max(0.0, float(dist.self_compose(t).get_epsilon_for_delta(d)))

@@ -2,9 +2,16 @@
 
 The privacy flags are those of ``keras-dpsgd train`` (the parser is built
 from its own, so the two cannot drift); ``--noise-multiplier 0`` trains
-without noise (ε = ∞). The run trains ONE model with m canaries, each
-included with probability 1/2, and turns the canaries' scores into a lower
-bound ε_emp (Steinke, Nasr, Jagielski 2023). ε_emp > ε is a bug.
+without noise (ε = ∞). Two modes, each training ONE model with canaries:
+
+* ``--mode step`` (default, the strongest): the white-box step audit
+  (:func:`keras_dpsgd.audit.step_audit`, after Nasr et al. 2023): Dirac canaries on every coordinate,
+  the noised release of every step measured against the claimed Gaussian mechanism; it assumes the
+  noise is Gaussian and measures its scale.
+* ``--mode one-run``: m canaries, each included with probability 1/2, the canaries' scores turned into
+  a lower bound (Steinke, Nasr, Jagielski 2023); assumes nothing about the noise's form.
+
+ε_emp > ε is a bug.
 
 The audit run is a training run on the data: the ε it prints is its own.
 
@@ -26,6 +33,8 @@ from keras_dpsgd.cli import positive_int
 __all__ = ["audit", "register", "run"]
 
 _KINDS = ("gradient", "ood", "mislabeled")
+_MODES = ("step", "one-run")
+_ONE_RUN_CANARIES = 1000  # --canaries default of --mode one-run (step: one on every coordinate)
 _PLOT_SCALES = (0.5, 1.0, 2.0, 4.0)  # --plot: σ of the run times these
 
 
@@ -47,25 +56,36 @@ def register(subparsers) -> None:
         conflict_handler="resolve",
         help="audit DP training empirically: one run with canaries gives a lower bound on ε",
         description=(
-            "Train one model with canaries (each included with probability 1/2), compute the empirical lower "
-            "bound ε_emp on its privacy loss (Steinke, Nasr, Jagielski 2023) and compare it with the ε the "
-            "accountant reports: ε_emp > ε flags a bug. Privacy flags as for `keras-dpsgd train`; "
-            "--noise-multiplier 0 trains without noise. The audit is itself a training run on the data."
+            "Train one model with canaries, compute an empirical lower bound ε_emp on its privacy loss and "
+            "compare it with the ε the accountant reports: ε_emp > ε flags a bug. --mode step (default): "
+            "the noised release of every step against the claimed Gaussian mechanism (white box, Nasr et al. "
+            "2023; assumes Gaussian noise, measures its scale); --mode one-run: canaries included by fair "
+            "coins, scored after training (Steinke, Nasr, Jagielski 2023). Privacy flags as for "
+            "`keras-dpsgd train`; --noise-multiplier 0 trains without noise. The audit is itself a training "
+            "run on the data."
         ),
+    )
+    p.add_argument(
+        "--mode",
+        choices=_MODES,
+        default="step",
+        help="step: white-box audit of every step's noised release (default, the strongest); one-run: the "
+        "one-run canary audit, which assumes nothing about the noise's form",
     )
     p.add_argument(
         "--canaries",
         type=positive_int,
-        default=1000,
+        default=None,
         metavar="M",
-        help="number of canaries m >= 2 (default %(default)s)",
+        help=f"number of canaries (one-run: m >= 2, default {_ONE_RUN_CANARIES}; step: default one on every "
+        "trainable coordinate)",
     )
     p.add_argument(
         "--canary-kind",
         choices=_KINDS,
         default="gradient",
         help="gradient: Dirac canaries in the clipped sum (audits the step; default); ood: noise "
-        "images with random labels; mislabeled: held-out images with wrong labels",
+        "images with random labels; mislabeled: held-out images with wrong labels (these two: --mode one-run)",
     )
     p.add_argument(
         "--confidence", type=_confidence, default=0.95, metavar="C", help="confidence of ε_emp (default %(default)s)"
@@ -87,7 +107,16 @@ def _check(args) -> None:
         raise ValueError("--save is not supported by audit: an audit's model holds canaries and is not for release")
     if args.physical_batch_size is not None:
         raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
-    _validate.integer_at_least(2, canaries=args.canaries)
+    if args.mode == "one-run":
+        _validate.integer_at_least(2, canaries=args.canaries)
+    elif args.canary_kind != "gradient":
+        raise ValueError(
+            f"--canary-kind {args.canary_kind} needs --mode one-run (the step audit uses gradient canaries)"
+        )
+    else:
+        from keras_dpsgd.audit.statistics import require_pld
+
+        require_pld()  # before any work: ImportError, exit 2
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ValueError(f"plot must be a file name ending in .png, got {args.plot!r}")
     train_cli._check_args(args)
@@ -97,6 +126,7 @@ def _audit(args, data, noise_multiplier):
     """One audited run; `noise_multiplier` None: calibrated to the target as `train` does."""
     from keras_dpsgd import _models
     from keras_dpsgd.audit.one_run import canary_audit
+    from keras_dpsgd.audit.step import step_audit
     from keras_dpsgd.cli import train as train_cli
     from keras_dpsgd.tools import _front
 
@@ -106,14 +136,8 @@ def _audit(args, data, noise_multiplier):
         args.noise_multiplier = noise_multiplier
         return train_cli._plan(args, lots.num_examples, delta, lots.lots_per_epoch, lots.sampling_rate)[1]
 
-    return canary_audit(
-        lambda: _models.build_model(
-            args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras_module
-        ),
-        (data.x_train, data.y_train),
+    common = dict(
         num_classes=data.num_classes,
-        canaries=args.canaries,
-        kind=args.canary_kind,
         noise_multiplier=sigma,
         l2_norm_clip=args.l2_norm_clip,
         lot_size=args.lot_size,
@@ -123,9 +147,22 @@ def _audit(args, data, noise_multiplier):
         delta=args.delta,
         confidence=args.confidence,
         accountant=args.accountant,
-        held_out=(data.x_test, data.y_test),
         seed=args.seed,
         verbose=2 if args.json else 1,
+    )
+    build = lambda: _models.build_model(  # noqa: E731
+        args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras_module
+    )
+    train = (data.x_train, data.y_train)
+    if args.mode == "step":
+        return step_audit(build, train, canaries=args.canaries, **common)
+    return canary_audit(
+        build,
+        train,
+        canaries=args.canaries or _ONE_RUN_CANARIES,
+        kind=args.canary_kind,
+        held_out=(data.x_test, data.y_test),
+        **common,
     )
 
 
@@ -137,7 +174,7 @@ def audit(args) -> dict:
     given = args.noise_multiplier
     data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
     result = _audit(args, data, given)
-    out = result.to_dict()
+    out = {**result.to_dict(), "mode": args.mode}
     if args.plot:
         points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
         base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
@@ -160,17 +197,30 @@ def _plot(path: str, points, result) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    finite = [(s, e, lb) for s, e, lb in points if math.isfinite(e)]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    top = max([e for _, e, _ in finite] + [lb for _, _, lb in points] + [1.0])
+    finite = [(s, e, lb) for s, e, lb in points if math.isfinite(e) and math.isfinite(lb)]
+    per_step = getattr(result, "per_step", None)  # the step audit: what every step released
+    fig, axes = plt.subplots(1, 1 if per_step is None else 2, figsize=(5 if per_step is None else 10, 4))
+    ax = axes if per_step is None else axes[0]
+    top = max([e for _, e, _ in finite] + [lb for _, _, lb in finite] + [1.0])
     ax.plot([0, top], [0, top], "k--", lw=1, label="ε_emp = ε (above: a bug)")
     ax.plot([e for _, e, _ in finite], [lb for _, e, lb in finite], "o-", label=f"ε_emp ({result.method})")
     for s, e, lb in finite:
         ax.annotate(f"σ={s:.2g}", (e, lb), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("reported ε (accountant)")
     ax.set_ylabel(f"ε_emp at {result.confidence:.0%} confidence")
-    ax.set_title(f"One-run audit, {result.canaries} canaries, δ = {result.delta:.2g}")
+    ax.set_title(f"{result.method} audit, {result.canaries} canaries, δ = {result.delta:.2g}")
     ax.legend(fontsize=8)
+    if per_step is not None:
+        steps = range(1, len(per_step) + 1)
+        axes[1].plot(steps, per_step[:, 0], ".", label="noise std / C measured")
+        axes[1].plot(steps, per_step[:, 1], "x", ms=4, label="canaries' shift / C measured (claimed 1)")
+        axes[1].axhline(
+            result.noise_multiplier, color="k", ls="--", lw=1, label=f"claimed σ = {result.noise_multiplier:.3g}"
+        )
+        axes[1].axhline(1.0, color="gray", ls=":", lw=1)
+        axes[1].set_xlabel("step")
+        axes[1].set_title("every step of the audited run")
+        axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -182,16 +232,33 @@ def run(args) -> dict:
 
     if args.json:
         with contextlib.redirect_stdout(sys.stderr):
-            return _select(audit(args))
+            return _flag(_select(audit(args)))
     out = audit(args)
+    if args.mode == "step":
+        detail = (
+            f"noise measured σ = {out['noise_multiplier_estimate']:.4g} (at most "
+            f"{out['noise_multiplier_upper_bound']:.4g} of the canaries' shift), {out['observations']} "
+            f"projections over {out['steps']} steps; assumes {out['assumption']}"
+        )
+    else:
+        detail = f"AUC {out['auc']:.3f}, {out['correct']} of {out['guesses']} guesses right"
     print(
         f"\nreported ε = {out['epsilon']:.4g}, empirical lower bound ε_emp = {out['epsilon_lower_bound']:.4g} "
         f"at {out['confidence']:.0%} confidence (δ = {out['delta']:.3g}, {out['canaries']} canaries, "
-        f"{out['method']}, AUC {out['auc']:.3f}, {out['correct']} of {out['guesses']} guesses right, "
+        f"{out['method']}, {detail}, "
         f"σ = {out['noise_multiplier']:.4g}, {_models.keras_display(_models.front_end())})\n{out['verdict']}"
         + (f"\nplot written to {out['plot']}" if "plot" in out else "")
     )
-    return _select(out)
+    return _flag(_select(out))
+
+
+def _flag(out: dict) -> dict:
+    """A leak found is the command's failure (exit 1, the result still reported): CI can gate on it."""
+    from keras_dpsgd.cli import CommandFailed
+
+    if out["violation"]:
+        raise CommandFailed(out["verdict"], out)
+    return out
 
 
 def _select(out: dict) -> dict:
@@ -202,12 +269,20 @@ def _select(out: dict) -> dict:
         "canaries",
         "auc",
         "method",
+        "mode",
         "delta",
         "verdict",
         "violation",
         "noise_multiplier",
         "guesses",
         "correct",
+        "noise_multiplier_estimate",
+        "noise_multiplier_upper_bound",
+        "shift_estimate",
+        "observations",
+        "canary_joins",
+        "sampling_rate",
+        "assumption",
         "steps",
         "keras",
         "plot",
