@@ -24,13 +24,13 @@ import math
 from typing import Any, Iterable, Optional
 
 import keras
-import tensorflow as tf
 import tf_keras
 
 from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
     attach,
     fit_frame,
+    fit_training_size,
     is_dp_optimizer,
     model_epsilon,
     note_fit_sampling,
@@ -55,10 +55,7 @@ def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]
     split = frame.f_locals.get("validation_split") if frame is not None else None
     if not split:
         return
-    # fit has already split x: its local x is the training part.
-    leaves = [leaf for leaf in tf.nest.flatten(frame.f_locals.get("x")) if hasattr(leaf, "shape")]
-    shape = tuple(leaves[0].shape) if leaves else ()
-    n_train = int(shape[0]) if shape and shape[0] is not None else None
+    n_train = fit_training_size(frame)
     if n_train is None:
         raise ValueError(
             f"validation_split={split!r} with num_examples={num_examples}: the size of the training split "

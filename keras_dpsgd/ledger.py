@@ -81,7 +81,6 @@ import threading
 import weakref
 from typing import Any, Iterable, Optional, Sequence
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -102,6 +101,7 @@ __all__ = [
     "LedgerState",
     "attach",
     "fit_frame",
+    "fit_training_size",
     "is_dp_optimizer",
     "layer_events",
     "ledger_state_holders",
@@ -534,8 +534,8 @@ def fit_training_size(frame: Any) -> Optional[int]:
     x = frame.f_locals.get("x") if frame is not None else None
     if x is None or isinstance(x, tf.data.Dataset):
         return None
-    leaves = [leaf for leaf in tf.nest.flatten(x) if isinstance(leaf, (np.ndarray, tf.Tensor))]
-    if not leaves or len(leaves) != len(tf.nest.flatten(x)):
+    leaves = tf.nest.flatten(x)
+    if not all(hasattr(leaf, "shape") for leaf in leaves):  # arrays, tensors, data frames
         return None
     shape = tuple(leaves[0].shape)
     return int(shape[0]) if shape and shape[0] is not None else None
@@ -591,8 +591,11 @@ def note_fit_sampling(model: Any, optimizer: Any) -> None:
             _close_segment(model, optimizer)  # the steps of this fit: at the reader's q
     setattr(optimizer, _FIT_SAMPLING_ATTR, sampling)
     if sampling is not None:
-        _warn_poisson_assumed(sampling[2], f"batch_size * gradient_accumulation_steps / N = {batch} * "
-                              f"{_accumulation(optimizer)} / {n} (fit's batch size and training set)")
+        _warn_poisson_assumed(
+            sampling[2],
+            f"batch_size * gradient_accumulation_steps / N = {batch} * "
+            f"{_accumulation(optimizer)} / {n} (fit's batch size and training set)",
+        )
         if model is not None:
             attach(model, optimizer)
 
@@ -754,8 +757,10 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
     attach(model, optimizer)
     data = sync_ledger_state(model, recorded_sampling_rate(optimizer), sigma)
     q = None  # the reader's q: needed only for steps recorded without one
-    if num_examples is not None or batch_size is not None or any(
-        s["sampling_rate"] is None and s["count"] for s in data["segments"]
+    if (
+        num_examples is not None
+        or batch_size is not None
+        or any(s["sampling_rate"] is None and s["count"] for s in data["segments"])
     ):
         q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     return [step_event(*segment) for segment in S.events(data, q)]

@@ -26,4 +26,3 @@ def test_missing_optional_package_is_refused_before_any_work(argv, module, extra
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert module in err and f"pip install {extra}" in err, err
-

@@ -73,7 +73,10 @@ def test_logged_loss_and_metrics_are_means_over_the_real_examples_of_poisson_lot
     front = make_front()
     K = front.keras
     model = K.Sequential(
-        [K.Input((4,)), K.layers.Dense(2, kernel_initializer="zeros", bias_initializer=K.initializers.Constant([0.0, 2.0]))]
+        [
+            K.Input((4,)),
+            K.layers.Dense(2, kernel_initializer="zeros", bias_initializer=K.initializers.Constant([0.0, 2.0])),
+        ]
     )
     model = front.private(model)
     lots = keras_dpsgd.PoissonLots(X, np.ones(N, dtype="int64"), expected_lot_size=40, seed=0)
@@ -123,7 +126,9 @@ def test_make_private_refuses_a_backend_other_than_tensorflow(monkeypatch):
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     for backend in ("jax", "torch"):
         monkeypatch.setattr(keras.backend, "backend", lambda backend=backend: backend)
-        with pytest.raises(ValueError, match=rf"TensorFlow backend only, got the '{backend}' backend.*KERAS_BACKEND=tensorflow"):
+        with pytest.raises(
+            ValueError, match=rf"TensorFlow backend only, got the '{backend}' backend.*KERAS_BACKEND=tensorflow"
+        ):
             k3.make_private(model)
     monkeypatch.undo()
     assert k3.make_private(model) is model
