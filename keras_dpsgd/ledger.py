@@ -620,10 +620,6 @@ def recorded_sampling_rate(optimizer: Any) -> Optional[float]:
     return None if sampling is None else sampling[2]
 
 
-def _int_arg(value: Any, name: str) -> Optional[int]:
-    return None if value is None else _validate.integer_at_least(1, **{name: value})
-
-
 def resolve_num_examples(optimizer: Any, num_examples: Optional[int] = None) -> Optional[int]:
     """N: `num_examples`, else expected_lot_size / sampling_rate of a configured optimizer, else
     the training set of the optimizer's last ``fit`` on arrays."""

@@ -26,3 +26,10 @@ def test_missing_optional_package_is_refused_before_any_work(argv, module, extra
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert module in err and f"pip install {extra}" in err, err
+
+
+def test_the_description_names_both_kerases():
+    from keras_dpsgd.cli import build_parser
+
+    description = build_parser().description
+    assert "Keras 3 and tf_keras" in description and "for tf_keras:" not in description
