@@ -574,9 +574,9 @@ _LOTS_ATTR = "_keras_dpsgd_poisson_lots"
 
 
 def is_lots_dataset(data: Any) -> bool:
-    """True for a dataset made by :meth:`PoissonLots.dataset` (lots are independent draws: fit's
-    ``shuffle`` means nothing for them)."""
-    return bool(getattr(data, _LOTS_ATTR, False))
+    """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
+    (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
+    return bool(getattr(data, _LOTS_ATTR, False)) or isinstance(data, PoissonLotsPyDataset)
 
 
 def strategy_workers(strategy: Any) -> int:
