@@ -9,7 +9,8 @@ and the compiled metrics, weighted or not, see the real rows only. None of this 
 DP gradient, which weights every row by its sample weight as before.
 
 Both front ends use these helpers: the Keras 3 private train step directly, tf_keras through
-the ``compute_metrics`` that the DP optimizer gives the model it trains (:func:`install_tf_keras`).
+the ``compute_metrics`` that the DP optimizer gives the model it trains (:func:`install_tf_keras`;
+not under several replicas, where tf_keras's own values are logged).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from typing import Any, Optional
 import tensorflow as tf
 
 __all__ = ["install_tf_keras", "real_mean", "real_rows", "real_rows_only"]
-
-_TRACKER_ATTR = "_dpsgd_real_loss"
 
 
 def real_rows(sample_weight: Any) -> Optional[tf.Tensor]:
