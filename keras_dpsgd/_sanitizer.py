@@ -72,7 +72,7 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _step, ledger
+from keras_dpsgd import _display, _distribute, _step, ledger
 from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
 from keras_dpsgd.normalization import refuse_adapted_preprocessing
 from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
@@ -274,6 +274,7 @@ class DPSanitizerMixin(DPSettingsMixin):
 
     def _on_fit_epoch_begin(self, model: Any) -> None:
         """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
+        ledger.note_fit_sampling(model, self)  # a later fit may have another q = B·k/N
         self._check_lot_alignment(model)
         if self._first_epoch_of_fit(model):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
@@ -287,16 +288,20 @@ class DPSanitizerMixin(DPSettingsMixin):
             )
 
     def _watch_lot_boundaries(self, model: Any) -> None:
-        """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
-        if model is None or self.gradient_accumulation_steps == 1:
+        """At trace time: fit's q where the optimizer does not know it (``ledger.note_fit_sampling``,
+        again at every epoch start), and lots of `model`'s fit never cross an epoch or a fit."""
+        if model is None:
+            return
+        ledger.note_fit_sampling(model, self)
+        if "reset_metrics" not in vars(model):
+            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
+        if self.gradient_accumulation_steps == 1:
             return
         self._check_lot_alignment(model)
         with tf.init_scope():
             first_step_of_fit = int(model._train_counter.numpy()) == 0
         if first_step_of_fit:
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
-        if "reset_metrics" not in vars(model):
-            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
 
     def finalize_variable_values(self, var_list):
         """Called by fit at its end: an incomplete last lot is discarded."""
@@ -416,6 +421,7 @@ class DPSanitizerMixin(DPSettingsMixin):
                 )
             loss, regularization = loss
         refuse_example_mixing(model, var_list, loss)
+        raw_loss = loss
         loss = per_example_loss(loss, tape, type(self).__name__)
         reg_grads = None
         if callable(regularization):  # A function of the weights only (``_tf_keras_step``): its own tape.
@@ -432,6 +438,8 @@ class DPSanitizerMixin(DPSettingsMixin):
                 )
             reg_grads = tape.gradient(regularization, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
             reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
+        if _distribute.num_replicas() == 1:  # the logged loss and metrics: over the real rows
+            _display.install_tf_keras(model, raw_loss, loss)
         return loss, var_list, tape, reg_grads
 
     def _release(self, summed, num_examples, reg_grads):

@@ -2,8 +2,8 @@
 
 * :class:`PrivacyLogger` writes ``epsilon`` and ``delta`` into the epoch logs,
   so they show in the progress bar, in ``History`` and in the TensorBoard
-  callback (list it *before* ``TensorBoard`` in ``callbacks=``; Keras appends
-  its own progress bar and ``History`` after the user's callbacks).
+  callback, wherever it is listed in ``callbacks=`` (at the start of fit it
+  moves itself ahead of the other callbacks).
 * :class:`WithinLimit` stops training as soon as the next step would take ε
   above the target: Abadi et al. (2016)'s ``while within_limit`` loop. It
   counts every event in the model's ledger (e.g. DP-PCA) and stops mid-epoch.
@@ -24,15 +24,17 @@ import math
 from typing import Any, Iterable, Optional
 
 import keras
-import tensorflow as tf
 import tf_keras
 
 from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
     attach,
     fit_frame,
+    fit_training_size,
     is_dp_optimizer,
     model_epsilon,
+    note_fit_sampling,
+    recorded_sampling_rate,
     resolve_num_examples,
     resolve_sampling_rate,
     steps_remaining,
@@ -53,10 +55,7 @@ def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]
     split = frame.f_locals.get("validation_split") if frame is not None else None
     if not split:
         return
-    # fit has already split x: its local x is the training part.
-    leaves = [leaf for leaf in tf.nest.flatten(frame.f_locals.get("x")) if hasattr(leaf, "shape")]
-    shape = tuple(leaves[0].shape) if leaves else ()
-    n_train = int(shape[0]) if shape and shape[0] is not None else None
+    n_train = fit_training_size(frame)
     if n_train is None:
         raise ValueError(
             f"validation_split={split!r} with num_examples={num_examples}: the size of the training split "
@@ -108,7 +107,10 @@ class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
         """
         optimizer = self._optimizer()
         _check_training_size(self.model, optimizer, self.num_examples)
+        note_fit_sampling(self.model, optimizer)
         attach(self.model, optimizer)
+        # Before the first step: q must resolve (never an error after training).
+        resolve_sampling_rate(optimizer, num_examples=self.num_examples, batch_size=self.batch_size)
         return optimizer
 
     def _epsilon(self) -> tuple[float, float]:
@@ -158,6 +160,10 @@ class PrivacyLogger(_PrivacyCallback):
 
     def on_train_begin(self, logs=None):
         self._begin()
+        _run_first(self.model)
+
+    def _implements_train_batch_hooks(self):  # tf_keras: no batch hooks, so none to call or time
+        return False
 
     def on_epoch_end(self, epoch, logs=None):
         self.epsilon, self.delta = self._epsilon()
@@ -166,10 +172,25 @@ class PrivacyLogger(_PrivacyCallback):
             logs["delta"] = self.delta
 
 
+def _run_first(model: Any) -> None:
+    """Puts the PrivacyLoggers first in the running fit's callback list (their order kept).
+
+    Callbacks see the epoch logs in list order, and TensorBoard writes them in its own
+    ``on_epoch_end``: a logger listed after it added ε too late. Called from ``on_train_begin``;
+    the list is replaced, not changed in place, so the call that is running goes on as it was.
+    """
+    frame = fit_frame(model)
+    callback_list = frame.f_locals.get("callbacks") if frame is not None else None
+    listed = getattr(callback_list, "callbacks", None)
+    if isinstance(listed, list):
+        loggers = [c for c in listed if isinstance(c, PrivacyLogger)]
+        callback_list.callbacks = loggers + [c for c in listed if not isinstance(c, PrivacyLogger)]
+
+
 class WithinLimit(_PrivacyCallback):
     """Stops training before the step that would take ε above `target_epsilon`.
 
-    At the first batch of every epoch (after restores done in
+    At the start of every epoch (after restores done in
     ``on_train_begin``, e.g. by BackupAndRestore) and whenever q or σ_eff
     changes, it asks the accountant how many more steps fit in the budget
     given everything already in the model's ledger (:func:`steps_remaining`);
@@ -226,7 +247,7 @@ class WithinLimit(_PrivacyCallback):
         """(q as the optimizer knows it, None if unknown; σ_eff); checks that q resolves."""
         n = resolve_num_examples(optimizer, self.num_examples)
         resolve_sampling_rate(optimizer, num_examples=n, batch_size=self.batch_size)
-        return getattr(optimizer, "sampling_rate", None), float(optimizer.effective_noise_multiplier)
+        return recorded_sampling_rate(optimizer), float(optimizer.effective_noise_multiplier)
 
     def _recompute_budget(self, optimizer) -> None:
         self._params = self._current_params(optimizer)
@@ -313,22 +334,23 @@ class WithinLimit(_PrivacyCallback):
     def on_train_begin(self, logs=None):
         self._begin()
         self.stopped = False
-        self._check_pending = True
+        self._epoch = 0
 
     def on_epoch_begin(self, epoch, logs=None):
-        # Recomputed at the first batch of each epoch, after every callback's
-        # on_train_begin (BackupAndRestore restores the ledger there).
-        self._check_pending = True
+        # Recomputed at the start of each epoch, after every callback's on_train_begin
+        # (BackupAndRestore restores the ledger there), not in a batch hook: tf_keras
+        # times those against the batch and warns when they are slow.
+        self._epoch = epoch
+        optimizer = self._optimizer()
+        self._recompute_budget(optimizer)
+        if self.remaining < self._steps_needed_per_call(optimizer):
+            self._skip_next_call()
+            self._stop()
 
     def on_train_batch_begin(self, batch, logs=None):
         optimizer = self._optimizer()
-        if self._check_pending:
-            self._check_pending = False
-            self._recompute_budget(optimizer)
-            if self.remaining < self._steps_needed_per_call(optimizer):
-                self._skip_next_call()
-                self._stop()
-                return
+        if self._replaced is not None:
+            return  # the no-op call after a stop
         if self._can_cut_calls(optimizer):
             batches = self.remaining * (1 if is_keras3_model(self.model) else self._accumulation(optimizer))
             if 0 < batches < self._steps_per_execution():
@@ -347,8 +369,14 @@ class WithinLimit(_PrivacyCallback):
         else:
             self._last_steps = int(optimizer.noised_steps.numpy())
             self.remaining = self._budget - (self._last_steps - self._budget_start)
-        if self.remaining < self._steps_needed_per_call(optimizer):
+        if self.remaining < self._steps_needed_per_call(optimizer) and not self._planned_end(batch):
             self._stop()
+
+    def _planned_end(self, batch: int) -> bool:
+        """True after the last batch fit planned: the budget ran out exactly there, nothing is stopped."""
+        params = self.params or {}
+        steps, epochs = params.get("steps"), params.get("epochs")
+        return steps is not None and epochs is not None and batch + 1 >= steps and self._epoch + 1 >= epochs
 
     def on_epoch_end(self, epoch, logs=None):
         # Keep the saved copy of the ledger current (counts come from

@@ -103,13 +103,16 @@ __all__ = [
     "LedgerState",
     "attach",
     "fit_frame",
+    "fit_training_size",
     "is_dp_optimizer",
     "layer_events",
     "ledger_state_holders",
     "model_epsilon",
     "model_privacy_ledger",
+    "note_fit_sampling",
     "noised_steps",
     "optimizer_events",
+    "recorded_sampling_rate",
     "refuse_lost_history",
     "resolve_delta",
     "resolve_num_examples",
@@ -280,7 +283,7 @@ def _refresh(model: Any, optimizer: Any) -> None:
     """Brings the saved copies up to date with the optimizer's counter (q as it knows it)."""
     sync_ledger_state(
         model,
-        getattr(optimizer, "sampling_rate", None),
+        recorded_sampling_rate(optimizer),
         float(optimizer.effective_noise_multiplier),
         optimizer=optimizer,
     )
@@ -559,8 +562,104 @@ def _int_arg(value: Any, name: str) -> Optional[int]:
     return None if value is None else _validate.integer_at_least(1, **{name: value})
 
 
+def fit_training_size(frame: Any) -> Optional[int]:
+    """N of a running fit's training data given as arrays (after ``validation_split``), or None.
+
+    `frame`: the frame of ``fit`` (:func:`fit_frame`); fit has already split x, so its local x is
+    the training part. None for a dataset, a generator or a PyDataset (no known size).
+    """
+    x = frame.f_locals.get("x") if frame is not None else None
+    if x is None or isinstance(x, tf.data.Dataset):
+        return None
+    leaves = tf.nest.flatten(x)
+    if not all(hasattr(leaf, "shape") for leaf in leaves):  # arrays, tensors, data frames
+        return None
+    shape = tuple(leaves[0].shape)
+    return int(shape[0]) if shape and shape[0] is not None else None
+
+
+# Keras fit's batch size when `batch_size` is None and the data are arrays (both Kerases).
+_KERAS_DEFAULT_BATCH_SIZE = 32
+_FIT_SAMPLING_ATTR = "_dpsgd_fit_sampling"
+
+
+def _accumulation(optimizer: Any) -> int:
+    return int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+
+
+def _warn_poisson_assumed(q: float, how: str) -> None:
+    _warn_once(
+        ("poisson-assumed", q),
+        "keras_dpsgd: the optimizer's sampling_rate is unknown (no PoissonLots.configure), so epsilon is "
+        "computed with q = %s = %g, which ASSUMES POISSON SAMPLING. Shuffled fixed-size batches (plain "
+        "fit(x, y, batch_size=B)) are a different mechanism for which this epsilon is not a proven bound; "
+        "train on keras_dpsgd.PoissonLots for an honest one.",
+        how,
+        q,
+    )
+
+
+def note_fit_sampling(model: Any, optimizer: Any) -> None:
+    """Records q = B · k / N of a running ``fit(x, y, batch_size=B)`` on arrays, where the optimizer
+    does not know its sampling rate (no ``PoissonLots.configure``).
+
+    Called when the DP step is traced, at every epoch start of fit and by the privacy callbacks'
+    ``on_train_begin``, before the fit's first step. The ledger then records the fit's steps at
+    that q (a new fit with another q starts a new segment; a fit whose data have no known size
+    records its steps at the reader's q, as before), and ``model_epsilon(model)`` needs neither
+    ``num_examples`` nor ``batch_size``. A warning says, once, that this ε assumes Poisson sampling.
+    """
+    if not is_dp_optimizer(optimizer) or getattr(optimizer, "sampling_rate", None) is not None:
+        return
+    frame = fit_frame(model)
+    if frame is None:
+        return
+    n = fit_training_size(frame)
+    batch = frame.f_locals.get("batch_size") or _KERAS_DEFAULT_BATCH_SIZE
+    sampling = None
+    if n is not None and isinstance(batch, int) and batch >= 1:
+        sampling = (n, batch, min(1.0, batch * _accumulation(optimizer) / n))
+    previous = getattr(optimizer, _FIT_SAMPLING_ATTR, None)
+    if sampling == previous:
+        return
+    if previous is not None and model is not None:
+        attach(model, optimizer)  # the earlier fit's steps, at its q
+        if sampling is None:
+            _close_segment(model, optimizer)  # the steps of this fit: at the reader's q
+    setattr(optimizer, _FIT_SAMPLING_ATTR, sampling)
+    if sampling is not None:
+        _warn_poisson_assumed(
+            sampling[2],
+            f"batch_size * gradient_accumulation_steps / N = {batch} * "
+            f"{_accumulation(optimizer)} / {n} (fit's batch size and training set)",
+        )
+        if model is not None:
+            attach(model, optimizer)
+
+
+def _close_segment(model: Any, optimizer: Any) -> None:
+    with tf.init_scope():
+        for holder in ledger_state_holders(model, optimizer):
+            holder.state.assign(S.dumps(S.close_segment(_read_state(holder))))
+
+
+def _fit_sampling(optimizer: Any) -> Optional[tuple]:
+    return getattr(optimizer, _FIT_SAMPLING_ATTR, None)
+
+
+def recorded_sampling_rate(optimizer: Any) -> Optional[float]:
+    """q the ledger records for the optimizer's steps: its sampling_rate, else the running or last
+    fit's B · k / N (:func:`note_fit_sampling`), else None (the reader's q applies)."""
+    q = getattr(optimizer, "sampling_rate", None)
+    if q is not None:
+        return q
+    sampling = _fit_sampling(optimizer)
+    return None if sampling is None else sampling[2]
+
+
 def resolve_num_examples(optimizer: Any, num_examples: Optional[int] = None) -> Optional[int]:
-    """N: `num_examples`, else expected_lot_size / sampling_rate of a configured optimizer."""
+    """N: `num_examples`, else expected_lot_size / sampling_rate of a configured optimizer, else
+    the training set of the optimizer's last ``fit`` on arrays."""
     n = _int_arg(num_examples, "num_examples")
     if n is not None:
         return n
@@ -568,13 +667,17 @@ def resolve_num_examples(optimizer: Any, num_examples: Optional[int] = None) -> 
     q = getattr(optimizer, "sampling_rate", None)
     if lot is not None and q is not None:
         return int(round(float(lot) / float(q)))
-    return None
+    sampling = _fit_sampling(optimizer)
+    return None if sampling is None else sampling[0]
 
 
 def resolve_sampling_rate(
     optimizer: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None
 ) -> float:
     """q of the optimizer's steps: its `sampling_rate`, else (B · accumulation) / N with a warning.
+
+    B and N: `batch_size` and `num_examples` where given, and fit's own where the optimizer's
+    last ``fit`` was on arrays (:func:`note_fit_sampling`); with both, the larger q.
 
     Raises:
       ValueError: if q is unknown and num_examples or batch_size is missing.
@@ -584,23 +687,18 @@ def resolve_sampling_rate(
         return float(q)
     n = _int_arg(num_examples, "num_examples")
     b = _int_arg(batch_size, "batch_size")
+    fitted = _fit_sampling(optimizer)
     if n is None or b is None:
+        if fitted is not None:
+            return fitted[2]
         raise ValueError(
-            "the optimizer's sampling_rate is unknown: train on keras_dpsgd.PoissonLots and call "
-            "lots.configure(optimizer), or pass num_examples and batch_size (then Poisson sampling is "
-            f"assumed), got num_examples={num_examples!r}, batch_size={batch_size!r}"
+            "the optimizer's sampling_rate is unknown and its fit's data have no known size: train on "
+            "keras_dpsgd.PoissonLots and call lots.configure(optimizer), or pass num_examples and batch_size "
+            f"(then Poisson sampling is assumed), got num_examples={num_examples!r}, batch_size={batch_size!r}"
         )
-    accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
-    q = min(1.0, b * accum / n)
-    _warn_once(
-        ("poisson-assumed", q),
-        "keras_dpsgd: the optimizer's sampling_rate is unknown, so epsilon is computed with "
-        "q = batch_size * gradient_accumulation_steps / N = %g, which ASSUMES POISSON SAMPLING. "
-        "Shuffled fixed-size batches (plain fit(x, y, batch_size=B)) are a different mechanism for "
-        "which this epsilon is not a proven bound; train on keras_dpsgd.PoissonLots for an honest one.",
-        q,
-    )
-    return q
+    q = min(1.0, b * _accumulation(optimizer) / n)
+    _warn_poisson_assumed(q, f"batch_size * gradient_accumulation_steps / N = {b} * {_accumulation(optimizer)} / {n}")
+    return q if fitted is None else max(q, fitted[2])
 
 
 def step_noise_multipliers(optimizer: Any, noise_multiplier: Optional[float] = None) -> tuple:
@@ -688,10 +786,16 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
         if iterations:
             return [GaussianEvent(0.0, count=iterations, label="non-private training")]
         return []
-    q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     sigma = float(optimizer.effective_noise_multiplier)
     attach(model, optimizer)
-    data = sync_ledger_state(model, getattr(optimizer, "sampling_rate", None), sigma)
+    data = sync_ledger_state(model, recorded_sampling_rate(optimizer), sigma)
+    q = None  # the reader's q: needed only for steps recorded without one
+    if (
+        num_examples is not None
+        or batch_size is not None
+        or any(s["sampling_rate"] is None and s["count"] for s in data["segments"])
+    ):
+        q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     return [step_event(*segment) for segment in S.events(data, q)]
 
 

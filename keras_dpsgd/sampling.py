@@ -403,7 +403,9 @@ class PoissonLots:
         """
         _check_num_lots(num_lots)
         self._refuse_shards("dataset")
-        return self._dataset(num_lots)
+        data = self._dataset(num_lots)
+        setattr(data, _LOTS_ATTR, True)  # fit of a private Keras 3 model: shuffle=False (nothing to shuffle)
+        return data
 
     def _refuse_shards(self, method: str) -> None:
         if self.num_workers > 1:
@@ -566,6 +568,15 @@ class PoissonLots:
                 raise ValueError("sample_weight given twice: in the dataset and as an argument")
             kwargs["sample_weight"] = stacked[2]
         return cls(stacked[0], stacked[1], **kwargs)
+
+
+_LOTS_ATTR = "_keras_dpsgd_poisson_lots"
+
+
+def is_lots_dataset(data: Any) -> bool:
+    """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
+    (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
+    return bool(getattr(data, _LOTS_ATTR, False)) or isinstance(data, PoissonLotsPyDataset)
 
 
 def strategy_workers(strategy: Any) -> int:

@@ -167,12 +167,14 @@ def test_within_limit_counts_a_real_dppca_layer_and_extra_events():
 def test_shuffled_batches_are_reported_with_a_poisson_warning(caplog):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=FakeDPOptimizer(SIGMA), loss="mse")  # sampling_rate unknown
-    with pytest.raises(ValueError, match="sampling_rate is unknown"):
-        _fit(model, [PrivacyLogger(DELTA)], epochs=1)
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(10).repeat()
+    with pytest.raises(ValueError, match="sampling_rate is unknown"):  # no size known: refused before a step
+        model.fit(data, epochs=1, steps_per_epoch=10, callbacks=[PrivacyLogger(DELTA)], verbose=0)
+    assert int(model.optimizer.noised_steps.numpy()) == 0
     with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
         hist = _fit(model, [PrivacyLogger(DELTA, num_examples=N, batch_size=10)], epochs=2)
     # q = B/N = 10/200 = Q: the same ε as real Poisson lots, but flagged as an assumption, once.
-    np.testing.assert_allclose(hist.history["epsilon"], [_eps(20), _eps(30)], rtol=1e-12)
+    np.testing.assert_allclose(hist.history["epsilon"], [_eps(10), _eps(20)], rtol=1e-12)
     assert sum("ASSUMES POISSON" in r.getMessage() for r in caplog.records) <= 1
 
 

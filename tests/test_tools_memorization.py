@@ -110,6 +110,8 @@ def test_fail_verdict_when_the_private_run_memorizes():
     )
     assert report.dp_memorizes
     assert report.verdict.startswith("FAIL") and "privacy parameters too weak" in report.verdict
+    # With its context (issue 27): where the run stands and how to reach a PASS.
+    assert "at epsilon = not accounted (delta = " in report.verdict and "--noise-multiplier" in report.verdict
     assert report.dp.epsilon is None  # an optimizer that reports no σ is not accounted
 
 

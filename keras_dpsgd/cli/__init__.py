@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -37,6 +38,7 @@ __all__ = [
     "model_choice",
     "positive_float",
     "positive_int",
+    "require_extras",
     "warn_deprecated",
 ]
 
@@ -60,7 +62,7 @@ class CommandFailed(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-dpsgd",
-        description="Differentially private training for tf_keras: accounting, planning, training.",
+        description="Differentially private training for Keras 3 and tf_keras: accounting, planning, training, audits.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
@@ -129,11 +131,40 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+# Options that need an optional package: (option's dest, value that needs it or None for any
+# value, module, extra of setup.cfg, the option as the user spells it).
+_OPTIONAL_PACKAGES = (
+    ("plot", None, "matplotlib", "plot", "--plot"),
+    ("accountant", "pld", "dp_accounting", "pld", "--accountant pld"),
+)
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:  # None there: a blocked import
+        return sys.modules[module] is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def require_extras(args: argparse.Namespace) -> None:
+    """Before any work: every optional package that the parsed options need is importable.
+
+    Raises:
+      ImportError: one line naming the option, the package and the extra to install.
+    """
+    for dest, value, module, extra, option in _OPTIONAL_PACKAGES:
+        given = getattr(args, dest, None)
+        if not given or (value is not None and given != value):
+            continue
+        if not _importable(module):
+            raise ImportError(f"{option} needs {module}: pip install keras-dpsgd[{extra}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     code, failure = 0, None
     try:
+        require_extras(args)
         if getattr(args, "uses_tensorflow", False):
             import_tensorflow_quietly()
         result = args.func(args)

@@ -255,15 +255,6 @@ def _table_rows(args, sizes: list[int], target: float, delta: float) -> list[dic
 
 
 def run_batch_table(args) -> dict:
-    if args.plot:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-        except ImportError:
-            raise ValueError(
-                "--plot needs matplotlib: pip install keras-dpsgd[plot] (or pip install matplotlib)"
-            ) from None
     sizes = _lot_sizes(args.lot_sizes, args.num_examples)
     delta = _delta(args)
     target = V.positive(target_epsilon=args.target_epsilon)
@@ -298,6 +289,9 @@ def run_batch_table(args) -> dict:
 
 def _plot(rows: list[dict], path: str) -> None:
     """The one noise-per-example plot (:func:`keras_dpsgd.tools.large_lots.plot_noise_per_example`), saved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     from keras_dpsgd.tools.large_lots import plot_noise_per_example

@@ -227,11 +227,11 @@ class DPKeras3Mixin(DPSettingsMixin):
           model: the model being trained (its ``fit`` marks the lot boundaries); None in a
             custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
         """
+        self._watch_lot_boundaries(model)
         if self._dp.accumulation == 1:
             self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
             return
         tf_vars = self._checked_variables(variables)
-        self._watch_lot_boundaries(model)
         summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
         for acc, s in zip(self._accumulators, summed):
             acc.assign_add(tf.cast(s, acc.dtype))
@@ -451,6 +451,7 @@ class DPKeras3Mixin(DPSettingsMixin):
         """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
         if model is None:
             return
+        ledger.note_fit_sampling(model, self)
         self._check_lot_alignment(model)
         if self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0:
             # Traced at the first step of this fit, after its first epoch began.

@@ -30,10 +30,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _mixing, _validate, ledger
+from keras_dpsgd import _display, _mixing, _validate, ledger
 from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+from keras_dpsgd.sampling import is_lots_dataset
 
 __all__ = [
     "make_private",
@@ -389,17 +390,36 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
         _refuse_data_losses(self, num_weight_terms)
         regularization = weight_regularization(self)
     private_update(optimizer, losses, variables, tape, regularization_loss=regularization, model=self)
-    total = tf.reduce_mean(losses)
+    # The logged loss and metrics: means over the real rows (padding of Poisson lots excluded).
+    rows = _display.real_rows(sample_weight)
+    total, count = _display.real_mean(losses, rows)
     if regularization is not None:
         total = total + tf.cast(regularization, total.dtype)
-    batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-    self._loss_tracker.update_state(total, sample_weight=batch)
+    self._loss_tracker.update_state(total, sample_weight=count)
+    if rows is not None:
+        y, y_pred, sample_weight = (_display.real_rows_only(s, rows) for s in (y, y_pred, sample_weight))
     logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     if _is_multi_worker(self):
         # Keras reduces each log with strategy.reduce("MEAN", v, axis=0) under several workers, which
         # needs an axis: one value per replica, averaged into the scalar Keras logs.
         logs = tf.nest.map_structure(lambda v: tf.reshape(v, [-1]) if v.shape.rank == 0 else v, logs)
     return logs
+
+
+# fit's parameters before `shuffle` (after x): y, batch_size, epochs, verbose, callbacks,
+# validation_split, validation_data.
+_BEFORE_SHUFFLE = 7
+
+
+def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
+    """Keras's ``fit``; on ``PoissonLots.dataset()`` with ``shuffle=False`` unless given.
+
+    Lots are independent draws, so there is nothing to shuffle, and Keras warned on every such fit
+    that it ignores its default ``shuffle=True`` for a dataset.
+    """
+    if is_lots_dataset(x) and len(args) < _BEFORE_SHUFFLE + 1:
+        kwargs.setdefault("shuffle", False)
+    return type(self).fit(self, x, *args, **kwargs)
 
 
 def _is_multi_worker(model: keras.Model) -> bool:
@@ -453,6 +473,22 @@ def _overridden(model: keras.Model, method: str) -> bool:
     return getattr(type(model), method) is not getattr(keras.Model, method)
 
 
+def check_backend() -> None:
+    """Refuses a Keras 3 backend other than TensorFlow, the one the private step is written for.
+
+    Raises:
+      ValueError: naming the backend and the way out (KERAS_BACKEND=tensorflow).
+    """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            f"keras_dpsgd supports Keras 3 with the TensorFlow backend only, got the {backend!r} backend "
+            f"(KERAS_BACKEND={backend}): its per-example gradients, clipping and noise are TensorFlow graph "
+            "code. Set KERAS_BACKEND=tensorflow before importing keras (or unset it), or use tf_keras "
+            "(TF_USE_LEGACY_KERAS=1)."
+        )
+
+
 def make_private(model: keras.Model) -> keras.Model:
     """Gives a Keras 3 model (Sequential, functional or subclassed) the private train step.
 
@@ -465,19 +501,22 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Raises:
       TypeError: `model` is not a Keras 3 model.
-      ValueError: the model overrides ``train_step`` or ``compute_loss`` (use
-        :func:`sanitized_gradients` in its own step). (A BatchNormalization layer in training mode is
-        refused at the first step: :func:`refuse_example_mixing`.)
+      ValueError: Keras 3 runs on a backend other than TensorFlow; the model overrides
+        ``train_step`` or ``compute_loss`` (use :func:`sanitized_gradients` in its own step).
+        (A BatchNormalization layer in training mode is refused at the first step:
+        :func:`refuse_example_mixing`.)
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (a tf_keras model: "
             "keras_dpsgd.tf_keras.make_private, needed only for weight regularizers)"
         )
+    check_backend()
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
     model.train_step = types.MethodType(_private_train_step, model)
+    model.fit = types.MethodType(_fit, model)
     _reduce_first_batch_per_leaf(model)
     _no_automatic_xla(model)
     setattr(model, _PRIVATE_ATTR, True)

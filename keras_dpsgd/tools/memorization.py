@@ -373,11 +373,14 @@ def _run_pair(
     np_mem = bool(nonpriv.train_lower_bound[-1] > chance)
     dp_mem = bool(dpres.train_lower_bound[-1] > chance)
     if mode == "noise":
+        at = _privacy_context(dpres, delta, dp, epochs)
         if dp_mem:
             verdict = (
                 f"FAIL: the DP model memorizes random labels (train accuracy {dpres.train_accuracy[-1]:.3f}, "
-                f"lower bound {dpres.train_lower_bound[-1]:.3f} > chance {chance:.3f}) "
-                f"-> privacy parameters too weak"
+                f"lower bound {dpres.train_lower_bound[-1]:.3f} > chance {chance:.3f}) {at} "
+                "-> privacy parameters too weak to prevent memorization: epsilon-DP still lets a model fit a "
+                "label up to about e^epsilon times as often as without it. For a PASS, lower epsilon: a larger "
+                "--noise-multiplier (8 passes on 1,000 noise examples), fewer --epochs or a smaller --lot-size"
             )
         elif not np_mem:
             verdict = (
@@ -387,7 +390,7 @@ def _run_pair(
         else:
             verdict = (
                 f"PASS: the non-private model memorizes (train accuracy {nonpriv.train_accuracy[-1]:.3f}) "
-                f"while the DP model stays at chance ({dpres.train_accuracy[-1]:.3f} vs {chance:.3f})"
+                f"while the DP model stays at chance ({dpres.train_accuracy[-1]:.3f} vs {chance:.3f}) {at}"
             )
         note = NOISE_PRIVACY_NOTE
     else:
@@ -421,6 +424,15 @@ def _run_pair(
         verdict=verdict,
         privacy_note=note,
         settings=settings,
+    )
+
+
+def _privacy_context(dpres: Any, delta: float, dp: "DPSettings", epochs: int) -> str:
+    """Where the DP run stands: "at epsilon = ... (delta, sigma, lots, epochs)"."""
+    eps = "not accounted" if dpres.epsilon is None else f"{dpres.epsilon:.3g}"
+    return (
+        f"at epsilon = {eps} (delta = {delta:.3g}; noise multiplier {dp.noise_multiplier:g}, expected lot "
+        f"size {dp.batch_size}, {epochs} epochs)"
     )
 
 
