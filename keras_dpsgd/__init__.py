@@ -23,6 +23,7 @@ _NEUTRAL = {
     # accounting (pure numpy/scipy)
     "PoissonSampledGaussianEvent": "keras_dpsgd.accounting",
     "GaussianEvent": "keras_dpsgd.accounting",
+    "GaussianThresholdingEvent": "keras_dpsgd.accounting",
     "ComposedEvent": "keras_dpsgd.accounting",
     "PrivacyLedger": "keras_dpsgd.accounting",
     "RdpAccountant": "keras_dpsgd.accounting",
@@ -49,6 +50,9 @@ _NEUTRAL = {
     "PrivateTraining": "keras_dpsgd._one_call",
     # preprocessing fitted on public data (marks a layer of either Keras)
     "mark_public": "keras_dpsgd.normalization",
+    # a vocabulary released with DP (Gaussian thresholding), for StringLookup / TextVectorization
+    "dp_vocabulary": "keras_dpsgd.vocabulary",
+    "DPVocabulary": "keras_dpsgd.vocabulary",
     # tools (Three Tools for Practical Differential Privacy): the privacy arithmetic
     "memorization_test": "keras_dpsgd.tools",
     "real_task_test": "keras_dpsgd.tools",
