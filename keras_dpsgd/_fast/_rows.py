@@ -103,7 +103,6 @@ _UNARY = frozenset(
     Snapshot Relu Relu6 Elu Selu LeakyRelu Softplus Softsign Tanh Sigmoid Exp Expm1 Log Log1p Neg
     Abs Square Sqrt Rsqrt Reciprocal Inv Sign Floor Ceil Round Rint Erf Erfc Sin Cos Tan Asin Acos
     Atan Sinh Cosh Asinh Acosh Atanh IsFinite IsNan IsInf LogicalNot Lgamma Digamma Real Imag
-    StringLower StringUpper StringStrip StaticRegexReplace RegexReplace
     LRN ResizeBilinear ResizeNearestNeighbor ResizeBicubic ResizeArea DepthToSpace SpaceToDepth
     """.split()
 )
@@ -670,129 +669,6 @@ def _xent(op, ins):
     return data[0][1]
 
 
-_RULES = {
-    **{name: _unary for name in _UNARY},
-    **{name: _elementwise for name in _ELEMENTWISE},
-    **{name: _reduction for name in _REDUCTIONS},
-    "Softmax": _softmax,
-    "LogSoftmax": _softmax,
-    "ArgMax": _arg_reduction,
-    "ArgMin": _arg_reduction,
-    "Cumsum": _cumulative,
-    "Cumprod": _cumulative,
-    "CumulativeLogsumexp": _cumulative,
-    "TopKV2": _top_k,
-    "Transpose": _transpose,
-    "ExpandDims": _expand_dims,
-    "Squeeze": _squeeze,
-    "Reshape": _reshape,
-    "StridedSlice": _strided_slice,
-    "Slice": _slice,
-    "ConcatV2": _concat,
-    "Pack": _pack,
-    "Unpack": _unpack,
-    "Split": _split,
-    "SplitV": _split,
-    "Tile": _tile,
-    "Pad": _pad,
-    "PadV2": _pad,
-    "MirrorPad": _pad,
-    "ReverseV2": _reverse_or_roll,
-    "Roll": _reverse_or_roll,
-    "GatherV2": _gather,
-    "Gather": _gather,
-    "ResourceGather": _resource_gather,
-    "OneHot": _one_hot,
-    "MatMul": _matmul,
-    "BatchMatMul": _batch_matmul,
-    "BatchMatMulV2": _batch_matmul,
-    "BatchMatMulV3": _batch_matmul,
-    "Einsum": _einsum,
-    "Conv2D": _conv,
-    "Conv3D": _conv,
-    "DepthwiseConv2dNative": _conv,
-    "Conv2DBackpropInput": _conv,
-    "MaxPool": _conv,
-    "AvgPool": _conv,
-    "MaxPool3D": _conv,
-    "AvgPool3D": _conv,
-    "ExtractImagePatches": _patches,
-    "SpaceToBatchND": _space_to_batch,
-    "BatchToSpaceND": _batch_to_space,
-    "FusedBatchNorm": _fused_batch_norm,
-    "FusedBatchNormV2": _fused_batch_norm,
-    "FusedBatchNormV3": _fused_batch_norm,
-    "SparseSoftmaxCrossEntropyWithLogits": _xent,
-    "SoftmaxCrossEntropyWithLogits": _xent,
-    "PartitionedCall": _call,
-    "StatefulPartitionedCall": _call,
-}
-# Ops whose data inputs are paired row by row: rows of two different orders must not meet.
-_PAIRING = _ELEMENTWISE | {
-    "ConcatV2",
-    "Pack",
-    "MatMul",
-    "BatchMatMul",
-    "BatchMatMulV2",
-    "BatchMatMulV3",
-    "Einsum",
-    "GatherV2",
-    "SparseSoftmaxCrossEntropyWithLogits",
-    "SoftmaxCrossEntropyWithLogits",
-}
-# Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
-_ROW_WISE = (
-    _UNARY
-    | _ELEMENTWISE
-    | _REDUCTIONS
-    | {
-        "Softmax",
-        "LogSoftmax",
-        "ArgMax",
-        "ArgMin",
-        "Cumsum",
-        "Cumprod",
-        "CumulativeLogsumexp",
-        "TopKV2",
-        "Transpose",
-        "ExpandDims",
-        "Squeeze",
-        "StridedSlice",
-        "Slice",
-        "ConcatV2",
-        "Pack",
-        "Split",
-        "SplitV",
-        "Tile",
-        "Pad",
-        "PadV2",
-        "MirrorPad",
-        "ReverseV2",
-        "Roll",
-        "GatherV2",
-        "Gather",
-        "ResourceGather",
-        "OneHot",
-        "MatMul",
-        "BatchMatMulV2",
-        "BatchMatMulV3",
-        "Einsum",
-        "Conv2D",
-        "Conv3D",
-        "DepthwiseConv2dNative",
-        "Conv2DBackpropInput",
-        "MaxPool",
-        "AvgPool",
-        "MaxPool3D",
-        "AvgPool3D",
-        "ExtractImagePatches",
-        "SparseSoftmaxCrossEntropyWithLogits",
-        "SoftmaxCrossEntropyWithLogits",
-        "Reshape",
-    }
-)
-
-
 # ----------------------------------------------------------------- ragged strings (TextVectorization)
 # ``StringSplitV2`` splits a batch of strings [B] into the tokens of all examples, flat (``values``),
 # with their (example, position) ``indices`` and the dense ``shape`` [B, longest]: kind "ragged", the
@@ -802,7 +678,15 @@ _ROW_WISE = (
 # row i of a [B, T] tensor: rows again, provided T is static (``output_sequence_length``). With T
 # unknown the rows are padded to the longest example of the batch: each example's tensor then depends
 # on the others (refused as mixing). Anything else that reads ragged values is opaque.
-_RAGGED_ELEMENTWISE = _UNARY | _ELEMENTWISE | {"LookupTableFindV2"}
+# String ops applied to each string alone (TextVectorization's standardization); the pattern, rewrite
+# and other operands after the first must be constants.
+_STRING_ELEMENTWISE = frozenset({"StringLower", "StringUpper", "StringStrip", "StaticRegexReplace", "RegexReplace"})
+_RAGGED_ELEMENTWISE = (_UNARY - _IMAGE_AXIS0_OPS) | (_ELEMENTWISE - {"BroadcastTo"}) | {"LookupTableFindV2"}
+
+
+def _string_elementwise(op, ins):
+    data = _data(ins)
+    return data[0][1] if [i for i, _ in data] == [0] else OPAQUE
 
 
 def _string_split(op, ins):
@@ -865,6 +749,131 @@ def _ragged(op, ins) -> list:
         if all(op.inputs[i].shape.rank == 1 for i, _ in data) and op.outputs[0].shape.rank == 1:
             return [data[0][1]]
     return [OPAQUE] * n
+
+
+_RULES = {
+    **{name: _unary for name in _UNARY},
+    **{name: _elementwise for name in _ELEMENTWISE},
+    **{name: _reduction for name in _REDUCTIONS},
+    "Softmax": _softmax,
+    "LogSoftmax": _softmax,
+    "ArgMax": _arg_reduction,
+    "ArgMin": _arg_reduction,
+    "Cumsum": _cumulative,
+    "Cumprod": _cumulative,
+    "CumulativeLogsumexp": _cumulative,
+    "TopKV2": _top_k,
+    "Transpose": _transpose,
+    "ExpandDims": _expand_dims,
+    "Squeeze": _squeeze,
+    "Reshape": _reshape,
+    "StridedSlice": _strided_slice,
+    "Slice": _slice,
+    "ConcatV2": _concat,
+    "Pack": _pack,
+    "Unpack": _unpack,
+    "Split": _split,
+    "SplitV": _split,
+    "Tile": _tile,
+    "Pad": _pad,
+    "PadV2": _pad,
+    "MirrorPad": _pad,
+    "ReverseV2": _reverse_or_roll,
+    "Roll": _reverse_or_roll,
+    "GatherV2": _gather,
+    "Gather": _gather,
+    "ResourceGather": _resource_gather,
+    "OneHot": _one_hot,
+    "MatMul": _matmul,
+    "BatchMatMul": _batch_matmul,
+    "BatchMatMulV2": _batch_matmul,
+    "BatchMatMulV3": _batch_matmul,
+    "Einsum": _einsum,
+    "Conv2D": _conv,
+    "Conv3D": _conv,
+    "DepthwiseConv2dNative": _conv,
+    "Conv2DBackpropInput": _conv,
+    "MaxPool": _conv,
+    "AvgPool": _conv,
+    "MaxPool3D": _conv,
+    "AvgPool3D": _conv,
+    "ExtractImagePatches": _patches,
+    "SpaceToBatchND": _space_to_batch,
+    "BatchToSpaceND": _batch_to_space,
+    "FusedBatchNorm": _fused_batch_norm,
+    "FusedBatchNormV2": _fused_batch_norm,
+    "FusedBatchNormV3": _fused_batch_norm,
+    "SparseSoftmaxCrossEntropyWithLogits": _xent,
+    "SoftmaxCrossEntropyWithLogits": _xent,
+    "PartitionedCall": _call,
+    "StatefulPartitionedCall": _call,
+    **{name: _string_elementwise for name in _STRING_ELEMENTWISE},
+}
+# Ops whose data inputs are paired row by row: rows of two different orders must not meet.
+_PAIRING = _ELEMENTWISE | {
+    "ConcatV2",
+    "Pack",
+    "MatMul",
+    "BatchMatMul",
+    "BatchMatMulV2",
+    "BatchMatMulV3",
+    "Einsum",
+    "GatherV2",
+    "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits",
+}
+# Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
+_ROW_WISE = (
+    _UNARY
+    | _STRING_ELEMENTWISE
+    | _ELEMENTWISE
+    | _REDUCTIONS
+    | {
+        "Softmax",
+        "LogSoftmax",
+        "ArgMax",
+        "ArgMin",
+        "Cumsum",
+        "Cumprod",
+        "CumulativeLogsumexp",
+        "TopKV2",
+        "Transpose",
+        "ExpandDims",
+        "Squeeze",
+        "StridedSlice",
+        "Slice",
+        "ConcatV2",
+        "Pack",
+        "Split",
+        "SplitV",
+        "Tile",
+        "Pad",
+        "PadV2",
+        "MirrorPad",
+        "ReverseV2",
+        "Roll",
+        "GatherV2",
+        "Gather",
+        "ResourceGather",
+        "OneHot",
+        "MatMul",
+        "BatchMatMulV2",
+        "BatchMatMulV3",
+        "Einsum",
+        "Conv2D",
+        "Conv3D",
+        "DepthwiseConv2dNative",
+        "Conv2DBackpropInput",
+        "MaxPool",
+        "AvgPool",
+        "MaxPool3D",
+        "AvgPool3D",
+        "ExtractImagePatches",
+        "SparseSoftmaxCrossEntropyWithLogits",
+        "SoftmaxCrossEntropyWithLogits",
+        "Reshape",
+    }
+)
 
 
 def _propagate(op, ins) -> list:
