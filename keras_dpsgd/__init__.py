@@ -23,6 +23,7 @@ _NEUTRAL = {
     # accounting (pure numpy/scipy)
     "PoissonSampledGaussianEvent": "keras_dpsgd.accounting",
     "GaussianEvent": "keras_dpsgd.accounting",
+    "GaussianThresholdingEvent": "keras_dpsgd.accounting",
     "ComposedEvent": "keras_dpsgd.accounting",
     "PrivacyLedger": "keras_dpsgd.accounting",
     "RdpAccountant": "keras_dpsgd.accounting",
@@ -44,8 +45,14 @@ _NEUTRAL = {
     "model_privacy_ledger": "keras_dpsgd.ledger",
     "model_epsilon": "keras_dpsgd.ledger",
     "steps_remaining": "keras_dpsgd.ledger",
+    # one call: private step, Poisson lots, calibrated σ, private optimizer (either Keras, by the model's)
+    "make_private_with_epsilon": "keras_dpsgd._one_call",
+    "PrivateTraining": "keras_dpsgd._one_call",
     # preprocessing fitted on public data (marks a layer of either Keras)
     "mark_public": "keras_dpsgd.normalization",
+    # a vocabulary released with DP (Gaussian thresholding), for StringLookup / TextVectorization
+    "dp_vocabulary": "keras_dpsgd.vocabulary",
+    "DPVocabulary": "keras_dpsgd.vocabulary",
     # tools (Three Tools for Practical Differential Privacy): the privacy arithmetic
     "memorization_test": "keras_dpsgd.tools",
     "real_task_test": "keras_dpsgd.tools",

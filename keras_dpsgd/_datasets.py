@@ -46,6 +46,9 @@ class Dataset:
       num_classes: number of classes.
       notes: sentences about the split and the preprocessing, for the user
         (what was held out, what was scaled with which public range).
+      known_range: False when the features have no public range (a CSV or a float
+        npz without ``feature_range``): they are as given, and ``keras-dpsgd train``
+        scales them privately (DP normalization, in ε).
     """
 
     name: str
@@ -55,6 +58,7 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     notes: tuple = ()
+    known_range: bool = True
 
     @property
     def num_examples(self) -> int:
@@ -246,11 +250,12 @@ def _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes)
             raise ValueError(
                 f"x_test {x_te.shape} / y_test {y_te.shape} do not match x_train's feature shape {x.shape[1:]}"
             )
+    known_range = bool(ranges) or x.dtype == np.uint8
     x, x_te = _scale(x, x_te, names, ranges, notes)
     if x.ndim == 3:  # (N, H, W) images: a channel axis, as the tfds data sets have
         x, x_te = x[..., None], x_te[..., None]
     k = _num_classes(y, y_te, num_classes, notes)
-    return Dataset(path, x, y, x_te, y_te, k, tuple(notes))
+    return Dataset(path, x, y, x_te, y_te, k, tuple(notes), known_range)
 
 
 def _scale(x, x_te, names, ranges, notes):
@@ -261,8 +266,8 @@ def _scale(x, x_te, names, ranges, notes):
         notes.append("features clipped to the given public ranges and scaled to [0, 1] (not fitted on the data)")
     else:
         notes.append(
-            "features used as given, not scaled: fitting a scaler on the private data would be a "
-            "release outside ε; give public ranges with --feature-range LO,HI or NAME=LO,HI"
+            "features have no public range and are not scaled here: fitting a scaler on the private data "
+            "would be a release outside ε; give public ranges with --feature-range LO,HI or NAME=LO,HI"
         )
         return x.astype(np.float32), x_te.astype(np.float32)
     width = int(np.prod(x.shape[1:]))

@@ -157,12 +157,21 @@ def fitted_state_message(layer, state: str) -> str:
     It names the DPNormalization of the layer's own Keras.
     """
     front_end = "tf_keras" if isinstance(layer, keras.layers.Layer) else "keras3"
+    if state == "a vocabulary":
+        public = "StringLookup(vocabulary=...)"
+        private = (
+            "build the vocabulary with keras_dpsgd.dp_vocabulary(texts, noise_multiplier=..., "
+            "max_tokens_per_example=..., threshold_delta=...) and its apply_to(layer), whose release is "
+            "noised, thresholded and accounted"
+        )
+    else:
+        public = "Normalization(mean=..., variance=...)"
+        private = f"use keras_dpsgd.{front_end}.DPNormalization, whose release is noised and accounted"
     return (
         f"layer {layer.name!r} ({type(layer).__name__}) holds {state} fitted on data (adapt, "
         "set_vocabulary or loaded weights): the model would publish these exact statistics, outside "
         "the privacy ledger. If they come from public data, call keras_dpsgd.mark_public(layer) (or "
-        "build the layer from them, e.g. Normalization(mean=..., variance=...)); for private data, "
-        f"use keras_dpsgd.{front_end}.DPNormalization, whose release is noised and accounted."
+        f"build the layer from them, e.g. {public}); for private data, {private}."
     )
 
 

@@ -42,6 +42,7 @@ LONGEST_FIRST = (
     "test_audit_canaries.py",
     "test_data_local.py",
     "test_cli_train.py",
+    "test_cli_tabular.py",
     "test_ledger_keras_format.py",
     "test_readme.py",
     "test_public_api.py",

@@ -190,7 +190,7 @@ def test_default_settings_are_the_documented_ones():
         "digits",
         "mlp",
         3.0,
-        256,
+        None,  # from N: 256 for digits (default_lot_size, tests/test_cli_tabular.py)
         10,
     )
     assert args.delta is None and args.noise_multiplier is None and args.seed is None

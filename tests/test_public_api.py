@@ -11,6 +11,11 @@ def test_every_public_name_imports():
     assert missing == []
 
 
+def test_the_one_call_entry_point_is_public():
+    assert {"make_private_with_epsilon", "PrivateTraining"} <= set(keras_dpsgd.__all__)
+    assert callable(keras_dpsgd.make_private_with_epsilon)
+
+
 def test_unknown_name_is_an_attribute_error():
     try:
         keras_dpsgd.NoSuchThing  # noqa: B018

@@ -45,12 +45,13 @@ from keras_dpsgd._fast import _calls, _grouped, _loops, _recurrent
 class Rows:
     """How a data tensor lays out the examples of the batch."""
 
-    kind: str = "rows"  # "rows", "opaque" or "mixed"
+    kind: str = "rows"  # "rows", "opaque", "mixed" or "ragged" (see _ragged)
     axis: int = 0  # the batch axis (kind "rows")
     k: Optional[int] = 1  # indices per example along it (None: unknown at trace time)
     depth: int = 0  # SpaceToBatchND nesting (dilated convolutions)
     order: Optional[str] = None  # None: examples in order; else the op that reordered them
     reason: str = ""  # kind "mixed": what mixes, naming the op
+    partition: Optional[str] = None  # kind "ragged": the StringSplitV2 op whose row ids group the values
 
     @property
     def clean(self) -> bool:
@@ -668,6 +669,88 @@ def _xent(op, ins):
     return data[0][1]
 
 
+# ----------------------------------------------------------------- ragged strings (TextVectorization)
+# ``StringSplitV2`` splits a batch of strings [B] into the tokens of all examples, flat (``values``),
+# with their (example, position) ``indices`` and the dense ``shape`` [B, longest]: kind "ragged", the
+# values grouped by example through the split's row ids. Elementwise ops on the values (a vocabulary
+# lookup, comparisons with constants) keep the grouping; ``RaggedTensorToTensor`` whose row partition
+# is exactly that split's (its row count and the row ids ``indices[:, 0]``) puts example i's tokens in
+# row i of a [B, T] tensor: rows again, provided T is static (``output_sequence_length``). With T
+# unknown the rows are padded to the longest example of the batch: each example's tensor then depends
+# on the others (refused as mixing). Anything else that reads ragged values is opaque.
+# String ops applied to each string alone (TextVectorization's standardization); the pattern, rewrite
+# and other operands after the first must be constants.
+_STRING_ELEMENTWISE = frozenset({"StringLower", "StringUpper", "StringStrip", "StaticRegexReplace", "RegexReplace"})
+_RAGGED_ELEMENTWISE = (_UNARY - _IMAGE_AXIS0_OPS) | (_ELEMENTWISE - {"BroadcastTo"}) | {"LookupTableFindV2"}
+
+
+def _string_elementwise(op, ins):
+    data = _data(ins)
+    return data[0][1] if [i for i, _ in data] == [0] else OPAQUE
+
+
+def _string_split(op, ins):
+    ((i, r),) = _data(ins)
+    if i != 0 or not r.clean or op.inputs[0].shape.rank != 1:
+        return OPAQUE
+    return Rows(kind="ragged", k=None, partition=op.name)
+
+
+def _is_slice(t, source, begin, end, strides, shrink, end_mask=0) -> bool:
+    """Whether ``t`` is ``source[begin:end:strides]`` with exactly these masks (static)."""
+    op = t.op
+    if op.type != "StridedSlice" or op.inputs[0] is not source:
+        return False
+    got = [_static(x) for x in op.inputs[1:4]]
+    if any(g is None for g in got) or [list(g) for g in got] != [begin, end, strides]:
+        return False
+    masks = {m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask")}
+    return (
+        op.get_attr("shrink_axis_mask") == shrink
+        and masks["end_mask"] == end_mask
+        and not (masks["ellipsis_mask"] or masks["new_axis_mask"] or masks["begin_mask"] & ~1)
+    )
+
+
+def _ragged_to_tensor(op, ins):
+    """``RaggedTensorToTensor`` of values grouped by one split's row ids, to a static length (see above)."""
+    values = ins[1]
+    if values is None or values.kind != "ragged" or any(r is not None for r in ins[:1] + ins[2:3]):
+        return OPAQUE
+    types = [t.decode() if isinstance(t, bytes) else t for t in op.get_attr("row_partition_types")]
+    split = op.graph.get_operation_by_name(values.partition)
+    if types != ["FIRST_DIM_SIZE", "VALUE_ROWIDS"] or op.inputs[2].shape.rank != 0:
+        return OPAQUE
+    nrows, rowids = op.inputs[3], op.inputs[4]
+    if not (
+        _is_slice(nrows, split.outputs[2], [0], [1], [1], shrink=1)
+        and _is_slice(rowids, split.outputs[0], [0, 0], [0, 1], [1, 1], shrink=2, end_mask=1)
+    ):
+        return OPAQUE
+    shape = _static(op.inputs[0])
+    if shape is None or shape.shape != (2,) or int(shape[0]) != -1:
+        return OPAQUE
+    if int(shape[1]) < 0:
+        return mixed(op, "pads every example to the longest one of the batch (give a static output_sequence_length)")
+    return Rows()
+
+
+def _ragged(op, ins) -> list:
+    """Rows of the outputs of an op reading ragged values (see above)."""
+    n = len(op.outputs)
+    if op.type == "RaggedTensorToTensor":
+        return [_ragged_to_tensor(op, ins)] * n
+    data = _data(ins)
+    partitions = {r.partition for _, r in data}
+    same = all(r.kind == "ragged" for _, r in data) and len(partitions) == 1
+    # Elementwise over the flat values, with constants (scalars) as the only other operands.
+    scalars = all(r is not None or t.shape.rank == 0 for t, r in zip(op.inputs, ins))
+    if op.type in _RAGGED_ELEMENTWISE and same and scalars and n == 1:
+        if all(op.inputs[i].shape.rank == 1 for i, _ in data) and op.outputs[0].shape.rank == 1:
+            return [data[0][1]]
+    return [OPAQUE] * n
+
+
 _RULES = {
     **{name: _unary for name in _UNARY},
     **{name: _elementwise for name in _ELEMENTWISE},
@@ -724,6 +807,7 @@ _RULES = {
     "SoftmaxCrossEntropyWithLogits": _xent,
     "PartitionedCall": _call,
     "StatefulPartitionedCall": _call,
+    **{name: _string_elementwise for name in _STRING_ELEMENTWISE},
 }
 # Ops whose data inputs are paired row by row: rows of two different orders must not meet.
 _PAIRING = _ELEMENTWISE | {
@@ -741,6 +825,7 @@ _PAIRING = _ELEMENTWISE | {
 # Ops that keep the relative order of rows along the batch axis (a reordered tensor may pass).
 _ROW_WISE = (
     _UNARY
+    | _STRING_ELEMENTWISE
     | _ELEMENTWISE
     | _REDUCTIONS
     | {
@@ -795,6 +880,10 @@ def _propagate(op, ins) -> list:
     """Rows of each output of ``op`` given those of its inputs (None: not data)."""
     n = len(op.outputs)
     data = _data(ins)
+    if op.type == "StringSplitV2" and data and all(r.kind == "rows" for _, r in data):
+        return [_string_split(op, ins)] * n
+    if any(r.kind == "ragged" for _, r in data) and not any(r.kind == "mixed" for _, r in data):
+        return _ragged(op, ins)
     for _, r in data:
         if r.kind == "mixed":
             return [r] * n

@@ -22,6 +22,7 @@ from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
     ComposedEvent,
     GaussianEvent,
+    GaussianThresholdingEvent,
     PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyEvent,
@@ -57,6 +58,7 @@ __all__ = [
     "ComposedEvent",
     "DEFAULT_ORDERS",
     "GaussianEvent",
+    "GaussianThresholdingEvent",
     "MOMENTS_ORDERS",
     "MomentsAccountant",
     "PldAccountant",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import functools
 import math
 from typing import Callable, Iterable, Sequence, TypeVar
 
@@ -116,13 +117,27 @@ class PrivacyAccountant(abc.ABC):
     name: str = ""
     calibration_rtol: float = 1e-7
     calibration_hint: str | None = None
+    # Σ of the thresholding deltas composed (GaussianThresholdingEvent): taken off δ before ε is computed.
+    threshold_delta: float = 0.0
+
+    def __init_subclass__(cls, **kwargs):
+        """Every accountant's ``get_epsilon_and_order`` answers for δ minus the thresholding deltas."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("get_epsilon_and_order")
+        if own is not None and not getattr(own, "_takes_threshold_delta", False):
+            cls.get_epsilon_and_order = _after_threshold_delta(own)
 
     def compose(self, event, count: int = 1) -> "PrivacyAccountant":
-        """Adds `count` repetitions of `event` (a ledger, event or iterable). Returns self."""
+        """Adds `count` repetitions of `event` (a ledger, event or iterable). Returns self.
+
+        A :class:`~keras_dpsgd.accounting.GaussianThresholdingEvent` composes its Gaussian part as a
+        Gaussian mechanism and adds its ``threshold_delta`` (times the repetitions) to ``threshold_delta``.
+        """
         count = V.integer_at_least(0, count=count)
         for e in as_event_list(event):
             if e.count and count:
                 self._compose_leaf(e.sampling_rate, e.noise_multiplier, e.count * count)
+                self.threshold_delta += e.count * count * getattr(e, "threshold_delta", 0.0)
         return self
 
     @abc.abstractmethod
@@ -136,6 +151,22 @@ class PrivacyAccountant(abc.ABC):
     def get_epsilon(self, delta: float) -> float:
         """ε at δ of everything composed so far (0 if nothing was composed)."""
         return self.get_epsilon_and_order(delta)[0]
+
+
+def _after_threshold_delta(get_epsilon_and_order):
+    """Wraps an accountant's ``get_epsilon_and_order``: ε at δ − threshold_delta (∞ if that is <= 0)."""
+
+    @functools.wraps(get_epsilon_and_order)
+    def wrapped(self, delta):
+        delta = V.in_range(0, 1, "()", delta=delta)
+        if self.threshold_delta <= 0.0:
+            return get_epsilon_and_order(self, delta)
+        if delta <= self.threshold_delta:
+            return math.inf, None
+        return get_epsilon_and_order(self, delta - self.threshold_delta)
+
+    wrapped._takes_threshold_delta = True
+    return wrapped
 
 
 @register_accountant("rdp")
@@ -181,8 +212,9 @@ class RdpAccountant(PrivacyAccountant):
     def get_delta(self, epsilon: float) -> float:
         """Smallest δ at `epsilon` over the order grid (0 if nothing was composed)."""
         if not self._rdp.any():
-            return 0.0
-        return conversions.delta_from_rdp(self._orders, self._rdp, epsilon, self._conversion)[0]
+            return min(1.0, self.threshold_delta)
+        delta = conversions.delta_from_rdp(self._orders, self._rdp, epsilon, self._conversion)[0]
+        return min(1.0, delta + self.threshold_delta)
 
 
 @register_accountant("moments")

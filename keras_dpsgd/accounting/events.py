@@ -22,6 +22,7 @@ from keras_dpsgd import _validate as V
 __all__ = [
     "ComposedEvent",
     "GaussianEvent",
+    "GaussianThresholdingEvent",
     "PoissonSampledGaussianEvent",
     "PrivacyLedger",
     "event_from_dict",
@@ -39,6 +40,13 @@ def _check_noise_multiplier(noise_multiplier: float) -> float:
 
 def _check_count(count: int) -> int:
     return V.integer_at_least(0, count=count)
+
+
+def _check_whole_data_release(event) -> None:
+    """Validates (in place) the noise multiplier, count and label of a release on the whole data set."""
+    object.__setattr__(event, "noise_multiplier", _check_noise_multiplier(event.noise_multiplier))
+    object.__setattr__(event, "count", _check_count(event.count))
+    object.__setattr__(event, "label", str(event.label))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,9 +166,7 @@ class GaussianEvent:
     label: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "noise_multiplier", _check_noise_multiplier(self.noise_multiplier))
-        object.__setattr__(self, "count", _check_count(self.count))
-        object.__setattr__(self, "label", str(self.label))
+        _check_whole_data_release(self)
 
     @property
     def sampling_rate(self) -> float:
@@ -168,6 +174,49 @@ class GaussianEvent:
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "gaussian", **dataclasses.asdict(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianThresholdingEvent:
+    """`count` releases of the Gaussian thresholding mechanism (DP partition selection, a DP vocabulary).
+
+    Each example contributes weight 1 to at most k distinct keys (tokens); every key's count gets
+    Gaussian noise of standard deviation σ·√k and the keys whose noisy count exceeds a threshold τ
+    are released. For neighbours D' = D + {x}, the keys of x split in two parts (Gopi et al. 2020,
+    "Differentially Private Set Union", Sec. 3; Wilkins et al. 2024, "Exact Privacy Analysis of the
+    Gaussian Sparse Histogram Mechanism", the classical analysis):
+
+    * keys already in D: their noisy counts are the Gaussian mechanism with ℓ2 sensitivity √k and
+      noise σ·√k, noise multiplier σ; the release is post-processing of it;
+    * keys of x alone (count 1 in D', absent in D, where they are never released): released in D'
+      with probability at most ``threshold_delta`` = 1 − Φ((τ − 1)/(σ√k))^k.
+
+    Outside that event of probability <= `threshold_delta` the two releases are the Gaussian part's,
+    so the mechanism is (ε, δ_G(ε) + threshold_delta)-DP; in a composition the Gaussian parts compose
+    as ``GaussianEvent(σ)`` and the threshold deltas add (a union bound over the bad events). Every
+    accountant does exactly that: ε at δ is the Gaussian parts' ε at δ − Σ threshold_delta (∞ if that
+    is <= 0).
+
+    Args:
+      noise_multiplier: σ >= 0 (σ·√k is the noise standard deviation on each count).
+      threshold_delta: the δ of the thresholding, in [0, 1).
+      count: repetitions, >= 0.
+      label: free text naming the source ("dp-vocabulary").
+    """
+
+    noise_multiplier: float
+    threshold_delta: float
+    count: int = 1
+    label: str = ""
+
+    def __post_init__(self):
+        _check_whole_data_release(self)
+        object.__setattr__(self, "threshold_delta", V.in_range(0, 1, "[)", threshold_delta=self.threshold_delta))
+
+    sampling_rate = GaussianEvent.sampling_rate  # q = 1: the whole data set
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "gaussian_thresholding", **dataclasses.asdict(self)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,13 +236,25 @@ class ComposedEvent:
         return {"type": "composed", "events": [e.to_dict() for e in self.events]}
 
 
-LEAF_EVENT_TYPES = (PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent)
+LEAF_EVENT_TYPES = (
+    PoissonSampledGaussianEvent,
+    PoissonSampledComposedGaussianEvent,
+    GaussianEvent,
+    GaussianThresholdingEvent,
+)
 _EVENT_TYPES = LEAF_EVENT_TYPES + (ComposedEvent,)
-PrivacyEvent = Union[PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent, ComposedEvent]
+PrivacyEvent = Union[
+    PoissonSampledGaussianEvent,
+    PoissonSampledComposedGaussianEvent,
+    GaussianEvent,
+    GaussianThresholdingEvent,
+    ComposedEvent,
+]
 
 
 LEDGER_FORMAT = "keras_dpsgd.ledger"
-# Version 2 added "poisson_sampled_composed_gaussian" events; version 1 files load unchanged.
+# Version 2 added "poisson_sampled_composed_gaussian" and "gaussian_thresholding" events; version 1 files load
+# unchanged.
 LEDGER_VERSION = 2
 _READABLE_VERSIONS = (1, 2)
 # Event kinds a file of each version may hold (a version 1 file names no event kind added later).
@@ -204,9 +265,10 @@ _EVENT_FIELDS = {
     "poisson_sampled_gaussian": ("sampling_rate", "noise_multiplier", "count", "label"),
     "poisson_sampled_composed_gaussian": ("sampling_rate", "noise_multipliers", "count", "label"),
     "gaussian": ("noise_multiplier", "count", "label"),
+    "gaussian_thresholding": ("noise_multiplier", "threshold_delta", "count", "label"),
     "composed": ("events",),
 }
-_NUMBER_FIELDS = ("sampling_rate", "noise_multiplier")
+_NUMBER_FIELDS = ("sampling_rate", "noise_multiplier", "threshold_delta")
 
 
 def _check_serialized_fields(kind: str, data: dict) -> None:
@@ -261,6 +323,8 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
         return PoissonSampledComposedGaussianEvent(**fields)
     if kind == "gaussian":
         return GaussianEvent(**fields)
+    if kind == "gaussian_thresholding":
+        return GaussianThresholdingEvent(**fields)
     return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
 
 

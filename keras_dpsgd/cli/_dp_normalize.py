@@ -7,6 +7,17 @@ range ``--dp-normalize-bounds LO,HI`` (default 0,1: the range of the bundled and
 ``--feature-range`` data as loaded). The layer is the model's first layer, so its release is an event
 of the model's ledger: the calibration of σ, ``WithinLimit``, the printed ε and the saved report all
 count it.
+
+Without ``--dp-normalize``, features that have no public range (a CSV or a float npz given without
+``--feature-range``) are scaled privately by default, so that small real tables train with the
+defaults: each value is first mapped by ``asinh`` (a fixed per-example map, no privacy cost, that turns
+magnitudes spanning decades into a few units, like a signed log), then centred by a
+:class:`DPNormalization` in ℓ2-norm mode (each example's mapped features clipped to norm
+``AUTO_CLIP_PER_FEATURE·√F``, F the public number of features; noise multiplier ``AUTO_NOISE_MULTIPLIER``)
+whose release is an event of the model's ledger, in ε like the explicit flag's. The standard deviation
+it divides by is floored at ``AUTO_MIN_STD`` (post-processing): at the sizes of such tables the noisy
+variance is too rough to enlarge features, so it only shrinks them. Tuned on scikit-learn's breast
+cancer (N = 455) and wine (N = 142) tables at the default ε = 3: about 0.93 and 0.91 test accuracy.
 """
 
 from __future__ import annotations
@@ -14,10 +25,15 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-__all__ = ["register", "check", "adapted_layer", "prepend", "summary"]
+import numpy as np
+
+__all__ = ["register", "check", "adapted_layer", "describe", "prepend", "public_transform", "summary"]
 
 DEFAULT_BOUNDS = "0,1"
 MIN_STD_FRACTION = 0.05
+AUTO_NOISE_MULTIPLIER = 3.0
+AUTO_CLIP_PER_FEATURE = 4.0
+AUTO_MIN_STD = 1.0
 
 
 def register(p) -> None:
@@ -62,21 +78,60 @@ def check(args) -> None:
     _bounds(args.dp_normalize_bounds or DEFAULT_BOUNDS)
 
 
-def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None) -> Optional[Any]:
-    """The DPNormalization of `keras`'s front end, adapted on `x_train` (one release), or None without the flag."""
-    if args.dp_normalize is None:
+def public_transform(x: Any) -> Any:
+    """``asinh(x)`` elementwise (float32): the fixed per-example map before the default private scaling."""
+    import numpy as np
+
+    return np.arcsinh(np.asarray(x, np.float64)).astype(np.float32)
+
+
+def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None, *, auto: bool = False) -> Optional[Any]:
+    """The DPNormalization of `keras`'s front end, adapted on `x_train` (one release), or None.
+
+    With ``--dp-normalize`` the flag's σ and range; else, if `auto` (features without a public range), the
+    default private scaling of the module docstring (`x_train` already mapped by :func:`public_transform`).
+    """
+    if args.dp_normalize is None and not auto:
         return None
     if keras.__name__.startswith("tf_keras"):
         from keras_dpsgd.normalization import DPNormalization
     else:
         from keras_dpsgd.keras3 import DPNormalization
-    lo, hi = _bounds(args.dp_normalize_bounds or DEFAULT_BOUNDS)
-    # The std floor (5% of the range) keeps near-constant features (border pixels) from exploding.
-    layer = DPNormalization(
-        args.dp_normalize, lower=lo, upper=hi, seed=seed, min_std=MIN_STD_FRACTION * (hi - lo), name="dp_normalization"
-    )
+    if args.dp_normalize is None:
+        features = int(np.prod(np.shape(x_train)[1:]))
+        clip = AUTO_CLIP_PER_FEATURE * math.sqrt(features)
+        layer = DPNormalization(
+            AUTO_NOISE_MULTIPLIER, l2_norm_clip=clip, seed=seed, min_std=AUTO_MIN_STD, name="dp_normalization"
+        )
+    else:
+        lo, hi = _bounds(args.dp_normalize_bounds or DEFAULT_BOUNDS)
+        # The std floor (5% of the range) keeps near-constant features (border pixels) from exploding.
+        layer = DPNormalization(
+            args.dp_normalize,
+            lower=lo,
+            upper=hi,
+            seed=seed,
+            min_std=MIN_STD_FRACTION * (hi - lo),
+            name="dp_normalization",
+        )
     layer.adapt(x_train)
     return layer
+
+
+def describe(layer: Any) -> str:
+    """One line for the user: how the features were standardized, and that ε counts it."""
+    if layer.l2_norm_clip is not None:
+        how = (
+            f"mapped by asinh (fixed, no privacy cost), then centred by a DP mean (DPNormalization, "
+            f"σ = {layer.noise_multiplier:g}, each example clipped to ℓ2 norm {layer.l2_norm_clip:.3g}; "
+            f"std floored at {layer.min_std:g})"
+        )
+    else:
+        how = (
+            f"standardized by a DP estimate (DPNormalization, σ = {layer.noise_multiplier:g}, clipped to "
+            f"[{layer.lower:g}, {layer.upper:g}])"
+        )
+    return f"features {how}: its release is in the ledger and in ε"
 
 
 def prepend(keras: Any, layer: Optional[Any], model: Any) -> Any:
@@ -92,9 +147,8 @@ def summary(layer: Optional[Any]) -> Optional[dict]:
     if layer is None:
         return None
     (event,) = layer.privacy_events
-    return {
-        "noise_multiplier": layer.noise_multiplier,
-        "lower": layer.lower,
-        "upper": layer.upper,
-        "event": event.to_dict(),
-    }
+    if layer.l2_norm_clip is not None:  # the default private scaling (module docstring)
+        clipping = {"public_transform": "asinh", "l2_norm_clip": layer.l2_norm_clip, "min_std": layer.min_std}
+    else:
+        clipping = {"lower": layer.lower, "upper": layer.upper}
+    return {"noise_multiplier": layer.noise_multiplier, **clipping, "event": event.to_dict()}

@@ -43,7 +43,7 @@ DEFAULTS = {
     "model": "mlp",
     "width": 256,
     "target_epsilon": 3.0,
-    "lot_size": 256,
+    "lot_size": 256,  # the most; smaller tables get default_lot_size(N)
     "epochs": 10,
     "l2_norm_clip": 1.0,
     "learning_rate": {"mlp": 0.5, "cnn": 2.0},  # per model (tuned on digits at ε = 3)
@@ -55,7 +55,12 @@ _NUMBER_OPTIONS = (
     ("--width", positive_int, None, "MLP hidden units (default %(default)s)"),
     ("--target-epsilon", positive_float, "X", "privacy budget ε (default %(default)s)"),
     ("--delta", float, "D", "δ < 1/N (default 1/N^1.1)"),
-    ("--lot-size", positive_int, "L", "expected Poisson lot size L (default %(default)s)"),
+    (
+        "--lot-size",
+        positive_int,
+        "L",
+        "expected Poisson lot size L (default: the largest power of two <= N/5, at most 256)",
+    ),
     (
         "--physical-batch-size",
         positive_int,
@@ -102,7 +107,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
     for flag, kind, metavar, text in _NUMBER_OPTIONS:
         dest = flag[2:].replace("-", "_")
-        default = None if dest == "learning_rate" else d.get(dest)  # learning rate: per model, set in _check_args
+        # learning rate: per model, set in _check_args; lot size: from N, set in train
+        default = None if dest in ("learning_rate", "lot_size") else d.get(dest)
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
     p.add_argument(
         "--accountant", choices=("rdp", "moments", "pld"), default="rdp", help="privacy accountant (default rdp)"
@@ -205,6 +211,15 @@ def _check_args(args) -> None:
         check_save_destination(args.save)
 
 
+def default_lot_size(num_examples: int) -> int:
+    """L = the largest power of two <= N/5, at most 256 (digits: 256; a table of 142 rows: 16)."""
+    n = _validate.integer_at_least(1, num_examples=num_examples)
+    lot = 1
+    while lot * 2 <= min(DEFAULTS["lot_size"], n / 5):
+        lot *= 2
+    return lot
+
+
 def _plan(
     args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float, prior_events=()
 ) -> tuple[int, float, bool]:
@@ -255,19 +270,31 @@ def train(args) -> dict:
     for note in data.notes:
         print(f"data: {note}")
     n = data.num_examples
+    notes = list(data.notes)
+    if args.lot_size is None:
+        args.lot_size = default_lot_size(n)
+        notes.append(
+            f"lot size L = {args.lot_size}: the default for N = {n} (the largest power of two <= N/5, at most "
+            f"{DEFAULTS['lot_size']}); --lot-size L to choose"
+        )
+        print(f"data: {notes[-1]}")
     if args.lot_size > n:
         raise ValueError(f"lot_size must be in [1, N = {n}], got {args.lot_size}")
+    x_train, x_test = data.x_train, data.x_test
+    auto_scaling = not data.known_range and args.dp_normalize is None
+    if auto_scaling:
+        x_train, x_test = _dp_normalize.public_transform(x_train), _dp_normalize.public_transform(x_test)
     delta = default_delta(n) if args.delta is None else check_delta(args.delta, n)
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     lots = PoissonLots(
-        data.x_train,
+        x_train,
         data.y_train,
         expected_lot_size=args.lot_size,
         physical_batch_size=args.physical_batch_size,
         seed=args.seed,
     )
-    scaling = _dp_normalize.adapted_layer(args, data.x_train, keras, seed=args.seed)
+    scaling = _dp_normalize.adapted_layer(args, x_train, keras, seed=args.seed, auto=auto_scaling)
     prior = scaling.privacy_events if scaling is not None else ()
     planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate, prior)
     optimizer = _models.dp_sgd(
@@ -287,16 +314,18 @@ def train(args) -> dict:
     limit = WithinLimit(args.target_epsilon, delta, accountant=args.accountant)
     print(_plan_text(args, data.name, n, delta, lots, planned, sigma, calibrated, _models.keras_display(front)))
     if scaling is not None:
-        print(
-            f"features standardized by a DP estimate (DPNormalization, σ = {args.dp_normalize:g}, clipped to "
-            f"[{scaling.lower:g}, {scaling.upper:g}]): its release is in the ledger and in ε"
-        )
+        notes.append(_dp_normalize.describe(scaling))
+        if auto_scaling:
+            notes[-1] += (
+                " (the default for features without a public range: --feature-range or --dp-normalize to choose)"
+            )
+        print(notes[-1])
     model.fit(
         lots.dataset(),
         epochs=args.epochs,
         steps_per_epoch=lots.steps_per_epoch,
         callbacks=[logger, limit],
-        validation_data=(data.x_test, data.y_test),
+        validation_data=(x_test, data.y_test),
         validation_batch_size=1024,
         verbose=2 if args.json else 1,
         shuffle=False,  # lots are random already
@@ -308,12 +337,12 @@ def train(args) -> dict:
         "model": args.model,
         "keras": _models.keras_label(front),
         "num_examples": n,
-        "data_notes": list(data.notes),
+        "data_notes": notes,
         "epsilon": float(epsilon),
         "target_epsilon": args.target_epsilon,
         "delta": float(delta),
         "accountant": args.accountant,
-        "test_accuracy": _accuracy(model, data.x_test, data.y_test),
+        "test_accuracy": _accuracy(model, x_test, data.y_test),
         "steps": steps,
         "planned_steps": planned,
         # True when the budget ran out before the planned steps (a given σ too small for them).
