@@ -214,25 +214,9 @@ def test_batch_normalization_writes_in_training_and_not_frozen(front):
 
 def test_a_keras3_models_own_eager_step_is_refused():
     """A model's own train_step (sanitized_gradients) run eagerly: refused like fit's."""
-    import keras
+    from test_keras3_step import OwnStep, _sanitize_then_apply
 
-    class OwnStep(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(2)
-
-        def call(self, x):
-            return self.dense(x)
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = keras.losses.sparse_categorical_crossentropy(y, self(x, training=True), from_logits=True)
-            grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, self.trainable_variables, tape)
-            self.optimizer.apply(grads, self.trainable_variables)
-            return {"loss": tf.reduce_mean(loss)}
-
-    model = OwnStep()
+    model = OwnStep(_sanitize_then_apply)
     x, y = _data()
     model(x[:1])
     opt = keras_dpsgd.keras3.DPSGDOptimizer(l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=1.0)
