@@ -85,8 +85,9 @@ def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | Non
     """The tf_keras Model whose train step is calling `optimizer`, if any.
 
     The optimizer API never receives the model, so the call stack is searched
-    for a ``self`` that is a Model compiled with this optimizer (Keras's
-    ``train_step`` calls ``self.optimizer.minimize``). Returns None in a custom
+    for a ``self`` that is a Model compiled with this optimizer, or with a
+    wrapper of it (a LossScaleOptimizer's ``inner_optimizer``): Keras's
+    ``train_step`` calls ``self.optimizer.minimize``. Returns None in a custom
     training loop outside a Model method.
     """
     frame = sys._getframe(1)
@@ -94,7 +95,8 @@ def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | Non
         if frame is None:
             return None
         obj = frame.f_locals.get("self")
-        if isinstance(obj, keras.Model) and getattr(obj, "optimizer", None) is optimizer:
+        compiled = getattr(obj, "optimizer", None) if isinstance(obj, keras.Model) else None
+        if compiled is not None and optimizer in (compiled, getattr(compiled, "inner_optimizer", None)):
             return obj
         frame = frame.f_back
     return None

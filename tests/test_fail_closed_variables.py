@@ -1,8 +1,8 @@
 """Fail closed on state the train step writes from the batch, and on eager steps (issue 25, items 1-3).
 
 1. A statistic of the batch kept in a variable and read back on the way to the loss
-   (``self.v.assign(reduce_mean(x, 0))`` then ``x - self.v``) mixes the examples through an ordering
-   edge the row analysis took for a weight: it trained, one example moving the update by 1.14·C.
+   (``self.v.assign(reduce_mean(x, 0))`` then ``x - self.v``, or the previous batch's read before)
+   mixes the examples through an ordering edge the row analysis took for a weight: it trained.
 2. A variable written from the batch and never read back held the exact statistic of the last batch,
    un-noised, outside the ledger, and was saved with the model: it trained silently.
 3. ``run_eagerly=True`` only warned; with a layer that mixes the batch, one example moved the update
@@ -50,6 +50,10 @@ def _layer(K, kind):
             if kind == "max_read_back":  # item 1: batch max through a variable, added to
                 self.v.assign_add(tf.reduce_max(tf.abs(x), axis=0))
                 return x / self.v
+            if kind == "mean_read_before":  # item 1: the mean of the previous batch, then this one's kept
+                out = x - self.v
+                self.v.assign(tf.reduce_mean(x, axis=0))
+                return out
             if kind == "stores_mean":  # item 2: the batch mean kept, never read back
                 self.v.assign(tf.reduce_mean(x, axis=0))
                 return x
@@ -139,8 +143,9 @@ def _assert_refused_unchanged(model, x, y, match):
 
 _VARIABLE = r"(a )?variable (of layer )?'[^']*stateful[^']*'"
 _REFUSED = {
-    "mean_read_back": rf"reads {_VARIABLE} after op .*AssignVariableOp.*LayerNormalization",
-    "max_read_back": rf"reads {_VARIABLE} after op .*Assign(Add)?VariableOp",
+    "mean_read_back": rf"reads {_VARIABLE}, and op .*AssignVariableOp.*LayerNormalization",
+    "mean_read_before": rf"reads {_VARIABLE}, and op .*AssignVariableOp",
+    "max_read_back": rf"reads {_VARIABLE}, and op .*Assign(Add)?VariableOp",
     "stores_mean": rf"writes a value computed from the batch into {_VARIABLE}.*freeze it",
 }
 BACKENDS = ["fast", "reference"]
@@ -180,9 +185,7 @@ def test_custom_loop_reading_back_a_batch_statistic_is_refused(backend):
     """Straight through the backends (a custom tf.function loop): the read-back is refused by both."""
     x, y = data((4, 5), (4, 3))
     model = tf_keras.Sequential([tf_keras.Input((5,)), tf_keras.layers.Dense(3), _layer(tf_keras, "mean_read_back")])
-    with pytest.raises(
-        ValueError, match=f"loss reads {_VARIABLE}.* wrote a value computed"
-    ):
+    with pytest.raises(ValueError, match=f"loss reads {_VARIABLE}.* writes a value computed"):
         run_traced(backend(), model, x, y, flat_factors(CLIP))
 
 
@@ -207,3 +210,15 @@ def test_batch_normalization_writes_in_training_and_not_frozen(front):
         return _state.scan(graph)[0]
 
     assert writes(True) and not writes(False)
+
+
+def test_a_keras3_models_own_eager_step_is_refused():
+    """A model's own train_step (sanitized_gradients) run eagerly: refused like fit's."""
+    from test_keras3_step import OwnStep, _sanitize_then_apply
+
+    model = OwnStep(_sanitize_then_apply)
+    x, y = _data()
+    model(x[:1])
+    opt = keras_dpsgd.keras3.DPSGDOptimizer(l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=1.0)
+    model.compile(optimizer=opt, run_eagerly=True)
+    _assert_refused_unchanged(model, x, y, "Remove run_eagerly=True")

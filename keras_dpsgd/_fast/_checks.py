@@ -49,7 +49,7 @@ def check(ok: tf.Tensor, message: str) -> list:
 def fail_closed(sq_norms: tf.Tensor) -> tf.Tensor:
     """``sq_norms`` [B, V], or NaN everywhere where an XLA verdict of its graph is false."""
     if tf.executing_eagerly():
-        return sq_norms  # No graph: no verdicts (an eager step's checks are not run, see ``_reference``).
+        return sq_norms  # No graph: no verdicts (an eager step is refused, see ``_reference``).
     verdicts = _VERDICTS.get(sq_norms.graph)
     if not verdicts:
         return sq_norms

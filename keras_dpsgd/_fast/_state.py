@@ -6,7 +6,8 @@ the moving averages of BatchNormalization in training mode). Two things follow, 
 * read back on the way to the loss (``x - self.v``), the variable carries the batch's statistic into
   every example's loss through an ordering (control) edge, where the row analysis (``_rows``, which
   follows data edges) would see a weight: the loss mixes the examples (:func:`refuse_state_reads`,
-  called by ``_graph.analyze``, so by both per-example backends);
+  called by ``_graph.analyze``, so by both per-example backends; a read before the write holds an
+  earlier batch's statistic and counts too);
 * not read back, the variable holds an un-noised statistic of the last batch, outside the ledger,
   saved with the model (:func:`refuse_batch_writes`, called by the front ends' sanitizer, which
   knows the variables that are its own or Keras's metrics').
@@ -30,8 +31,21 @@ import tensorflow as tf
 
 from keras_dpsgd._fast import _calls, _rows
 
-# Ops that take a resource and only read it.
-_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarIsInitializedOp"})
+# Ops that take a resource and only read it (variables; lookup tables: StringLookup, IntegerLookup;
+# the gradient of a function call, which tf.gradients builds for a call without a registered one).
+_READS = frozenset(
+    {
+        "SymbolicGradient",
+        "ReadVariableOp",
+        "ResourceGather",
+        "ResourceGatherNd",
+        "VariableShape",
+        "VarIsInitializedOp",
+        "LookupTableFindV2",
+        "LookupTableSizeV2",
+        "LookupTableExportV2",
+    }
+)
 # Ops whose output is metadata (no value of the batch flows through them).
 _METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 _WHILES = frozenset({"While", "StatelessWhile"})
@@ -52,7 +66,12 @@ class Write:
         where = f"op {self.inner.name!r} ({self.inner.type})"
         if self.inner is not self.op:
             where += f" inside {self.op.type} {self.op.name!r}"
-        return f"{where} in layer {_rows.layer_scope(self.op)!r}"
+        return f"{where} {_where(self.op)}"
+
+
+def _where(op) -> str:
+    scope = op.name.rpartition("/")[0]
+    return f"in layer {scope!r}" if scope else "outside any layer (in the train step itself)"
 
 
 # Taint of a tensor: _BATCH (a value of the batch, along data edges) or the Write whose variable it
@@ -161,17 +180,25 @@ def _propagate(ops, taint: dict, writes: list, captured: Optional[set], released
                 taint[t.ref()] = o
 
 
+@tf.autograph.experimental.do_not_convert
 def scan(graph) -> tuple[list, dict]:
-    """(writes of a value of the batch into a captured resource, taint of each tensor) in ``graph``."""
+    """(writes of a value of the batch into a captured resource, taint of each tensor) in ``graph``.
+
+    A captured resource the step writes the batch into holds a previous step's batch before the
+    write: its reads count from the start of the step (a second pass)."""
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
-    taint, writes = {}, []
     released = getattr(graph, _RELEASED_ATTR, set())
+    taint, writes = {}, []
     _propagate(graph.get_operations(), taint, writes, captured, released)
-    return [w for w in writes if _root(w.handle).ref() in captured], taint
+    writes = [w for w in writes if _root(w.handle).ref() in captured]
+    if writes:
+        taint = {_root(w.handle).ref(): w for w in reversed(writes)}
+        _propagate(graph.get_operations(), taint, [], captured, released)
+    return writes, taint
 
 
 _READ_BACK_MESSAGE = (
-    "The per-example loss reads {var} after {write} wrote a value computed from the batch into it "
+    "The per-example loss reads {var}, and {write} writes a value computed from the batch into it "
     "(a statistic of the batch kept in a variable, e.g. self.v.assign(tf.reduce_mean(x, 0)) then x - self.v): "
     "through it one example changes every other example's loss, so clipping each example's gradient bounds "
     "nothing. Compute such statistics outside training with keras_dpsgd.DPNormalization (noised, charged to "
@@ -184,7 +211,9 @@ _WRITE_MESSAGE = (
     "keras_dpsgd refuses it. For BatchNormalization, freeze it (layer.trainable = False runs it in inference "
     "mode, writing nothing) or use LayerNormalization/GroupNormalization; compute a statistic of the data "
     "with keras_dpsgd.DPNormalization (noised, charged to the ledger) or from public data "
-    "(keras_dpsgd.mark_public); keep per-example values in the layer's outputs, not in a variable."
+    "(keras_dpsgd.mark_public); keep per-example values in the layer's outputs, not in a variable. (In a "
+    "custom training loop, a Keras metric updated before the DP optimizer's step is not recognized as one: "
+    "update it after the step.)"
 )
 
 
@@ -192,7 +221,8 @@ def _name(write: Write, named: dict) -> str:
     var = named.get(_root(write.handle).ref())
     if var is not None:
         return f"variable {getattr(var, 'path', None) or var.name!r}"
-    return f"a variable of layer {_rows.layer_scope(write.op)!r}"
+    scope = write.op.name.rpartition("/")[0]
+    return f"a variable of layer {scope!r}" if scope else "a variable"
 
 
 def _tf_variables(var: Any) -> list:
@@ -223,6 +253,7 @@ def _watched(graph) -> list:
     return found
 
 
+@tf.autograph.experimental.do_not_convert
 def refuse_state_reads(loss: tf.Tensor, taint: Optional[dict] = None, variables: Iterable[Any] = ()) -> None:
     """Raises ValueError if ``loss`` reads a variable the step wrote a value of the batch into
     (``taint``: of ``scan(loss.graph)``, computed if None; ``variables``: to name it by)."""
@@ -232,6 +263,7 @@ def refuse_state_reads(loss: tf.Tensor, taint: Optional[dict] = None, variables:
         raise ValueError(_READ_BACK_MESSAGE.format(var=_name(write, named), write=write.describe()))
 
 
+@tf.autograph.experimental.do_not_convert
 def refuse_batch_writes(loss: tf.Tensor, own: Iterable[Any], model: Any = None) -> None:
     """Raises ValueError if the step (traced so far) writes a value of the batch into a variable other
     than ``own`` (the optimizer's, its ledger's, Keras's metrics'): a model variable or an unknown
