@@ -173,6 +173,10 @@ def audit(args) -> dict:
     _check(args)
     given = args.noise_multiplier
     data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    if args.lot_size is None:  # train's default from N (the audit's result records the lot size)
+        from keras_dpsgd.cli.train import default_lot_size
+
+        args.lot_size = default_lot_size(data.num_examples)
     result = _audit(args, data, given)
     out = {**result.to_dict(), "mode": args.mode}
     if args.plot:

@@ -267,8 +267,6 @@ def train(args) -> dict:
     keras = _models.keras_module(front)
     start = time.perf_counter()
     data = _load_data(args)
-    for note in data.notes:
-        print(f"data: {note}")
     n = data.num_examples
     notes = list(data.notes)
     if args.lot_size is None:
@@ -277,14 +275,15 @@ def train(args) -> dict:
             f"lot size L = {args.lot_size}: the default for N = {n} (the largest power of two <= N/5, at most "
             f"{DEFAULTS['lot_size']}); --lot-size L to choose"
         )
-        print(f"data: {notes[-1]}")
     if args.lot_size > n:
         raise ValueError(f"lot_size must be in [1, N = {n}], got {args.lot_size}")
+    delta = default_delta(n) if args.delta is None else check_delta(args.delta, n)
+    for note in notes:  # after every check: a refused run prints one line
+        print(f"data: {note}")
     x_train, x_test = data.x_train, data.x_test
     auto_scaling = not data.known_range and args.dp_normalize is None
     if auto_scaling:
         x_train, x_test = _dp_normalize.public_transform(x_train), _dp_normalize.public_transform(x_test)
-    delta = default_delta(n) if args.delta is None else check_delta(args.delta, n)
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     lots = PoissonLots(
