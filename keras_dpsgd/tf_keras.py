@@ -6,6 +6,8 @@ The top-level ``keras_dpsgd.DPSGDOptimizer`` (and every other name listed in
 the legacy Keras, and ``keras_dpsgd.keras3``'s otherwise.
 """
 
+import tf_keras as _tf_keras
+
 from keras_dpsgd._tf_keras_step import make_private
 from keras_dpsgd.normalization import DPNormalization
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
@@ -17,6 +19,10 @@ from keras_dpsgd.tools._adaptive_tf import (
     initial_clip_bounds,
     make_adaptive_optimizer,
 )
+from keras_dpsgd.vocabulary import accounted_layer_classes as _accounted_layer_classes
+
+# Registered for loading; made by DPVocabulary.apply_to, not public names.
+_DPStringLookup, _DPTextVectorization = _accounted_layer_classes(_tf_keras)
 
 __all__ = [
     "AdaptiveClippingMixin",

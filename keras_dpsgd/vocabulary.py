@@ -27,10 +27,13 @@ Usage::
     layer = keras.layers.TextVectorization(output_sequence_length=32)
     vocab.apply_to(layer)           # set_vocabulary, and the release joins the model's ledger
 
-The release is an attribute of the layer (``privacy_events``), counted by ``model_epsilon``,
-``PrivacyLogger``, ``WithinLimit`` and ``make_private_with_epsilon``; like ``mark_public``, it is not
-saved with the model: after loading, pass ``extra_events=vocab.privacy_events`` (or keep the event's
-``to_dict()``), since a loaded vocabulary looks given at construction.
+``apply_to`` makes the layer a ``DPStringLookup`` / ``DPTextVectorization`` (registered subclasses
+of the layer's own Keras class, :func:`accounted_layer_classes`) whose ``privacy_events`` hold the
+release, counted by ``model_epsilon``, ``PrivacyLogger``, ``WithinLimit`` and
+``make_private_with_epsilon``. The events are in the layer's config, so every save that keeps the
+vocabulary (``.keras``, SavedModel, h5 models) keeps its release: the loaded layer declares it again.
+Weights and checkpoints keep neither: the model built by your code gets its vocabulary (and its
+release) from ``apply_to`` again.
 """
 
 from __future__ import annotations
@@ -43,9 +46,16 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from keras_dpsgd import _validate
-from keras_dpsgd.accounting import GaussianThresholdingEvent
+from keras_dpsgd.accounting import GaussianThresholdingEvent, event_from_dict
 
-__all__ = ["DPVocabulary", "dp_vocabulary", "thresholding_delta", "threshold_for_delta"]
+__all__ = [
+    "AccountedVocabularyMixin",
+    "DPVocabulary",
+    "accounted_layer_classes",
+    "dp_vocabulary",
+    "thresholding_delta",
+    "threshold_for_delta",
+]
 
 VOCABULARY_LABEL = "dp-vocabulary"
 STANDARDIZE = ("lower_and_strip_punctuation", "lower", None)
@@ -100,24 +110,105 @@ class DPVocabulary:
     def apply_to(self, layer: Any) -> Any:
         """Sets the vocabulary of a StringLookup or TextVectorization (either Keras) and records the release.
 
-        The layer's ``privacy_events`` then hold the event: the model's ledger counts it, and the
-        refusal of adapted vocabularies lets the layer pass. Returns the layer.
+        The layer becomes its Keras's ``DPStringLookup`` / ``DPTextVectorization`` (same state and
+        behaviour, a keras_dpsgd-registered class) whose ``privacy_events`` hold the event, also in
+        its config: the model's ledger counts it, the refusal of adapted vocabularies lets the
+        layer pass, and a saved and loaded model still declares it. Applied again, the layer keeps
+        the earlier releases too (a model may have been trained with them). Returns the layer.
 
         Raises:
-          TypeError: `layer` has no ``set_vocabulary``.
+          TypeError: `layer` is not a StringLookup or TextVectorization of tf_keras or Keras 3.
         """
+        accounted = _accounted_class(layer)
+        earlier = layer.privacy_events if isinstance(layer, AccountedVocabularyMixin) else ()
+        layer.set_vocabulary(list(self.tokens))
+        layer.__class__ = accounted  # a subclass that only adds the release to the layer's config
+        layer._set_release(earlier + self.privacy_events)
+        return layer
+
+
+# ----------------------------------------------------------------- the layers that keep the release
+_ACCOUNTED: dict = {}  # Keras class (StringLookup, TextVectorization of each Keras) -> its DP subclass
+
+
+class AccountedVocabularyMixin:
+    """A StringLookup/TextVectorization whose vocabulary is a DP release recorded in its config.
+
+    ``privacy_events`` (the config entry of the same name, as event dicts) declare the releases, so
+    :func:`keras_dpsgd.ledger.model_privacy_ledger` counts them and the refusal of adapted
+    vocabularies passes the layer, also after a load. ``adapt`` is refused: it would replace the
+    accounted vocabulary by the exact one.
+    """
+
+    def __init__(self, *args: Any, privacy_events: Sequence = (), **kwargs: Any):
+        if not privacy_events:
+            raise ValueError(
+                f"{type(self).__name__} is made by keras_dpsgd.dp_vocabulary(...).apply_to(layer) (or loaded with "
+                "its release): privacy_events must not be empty"
+            )
+        super().__init__(*args, **kwargs)
+        events = [e if not isinstance(e, dict) else event_from_dict(e) for e in privacy_events]
+        self._set_release(tuple(events))
+
+    def _set_release(self, events: tuple) -> None:
         from keras_dpsgd.normalization import PUBLIC_ATTR
 
-        if not callable(getattr(layer, "set_vocabulary", None)):
-            raise TypeError(
-                f"layer must be a StringLookup or TextVectorization (with set_vocabulary), got {type(layer).__name__}"
-            )
-        layer.set_vocabulary(list(self.tokens))
-        object.__setattr__(layer, "privacy_events", self.privacy_events)  # not tracked as a Keras attribute
-        inner = getattr(layer, "_lookup_layer", None)  # TextVectorization's StringLookup: its release is this one
+        object.__setattr__(self, "_dp_vocabulary_events", tuple(events))  # not tracked by Keras
+        inner = getattr(self, "_lookup_layer", None)  # TextVectorization's StringLookup: its release is this one
         if inner is not None:
             setattr(inner, PUBLIC_ATTR, True)
-        return layer
+
+    @property
+    def privacy_events(self) -> tuple:
+        return self._dp_vocabulary_events
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config["privacy_events"] = [e.to_dict() for e in self.privacy_events]
+        return config
+
+    def adapt(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(
+            f"layer {self.name!r} ({type(self).__name__}) holds a vocabulary released by keras_dpsgd.dp_vocabulary: "
+            "adapt would replace it by the exact vocabulary of the data, outside the privacy ledger; build a "
+            "new vocabulary with dp_vocabulary(texts, ...) and apply_to(layer)"
+        )
+
+
+def accounted_layer_classes(kmod: Any) -> tuple:
+    """(DPStringLookup, DPTextVectorization) of the Keras module `kmod` (tf_keras or keras), registered.
+
+    Registered as "keras_dpsgd>DPStringLookup" and "keras_dpsgd>DPTextVectorization" in that Keras,
+    so a saved model's layer loads as the accounted class. Called once by each front end module.
+    """
+    made = []
+    for base in (kmod.layers.StringLookup, kmod.layers.TextVectorization):
+        name = f"DP{base.__name__}"
+        doc = f"A {base.__name__} whose vocabulary came from keras_dpsgd.dp_vocabulary (see AccountedVocabularyMixin)."
+        cls = type(name, (AccountedVocabularyMixin, base), {"__doc__": doc, "__module__": __name__})
+        cls = kmod.saving.register_keras_serializable(package="keras_dpsgd", name=name)(cls)
+        _ACCOUNTED[base] = cls
+        made.append(cls)
+    return tuple(made)
+
+
+def _accounted_class(layer: Any) -> type:
+    """The DP subclass for `layer`'s exact class (its front end imported on demand)."""
+    from keras_dpsgd import _registration
+    from keras_dpsgd._which_keras import KERAS3, TF_KERAS
+    from keras_dpsgd.ledger import is_keras3
+
+    if isinstance(layer, AccountedVocabularyMixin):
+        return type(layer)
+    kind = type(layer)
+    if kind not in _ACCOUNTED and callable(getattr(layer, "set_vocabulary", None)):
+        _registration.register(KERAS3 if is_keras3(layer) else TF_KERAS)
+    if kind not in _ACCOUNTED:
+        raise TypeError(
+            "layer must be a StringLookup or TextVectorization of tf_keras or Keras 3 (exactly that class, "
+            f"not a subclass), got {kind.__module__}.{kind.__name__}"
+        )
+    return _ACCOUNTED[kind]
 
 
 def _tokens(text: Any, standardize: Optional[str]) -> list:

@@ -19,6 +19,7 @@ import tensorflow as tf
 from keras_dpsgd import normalization as _normalization
 from keras_dpsgd import pca as _pca
 from keras_dpsgd._adapt import stream_batches
+from keras_dpsgd.vocabulary import accounted_layer_classes
 
 __all__ = ["DPNormalization", "DPPCA"]
 
@@ -55,3 +56,7 @@ class DPPCA(_Keras3AdaptGlue, _pca.PCAMechanism, keras.layers.Layer):
 @keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPNormalization")
 class DPNormalization(_Keras3AdaptGlue, _normalization.MomentsMechanism, keras.layers.Layer):
     __doc__ = _keras3_doc(_normalization.DPNormalization.__doc__)
+
+
+# Registered for loading; made by keras_dpsgd.DPVocabulary.apply_to, not public names.
+_DPStringLookup, _DPTextVectorization = accounted_layer_classes(keras)
