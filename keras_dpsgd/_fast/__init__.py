@@ -1,11 +1,12 @@
-"""Fast per-example clipping (ghost norms and book-keeping) for DP-SGD in tf_keras.
+"""Fast per-example clipping (ghost norms and book-keeping) for DP-SGD on TensorFlow (Keras 3 and tf_keras).
 
 ``FastBackend`` implements the per-example backend protocol of ``keras_dpsgd._per_example``:
 ``clipped_sum(loss, var_list, tape, clip_factors) -> (summed, sq_norms)``. It gives the same
 numbers as the per-example jacobian (reference) path, without materializing per-example
 gradients for the layers that carry most parameters. See ``_backend`` for the algorithm.
 ``ReferenceBackend`` (``_reference``) is the always-exact per-example jacobian path it falls back
-to. How a new op gets a per-example rule: ``_handlers.register_rule``.
+to for a variable without a rule (announced: ``_report``). How a new op gets a per-example
+rule: ``_handlers.register_rule``.
 """
 
 from keras_dpsgd._fast._backend import FastBackend

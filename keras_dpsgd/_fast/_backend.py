@@ -13,9 +13,10 @@ Algorithm (one DP-SGD step, Abadi et al. 2016, Alg. 1, lines "compute gradient" 
    on slices of the input, ``_conv``); variables with an unknown use get exact per-example
    jacobians instead (``GradientTape.jacobian``).
    Every op upstream of the loss must be known to keep the examples apart (``_rows``, an
-   allowlist): if one reorders them or is unknown, row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y and
-   the whole step uses the reference path; if one mixes them (batch statistics, a reduction over
-   the batch axis), ``_graph.analyze`` raises ValueError, since no backend is private then.
+   allowlist): if one mixes them (batch statistics, a reduction over the batch axis) or is unknown
+   (row i of ∂(Σℓ)/∂y need not be ∂ℓ_i/∂y), ``_graph.analyze`` raises ValueError with either
+   backend, since neither could bound the sensitivity then; so does a loss that reads a variable
+   written from the batch (``_state``).
 4. ``clip_factors(sq_norms)`` (flat or per-layer clipping, decided by the caller).
 5. Clipped sums ``Σ_i c_iv g_i[v]`` by book-keeping (Bu et al. 2023).
 
