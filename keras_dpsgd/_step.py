@@ -8,7 +8,7 @@ per-example backend has computed ``sq_norms[i, v] = ||g_i[v]||²``:
   that group. Flat clipping is one group (every variable in group 0, one bound C); per-layer
   clipping (Abadi et al. 2016, Sec 3.1; McMahan et al. 2018) is one group per variable. An
   example with a non-finite squared norm gets factor 0 everywhere (:func:`finite_rows`).
-  Per-example normalization (``stability`` γ > 0: automatic clipping, Bu et al. 2023, Eq. 4.1; De
+  Per-example normalization (``stability`` γ > 0: automatic clipping, Bu et al., NeurIPS 2023; De
   et al. 2022's rescaling to unit norm) replaces the factor by ``C_g / (||g_i[g]|| + γ)``: every
   example then has norm < C_g, so the sensitivity is C_g, as for clipping (the front ends use C = 1).
 * :func:`noise_stddevs`: the noise on variable v is N(0, σ_v² C_{groups[v]}²).
