@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from keras_dpsgd._dp_settings import DEFAULT_STABILITY, check_settings
+from keras_dpsgd._clipping import DEFAULT_STABILITY
+from keras_dpsgd._dp_settings import check_settings
 from keras_dpsgd._tfp_compat import check_num_microbatches
 
 

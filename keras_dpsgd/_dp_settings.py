@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd._clipping import DEFAULT_STABILITY, check_clipping
 from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._fast import _state
 from keras_dpsgd._fast._report import FALLBACK_CHOICES, PerExampleReport
@@ -62,32 +63,6 @@ def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
     :func:`keras_dpsgd.accounting.composed_noise_multiplier`, the one place σ_eff is computed.
     """
     return composed_noise_multiplier(noise_multipliers)
-
-
-CLIPPING_CHOICES = ("clip", "normalize")
-DEFAULT_STABILITY = 0.01
-
-
-def check_clipping(clipping: Any, stability: Any, l2_norm_clip: Any) -> tuple[str, float]:
-    """Validates the per-example step's mode and γ; returns (clipping, stability).
-
-    "clip" (default): ``min(1, C/||g_i||)`` with the bound(s) of `l2_norm_clip`. "normalize": per-example
-    normalization ``g_i / (||g_i|| + γ)`` (Bu et al. 2023; De et al. 2022), sensitivity 1: there is no C,
-    so `l2_norm_clip` must be None; γ = `stability` > 0 applies to this mode only.
-    """
-    clipping = V.one_of(CLIPPING_CHOICES, clipping=clipping)
-    stability = V.positive(stability=stability)
-    if clipping == "normalize" and l2_norm_clip is not None:
-        raise ValueError(
-            "l2_norm_clip must be None with clipping='normalize': each example's gradient is rescaled to "
-            f"g/(||g|| + stability), norm < 1, so the sensitivity is 1 and the learning rate absorbs the scale; "
-            f"got l2_norm_clip={l2_norm_clip!r}"
-        )
-    if clipping == "clip" and stability != DEFAULT_STABILITY:
-        raise ValueError(
-            f"stability applies to clipping='normalize' only, got stability={stability!r} with clipping='clip'"
-        )
-    return clipping, stability
 
 
 def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple[float, ...]:

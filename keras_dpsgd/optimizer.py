@@ -24,7 +24,7 @@ import tf_keras as keras
 
 from keras_dpsgd._sanitizer import DPSanitizerMixin
 from keras_dpsgd._dp_classes import init_private, make_dp_class
-from keras_dpsgd._dp_settings import DEFAULT_STABILITY
+from keras_dpsgd._clipping import DEFAULT_STABILITY
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 

@@ -113,3 +113,49 @@ def test_bad_values_are_refused(front, kwargs, error, named):
     with pytest.raises(error) as info:
         front.optimizer_cls(**args)
     assert named in str(info.value)
+
+
+# ------------------------------------------------------------------ keras-dpsgd train --clipping normalize
+def test_cli_train_normalize(capsys):
+    import json
+
+    from keras_dpsgd.cli import main
+
+    code = main(["train", "--json", "--clipping", "normalize", "--stability", "0.05", "--epochs", "2", "--seed", "3"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    result = json.loads(out)
+    assert (result["clipping"], result["stability"], result["l2_norm_clip"]) == ("normalize", 0.05, None)
+    assert "per-example normalization (γ = 0.05)" in err
+    q, sigma, steps = result["sampling_rate"], result["noise_multiplier"], result["steps"]
+    assert steps == 12
+    assert result["epsilon"] == pytest.approx(
+        compute_epsilon(PoissonSampledGaussianEvent(q, sigma, steps), result["delta"]), rel=1e-9
+    )
+    assert result["test_accuracy"] > 0.5  # it learned (chance is 0.1)
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["train", "--clipping", "normalize", "--l2-norm-clip", "1"], "--l2-norm-clip does not apply to --clipping"),
+        (["train", "--stability", "0.1"], "--stability applies to --clipping normalize only"),
+        (["audit", "--clipping", "normalize"], "--clipping normalize is not supported by audit"),
+    ],
+)
+def test_cli_bad_clipping_exit_2(capsys, argv, fragment):
+    from keras_dpsgd.cli import main
+
+    code = main([*argv, "--epochs", "1"])
+    _, err = capsys.readouterr()
+    assert code == 2
+    assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_nonpositive_stability_is_an_argparse_error(capsys):
+    from keras_dpsgd.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--clipping", "normalize", "--stability", "0"])
+    assert info.value.code == 2
+    assert "argument --stability: must be a finite number > 0, got 0" in capsys.readouterr().err
