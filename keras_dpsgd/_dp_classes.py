@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from keras_dpsgd._clipping import DEFAULT_STABILITY
 from keras_dpsgd._dp_settings import check_settings
 from keras_dpsgd._tfp_compat import check_num_microbatches
 
@@ -27,6 +28,9 @@ def init_private(
     num_microbatches: None,
     base_kwargs: dict[str, Any],
     jacobian_fallback: str = "warn",
+    *,
+    clipping: str = "clip",
+    stability: float = DEFAULT_STABILITY,
 ) -> None:
     """Constructs a private optimizer: checks the DP arguments, runs the Keras ``__init__``, then ``_init_dp``.
 
@@ -34,7 +38,7 @@ def init_private(
       optimizer: the optimizer being constructed (its class has a sanitizer mixin).
       base_init: the Keras optimizer's ``__init__``, bound to `optimizer`.
       l2_norm_clip, noise_multiplier, gradient_accumulation_steps, expected_lot_size, sampling_rate,
-        per_example_backend, seed, jacobian_fallback: the DP arguments
+        per_example_backend, seed, jacobian_fallback, clipping, stability: the DP arguments
         (``keras_dpsgd._dp_settings.check_settings``).
       num_microbatches: None only (refused otherwise).
       base_kwargs: the keywords of the Keras optimizer.
@@ -49,6 +53,8 @@ def init_private(
         per_example_backend=per_example_backend,
         jacobian_fallback=jacobian_fallback,
         seed=seed,
+        clipping=clipping,
+        stability=stability,
     )
     base_init(**base_kwargs)
     optimizer._init_dp(state)
@@ -98,13 +104,24 @@ def make_dp_class(
         jacobian_fallback="warn",
         seed=None,
         num_microbatches=None,
+        clipping="clip",
+        stability=DEFAULT_STABILITY,
         **kwargs,
     ):
         kwargs.setdefault("name", cls_name)
         base_init = lambda **base_kwargs: optimizer_cls.__init__(self, **base_kwargs)  # noqa: E731
         dp_args = (gradient_accumulation_steps, expected_lot_size, sampling_rate, per_example_backend, seed)
         init_private(
-            self, base_init, l2_norm_clip, noise_multiplier, *dp_args, num_microbatches, kwargs, jacobian_fallback
+            self,
+            base_init,
+            l2_norm_clip,
+            noise_multiplier,
+            *dp_args,
+            num_microbatches,
+            kwargs,
+            jacobian_fallback,
+            clipping=clipping,
+            stability=stability,
         )
 
     cls = type(cls_name, (mixin, optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": module})

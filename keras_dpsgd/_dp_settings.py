@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd._clipping import DEFAULT_STABILITY, check_clipping
 from keras_dpsgd import _distribute, _noise, _step, ledger
 from keras_dpsgd._fast import _state
 from keras_dpsgd._fast._report import FALLBACK_CHOICES, PerExampleReport
@@ -65,8 +66,8 @@ def effective_noise_multiplier(noise_multipliers: Sequence[float]) -> float:
 
 
 def release_noise_multipliers(l2_norm_clip: Any, noise_multiplier: Any) -> tuple[float, ...]:
-    """σ of each Gaussian release of one step: one per clipping group (flat clipping: one)."""
-    if isinstance(l2_norm_clip, float):
+    """σ of each Gaussian release of one step: one per clipping group (flat clipping, normalization: one)."""
+    if not isinstance(l2_norm_clip, (list, dict)):
         return (noise_multiplier,)
     if isinstance(noise_multiplier, list):
         return tuple(noise_multiplier)
@@ -113,6 +114,8 @@ class DPState:
     seed: int | None
     sampling_rate: float | None
     expected_lot_size: float | None
+    clipping: str = "clip"
+    stability: float = DEFAULT_STABILITY
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     generator: Any = None  # tf.random.Generator from OS entropy (seed None), never checkpointed.
@@ -146,6 +149,8 @@ class DPState:
             per_example_backend=self.per_example_backend,
             jacobian_fallback=self.jacobian_fallback,
             seed=self.seed,
+            clipping=self.clipping,
+            stability=self.stability,
         )
 
 
@@ -159,6 +164,8 @@ def check_settings(
     per_example_backend: str = "auto",
     jacobian_fallback: str = "warn",
     seed: Any = None,
+    clipping: Any = "clip",
+    stability: Any = DEFAULT_STABILITY,
 ) -> DPState:
     """The checked DP arguments of a private optimizer (both front ends), as a :class:`DPState`.
 
@@ -166,7 +173,8 @@ def check_settings(
       ValueError: naming the first argument out of range (in the order of the signature).
       TypeError: for a value of the wrong type (bools and strings are refused).
     """
-    clip = check_l2_norm_clip(l2_norm_clip)
+    clipping, stability = check_clipping(clipping, stability, l2_norm_clip)
+    clip = None if clipping == "normalize" else check_l2_norm_clip(l2_norm_clip)
     sigma = check_noise_multiplier(noise_multiplier, clip)
     fallback = V.one_of(FALLBACK_CHOICES, jacobian_fallback=jacobian_fallback)
     return DPState(
@@ -179,6 +187,8 @@ def check_settings(
         per_example_backend=per_example_backend,
         jacobian_fallback=fallback,
         seed=check_seed(seed),
+        clipping=clipping,
+        stability=stability,
     )
 
 
@@ -251,8 +261,18 @@ class DPSettingsMixin:
         return self._dp.backend
 
     @property
+    def clipping(self) -> str:
+        """ "clip" (``min(1, C/||g_i||)``) or "normalize" (``g_i/(||g_i|| + stability)``, sensitivity 1)."""
+        return self._dp.clipping
+
+    @property
+    def stability(self) -> float:
+        """γ of per-example normalization (clipping="normalize"; Bu et al. 2023's automatic clipping)."""
+        return self._dp.stability
+
+    @property
     def per_layer_clipping(self) -> bool:
-        return not isinstance(self._dp.l2_norm_clip, float)
+        return isinstance(self._dp.l2_norm_clip, (list, dict))
 
     @property
     def nonfinite_examples(self) -> tf.Variable:
@@ -307,12 +327,20 @@ class DPSettingsMixin:
         return _step.clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
 
     def _group_bounds(self) -> tf.Tensor:
-        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one."""
+        """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one.
+        Per-example normalization: C = 1, the sensitivity (``_sanitizer._resolve_bounds``)."""
         bounds = tf.convert_to_tensor(self.clip_bounds)
         return bounds if self.per_layer_clipping else bounds[:1]
 
+    def _clip_factors(self, sq_norms: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
+        """Step 2, the factors [B, V] of ``_step.clip_factors``: ``min(1, C_g/||g_i[g]||)``, or
+        ``1/(||g_i|| + γ)`` with clipping="normalize". Non-finite examples get factor 0 in every column."""
+        stability = self._dp.stability if self._dp.clipping == "normalize" else None
+        return _step.clip_factors(sq_norms, self._group_bounds(), self._clip_groups(), finite, stability)
+
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v (flat: C_v = C, σ_v = σ).
+        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v (flat: C_v = C, σ_v = σ;
+        per-example normalization: C_v = 1).
 
         Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
         holds N(0, σ_v² C_v²) once (``keras_dpsgd._distribute``).

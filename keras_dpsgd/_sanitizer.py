@@ -3,7 +3,7 @@
 Abadi et al. 2016, Algorithm 1, for a lot L of examples:
 
 1. per-example gradients g_i = ∇θ ℓ(θ, x_i)                (the backend)
-2. clip: ḡ_i = g_i · min(1, C / ||g_i||)                    (``_clip_factors``)
+2. clip: ḡ_i = g_i · min(1, C / ||g_i||), or g_i / (||g_i|| + γ)  (``_clip_factors``)
 3. sum: Σ_i ḡ_i                                             (the backend)
 4. noise: Σ_i ḡ_i + N(0, σ²C² I)                            (``add_noise``)
 5. normalize: divide by the expected lot size L             (``_normalize``)
@@ -106,8 +106,11 @@ class _EpochBoundary:
 
 
 def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
-    """One clip bound per trainable variable, in `var_list` order."""
+    """One clip bound per trainable variable, in `var_list` order (None, per-example normalization: 1,
+    the sensitivity of an example rescaled to norm < 1)."""
     num = len(var_list)
+    if l2_norm_clip is None:
+        return [1.0] * num
     if isinstance(l2_norm_clip, float):
         return [l2_norm_clip] * num
     if isinstance(l2_norm_clip, list):
@@ -309,13 +312,6 @@ class DPSanitizerMixin(DPSettingsMixin):
         return super().finalize_variable_values(var_list)
 
     # ------------------------------------------------------ sanitizer steps
-    def _clip_factors(self, sq_norms: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
-        """Step 2, clip: factors[i, v] = min(1, C / ||g_i||) (flat) or min(1, C_v / ||g_i[v]||).
-
-        Non-finite examples get factor 0 in every column (``_step.clip_factors``).
-        """
-        return _step.clip_factors(sq_norms, self._group_bounds(), self._clip_groups(), finite)
-
     def _clipped_sum(self, loss, var_list, tape):
         """Steps 1-3 through the backend: Σ_i clip(g_i), plus the batch size."""
         finite = []  # The non-finite mask, computed once from the backend's sq_norms.

@@ -8,6 +8,9 @@ per-example backend has computed ``sq_norms[i, v] = ||g_i[v]||²``:
   that group. Flat clipping is one group (every variable in group 0, one bound C); per-layer
   clipping (Abadi et al. 2016, Sec 3.1; McMahan et al. 2018) is one group per variable. An
   example with a non-finite squared norm gets factor 0 everywhere (:func:`finite_rows`).
+  Per-example normalization (``stability`` γ > 0: automatic clipping, Bu et al., NeurIPS 2023; De
+  et al. 2022's rescaling to unit norm) replaces the factor by ``C_g / (||g_i[g]|| + γ)``: every
+  example then has norm < C_g, so the sensitivity is C_g, as for clipping (the front ends use C = 1).
 * :func:`noise_stddevs`: the noise on variable v is N(0, σ_v² C_{groups[v]}²).
 * :func:`normalize`: divide by the expected lot size L (Poisson lots), else by the realized
   number of examples.
@@ -40,6 +43,7 @@ def clip_factors(
     bounds: tf.Tensor,
     groups: Sequence[int],
     finite: tf.Tensor | None = None,
+    stability: float | None = None,
 ) -> tf.Tensor:
     """Per-example clip factors [B, V] (Abadi et al. 2016, Alg. 1, "clip gradient").
 
@@ -49,10 +53,12 @@ def clip_factors(
       groups: V static ints in [0, G): the group of each variable.
       finite: [B, 1] bool from :func:`finite_rows` (computed here if None); rows that are
         False get factor 0 in every column.
+      stability: None (clipping) or γ > 0 (per-example normalization, Bu et al. 2023).
 
     Returns:
-      factors [B, V]: ``min(1, C_g / ||g_i[g]||)`` for variable v in group g, 0 for non-finite
-      examples. A group whose squared norm overflows to inf gets factor 0 too.
+      factors [B, V]: ``min(1, C_g / ||g_i[g]||)`` (clipping) or ``C_g / (||g_i[g]|| + γ)``
+      (normalization) for variable v in group g, 0 for non-finite examples. A group whose squared
+      norm overflows to inf gets factor 0 too.
     """
     groups = list(groups)
     num_groups = max(groups) + 1
@@ -64,7 +70,10 @@ def clip_factors(
     else:
         group_sq = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(sq_norms), groups, num_groups))
     norms = tf.sqrt(group_sq)
-    per_group = tf.where(norms > bounds, bounds / norms, tf.ones_like(norms))
+    if stability is not None:
+        per_group = bounds / (norms + tf.cast(stability, norms.dtype))
+    else:
+        per_group = tf.where(norms > bounds, bounds / norms, tf.ones_like(norms))
     factors = tf.gather(per_group, groups, axis=1)
     return tf.where(finite, factors, tf.zeros_like(factors))
 

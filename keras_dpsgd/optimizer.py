@@ -24,6 +24,7 @@ import tf_keras as keras
 
 from keras_dpsgd._sanitizer import DPSanitizerMixin
 from keras_dpsgd._dp_classes import init_private, make_dp_class
+from keras_dpsgd._clipping import DEFAULT_STABILITY
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 
@@ -34,6 +35,14 @@ _DP_DOC = """
         order, kernel and bias separately), or a dict by variable name
         (per-layer clipping).
       noise_multiplier: σ >= 0; the noise on variable v is N(0, σ_v² C_v²).
+      clipping: "clip" (default: the bound(s) of l2_norm_clip) or "normalize":
+        per-example normalization (automatic clipping, Bu et al. 2023; De et
+        al. 2022), g_i / (||g_i|| + stability). Every example then has norm
+        < 1: the sensitivity of the sum is 1 and the noise is N(0, σ²), so
+        the privacy guarantee and the accountant's (q, σ) are those of
+        clipping with C = 1; there is no C (pass l2_norm_clip=None), the
+        learning rate absorbs the scale. Flat only (one group).
+      stability: γ > 0 of "normalize" (default 0.01); refused with "clip".
         With per-layer clipping it may be one σ per variable. The accountant
         must be charged `effective_noise_multiplier` (σ/√V for V variables
         clipped separately with one σ).
@@ -99,7 +108,7 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
 
     def __init__(
         self,
-        l2_norm_clip: float | list[float] | dict[str, float],
+        l2_norm_clip: float | list[float] | dict[str, float] | None,
         noise_multiplier: float | list[float],
         learning_rate: Any = 0.01,
         momentum: float = 0.0,
@@ -112,6 +121,8 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
         name: str = "DPSGDOptimizer",
         jacobian_fallback: str = "warn",
         num_microbatches: None = None,
+        clipping: str = "clip",
+        stability: float = DEFAULT_STABILITY,
         **kwargs: Any,
     ):
         base_kwargs = dict(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
@@ -125,6 +136,8 @@ class DPSGDOptimizer(DPSanitizerMixin, keras.optimizers.SGD):
             num_microbatches,
             base_kwargs,
             jacobian_fallback,
+            clipping=clipping,
+            stability=stability,
         )
 
 

@@ -6,10 +6,11 @@ import numpy as np
 import tensorflow as tf
 
 
-def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight=None):
+def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight=None, stability=None):
     """(1/B) Σ_i clip(∇ℓ_i) at the model's current weights, one example at a time.
 
-    `clip` is a float (flat) or one bound per trainable variable (per-layer).
+    `clip` is a float (flat) or one bound per trainable variable (per-layer); with `stability` γ
+    (per-example normalization, flat) each gradient is scaled by clip/(||∇ℓ_i|| + γ) instead.
     """
     variables = model.trainable_variables
     total = [np.zeros(v.shape, np.float64) for v in variables]
@@ -26,7 +27,8 @@ def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight
             grads = [g * min(1.0, c / max(np.linalg.norm(g), 1e-30)) for g, c in zip(grads, clip)]
         else:
             norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-            grads = [g * min(1.0, clip / max(norm, 1e-30)) for g in grads]
+            factor = clip / (norm + stability) if stability is not None else min(1.0, clip / max(norm, 1e-30))
+            grads = [g * factor for g in grads]
         total = [t + g for t, g in zip(total, grads)]
     return [t / batch for t in total]
 

@@ -194,5 +194,7 @@ def test_default_settings_are_the_documented_ones():
         10,
     )
     assert args.delta is None and args.noise_multiplier is None and args.seed is None
-    assert args.learning_rate is None and math.isclose(args.l2_norm_clip, 1.0)
+    # learning rate per --model, C per --clipping (clip: 1.0; normalize has none): set when the run is checked
+    assert args.learning_rate is None and args.l2_norm_clip is None and args.clipping == "clip"
+    assert math.isclose(DEFAULTS["l2_norm_clip"], 1.0)
     assert DEFAULTS["learning_rate"] == {"mlp": 0.5, "cnn": 2.0}

@@ -107,6 +107,8 @@ def _check(args) -> None:
         raise ValueError("--save is not supported by audit: an audit's model holds canaries and is not for release")
     if args.physical_batch_size is not None:
         raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
+    if args.clipping != "clip":
+        raise ValueError(f"--clipping {args.clipping} is not supported by audit (it audits clipping at C)")
     if args.mode == "one-run":
         _validate.integer_at_least(2, canaries=args.canaries)
     elif args.canary_kind != "gradient":

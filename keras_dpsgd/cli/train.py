@@ -34,6 +34,7 @@ import tempfile
 import time
 
 from keras_dpsgd import _validate
+from keras_dpsgd._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
@@ -69,7 +70,13 @@ _NUMBER_OPTIONS = (
     ),
     ("--epochs", positive_int, "E", "epochs of ceil(N/L) lots each (default %(default)s)"),
     ("--noise-multiplier", float, "S", "σ >= 0 (default: calibrated so that the planned steps spend the target ε)"),
-    ("--l2-norm-clip", positive_float, "C", "per-example gradient norm bound C (default %(default)s)"),
+    (
+        "--l2-norm-clip",
+        positive_float,
+        "C",
+        "per-example gradient norm bound C (default 1.0; not with --clipping normalize)",
+    ),
+    ("--stability", positive_float, "G", "γ of --clipping normalize: g/(||g|| + γ) (default 0.01)"),
     ("--learning-rate", positive_float, "LR", "SGD learning rate (default: 0.5 for mlp, 2.0 for cnn)"),
     ("--momentum", float, None, "SGD momentum (default %(default)s)"),
 )
@@ -107,9 +114,16 @@ def register(subparsers) -> None:
     p.add_argument("--model", choices=MODELS, default=d["model"], help="mlp (default) or cnn")
     for flag, kind, metavar, text in _NUMBER_OPTIONS:
         dest = flag[2:].replace("-", "_")
-        # learning rate: per model, set in _check_args; lot size: from N, set in train
-        default = None if dest in ("learning_rate", "lot_size") else d.get(dest)
+        # learning rate: per model, C and γ: per --clipping, set in _check_args; lot size: from N, set in train
+        default = None if dest in ("learning_rate", "lot_size", "l2_norm_clip") else d.get(dest)
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+    p.add_argument(
+        "--clipping",
+        choices=CLIPPING_CHOICES,
+        default="clip",
+        help="clip (default): each example's gradient clipped to norm C; normalize: rescaled to g/(||g|| + γ) "
+        "(automatic clipping, Bu et al. 2023): sensitivity 1, no C, the same ε",
+    )
     p.add_argument(
         "--accountant", choices=("rdp", "moments", "pld"), default="rdp", help="privacy accountant (default rdp)"
     )
@@ -203,12 +217,29 @@ def _load_data(args):
 def _check_args(args) -> None:
     if args.learning_rate is None:
         args.learning_rate = DEFAULTS["learning_rate"][args.model]
+    _check_clipping(args)
     if args.noise_multiplier is not None:
         _validate.nonnegative(noise_multiplier=args.noise_multiplier)
     _validate.in_range(0, 1, "[)", momentum=args.momentum)
     _dp_normalize.check(args)
     if args.save:
         check_save_destination(args.save)
+
+
+def _check_clipping(args) -> None:
+    """--clipping clip takes --l2-norm-clip (default 1.0), normalize takes --stability (default 0.01)."""
+    if args.clipping == "normalize":
+        if args.l2_norm_clip is not None:
+            raise ValueError(
+                "--l2-norm-clip does not apply to --clipping normalize (each example's gradient is rescaled to "
+                "norm < 1: there is no C; the learning rate absorbs the scale)"
+            )
+        args.stability = DEFAULT_STABILITY if args.stability is None else args.stability
+        return
+    if args.stability is not None:
+        raise ValueError("--stability applies to --clipping normalize only")
+    if args.l2_norm_clip is None:
+        args.l2_norm_clip = DEFAULTS["l2_norm_clip"]
 
 
 def default_lot_size(num_examples: int) -> int:
@@ -301,6 +332,7 @@ def train(args) -> dict:
         l2_norm_clip=args.l2_norm_clip,
         noise_multiplier=sigma,
         lots=lots,
+        **_clipping_kwargs(args),
         learning_rate=args.learning_rate,
         momentum=args.momentum,
         seed=args.seed,
@@ -352,6 +384,8 @@ def train(args) -> dict:
         "noise_multiplier": sigma,
         "noise_calibrated": calibrated,
         "l2_norm_clip": args.l2_norm_clip,
+        "clipping": args.clipping,
+        "stability": args.stability,
         "learning_rate": args.learning_rate,
         "momentum": args.momentum,
         "seed": args.seed,
@@ -366,12 +400,21 @@ def train(args) -> dict:
     return result
 
 
+def _clipping_kwargs(args) -> dict:
+    """The optimizer's clipping keywords (none for the default, clip)."""
+    return dict(clipping="normalize", stability=args.stability) if args.clipping == "normalize" else {}
+
+
+def _clipping_text(l2_norm_clip, stability) -> str:
+    return f"C = {l2_norm_clip:g}" if l2_norm_clip is not None else f"per-example normalization (γ = {stability:g})"
+
+
 def _plan_text(args, name, n, delta, lots, planned, sigma, calibrated, keras_display) -> str:
     how = "calibrated to the target" if calibrated else "given"
     return (
         f"DP-SGD on {name} (N = {n}): {planned} steps planned ({args.epochs} epochs of "
         f"{lots.lots_per_epoch} Poisson lots, expected size {args.lot_size}, q = {lots.sampling_rate:.4g}), "
-        f"σ = {sigma:.4g} ({how}), C = {args.l2_norm_clip:g}; budget ε = {args.target_epsilon:g} at "
+        f"σ = {sigma:.4g} ({how}), {_clipping_text(args.l2_norm_clip, args.stability)}; budget ε = {args.target_epsilon:g} at "
         f"δ = {delta:.3g}; {keras_display}"
     )
 
@@ -459,7 +502,7 @@ def run(args) -> dict:
             f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}, "
             f"{'Keras ' if not result['keras'].startswith('tf_keras') else ''}{result['keras']}\n"
             f"  {result['steps']} of {result['planned_steps']} planned steps, σ = {result['noise_multiplier']:.4g}, "
-            f"C = {result['l2_norm_clip']:g}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
+            f"{_clipping_text(result['l2_norm_clip'], result['stability'])}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
             + (f"\n  saved to {result['saved_to']}" if "saved_to" in result else "")
         )
     if "save_error" in result:

@@ -361,13 +361,11 @@ class DPKeras3Mixin(DPSettingsMixin):
 
     def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
         """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
-        groups = _step.clip_groups(len(tf_vars), self.per_layer_clipping)
-        bounds = self._group_bounds()
         finite = []
 
         def factors(sq_norms):
             finite.append(_step.finite_rows(sq_norms))
-            return _step.clip_factors(sq_norms, bounds, groups, finite[-1])
+            return self._clip_factors(sq_norms, finite[-1])
 
         summed, sq_norms = self._backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
         self._refuse_batch_writes(per_example_loss, ledger.saving_model(self))  # At trace time.
@@ -465,6 +463,8 @@ _DP_DOC = """
       l2_norm_clip: C > 0 (flat clipping), a list (one bound per trainable variable, in
         `model.trainable_variables` order) or a dict by variable path/name (per-layer clipping).
       noise_multiplier: σ >= 0 (one per variable allowed with per-layer clipping).
+      clipping: "clip" (default) or "normalize" (per-example normalization, l2_norm_clip=None),
+        as for the tf_keras classes; stability: its γ > 0 (default 0.01).
       gradient_accumulation_steps: k >= 1 batches form one lot: the clipped sums of k batches
         are accumulated by the DP step, noise is drawn and the update applied once per lot
         (`noised_steps` counts lots). An incomplete lot is discarded (`discarded_lots`,
