@@ -15,6 +15,7 @@ Nothing here imports a Keras: the layers are ``(glue, mechanism, Layer)`` classe
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -309,6 +310,34 @@ class DPReleaseMixin:
         check = tf.debugging.assert_positive(self.adapt_count, message=message)
         with tf.control_dependencies([check]):
             return tf.identity(x)
+
+
+def tf_keras_preprocessing_layer() -> type:
+    """tf_keras's ``PreprocessingLayer`` (imported here, when a tf_keras layer class is defined)."""
+    import tf_keras
+
+    return tf_keras.layers.experimental.preprocessing.PreprocessingLayer
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def define_on_first_access(module_globals: dict, name: str, definitions: dict[str, Callable[[], type]]) -> type:
+    """A module's ``__getattr__`` (PEP 562) for its tf_keras classes: defines class `name` once, on first access.
+
+    The module then imports without tf_keras (the Keras 3 front end uses its mechanisms); the
+    class is defined, registered with tf_keras's serialization and kept in the module at its
+    first access (``keras_dpsgd.tf_keras`` reaches it at import).
+    """
+    define = definitions.get(name)
+    if define is None:
+        raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
+    with _DEFINE_LOCK:
+        if name not in module_globals:
+            cls = define()
+            cls.__qualname__ = name  # a module-level class, as the name says
+            module_globals[name] = cls
+    return module_globals[name]
 
 
 class TfKerasAdaptGlue:

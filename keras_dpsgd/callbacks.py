@@ -21,10 +21,10 @@ the model it is given (a Keras 3 model made private with
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable, Optional
 
 import keras
-import tf_keras
 
 from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
@@ -75,8 +75,11 @@ def is_keras3_model(model: Any) -> bool:
     return isinstance(model, keras.Model)
 
 
-class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
-    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads."""
+class _PrivacyCallback(keras.callbacks.Callback):
+    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads.
+
+    tf_keras's ``Callback`` becomes the second base once tf_keras is imported (:func:`adopt_tf_keras_base`).
+    """
 
     def __init__(self, target_delta, num_examples, batch_size, extra_events, accountant):
         keras.callbacks.Callback.__init__(self)  # Not tf_keras's: it assigns `model`, a property here.
@@ -122,6 +125,22 @@ class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
             extra_events=self.extra_events,
             accountant=self.accountant,
         )
+
+
+def adopt_tf_keras_base() -> None:
+    """Makes the callbacks here ``tf_keras.callbacks.Callback`` too (second base, after Keras 3's).
+
+    Called at this module's import if tf_keras is imported, else by ``keras_dpsgd.tf_keras``, which
+    keras_dpsgd's import hook imports right after tf_keras (``keras_dpsgd._registration``): so a
+    Keras 3 program never imports tf_keras, and a tf_keras fit gets the same classes as before.
+    """
+    base = sys.modules["tf_keras"].callbacks.Callback
+    if base not in _PrivacyCallback.__bases__:
+        _PrivacyCallback.__bases__ = (keras.callbacks.Callback, base)  # subclasses' MROs follow
+
+
+if "tf_keras" in sys.modules:
+    adopt_tf_keras_base()
 
 
 class PrivacyLogger(_PrivacyCallback):
