@@ -56,10 +56,39 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_keras3_import_fit_save_and_load_import_no_tf_keras():
+# tf_keras imported after keras_dpsgd: its callbacks and layers are tf_keras's as before.
+_LATE_TF_KERAS = textwrap.dedent(
+    """
+    import sys
+
+    from keras_dpsgd import PrivacyLogger, WithinLimit
+    from keras_dpsgd import normalization, pca
+
+    assert "tf_keras" not in sys.modules
+    import tf_keras
+
+    for callback in (PrivacyLogger(1e-5), WithinLimit(1.0, 1e-5)):
+        assert isinstance(callback, tf_keras.callbacks.Callback), type(callback).__mro__
+    for cls in (normalization.DPNormalization, pca.DPPCA):
+        assert issubclass(cls, tf_keras.layers.Layer) and cls.__qualname__ == cls.__name__
+        assert tf_keras.saving.get_registered_object(f"keras_dpsgd>{cls.__name__}") is cls
+    print("NO_TF_KERAS_OK")
+    """
+)
+
+
+def _run(script: str) -> None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="tensorflow")
     env.pop("TF_USE_LEGACY_KERAS", None)
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0 and "NO_TF_KERAS_OK" in proc.stdout, proc.stderr[-4000:]
+
+
+def test_keras3_import_fit_save_and_load_import_no_tf_keras():
+    _run(_SCRIPT)
+
+
+def test_tf_keras_imported_later_gets_the_tf_keras_callbacks_and_layers():
+    _run(_LATE_TF_KERAS)
