@@ -490,16 +490,5 @@ DP_NORMALIZATION_DOC = """Normalizes features with a differentially private mean
     """
 
 
-def _define_dp_normalization() -> type:
-    """Defines the tf_keras DPNormalization (on first access: importing this module does not import tf_keras)."""
-    import tf_keras as keras
-
-    @keras.saving.register_keras_serializable(package="keras_dpsgd")
-    class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _adapt.tf_keras_preprocessing_layer()):
-        __doc__ = DP_NORMALIZATION_DOC
-
-    return DPNormalization
-
-
 def __getattr__(name: str):
-    return _adapt.define_on_first_access(globals(), name, {"DPNormalization": _define_dp_normalization})
+    return _adapt.tf_keras_layer(globals(), name, {"DPNormalization": (MomentsMechanism, DP_NORMALIZATION_DOC)})

@@ -255,16 +255,5 @@ DPPCA_DOC = """Projects inputs onto k differentially private principal direction
     """
 
 
-def _define_dppca() -> type:
-    """Defines the tf_keras DPPCA (on first access: importing this module does not import tf_keras)."""
-    import tf_keras as keras
-
-    @keras.saving.register_keras_serializable(package="keras_dpsgd")
-    class DPPCA(_adapt.TfKerasAdaptGlue, PCAMechanism, _adapt.tf_keras_preprocessing_layer()):
-        __doc__ = DPPCA_DOC
-
-    return DPPCA
-
-
 def __getattr__(name: str):
-    return _adapt.define_on_first_access(globals(), name, {"DPPCA": _define_dppca})
+    return _adapt.tf_keras_layer(globals(), name, {"DPPCA": (PCAMechanism, DPPCA_DOC)})
