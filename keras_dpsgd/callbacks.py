@@ -13,7 +13,8 @@ which is checkpointed with the optimizer, so a resumed run continues ε.
 ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.sampling`.
 
 The same classes serve both Kerases: each is a ``keras.callbacks.Callback``
-(Keras 3) and a ``tf_keras.callbacks.Callback``, and dispatches on the Keras of
+(Keras 3) and, once tf_keras is imported (this module does not import it), a
+``tf_keras.callbacks.Callback``, and dispatches on the Keras of
 the model it is given (a Keras 3 model made private with
 :func:`keras_dpsgd.keras3.make_private`, or a tf_keras model).
 """
