@@ -15,6 +15,8 @@ Nothing here imports a Keras: the layers are ``(glue, mechanism, Layer)`` classe
 
 from __future__ import annotations
 
+import threading
+import types
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -309,6 +311,39 @@ class DPReleaseMixin:
         check = tf.debugging.assert_positive(self.adapt_count, message=message)
         with tf.control_dependencies([check]):
             return tf.identity(x)
+
+
+def tf_keras_preprocessing_layer() -> type:
+    """tf_keras's ``PreprocessingLayer`` (imported here, when a tf_keras layer class is defined)."""
+    import tf_keras
+
+    return tf_keras.layers.experimental.preprocessing.PreprocessingLayer
+
+
+_DEFINE_LOCK = threading.Lock()
+
+
+def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type, str]]) -> type:
+    """A module's ``__getattr__`` (PEP 562) for its tf_keras DP release layers.
+
+    `layers` maps a class name to its mechanism and docstring; class `name` is
+    ``(TfKerasAdaptGlue, mechanism, tf_keras PreprocessingLayer)``, defined, registered with
+    tf_keras's serialization and kept in the module at its first access (``keras_dpsgd.tf_keras``
+    reaches it at import). So the module, whose mechanisms the Keras 3 front end uses, imports
+    without tf_keras.
+    """
+    if name not in layers:
+        raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
+    with _DEFINE_LOCK:
+        if name not in module_globals:
+            import tf_keras
+
+            mechanism, doc = layers[name]
+            bases = (TfKerasAdaptGlue, mechanism, tf_keras_preprocessing_layer())
+            namespace = {"__doc__": doc, "__module__": module_globals["__name__"], "__qualname__": name}
+            cls = types.new_class(name, bases, exec_body=lambda ns: ns.update(namespace))
+            module_globals[name] = tf_keras.saving.register_keras_serializable(package="keras_dpsgd")(cls)
+    return module_globals[name]
 
 
 class TfKerasAdaptGlue:

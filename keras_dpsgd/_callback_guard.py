@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import sys
+
 import keras
-import tf_keras
 
 from keras_dpsgd import ledger
 
@@ -43,10 +44,13 @@ __all__ = ["refuse_private_decisions", "watch_fits"]
 
 RELEASED_MONITORS = ("epsilon", "delta")
 RELEASED_PREFIXES = ("val_", "clip_bound/")
-_CHECKPOINTS = (keras.callbacks.ModelCheckpoint, tf_keras.callbacks.ModelCheckpoint)
-_TERMINATE_ON_NAN = (keras.callbacks.TerminateOnNaN, tf_keras.callbacks.TerminateOnNaN)
-_PLATEAU = (keras.callbacks.ReduceLROnPlateau, tf_keras.callbacks.ReduceLROnPlateau)
-_EARLY_STOPPING = (keras.callbacks.EarlyStopping, tf_keras.callbacks.EarlyStopping)
+
+
+def _both(name: str) -> tuple:
+    """Keras 3's callback class `name`, and tf_keras's once tf_keras is imported (no tf_keras callback before)."""
+    tf_keras = sys.modules.get("tf_keras")
+    own = getattr(keras.callbacks, name)
+    return (own, getattr(tf_keras.callbacks, name)) if tf_keras is not None else (own,)
 
 
 def is_released(monitor: str, validates_on_training_data: bool = False) -> bool:
@@ -70,20 +74,20 @@ def _validates_on_training_data(fit_locals: dict) -> bool:
 
 def _decision(callback: Any, validates_on_training_data: bool) -> Optional[tuple]:
     """(monitored quantity, what the callback does with it) if it acts on the training logs, else None."""
-    if isinstance(callback, _TERMINATE_ON_NAN):
+    if isinstance(callback, _both("TerminateOnNaN")):
         return "loss", "stops training when it is NaN or infinite"
     monitor = getattr(callback, "monitor", None)
     if not isinstance(monitor, str) or is_released(monitor, validates_on_training_data):
         return None
-    if isinstance(callback, _CHECKPOINTS):
+    if isinstance(callback, _both("ModelCheckpoint")):
         if not callback.save_best_only:
             return None  # saves every time: the monitor is never read
         return monitor, "chooses which weights it saves by it (save_best_only=True)"
-    if isinstance(callback, _PLATEAU):
+    if isinstance(callback, _both("ReduceLROnPlateau")):
         return monitor, "changes the learning rate by it"
-    if isinstance(callback, _EARLY_STOPPING) and callback.restore_best_weights:
+    if isinstance(callback, _both("EarlyStopping")) and callback.restore_best_weights:
         return monitor, "stops training and restores the weights by it (restore_best_weights=True)"
-    if isinstance(callback, _EARLY_STOPPING):
+    if isinstance(callback, _both("EarlyStopping")):
         return monitor, "stops training by it (the stopping time is then a function of the data)"
     return monitor, "acts on it"
 
@@ -107,7 +111,11 @@ def refuse_private_decisions(model: Any) -> None:
         return
     on_training_data = _validates_on_training_data(frame.f_locals)
     for callback in _listed(frame.f_locals.get("callbacks")):
-        if not ledger.is_keras3(model) and isinstance(callback, _CHECKPOINTS) and callback.save_weights_only:
+        if (
+            not ledger.is_keras3(model)
+            and isinstance(callback, _both("ModelCheckpoint"))
+            and callback.save_weights_only
+        ):
             if ledger.is_h5(str(callback.filepath), {}):
                 model.train_function = None
                 ledger.refuse_h5_weights(

@@ -100,10 +100,11 @@ class PrivateTraining:
 
 def _front_end(model: Any) -> str:
     import keras
-    import tf_keras
 
     if isinstance(model, keras.Model):
         return "keras3"
+    import tf_keras  # here, not above: a Keras 3 run does not import tf_keras
+
     if isinstance(model, tf_keras.Model):
         return "tf_keras"
     raise TypeError(f"model must be a Keras 3 or tf_keras Model, got {type(model).__name__}")

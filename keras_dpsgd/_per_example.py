@@ -24,14 +24,16 @@ Protocol (``PerExampleBackend``):
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import tensorflow as tf
-import tf_keras as keras
 
 from keras_dpsgd import _mixing
 from keras_dpsgd._fast import FastBackend, ReferenceBackend
 from keras_dpsgd._fast._reference import ClipFactorsFn
+
+if TYPE_CHECKING:
+    import tf_keras as keras  # imported where used: the Keras 3 front end must not load tf_keras
 
 BACKEND_NAMES = ("auto", "reference", "fast")
 
@@ -90,6 +92,8 @@ def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | Non
     ``train_step`` calls ``self.optimizer.minimize``. Returns None in a custom
     training loop outside a Model method.
     """
+    import tf_keras as keras
+
     frame = sys._getframe(1)
     for _ in range(max_depth):
         if frame is None:
@@ -120,6 +124,8 @@ def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Varia
     `var_list` named like Keras's batch normalization is refused.
     """
     if model is not None:
+        import tf_keras as keras
+
         layers = [layer for layer in model.submodules if isinstance(layer, keras.layers.Layer)]
         _mixing.refuse_example_mixing(layers, loss, _is_batch_norm)
         return

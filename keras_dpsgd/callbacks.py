@@ -13,7 +13,8 @@ which is checkpointed with the optimizer, so a resumed run continues ε.
 ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.sampling`.
 
 The same classes serve both Kerases: each is a ``keras.callbacks.Callback``
-(Keras 3) and a ``tf_keras.callbacks.Callback``, and dispatches on the Keras of
+(Keras 3) and, once tf_keras is imported (this module does not import it), a
+``tf_keras.callbacks.Callback``, and dispatches on the Keras of
 the model it is given (a Keras 3 model made private with
 :func:`keras_dpsgd.keras3.make_private`, or a tf_keras model).
 """
@@ -21,10 +22,10 @@ the model it is given (a Keras 3 model made private with
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Iterable, Optional
 
 import keras
-import tf_keras
 
 from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
@@ -75,8 +76,11 @@ def is_keras3_model(model: Any) -> bool:
     return isinstance(model, keras.Model)
 
 
-class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
-    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads."""
+class _PrivacyCallback(keras.callbacks.Callback):
+    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads.
+
+    tf_keras's ``Callback`` becomes the second base once tf_keras is imported (:func:`adopt_tf_keras_base`).
+    """
 
     def __init__(self, target_delta, num_examples, batch_size, extra_events, accountant):
         keras.callbacks.Callback.__init__(self)  # Not tf_keras's: it assigns `model`, a property here.
@@ -122,6 +126,22 @@ class _PrivacyCallback(keras.callbacks.Callback, tf_keras.callbacks.Callback):
             extra_events=self.extra_events,
             accountant=self.accountant,
         )
+
+
+def adopt_tf_keras_base() -> None:
+    """Makes the callbacks here ``tf_keras.callbacks.Callback`` too (second base, after Keras 3's).
+
+    Called at this module's import if tf_keras is imported, else by ``keras_dpsgd.tf_keras``, which
+    keras_dpsgd's import hook imports right after tf_keras (``keras_dpsgd._registration``): so a
+    Keras 3 program never imports tf_keras, and a tf_keras fit gets the same classes as before.
+    """
+    base = sys.modules["tf_keras"].callbacks.Callback
+    if base not in _PrivacyCallback.__bases__:
+        _PrivacyCallback.__bases__ = (keras.callbacks.Callback, base)  # subclasses' MROs follow
+
+
+if "tf_keras" in sys.modules:
+    adopt_tf_keras_base()
 
 
 class PrivacyLogger(_PrivacyCallback):

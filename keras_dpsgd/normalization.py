@@ -20,24 +20,25 @@ model gets those statistics, with no noise and outside the privacy ledger.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+import sys
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
 from keras_dpsgd import _adapt, _validate
 from keras_dpsgd.accounting import PrivacyLedger
 
+if TYPE_CHECKING:
+    import tf_keras as keras  # imported where used: the Keras 3 front end must not load tf_keras
+
 __all__ = [
-    "DPNormalization",
+    "DPNormalization",  # noqa: F822 (defined at first access, by __getattr__)
     "fitted_state_message",
     "is_marked_public",
     "mark_public",
     "refuse_adapted_preprocessing",
 ]
-
-_PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
 
 NORMALIZATION_LABEL = "dp-normalization"
 PUBLIC_ATTR = "_keras_dpsgd_fitted_on_public_data"
@@ -65,16 +66,26 @@ def mark_public(layer: keras.layers.Layer) -> keras.layers.Layer:
     statistics instead: ``Normalization(mean=..., variance=...)``,
     ``StringLookup(vocabulary=...)``, ``Discretization(bin_boundaries=...)``.
     """
-    import keras as keras3  # Keras 3 layers may be marked too
-
-    layer_types = (keras.layers.Layer, keras3.layers.Layer)
-    if not isinstance(layer, layer_types):
+    if not _is_keras_layer(layer):
         raise TypeError(f"mark_public needs a Keras layer (tf_keras or Keras 3), got {type(layer).__name__}")
     setattr(layer, PUBLIC_ATTR, True)
     inner = getattr(layer, "_lookup_layer", None)  # TextVectorization's vocabulary
-    if isinstance(inner, layer_types):
+    if _is_keras_layer(inner):
         setattr(inner, PUBLIC_ATTR, True)
     return layer
+
+
+def _is_tf_keras_layer(obj) -> bool:
+    """Whether `obj` is a tf_keras layer; tf_keras is not imported for it (no tf_keras layer exists before)."""
+    tf_keras = sys.modules.get("tf_keras")
+    return tf_keras is not None and isinstance(obj, tf_keras.layers.Layer)
+
+
+def _is_keras_layer(obj) -> bool:
+    """Whether `obj` is a Keras 3 or a tf_keras layer."""
+    import keras
+
+    return isinstance(obj, keras.layers.Layer) or _is_tf_keras_layer(obj)
 
 
 def _eager(value) -> np.ndarray:
@@ -121,7 +132,7 @@ def _data_fitted_state(layer) -> Optional[str]:
         return _lookup_state(layer._lookup_layer)
     if isinstance(layer, discretization.Discretization):
         return _discretization_state(layer)
-    if isinstance(layer, _PreprocessingLayer) and layer.is_adapted:
+    if isinstance(layer, _adapt.tf_keras_preprocessing_layer()) and layer.is_adapted:
         return "adapted state"
     return None
 
@@ -144,7 +155,7 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
     if model is None:
         return
     for layer in model.submodules:
-        if not isinstance(layer, keras.layers.Layer) or is_marked_public(layer):
+        if not _is_tf_keras_layer(layer) or is_marked_public(layer):
             continue
         state = _data_fitted_state(layer)
         if state is not None:
@@ -156,7 +167,7 @@ def fitted_state_message(layer, state: str) -> str:
 
     It names the DPNormalization of the layer's own Keras.
     """
-    front_end = "tf_keras" if isinstance(layer, keras.layers.Layer) else "keras3"
+    front_end = "tf_keras" if _is_tf_keras_layer(layer) else "keras3"
     if state == "a vocabulary":
         public = "StringLookup(vocabulary=...)"
         private = (
@@ -424,9 +435,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         return config
 
 
-@keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _PreprocessingLayer):
-    """Normalizes features with a differentially private mean and variance.
+DP_NORMALIZATION_DOC = """Normalizes features with a differentially private mean and variance.
 
     `adapt(data)` is one Gaussian mechanism:
 
@@ -479,3 +488,7 @@ class DPNormalization(_adapt.TfKerasAdaptGlue, MomentsMechanism, _PreprocessingL
       ValueError/TypeError: for arguments out of range, inputs of the wrong
         size, non-finite data, or calling the layer before `adapt`.
     """
+
+
+def __getattr__(name: str):
+    return _adapt.tf_keras_layer(globals(), name, {"DPNormalization": (MomentsMechanism, DP_NORMALIZATION_DOC)})

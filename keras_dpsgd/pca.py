@@ -16,14 +16,15 @@ from typing import Optional
 import numpy as np
 import scipy.linalg
 import tensorflow as tf
-import tf_keras as keras
 
 from keras_dpsgd import _adapt, _validate
 from keras_dpsgd.accounting import PrivacyLedger
 
-__all__ = ["DPPCA", "symmetric_gaussian_noise", "top_k_eigenvectors"]
-
-_PreprocessingLayer = keras.layers.experimental.preprocessing.PreprocessingLayer
+__all__ = [
+    "DPPCA",  # noqa: F822 (defined at first access, by __getattr__)
+    "symmetric_gaussian_noise",
+    "top_k_eigenvectors",
+]
 
 PCA_LABEL = "dp-pca"
 
@@ -202,9 +203,7 @@ class PCAMechanism(_adapt.DPReleaseMixin):
         return config
 
 
-@keras.saving.register_keras_serializable(package="keras_dpsgd")
-class DPPCA(_adapt.TfKerasAdaptGlue, PCAMechanism, _PreprocessingLayer):
-    """Projects inputs onto k differentially private principal directions.
+DPPCA_DOC = """Projects inputs onto k differentially private principal directions.
 
     `adapt(data)` runs Analyze Gauss (Dwork et al. 2014, Algorithm 1; used by
     Abadi et al. 2016, Sec. 4):
@@ -254,3 +253,7 @@ class DPPCA(_adapt.TfKerasAdaptGlue, PCAMechanism, _PreprocessingLayer):
       ValueError/TypeError: for arguments out of range, inputs whose flattened
         size is not d, or calling the layer before `adapt`.
     """
+
+
+def __getattr__(name: str):
+    return _adapt.tf_keras_layer(globals(), name, {"DPPCA": (PCAMechanism, DPPCA_DOC)})

@@ -9,6 +9,7 @@ the legacy Keras, and ``keras_dpsgd.keras3``'s otherwise.
 import tf_keras as _tf_keras
 
 from keras_dpsgd._tf_keras_step import make_private
+from keras_dpsgd.callbacks import adopt_tf_keras_base
 from keras_dpsgd.normalization import DPNormalization
 from keras_dpsgd.optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
 from keras_dpsgd.pca import DPPCA
@@ -20,6 +21,8 @@ from keras_dpsgd.tools._adaptive_tf import (
     make_adaptive_optimizer,
 )
 from keras_dpsgd.vocabulary import accounted_layer_classes as _accounted_layer_classes
+
+adopt_tf_keras_base()  # PrivacyLogger and WithinLimit: tf_keras callbacks too
 
 # Registered for loading; made by DPVocabulary.apply_to, not public names.
 _DPStringLookup, _DPTextVectorization = _accounted_layer_classes(_tf_keras)

@@ -50,12 +50,12 @@ def _keras3_doc(doc: str) -> str:
 
 @keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPPCA")
 class DPPCA(_Keras3AdaptGlue, _pca.PCAMechanism, keras.layers.Layer):
-    __doc__ = _keras3_doc(_pca.DPPCA.__doc__)
+    __doc__ = _keras3_doc(_pca.DPPCA_DOC)
 
 
 @keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPNormalization")
 class DPNormalization(_Keras3AdaptGlue, _normalization.MomentsMechanism, keras.layers.Layer):
-    __doc__ = _keras3_doc(_normalization.DPNormalization.__doc__)
+    __doc__ = _keras3_doc(_normalization.DP_NORMALIZATION_DOC)
 
 
 # Registered for loading; made by keras_dpsgd.DPVocabulary.apply_to, not public names.
