@@ -127,6 +127,7 @@ def test_step_mode_without_dp_accounting_exits_2_before_work(capsys, monkeypatch
     "argv,fragment",
     [
         (["--mode", "one-run", "--canaries", "1"], "canaries"),
+        (["--mode", "one-run", "--plot", "x.jpg"], "plot"),  # the default --canaries passes the check
         (["--canary-kind", "ood"], "--mode one-run"),
         (["--mode", "steps"], "--mode"),
         (["--confidence", "1.5"], "confidence"),

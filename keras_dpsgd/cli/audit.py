@@ -110,7 +110,8 @@ def _check(args) -> None:
     if args.clipping != "clip":
         raise ValueError(f"--clipping {args.clipping} is not supported by audit (it audits clipping at C)")
     if args.mode == "one-run":
-        _validate.integer_at_least(2, canaries=args.canaries)
+        if args.canaries is not None:  # None: the mode's default, _ONE_RUN_CANARIES
+            _validate.integer_at_least(2, canaries=args.canaries)
     elif args.canary_kind != "gradient":
         raise ValueError(
             f"--canary-kind {args.canary_kind} needs --mode one-run (the step audit uses gradient canaries)"
