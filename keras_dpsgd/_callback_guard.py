@@ -85,9 +85,9 @@ def _decision(callback: Any, validates_on_training_data: bool) -> Optional[tuple
         return monitor, "chooses which weights it saves by it (save_best_only=True)"
     if isinstance(callback, _both("ReduceLROnPlateau")):
         return monitor, "changes the learning rate by it"
-    if isinstance(callback, _both("EarlyStopping")) and callback.restore_best_weights:
-        return monitor, "stops training and restores the weights by it (restore_best_weights=True)"
     if isinstance(callback, _both("EarlyStopping")):
+        if callback.restore_best_weights:
+            return monitor, "stops training and restores the weights by it (restore_best_weights=True)"
         return monitor, "stops training by it (the stopping time is then a function of the data)"
     return monitor, "acts on it"
 
@@ -110,12 +110,9 @@ def refuse_private_decisions(model: Any) -> None:
     if frame is None:
         return
     on_training_data = _validates_on_training_data(frame.f_locals)
+    tf_keras_model = not ledger.is_keras3(model)
     for callback in _listed(frame.f_locals.get("callbacks")):
-        if (
-            not ledger.is_keras3(model)
-            and isinstance(callback, _both("ModelCheckpoint"))
-            and callback.save_weights_only
-        ):
+        if tf_keras_model and isinstance(callback, _both("ModelCheckpoint")) and callback.save_weights_only:
             if ledger.is_h5(str(callback.filepath), {}):
                 model.train_function = None
                 ledger.refuse_h5_weights(

@@ -235,11 +235,12 @@ def make_private_with_epsilon(
     else:
         delta = check_delta(target_delta, n)
     prior = model_privacy_ledger(model).events  # e.g. a DPNormalization's release: counted in the budget
-    if prior and compute_epsilon(prior, delta, accountant=accountant) >= target_epsilon:
+    prior_epsilon = compute_epsilon(prior, delta, accountant=accountant) if prior else 0.0
+    if prior and prior_epsilon >= target_epsilon:
         raise ValueError(
             f"target_epsilon {target_epsilon:g} is already spent by the model's recorded events "
             f"({', '.join(sorted({e.label or type(e).__name__ for e in prior}))}: ε = "
-            f"{compute_epsilon(prior, delta, accountant=accountant):.4g} at δ = {delta:.3g}); raise the target or "
+            f"{prior_epsilon:.4g} at δ = {delta:.3g}); raise the target or "
             "add more noise to the preprocessing"
         )
     planned_steps = epochs * lots.lots_per_epoch

@@ -29,6 +29,7 @@ import keras
 
 from keras_dpsgd import _validate
 from keras_dpsgd.ledger import (
+    accumulation_steps,
     attach,
     fit_frame,
     fit_training_size,
@@ -290,19 +291,15 @@ class WithinLimit(_PrivacyCallback):
         spe = getattr(self.model, "_steps_per_execution", None)
         return int(spe.numpy()) if spe is not None else 1
 
-    @staticmethod
-    def _accumulation(optimizer) -> int:
-        return int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
-
     def _can_cut_calls(self, optimizer) -> bool:
         """True where a call can be cut to the steps that remain: Keras 3, or tf_keras with s % k == 0."""
-        return is_keras3_model(self.model) or self._steps_per_execution() % self._accumulation(optimizer) == 0
+        return is_keras3_model(self.model) or self._steps_per_execution() % accumulation_steps(optimizer) == 0
 
     def _steps_needed_per_call(self, optimizer) -> int:
         """Fewest noised steps the next call may take: 1 where the last call is cut to fit."""
         if self._can_cut_calls(optimizer):
             return 1
-        return max(1, math.ceil(self._steps_per_execution() / self._accumulation(optimizer)))
+        return max(1, math.ceil(self._steps_per_execution() / accumulation_steps(optimizer)))
 
     def _stop(self) -> None:
         self.model.stop_training = True
@@ -372,7 +369,7 @@ class WithinLimit(_PrivacyCallback):
         if self._replaced is not None:
             return  # the no-op call after a stop
         if self._can_cut_calls(optimizer):
-            batches = self.remaining * (1 if is_keras3_model(self.model) else self._accumulation(optimizer))
+            batches = self.remaining * (1 if is_keras3_model(self.model) else accumulation_steps(optimizer))
             if 0 < batches < self._steps_per_execution():
                 self._shorten_next_call(batches)
 

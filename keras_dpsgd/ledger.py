@@ -101,6 +101,7 @@ from keras_dpsgd.accounting import (
 
 __all__ = [
     "LedgerState",
+    "accumulation_steps",
     "attach",
     "fit_frame",
     "fit_training_size",
@@ -255,13 +256,6 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
     return holders
 
 
-def _callback_guard():
-    """keras_dpsgd._callback_guard, imported late: it reads this module's fit_frame."""
-    from keras_dpsgd import _callback_guard
-
-    return _callback_guard
-
-
 def _hold(owner: Any, holder: LedgerState) -> None:
     """Sets ``owner._dpsgd_ledger_state``: a checkpoint dependency of `owner`, never one of its weights.
 
@@ -327,7 +321,9 @@ def attach(model: Any, optimizer: Any) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
-            _callback_guard().watch_fits(model)
+            from keras_dpsgd import _callback_guard  # imports this module: late
+
+            _callback_guard.watch_fits(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         if model is not None:
             holders[0]._model = weakref.ref(model)
@@ -583,7 +579,8 @@ _KERAS_DEFAULT_BATCH_SIZE = 32
 _FIT_SAMPLING_ATTR = "_dpsgd_fit_sampling"
 
 
-def _accumulation(optimizer: Any) -> int:
+def accumulation_steps(optimizer: Any) -> int:
+    """The optimizer's gradient_accumulation_steps k (physical batches per lot; 1 if it has none)."""
     return int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
 
 
@@ -616,10 +613,11 @@ def note_fit_sampling(model: Any, optimizer: Any) -> None:
         return
     n = fit_training_size(frame)
     batch = frame.f_locals.get("batch_size") or _KERAS_DEFAULT_BATCH_SIZE
+    k = accumulation_steps(optimizer)
     sampling = None
     if n is not None and isinstance(batch, int) and batch >= 1:
-        sampling = (n, batch, min(1.0, batch * _accumulation(optimizer) / n))
-    previous = getattr(optimizer, _FIT_SAMPLING_ATTR, None)
+        sampling = (n, batch, min(1.0, batch * k / n))
+    previous = _fit_sampling(optimizer)
     if sampling == previous:
         return
     if previous is not None and model is not None:
@@ -630,8 +628,7 @@ def note_fit_sampling(model: Any, optimizer: Any) -> None:
     if sampling is not None:
         _warn_poisson_assumed(
             sampling[2],
-            f"batch_size * gradient_accumulation_steps / N = {batch} * "
-            f"{_accumulation(optimizer)} / {n} (fit's batch size and training set)",
+            f"batch_size * gradient_accumulation_steps / N = {batch} * {k} / {n} (fit's batch size and training set)",
         )
         if model is not None:
             attach(model, optimizer)
@@ -696,8 +693,9 @@ def resolve_sampling_rate(
             "keras_dpsgd.PoissonLots and call lots.configure(optimizer), or pass num_examples and batch_size "
             f"(then Poisson sampling is assumed), got num_examples={num_examples!r}, batch_size={batch_size!r}"
         )
-    q = min(1.0, b * _accumulation(optimizer) / n)
-    _warn_poisson_assumed(q, f"batch_size * gradient_accumulation_steps / N = {b} * {_accumulation(optimizer)} / {n}")
+    k = accumulation_steps(optimizer)
+    q = min(1.0, b * k / n)
+    _warn_poisson_assumed(q, f"batch_size * gradient_accumulation_steps / N = {b} * {k} / {n}")
     return q if fitted is None else max(q, fitted[2])
 
 

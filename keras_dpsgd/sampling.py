@@ -70,7 +70,7 @@ import numpy as np
 import tensorflow as tf
 from scipy import stats
 
-from keras_dpsgd import _validate
+from keras_dpsgd import _validate, ledger
 
 __all__ = ["PoissonLots"]
 
@@ -523,7 +523,7 @@ class PoissonLots:
             of workers than `num_workers`.
         """
         _check_workers(self.num_workers, getattr(optimizer, "_distribution_strategy", None))
-        accum = int(getattr(optimizer, "gradient_accumulation_steps", 1) or 1)
+        accum = ledger.accumulation_steps(optimizer)
         if accum != self._accum:
             raise ValueError(
                 f"optimizer.gradient_accumulation_steps must be {self._accum} (physical batches per "
