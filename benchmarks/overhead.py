@@ -212,10 +212,11 @@ def make_data(name: str, batch: int, batches: int, seed: int = 0):
 
     gen = np.random.default_rng(seed)
     n = batch * batches
-    if name in TEXT_MODELS or name in HUB_MODELS:
-        length = HUB_LENGTH if name in HUB_MODELS else SEQUENCE_LENGTH
-        x = gen.integers(1 if name in HUB_MODELS else 0, VOCABULARY, size=(n, length)).astype("int32")
-        if name in HUB_MODELS:
+    hub = name in HUB_MODELS
+    if hub or name in TEXT_MODELS:
+        length = HUB_LENGTH if hub else SEQUENCE_LENGTH
+        x = gen.integers(1 if hub else 0, VOCABULARY, size=(n, length)).astype("int32")
+        if hub:
             x[:, -4:] = 0  # padding
         return x, gen.integers(0, 2, size=(n,)).astype("int32")
     shape = (784,) if name == "mlp" else (32, 32, 3)

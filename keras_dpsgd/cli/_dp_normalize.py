@@ -80,8 +80,6 @@ def check(args) -> None:
 
 def public_transform(x: Any) -> Any:
     """``asinh(x)`` elementwise (float32): the fixed per-example map before the default private scaling."""
-    import numpy as np
-
     return np.arcsinh(np.asarray(x, np.float64)).astype(np.float32)
 
 

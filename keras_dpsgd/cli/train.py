@@ -260,7 +260,7 @@ def _plan(
     steps = args.epochs * lots_per_epoch
     if args.noise_multiplier is not None:
         return steps, float(args.noise_multiplier), False
-    sigma = compute_noise_multiplier(  # pld without dp_accounting: ImportError, one line from cli.main
+    sigma = compute_noise_multiplier(  # pld without dp_accounting: refused by cli's require_extras first
         target_epsilon=args.target_epsilon,
         target_delta=delta,
         sampling_rate=sampling_rate,
