@@ -312,7 +312,7 @@ class DPSanitizerMixin(DPSettingsMixin):
         return super().finalize_variable_values(var_list)
 
     # ------------------------------------------------------ sanitizer steps
-    def _clipped_sum(self, loss, var_list, tape):
+    def _clipped_sum(self, loss, var_list, tape, model):
         """Steps 1-3 through the backend: Σ_i clip(g_i), plus the batch size."""
         finite = []  # The non-finite mask, computed once from the backend's sq_norms.
 
@@ -321,7 +321,7 @@ class DPSanitizerMixin(DPSettingsMixin):
             return self._clip_factors(sq_norms, finite[-1])
 
         summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, factors)
-        self._refuse_batch_writes(loss, find_calling_model(self, max_depth=24))  # At trace time.
+        self._refuse_batch_writes(loss, model)  # At trace time.
         nonfinite = tf.logical_not(finite[-1][:, 0])
         self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
         self.on_per_example_sq_norms(sq_norms)
@@ -468,7 +468,7 @@ class DPSanitizerMixin(DPSettingsMixin):
         self._refuse_split_worker_lots(model)
         ledger.attach(model, self)
         self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape)
+        summed, num_examples = self._clipped_sum(loss, var_list, tape, model)
         return var_list, summed, num_examples, reg_grads
 
     def compute_gradients(self, loss, var_list, tape=None):

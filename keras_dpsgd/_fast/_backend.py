@@ -168,7 +168,7 @@ class FastBackend:
             fast=tuple(v.name for v in var_list if id(v) not in slow),
             fallback=tuple(_report.fallback_of(var, op, reason) for var, op, reason in fallback),
         )
-        if self.jacobian_fallback == "refuse" or self.last_report != self._said:
+        if self.last_report != self._said:  # a refused report is never said: it raises again
             _report.refuse_or_warn(self.last_report, self.jacobian_fallback)
             self._said = self.last_report
 
@@ -249,8 +249,7 @@ class FastBackend:
                         index[y.ref()] = len(ys)
                         ys.append(y)
         grads = _output_grads(tf.reduce_sum(loss), ys, plans) if ys else []
-        fallback = [var for var, sites in zip(var_list, plans) if sites is None]
-        jacobians, _, pfor_checks = per_example_jacobians(loss, fallback, tape)
+        jacobians, _, pfor_checks = per_example_jacobians(loss, [var for var, _, _ in fallback], tape)
         checks += pfor_checks
         jacobians = iter([tf.cast(j, tf.float32) for j in jacobians])
         batch = tf.shape(loss)[0]

@@ -32,8 +32,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd._fast import _uses
-from keras_dpsgd._fast._handlers import Site, rule_for
+from keras_dpsgd._fast import _state, _uses
+from keras_dpsgd._fast._handlers import Site, _f32, _to_var_shape, rule_for
 from keras_dpsgd._fast._handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
@@ -83,7 +83,7 @@ def _pulled(make, pull, out_shape, var):
     def pulled(g, batch):
         use = pull(make(g, batch), out_shape)
         if isinstance(use, _uses.DenseUse):
-            use = _uses.DenseUse(tf.reshape(use.p, tf.concat([tf.shape(use.p)[:1], var.shape], axis=0)))
+            use = _uses.DenseUse(_to_var_shape(use.p, var))
         return use
 
     return pulled
@@ -105,7 +105,7 @@ def _broadcast_sites(op, w, var, ops, analysis, static_batch):
 def _consumers(t, ops):
     """The ops of ``ops`` that take ``t`` (metadata reads aside), with the input index."""
     for consumer in t.consumers():
-        if consumer in ops and consumer.type not in ("Shape", "ShapeN", "Size", "Rank"):
+        if consumer in ops and consumer.type not in _state.METADATA:
             for j, inp in enumerate(consumer.inputs):
                 if inp is t:
                     yield consumer, j
@@ -154,10 +154,6 @@ def _dense(use, shape) -> tf.Tensor:
     return tf.cast(_uses.materialize(use, shape), tf.float32)
 
 
-def _f32(t):
-    return tf.cast(t, tf.float32)
-
-
 def _scaled(use, s):
     if isinstance(use, _uses.OuterUse):
         return _uses.OuterUse(use.a, use.g * s)
@@ -171,7 +167,7 @@ def _scaled(use, s):
 def _pullback(op, index, w):
     """A function (use of the op's output, its shape) -> use of ``w``, or None."""
     out, other = op.outputs[0], op.inputs[1 - index] if len(op.inputs) > 1 else None
-    if op.type in ("Add", "AddV2", "Sub", "Mul") and out.shape != w.shape:
+    if op.type in _PAIRING and out.shape != w.shape:
         return None  # w broadcast against a larger weight: not handled.
     if op.type in ("Add", "AddV2") or (op.type == "Sub" and index == 0):
         return lambda use, shape: use

@@ -27,7 +27,7 @@ from keras_dpsgd._fast._handlers import rule_for
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
 # Ops that read only metadata (no gradient flows through them).
-_NO_GRADIENT = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+_NO_GRADIENT = _state.METADATA
 
 # Two-operand products: the variable's gradient through one is 0 when the other operand is 0.
 _PRODUCTS = frozenset({"MatMul", "BatchMatMulV2", "BatchMatMulV3", "Mul"})

@@ -47,7 +47,7 @@ _READS = frozenset(
     }
 )
 # Ops whose output is metadata (no value of the batch flows through them).
-_METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+METADATA = frozenset({"Shape", "ShapeN", "Size", "Rank"})  # ops that read only a tensor's shape
 _WHILES = frozenset({"While", "StatelessWhile"})
 _IFS = frozenset({"If", "StatelessIf"})
 _RELEASED_ATTR = "_keras_dpsgd_released"
@@ -157,7 +157,7 @@ def _propagate(ops, taint: dict, writes: list, captured: Optional[set], released
                 taint[t.ref()] = _BATCH
             continue
         ins = [taint.get(t.ref()) for t in op.inputs]
-        if all(i is None for i in ins) or op.type in _METADATA:
+        if all(i is None for i in ins) or op.type in METADATA:
             continue
         via = next((i for i in ins if isinstance(i, Write)), _BATCH)
         resources = [t for t in op.inputs if t.dtype == tf.resource]
