@@ -41,7 +41,7 @@ def test_the_env_value_is_read_as_tensorflow_reads_it(monkeypatch, value, expect
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", value)
     assert _which_keras.active_front_end() == expected
     # One rule: the CLIs, examples and tools ask it (no second reading of the variable).
-    from keras_dpsgd import _models
+    from keras_dpsgd.data import _models
     from keras_dpsgd.tools import _front
 
     assert _models.front_end() == _front.active().name == expected
@@ -245,7 +245,7 @@ _NO_TENSORFLOW = """
 import sys
 import keras_dpsgd, keras_dpsgd.accounting, keras_dpsgd.tools.adaptive_clipping
 import keras_dpsgd.audit, keras_dpsgd.audit.statistics
-import keras_dpsgd._ledger_state as S
+import keras_dpsgd.ledger._state as S
 S.advance(S.initial(), steps=1, sampling_rate=0.1, noise_multipliers=[1.0])
 print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
 """
