@@ -73,12 +73,12 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd.step import _display, _distribute, _math as _step
+from keras_dpsgd._frames import find_calling_model
 from keras_dpsgd import ledger
 from keras_dpsgd.step._settings import DPSettingsMixin, DPState
 from keras_dpsgd.preprocessing.normalization import refuse_adapted_preprocessing
 from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.backends.tensorflow._per_example import (
-    find_calling_model,
     per_example_loss,
     refuse_example_mixing,
 )

@@ -23,7 +23,6 @@ Protocol (``PerExampleBackend``):
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import tensorflow as tf
@@ -83,29 +82,6 @@ def resolve_backend(name: str = "auto", jacobian_fallback: str = "warn") -> PerE
 
 
 # ------------------------------------------- preconditions of per-example gradients
-def find_calling_model(optimizer: Any, max_depth: int = 16) -> keras.Model | None:
-    """The tf_keras Model whose train step is calling `optimizer`, if any.
-
-    The optimizer API never receives the model, so the call stack is searched
-    for a ``self`` that is a Model compiled with this optimizer, or with a
-    wrapper of it (a LossScaleOptimizer's ``inner_optimizer``): Keras's
-    ``train_step`` calls ``self.optimizer.minimize``. Returns None in a custom
-    training loop outside a Model method.
-    """
-    import tf_keras as keras
-
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        obj = frame.f_locals.get("self")
-        compiled = getattr(obj, "optimizer", None) if isinstance(obj, keras.Model) else None
-        if compiled is not None and optimizer in (compiled, getattr(compiled, "inner_optimizer", None)):
-            return obj
-        frame = frame.f_back
-    return None
-
-
 def _is_batch_norm(layer: Any) -> bool:
     from tf_keras.src.layers.normalization import batch_normalization
 
