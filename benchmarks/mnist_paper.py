@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(data_dir: str, limit):
-    from keras_dpsgd._datasets import load_dataset
+    from keras_dpsgd.data._datasets import load_dataset
 
     data = load_dataset("mnist", data_dir=data_dir)
     if limit:

@@ -19,7 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_dpsgd.pca import DPPCA  # noqa: E402
+from keras_dpsgd.preprocessing.pca import DPPCA  # noqa: E402
 
 
 def _images(num_examples: int, dim: int, seed: int = 0) -> np.ndarray:

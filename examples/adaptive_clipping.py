@@ -79,7 +79,7 @@ def main(argv=None):
     else:
         from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, ClipBoundsLogger, DPSGDOptimizer
 
-    from keras_dpsgd._datasets import load_local_arrays as load_arrays
+    from keras_dpsgd.data._datasets import load_local_arrays as load_arrays
 
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)

@@ -4,7 +4,7 @@ A text classifier: a keras_hub backbone, ``backbone.enable_lora(rank)`` (its att
 value kernels become ``W + (α/r)·A·B`` with W frozen), masked mean pooling and a Dense head,
 trained with DP-SGD (Keras 3: ``make_private``, ``DPSGDOptimizer``, Poisson lots; σ calibrated so
 that the run spends exactly the target ε). The fast per-example backend computes the gradients of
-A and B per example from the factorized product (``keras_dpsgd._fast._derived``): no per-example
+A and B per example from the factorized product (``keras_dpsgd.backends.tensorflow._derived``): no per-example
 jacobians.
 
 Offline by default: a generated two-class text set (each class draws most words from its own half

@@ -34,7 +34,7 @@ import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up lo
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_dpsgd import _models  # noqa: E402
+from keras_dpsgd.data import _models  # noqa: E402
 
 FRONT_END = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
 keras = _models.keras_module(FRONT_END)
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         p.error(f"--image-size must be >= 32 (MobileNetV2's smallest input), got {args.image_size}")
 
     from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
-    from keras_dpsgd._datasets import load_digits
+    from keras_dpsgd.data._datasets import load_digits
 
     data = load_digits()
     x_train, y_train = data.x_train, data.y_train

@@ -39,20 +39,20 @@ _NEUTRAL = {
     "check_delta": "keras_dpsgd.accounting",
     "effective_noise_multiplier": "keras_dpsgd.accounting",
     # data sampling, callbacks and the ledger
-    "PoissonLots": "keras_dpsgd.sampling",
+    "PoissonLots": "keras_dpsgd.step.lots",
     "PrivacyLogger": "keras_dpsgd.callbacks",
     "WithinLimit": "keras_dpsgd.callbacks",
     "model_privacy_ledger": "keras_dpsgd.ledger",
     "model_epsilon": "keras_dpsgd.ledger",
     "steps_remaining": "keras_dpsgd.ledger",
     # one call: private step, Poisson lots, calibrated σ, private optimizer (either Keras, by the model's)
-    "make_private_with_epsilon": "keras_dpsgd._one_call",
-    "PrivateTraining": "keras_dpsgd._one_call",
+    "make_private_with_epsilon": "keras_dpsgd.step._one_call",
+    "PrivateTraining": "keras_dpsgd.step._one_call",
     # preprocessing fitted on public data (marks a layer of either Keras)
-    "mark_public": "keras_dpsgd.normalization",
+    "mark_public": "keras_dpsgd.preprocessing.normalization",
     # a vocabulary released with DP (Gaussian thresholding), for StringLookup / TextVectorization
-    "dp_vocabulary": "keras_dpsgd.vocabulary",
-    "DPVocabulary": "keras_dpsgd.vocabulary",
+    "dp_vocabulary": "keras_dpsgd.preprocessing.vocabulary",
+    "DPVocabulary": "keras_dpsgd.preprocessing.vocabulary",
     # tools (Three Tools for Practical Differential Privacy): the privacy arithmetic
     "memorization_test": "keras_dpsgd.tools",
     "real_task_test": "keras_dpsgd.tools",

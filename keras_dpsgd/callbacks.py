@@ -10,7 +10,7 @@
 
 Both read the model's ledger (:func:`keras_dpsgd.ledger.model_privacy_ledger`),
 which is checkpointed with the optimizer, so a resumed run continues ε.
-ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.sampling`.
+ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.step.lots`.
 
 The same classes serve both Kerases: each is a ``keras.callbacks.Callback``
 (Keras 3) and, once tf_keras is imported (this module does not import it), a

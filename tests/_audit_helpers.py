@@ -1,6 +1,6 @@
 """The canary-audit set-ups shared by the audit tests on both Kerases.
 
-tests/test_audit_canaries.py and tests/test_audit_step.py run them on tf_keras, tests/test_keras3_audit.py on Keras 3
+tests/audit/test_audit_canaries.py and tests/audit/test_audit_step.py run them on tf_keras, tests/keras3/test_keras3_audit.py on Keras 3
 (scikit-learn digits, a small MLP: cheap on 2 CPU cores).
 """
 

@@ -4,8 +4,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd._fast import FastBackend
-from keras_dpsgd._fast._backend import _reference_backend
+from keras_dpsgd.backends.tensorflow import FastBackend
+from keras_dpsgd.backends.tensorflow._backend import _reference_backend
 
 
 def per_example_loss(model, x, y, weights=None):

@@ -141,7 +141,7 @@ def test_within_limit_validation():
 
 
 def test_within_limit_counts_a_real_dppca_layer_and_extra_events():
-    from keras_dpsgd.pca import DPPCA
+    from keras_dpsgd.preprocessing.pca import DPPCA
 
     pca = DPPCA(2, noise_multiplier=6.0)
     pca.adapt(X)

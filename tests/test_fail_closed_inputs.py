@@ -28,8 +28,8 @@ from keras_dpsgd.accounting import (
 )
 from keras_dpsgd.cli import main
 from keras_dpsgd.ledger import model_epsilon
-from keras_dpsgd.optimizer import DPSGDOptimizer
-from keras_dpsgd.sampling import PoissonLots
+from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
+from keras_dpsgd.step.lots import PoissonLots
 
 TRAIN = ["train", "--epochs", "1", "--lot-size", "512", "--json"]
 

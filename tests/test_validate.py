@@ -20,7 +20,7 @@ _PLAN = dict(target_epsilon=1.0, target_delta=1e-5, sampling_rate=0.01)
 
 
 def _dp_optimizer(**kwargs):
-    from keras_dpsgd.optimizer import DPSGDOptimizer
+    from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
 
     return DPSGDOptimizer(**{"l2_norm_clip": 1.0, "noise_multiplier": 1.0, **kwargs})
 
@@ -47,19 +47,19 @@ _X, _Y = np.zeros((10, 1), np.float32), np.zeros(10, np.float32)
 
 
 def _lots(**kwargs):
-    from keras_dpsgd.sampling import PoissonLots
+    from keras_dpsgd.step.lots import PoissonLots
 
     return PoissonLots(_X, _Y, **kwargs)
 
 
 def _normalization(**kwargs):
-    from keras_dpsgd.normalization import DPNormalization
+    from keras_dpsgd.preprocessing.normalization import DPNormalization
 
     return DPNormalization(**{"noise_multiplier": 1.0, "l2_norm_clip": 1.0, **kwargs})
 
 
 def _pca(**kwargs):
-    from keras_dpsgd.pca import DPPCA
+    from keras_dpsgd.preprocessing.pca import DPPCA
 
     return DPPCA(**{"n_components": 1, "noise_multiplier": 1.0, **kwargs})
 
@@ -77,7 +77,8 @@ def _callbacks():
 
 
 def _tools():
-    from keras_dpsgd.tools import _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
+    from keras_dpsgd.tf_keras import _adaptive as _adaptive_tf
+    from keras_dpsgd.tools import _data, _stats, adaptive_clipping, large_lots
 
     return _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
 
@@ -89,7 +90,7 @@ def _dp_settings(**kw):
 
 
 def _build_model(**kw):
-    from keras_dpsgd._models import build_model
+    from keras_dpsgd.data._models import build_model
 
     return build_model("mlp", (2,), **{"num_classes": 2, **kw})
 

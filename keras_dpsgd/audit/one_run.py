@@ -231,7 +231,7 @@ def _train_with_canaries(
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.audit.canaries import make_input_canaries, with_gradient_canaries
     from keras_dpsgd.ledger import model_epsilon
-    from keras_dpsgd.sampling import PoissonLots
+    from keras_dpsgd.step.lots import PoissonLots
     from keras_dpsgd.tools import _front
 
     rng = np.random.default_rng(seed)
@@ -294,9 +294,9 @@ def _train_with_canaries(
 
 
 def mlp_builder(input_shape, num_classes: int, width: int = 32, keras_module: Any = None) -> Callable[[], Any]:
-    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd._models``), on `keras_module`
+    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd.data._models``), on `keras_module`
     (default: Keras 3 unless ``TF_USE_LEGACY_KERAS=1``)."""
-    from keras_dpsgd._models import build_model
+    from keras_dpsgd.data._models import build_model
     from keras_dpsgd.tools import _front
 
     module = keras_module or _front.active().keras

@@ -92,7 +92,7 @@ def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None, *,
     if args.dp_normalize is None and not auto:
         return None
     if keras.__name__.startswith("tf_keras"):
-        from keras_dpsgd.normalization import DPNormalization
+        from keras_dpsgd.preprocessing.normalization import DPNormalization
     else:
         from keras_dpsgd.keras3 import DPNormalization
     if args.dp_normalize is None:

@@ -127,7 +127,7 @@ def _check(args) -> None:
 
 def _audit(args, data, noise_multiplier):
     """One audited run; `noise_multiplier` None: calibrated to the target as `train` does."""
-    from keras_dpsgd import _models
+    from keras_dpsgd.data import _models
     from keras_dpsgd.audit.one_run import canary_audit
     from keras_dpsgd.audit.step import step_audit
     from keras_dpsgd.cli import train as train_cli
@@ -171,7 +171,7 @@ def _audit(args, data, noise_multiplier):
 
 def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
-    from keras_dpsgd import _datasets
+    from keras_dpsgd.data import _datasets
 
     _check(args)
     given = args.noise_multiplier
@@ -235,7 +235,7 @@ def _plot(path: str, points, result) -> str:
 
 
 def run(args) -> dict:
-    from keras_dpsgd import _models
+    from keras_dpsgd.data import _models
 
     if args.json:
         with contextlib.redirect_stdout(sys.stderr):

@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from keras_dpsgd import _validate
-from keras_dpsgd._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
+from keras_dpsgd.step._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
@@ -83,8 +83,8 @@ _NUMBER_OPTIONS = (
 
 
 def register(subparsers) -> None:
-    from keras_dpsgd._datasets import DATASETS
-    from keras_dpsgd._models import MODELS
+    from keras_dpsgd.data._datasets import DATASETS
+    from keras_dpsgd.data._models import MODELS
 
     d = DEFAULTS
     p = subparsers.add_parser(
@@ -146,8 +146,8 @@ def register(subparsers) -> None:
 
 
 def _register_local_data(p) -> None:
-    """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd._local_data)."""
-    from keras_dpsgd._local_data import DEFAULT_TEST_FRACTION
+    """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd.data._local_data)."""
+    from keras_dpsgd.data._local_data import DEFAULT_TEST_FRACTION
 
     p.add_argument(
         "--data",
@@ -183,7 +183,7 @@ def _register_local_data(p) -> None:
 
 def _load_data(args):
     """The training data: --data PATH (the user's own), else --dataset (default digits)."""
-    from keras_dpsgd import _datasets
+    from keras_dpsgd.data import _datasets
 
     if args.data is None:
         local_only = [
@@ -288,11 +288,11 @@ def train(args) -> dict:
     rule for tf.keras); the result's "keras" key says which one ran.
     """
     _check_args(args)
-    from keras_dpsgd import _models
+    from keras_dpsgd.data import _models
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
     from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
-    from keras_dpsgd.sampling import PoissonLots
+    from keras_dpsgd.step.lots import PoissonLots
 
     front = _models.front_end()
     keras = _models.keras_module(front)

@@ -1,9 +1,9 @@
 """DPPCA and DPNormalization as Keras 3 layers (``import keras``, TensorFlow backend).
 
-The mechanisms are the tf_keras layers' (:class:`keras_dpsgd.pca.PCAMechanism`,
-:class:`keras_dpsgd.normalization.MomentsMechanism`: same arguments, validation, sums, release
+The mechanisms are the tf_keras layers' (:class:`keras_dpsgd.preprocessing.pca.PCAMechanism`,
+:class:`keras_dpsgd.preprocessing.normalization.MomentsMechanism`: same arguments, validation, sums, release
 and events); only the glue differs. Keras 3 has no generic adapt loop, so the batches reach
-``update_state`` through :func:`keras_dpsgd._adapt.stream_batches` (consecutive batches of the
+``update_state`` through :func:`keras_dpsgd.preprocessing._adapt.stream_batches` (consecutive batches of the
 array, or the dataset's own, in order: the same batches and hence, for a given seed, the same
 release as tf_keras's ``adapt``). The released state and the events are weights, saved in
 ``.keras`` files; loading restores them and releases nothing.
@@ -16,10 +16,10 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import normalization as _normalization
-from keras_dpsgd import pca as _pca
-from keras_dpsgd._adapt import stream_batches
-from keras_dpsgd.vocabulary import accounted_layer_classes
+from keras_dpsgd.preprocessing import normalization as _normalization
+from keras_dpsgd.preprocessing import pca as _pca
+from keras_dpsgd.preprocessing._adapt import stream_batches
+from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes
 
 __all__ = ["DPNormalization", "DPPCA"]
 

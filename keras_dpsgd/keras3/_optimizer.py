@@ -3,12 +3,12 @@
 Keras 3's train step hands an optimizer only batch-summed gradients, so the per-example step is
 on the model side (:func:`keras_dpsgd.keras3.make_private`); it calls
 :meth:`DPKeras3Mixin.sanitize`, which runs the same step math as the tf_keras sanitizer
-(``keras_dpsgd._step``) and the same per-example backends. ``apply`` accepts only gradients that
+(``keras_dpsgd.step._math``) and the same per-example backends. ``apply`` accepts only gradients that
 came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but without the DP train
 step is refused at its first step.
 
 Under ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy`` with R replicas
-(``keras_dpsgd._distribute``): each replica clips its share of the lot, adds its own noise
+(``keras_dpsgd.step._distribute``): each replica clips its share of the lot, adds its own noise
 N(0, σ²C²/R) under a key of its own and divides by the global L; Keras's ``apply`` then SUMs the
 R gradients across replicas (``TFOptimizer._all_reduce_sum_gradients``) before one descent step
 on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device release. The counters
@@ -36,10 +36,11 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _step, ledger
-from keras_dpsgd._dp_classes import make_dp_class
-from keras_dpsgd._dp_settings import DPSettingsMixin, DPState
-from keras_dpsgd._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
+from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd import ledger
+from keras_dpsgd.step._classes import make_dp_class
+from keras_dpsgd.step._settings import DPSettingsMixin, DPState
+from keras_dpsgd.step._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
 
 __all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
 
@@ -65,7 +66,7 @@ class _Named:
 class DPKeras3Mixin(DPSettingsMixin):
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
-    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd._dp_classes``) checks the
+    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step._classes``) checks the
     DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings' properties and
     ``get_config`` are shared with tf_keras (``DPSettingsMixin``).
     """
@@ -503,12 +504,12 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
 
     Raises:
       TypeError: if `optimizer_cls` is not a Keras 3 optimizer class (a tf_keras class belongs
-        to ``keras_dpsgd.optimizer.make_dp_optimizer``), or is private already.
+        to ``keras_dpsgd.tf_keras._optimizer.make_dp_optimizer``), or is private already.
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
         raise TypeError(
             "optimizer_cls must be a Keras 3 optimizer class (a subclass of keras.optimizers.Optimizer; "
-            "for tf_keras use keras_dpsgd.optimizer.make_dp_optimizer), "
+            "for tf_keras use keras_dpsgd.tf_keras._optimizer.make_dp_optimizer), "
             f"got {optimizer_cls!r}"
         )
     # Keras's own gradient accumulation stays off (the DP step accumulates lots).

@@ -30,11 +30,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _display, _mixing, _validate, ledger
-from keras_dpsgd._fast._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.normalization import fitted_state_message, is_marked_public
+from keras_dpsgd.step import _display, _mixing
+from keras_dpsgd import _validate, ledger
+from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
+from keras_dpsgd.preprocessing.normalization import fitted_state_message, is_marked_public
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
-from keras_dpsgd.sampling import is_lots_dataset
+from keras_dpsgd.step.lots import is_lots_dataset
 
 __all__ = [
     "make_private",
@@ -64,7 +65,7 @@ def refuse_example_mixing(model: keras.Model, loss: tf.Tensor | None = None) -> 
     (batch statistics), so clipping each example's gradient no longer bounds its influence. A frozen
     ``keras.layers.BatchNormalization`` (``trainable = False``: inference mode) or a subclass is
     accepted when the traced step of `loss` (the per-example loss) proves it: no write to its moving
-    statistics, no batch statistics upstream of the loss (``keras_dpsgd._mixing``). Without `loss`
+    statistics, no batch statistics upstream of the loss (``keras_dpsgd.step._mixing``). Without `loss`
     nothing is proven and every BatchNormalization layer is refused; a layer whose
     ``mixes_examples`` attribute is true always is.
     """

@@ -16,7 +16,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd import _distribute, _per_example, _validate
+from keras_dpsgd.step import _distribute
+from keras_dpsgd.backends.tensorflow import _per_example
+from keras_dpsgd import _validate
 from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
 __all__ = [
@@ -164,7 +166,7 @@ class AdaptiveClippingCore:
     def _update_clip_bounds(self, num_examples: tf.Tensor) -> None:
         """Releases the norm queries of the lot and sets the next bounds (call after the gradient's release).
 
-        Under R replicas the query is split like the gradient's release (``keras_dpsgd._distribute``):
+        Under R replicas the query is split like the gradient's release (``keras_dpsgd.step._distribute``):
         replica r adds N(0, σ_l2² β² C_v² / R) to the sums of its share under a key of its own, the
         noised sums are summed across the replicas once (an all-reduce: ΣS_r + N(0, σ_l2² β² C_v²),
         the one-device release), and every replica sets the same next bounds from that sum.

@@ -77,7 +77,7 @@ def train_run(
     """Trains a fresh model and records accuracy after each epoch.
 
     Args:
-      make_optimizer: called with the run's `keras_dpsgd.sampling.PoissonLots`
+      make_optimizer: called with the run's `keras_dpsgd.step.lots.PoissonLots`
         (None for shuffled batches); returns the optimizer.
       poisson: feed Poisson-sampled lots of expected size `batch_size`
         (`PoissonLots`: the sampling the accountant assumes; DP runs), else
@@ -99,7 +99,7 @@ def train_run(
     x, y = train
     lots = None
     if poisson:
-        from keras_dpsgd.sampling import PoissonLots
+        from keras_dpsgd.step.lots import PoissonLots
 
         lots = PoissonLots(
             x,

@@ -464,7 +464,7 @@ def memorization_test(
         - confidence: one-sided confidence level of the bounds (default 0.95).
         - delta: δ for the nominal ε (default `accounting.default_delta(num_examples)`).
         - dp_optimizer_factory: optional callable taking the run's
-          `keras_dpsgd.sampling.PoissonLots` and returning the DP optimizer
+          `keras_dpsgd.step.lots.PoissonLots` and returning the DP optimizer
           (default: `DPSGDOptimizer` from `dp`, with the lots'
           gradient_accumulation_steps); it should expose `noised_steps` and
           `effective_noise_multiplier` for ε to be reported.

@@ -1,5 +1,5 @@
 """Keras 3 gradient accumulation under a MirroredStrategy on 2 logical CPU devices (k = 2 batches per
-lot), for tests/test_keras3_accumulate_distribute.py: :func:`run` (called by strategy_child.py in the
+lot), for tests/keras3/test_keras3_accumulate_distribute.py: :func:`run` (called by strategy_child.py in the
 shared MirroredStrategy process) runs every check once and returns the numbers; the test asserts on
 them.
 """

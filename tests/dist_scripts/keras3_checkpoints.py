@@ -1,4 +1,4 @@
-"""Keras 3 BackupAndRestore with several workers (tests/test_keras3_distribute.py): a kill and a relaunch.
+"""Keras 3 BackupAndRestore with several workers (tests/keras3/test_keras3_distribute.py): a kill and a relaunch.
 
 Phase "main" (the first launch of the cluster): a fit of 3 epochs of 3 Poisson lots with
 ``keras_dpsgd.keras3.BackupAndRestore`` on one directory shared by the workers, interrupted at the

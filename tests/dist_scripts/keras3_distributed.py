@@ -1,4 +1,4 @@
-"""The Keras 3 DP step under a tf.distribute strategy: the checks of tests/test_keras3_distribute.py.
+"""The Keras 3 DP step under a tf.distribute strategy: the checks of tests/keras3/test_keras3_distribute.py.
 
 Run by ``tests/dist_scripts/strategy_child.py`` (one process with 2 logical CPU devices under a
 MirroredStrategy, or one of the workers of ``tests/_dist_helpers.run_workers`` under a

@@ -1,5 +1,5 @@
 """The tf_keras DP step under tf.distribute: the checks, shared by the MirroredStrategy child and the
-MultiWorkerMirroredStrategy workers (``tests/test_tf_keras_distribute.py``).
+MultiWorkerMirroredStrategy workers (``tests/tf_keras/test_tf_keras_distribute.py``).
 
 Each check returns JSON-able numbers; the test asserts on them. The oracle of the σ = 0 step is a
 loop over the examples one at a time (numpy clip, sum, divide by L, SGD); the one-device step runs

@@ -1,0 +1,5 @@
+"""Per-example gradients and the noise source, one sub-package per backend.
+
+:mod:`keras_dpsgd.backends.tensorflow` serves Keras 3 on TensorFlow and tf_keras (the fast backend:
+ghost norms and per-example rules, and the reference backend: per-example Jacobians).
+"""

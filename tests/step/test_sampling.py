@@ -1,0 +1,198 @@
+"""Tests of the Poisson lot sampler: statistics against Binomial(N, q) closed forms."""
+
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from keras_dpsgd.step.lots import PoissonLots
+
+
+def _lots_of(sampler, num_lots):
+    """Real (weight > 0) example ids of each lot, read back from the padded batches."""
+    lots, current, seen = [], [], 0
+    for x, y, w in sampler.lots(num_lots):
+        assert np.all(x[w == 0] == 0) and np.all(y[w == 0] == 0)  # padding: finite zeros
+        current.extend(x[w > 0, 0].astype(int).tolist())
+        seen += 1
+        if seen % sampler.gradient_accumulation_steps == 0:
+            lots.append(current)
+            current = []
+    return lots
+
+
+def _data(n):
+    x = np.arange(n, dtype=np.float32)[:, None] + 1.0  # ids 1..n, so 0 marks padding
+    return x, np.arange(n, dtype=np.int32) + 1
+
+
+def test_lot_sizes_are_binomial_and_inclusion_is_q():
+    n, q, m = 200, 0.1, 3000
+    sampler = PoissonLots(*_data(n), sampling_rate=q, seed=1)
+    incl = np.zeros((m, n), dtype=bool)
+    for t in range(m):
+        idx = sampler.sample_indices()
+        assert len(np.unique(idx)) == len(idx)  # no repeats within a lot
+        incl[t, idx] = True
+    sizes = incl.sum(axis=1)
+    mean, var = n * q, n * q * (1 - q)
+    # Mean: std of the sample mean is sqrt(var / m) ~ 0.077; allow 6 of them.
+    assert abs(sizes.mean() - mean) < 6 * np.sqrt(var / m)
+    # Variance: std of the sample variance ~ var * sqrt(2 / m); allow 6 of them.
+    assert abs(sizes.var(ddof=1) - var) < 6 * var * np.sqrt(2 / m)
+    # Each example's inclusion frequency ~ q (std sqrt(q(1-q)/m) ~ 0.0055; 6 std over 200 examples).
+    freq = incl.mean(axis=0)
+    assert np.max(np.abs(freq - q)) < 6 * np.sqrt(q * (1 - q) / m)
+    # Chi-square of the per-example counts ~ chi2(n): mean n, std sqrt(2n) = 20.
+    chi2 = np.sum((incl.sum(axis=0) - m * q) ** 2 / (m * q * (1 - q)))
+    assert abs(chi2 - n) < 6 * np.sqrt(2 * n)
+    # Independence across steps: P(i in lot t and in lot t+1) = q^2, and lot
+    # sizes of consecutive steps are uncorrelated.
+    both = np.mean(incl[1:] & incl[:-1])
+    assert abs(both - q * q) < 6 * np.sqrt(q * q * (1 - q * q) / ((m - 1) * n))
+    r = np.corrcoef(sizes[1:], sizes[:-1])[0, 1]
+    assert abs(r) < 6 / np.sqrt(m)
+    # Independence across examples: P(i and j in the same lot) = q^2.
+    pair = np.mean(incl[:, 0::2] & incl[:, 1::2])
+    assert abs(pair - q * q) < 6 * np.sqrt(q * q / (m * n / 2))
+
+
+def test_padded_batches_carry_each_lot_exactly_once():
+    n = 60
+    x, y = _data(n)
+    reference = PoissonLots(x, y, sampling_rate=0.2, seed=7)
+    sampler = PoissonLots(x, y, sampling_rate=0.2, seed=7)
+    for lot in _lots_of(sampler, 50):
+        expected = reference.sample_indices() + 1
+        assert sorted(lot) == sorted(expected.tolist())
+    assert sampler.overflow_count == 0
+
+
+def test_overflow_uses_a_bigger_bucket_and_drops_nothing():
+    x, y = _data(50)
+    reference = PoissonLots(x, y, sampling_rate=0.5, max_lot_size=5, seed=3)
+    sampler = PoissonLots(x, y, sampling_rate=0.5, max_lot_size=5, seed=3)
+    shapes = set()
+    for xb, _, w in sampler.lots(20):
+        expected = reference.sample_indices() + 1
+        assert sorted(xb[w > 0, 0].astype(int).tolist()) == sorted(expected.tolist())
+        assert xb.shape[0] % 5 == 0 and xb.shape[0] >= len(expected)
+        shapes.add(xb.shape[0])
+    assert sampler.overflow_count == 20
+
+
+def test_split_into_physical_batches_for_accumulation():
+    x, y = _data(100)
+    sampler = PoissonLots(x, y, expected_lot_size=30, physical_batch_size=8, seed=5)
+    assert sampler.gradient_accumulation_steps == int(np.ceil(sampler.max_lot_size / 8)) > 1
+    assert sampler.max_lot_size >= 30 + 6 * np.sqrt(30 * 0.7) - 1
+    assert sampler.steps_per_epoch == sampler.lots_per_epoch * sampler.gradient_accumulation_steps
+    reference = PoissonLots(x, y, expected_lot_size=30, physical_batch_size=8, seed=5)
+    batches = list(sampler.lots(10))
+    assert len(batches) == 10 * sampler.gradient_accumulation_steps
+    assert all(b[0].shape == (8, 1) for b in batches)
+    for lot in _lots_of(PoissonLots(x, y, expected_lot_size=30, physical_batch_size=8, seed=5), 10):
+        assert sorted(lot) == sorted((reference.sample_indices() + 1).tolist())
+
+
+def test_seed_none_is_not_deterministic_and_a_second_pass_continues_the_stream():
+    x, y = _data(1000)
+    a = PoissonLots(x, y, sampling_rate=0.5).sample_indices()
+    b = PoissonLots(x, y, sampling_rate=0.5).sample_indices()
+    assert not np.array_equal(np.sort(a), np.sort(b))
+    sampler = PoissonLots(x, y, sampling_rate=0.5, seed=0)
+    first = [b[2].sum() for b in sampler.lots(3)]
+    second = [b[2].sum() for b in sampler.lots(3)]
+    assert first != second
+
+
+def test_dataset_trains_with_one_trace_and_empty_lots():
+    n = 40
+    x = np.random.default_rng(0).normal(size=(n, 3)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float32)
+    sampler = PoissonLots(x, y, sampling_rate=0.02, seed=11)  # P(empty lot) = 0.98^40 ~ 0.45
+    sizes = [int(w.sum()) for _, _, w in PoissonLots(x, y, sampling_rate=0.02, seed=11).lots(60)]
+    assert 0 in sizes and max(sizes) > 0
+    model = keras.Sequential([keras.layers.Dense(1, input_shape=(3,))])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(sampler.dataset(), steps_per_epoch=2, epochs=1, verbose=0)
+    traces = model.train_function.experimental_get_tracing_count()  # first call traces (variables)
+    hist = model.fit(sampler.dataset(), steps_per_epoch=30, epochs=2, verbose=0)
+    assert np.all(np.isfinite(hist.history["loss"]))
+    assert model.train_function.experimental_get_tracing_count() == traces  # no retrace per lot size
+
+
+def test_configure_sets_the_optimizer_and_checks_accumulation():
+    x, y = _data(100)
+    sampler = PoissonLots(x, y, expected_lot_size=10)
+    opt = types.SimpleNamespace(gradient_accumulation_steps=1, expected_lot_size=None, sampling_rate=None)
+    assert sampler.configure(opt) is opt
+    assert opt.expected_lot_size == pytest.approx(10.0) and opt.sampling_rate == pytest.approx(0.1)
+    opt.gradient_accumulation_steps = 2
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        sampler.configure(opt)
+
+
+def test_from_dataset():
+    x, y = _data(30)
+    ds = tf.data.Dataset.from_tensor_slices((x, y))
+    sampler = PoissonLots.from_dataset(ds, sampling_rate=0.5, seed=2)
+    assert sampler.num_examples == 30
+    ref = PoissonLots(x, y, sampling_rate=0.5, seed=2)
+    for lot in _lots_of(sampler, 5):
+        assert sorted(lot) == sorted((ref.sample_indices() + 1).tolist())
+    with pytest.raises(ValueError, match="infinite"):
+        PoissonLots.from_dataset(ds.repeat(), sampling_rate=0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "exactly one"),
+        ({"sampling_rate": 0.1, "expected_lot_size": 2}, "exactly one"),
+        ({"sampling_rate": 0.0}, "sampling_rate must be in"),
+        ({"sampling_rate": 1.5}, "sampling_rate must be in"),
+        ({"expected_lot_size": 11}, "expected_lot_size must be in"),
+        ({"sampling_rate": 0.1, "physical_batch_size": 0}, "physical_batch_size"),
+        ({"sampling_rate": 0.1, "max_lot_size": 0}, "max_lot_size"),
+        ({"sampling_rate": 0.1, "seed": 1.5}, "seed"),
+        ({"sampling_rate": 0.1, "sample_weight": -np.ones(10)}, "sample_weight"),
+    ],
+)
+def test_validation(kwargs, match):
+    x, y = _data(10)
+    with pytest.raises(ValueError, match=match):
+        PoissonLots(x, y, **kwargs)
+
+
+def test_mismatched_sizes_are_refused():
+    with pytest.raises(ValueError, match="first dimension"):
+        PoissonLots(np.zeros((5, 2)), np.zeros(4), sampling_rate=0.5)
+
+
+def test_dataset_yields_the_same_batches_as_lots():
+    x, y = _data(40)
+    features = {"a": x, "b": np.stack([x[:, 0], -x[:, 0]], axis=1).astype(np.int32)}
+    expected = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).lots(6))
+    got = list(PoissonLots(features, y, sampling_rate=0.3, physical_batch_size=4, seed=8).dataset(6))
+    assert (
+        len(got)
+        == len(expected)
+        == 6 * PoissonLots(x, y, sampling_rate=0.3, physical_batch_size=4).gradient_accumulation_steps
+    )
+    for (xe, ye, we), (xg, yg, wg) in zip(expected, got):
+        for key in ("a", "b"):
+            np.testing.assert_array_equal(xg[key].numpy(), xe[key])
+            assert xg[key].dtype == tf.as_dtype(xe[key].dtype)
+        np.testing.assert_array_equal(yg.numpy(), ye)
+        np.testing.assert_array_equal(wg.numpy(), we)
+
+
+def test_num_lots_is_validated():
+    sampler = PoissonLots(*_data(10), sampling_rate=0.5)
+    with pytest.raises(ValueError, match="num_lots"):
+        sampler.dataset(-1)
+    with pytest.raises(ValueError, match="num_lots"):
+        sampler.lots(1.5)
