@@ -68,3 +68,27 @@ def test_links_of_the_root_pages_resolve(page):
         if anchor:
             headings = re.findall(r"^#+ (.+)$", _read(path), flags=re.M)
             assert anchor in {slugify(h, "-") for h in headings}, f"{page}: {target}"
+
+
+def _nav_pages(nav) -> list[str]:
+    pages = []
+    for item in nav:
+        value = next(iter(item.values())) if isinstance(item, dict) else item
+        pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_the_nav_holds_every_page_and_the_readme_links_every_guide():
+    import yaml
+
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        nav = _nav_pages(yaml.safe_load(f)["nav"])
+    on_disk = {
+        os.path.relpath(os.path.join(folder, name), os.path.join(ROOT, "docs"))
+        for folder, _, files in os.walk(os.path.join(ROOT, "docs"))
+        for name in files
+        if name.endswith(".md")
+    }
+    assert sorted(nav) == sorted(on_disk)
+    linked = {t.removeprefix("docs/").partition("#")[0] for t in _LINK.findall(_read("README.md"))}
+    assert set(nav) - linked <= {"design/changes-0.2.0.md"}, set(nav) - linked
