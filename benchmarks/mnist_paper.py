@@ -20,8 +20,8 @@ it downloads nothing.
     python benchmarks/mnist_paper.py --data-dir ../shared/data/mnist --target-epsilon 2 --sigma 4
     python benchmarks/mnist_paper.py --data-dir DIR --target-epsilon 2 --epochs 30 --clip-mode flat
 
-The defaults are the paper's; the README's "Abadi et al. 2016 on MNIST: paper vs
-keras_dpsgd" gives the tuned commands (large lots, flat clip 1, momentum 0.9, a
+The defaults are the paper's; docs/reports/mnist.md ("Abadi et al. 2016 on MNIST: paper vs
+keras_dpsgd") gives the tuned commands (large lots, flat clip 1, momentum 0.9, a
 larger step decaying over the whole run; at ε = 2 500 tanh units) and what
 changed the accuracy. ``--log
 FILE --run NAME`` appends the JSON object to FILE

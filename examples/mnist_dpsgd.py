@@ -9,8 +9,8 @@ Poisson lots. Three presets, one per target ε of the paper (δ = 1e-5):
     medium  2          4           95%
     large   8          2           97%
 
-By default a preset is the configuration tuned on real MNIST (README, "MNIST:
-Abadi et al. 2016, measured"; benchmarks/mnist_paper.py): DP-PCA on all the
+By default a preset is the configuration tuned on real MNIST (docs/reports/mnist.md;
+benchmarks/mnist_paper.py): DP-PCA on all the
 training data, flat clipping bound 1, momentum 0.9, a learning rate decaying
 linearly over the whole run, large Poisson lots (4800; 2400 for medium), and σ
 calibrated so that DP-PCA plus the planned epochs spend exactly the target ε;
@@ -26,7 +26,7 @@ Every data access is in the model's ledger: the DP-PCA release (Analyze Gauss,
 Dwork et al. 2014) and every DP-SGD step; ``PrivacyLogger`` prints ε after
 every epoch and ``WithinLimit`` stops before the target would be exceeded.
 Hyperparameters were tuned on the test set, as in the paper; that search is
-not in ε (README).
+not in ε (docs/privacy-model.md).
 
 Per-layer clipping (``--clip-mode per-layer``), honestly accounted: every
 trainable variable is clipped to its own bound C and noised with σ_v = σ·√V
@@ -72,7 +72,7 @@ class Preset(NamedTuple):
     activation: str
 
 
-# Measured: README "MNIST: Abadi et al. 2016, measured".
+# Measured: docs/reports/mnist.md.
 PRESETS = {
     "small": Preset(
         0.5, 8.0, 16.0, epochs=50, lot_size=4800, lr=0.5, ema=0.99, pca_noise=32.0, hidden=1000, activation="relu"

@@ -15,7 +15,7 @@ works without TensorFlow installed (the accountant is pure numpy/scipy).
 
 from keras_dpsgd import _lazy, _which_keras
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Keras-neutral public name -> module that defines it. TensorFlow-dependent
 # modules are only imported when one of their names is first used.

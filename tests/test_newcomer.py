@@ -32,7 +32,7 @@ def _eps(*segments):
 # ------------------------------------------------------------------ item 1: plain fit
 @pytest.mark.parametrize("make_front", FRONTS)
 def test_plain_fit_reports_epsilon_at_b_over_n_and_says_it_assumes_poisson(make_front, caplog, monkeypatch):
-    """fit(x, y, batch_size=B) then model_epsilon(model, δ), as in the README: q = B/N of fit's own
+    """fit(x, y, batch_size=B) then model_epsilon(model, δ), as in docs/keras3.md: q = B/N of fit's own
     training set (after validation_split), announced as an assumption; a later fit adds its own q."""
     monkeypatch.setattr(keras_dpsgd.ledger, "_WARNED", set())  # said once per process and q
     model = _model(make_front())

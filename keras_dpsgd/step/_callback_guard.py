@@ -1,7 +1,7 @@
 """Callbacks a DP ``fit`` refuses, before any weight changes (both Kerases).
 
 Keras computes the training loss and metrics in ``logs`` on the private lots, without noise.
-Printing them is a release the user sees and decides about (README); a callback that *acts* on
+Printing them is a release the user sees and decides about (docs/privacy-model.md); a callback that *acts* on
 them takes a decision on the private data that no noise covers and that ε does not count:
 
 * ``EarlyStopping`` stops training (the stopping time is a function of the data) and, with

@@ -173,7 +173,7 @@ def ledger_and_callbacks():
 def checkpoints():
     """BackupAndRestore and a .keras file under the strategy keep the ledger."""
     if MODE != "mirrored":
-        return  # Multi-worker checkpoints: see the README (the chief writes); not run here.
+        return  # Multi-worker checkpoints: see docs/distributed.md (the chief writes); not run here.
     delta, n = 1e-5, 256
     x = np.random.default_rng(6).normal(size=(n, 5)).astype("float32")
     lots = PoissonLots(x, x[:, :2], expected_lot_size=16, replicas_per_worker=LOCAL, seed=2)
