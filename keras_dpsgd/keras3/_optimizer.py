@@ -30,17 +30,16 @@ accumulation under R > 1.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
 
-from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd.step import _distribute
 from keras_dpsgd import ledger
 from keras_dpsgd.step._classes import make_dp_class
-from keras_dpsgd.step._settings import DPSettingsMixin, DPState
-from keras_dpsgd.step._sanitizer import DPSanitizerMixin, _EpochBoundary, _resolve_bounds
+from keras_dpsgd.step._settings import DPState
+from keras_dpsgd.step._release import LotReleaseMixin
 
 __all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
 
@@ -58,17 +57,14 @@ NOT_PRIVATE_MESSAGE = (
 )
 
 
-@dataclasses.dataclass
-class _Named:
-    name: str
-
-
-class DPKeras3Mixin(DPSettingsMixin):
+class DPKeras3Mixin(LotReleaseMixin):
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
     Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step._classes``) checks the
-    DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings' properties and
-    ``get_config`` are shared with tf_keras (``DPSettingsMixin``).
+    DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings and the
+    lot/release state machine are shared with tf_keras (``keras_dpsgd.step._release.LotReleaseMixin``);
+    this class supplies Keras 3's hooks: its variables, ``apply`` (with Keras's own accumulation
+    kept off), the cross-replica update of a lot and its fit's locals.
     """
 
     def _init_dp(self, state: DPState) -> None:
@@ -149,10 +145,10 @@ class DPKeras3Mixin(DPSettingsMixin):
         with self._keras_view():
             super().build(variables)
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
-        bounds = _resolve_bounds(self._dp.l2_norm_clip, [_Named(getattr(v, "path", v.name)) for v in variables])
-        sigmas = self._dp.noise_multiplier
-        self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(variables)
-        self.clip_bounds = self.add_variable(
+        self._build_lot(variables, [getattr(v, "path", v.name) for v in variables])
+
+    def _bounds_variable(self, bounds: list[float]) -> Any:
+        return self.add_variable(
             (len(bounds),),
             initializer=keras.initializers.Constant(bounds),
             dtype="float32",
@@ -160,15 +156,9 @@ class DPKeras3Mixin(DPSettingsMixin):
             aggregation="only_first_replica",
             name="clip_bounds",
         )
-        if self._dp.accumulation > 1:
-            # The lot being accumulated (saved with the optimizer; discarded on load: never resumed).
-            self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in variables]
-            self._accum_batches = self.add_variable(
-                (), initializer="zeros", dtype="int64", name="dp_accumulated_batches"
-            )
-            self._accum_examples = self.add_variable(
-                (), initializer="zeros", dtype="float32", name="dp_accumulated_examples"
-            )
+
+    def _value(self, variable: Any) -> Any:
+        return variable.value
 
     # ----------------------------------------------------------- sanitizer
     def sanitize(
@@ -204,7 +194,7 @@ class DPKeras3Mixin(DPSettingsMixin):
                 "optimizer.minimize), which accumulates the lot and applies it once"
             )
         tf_vars = self._checked_variables(variables)
-        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape, ledger.saving_model(self))
         return self._release(summed, num_examples, regularization_grads, tf_vars)
 
     def minimize(
@@ -233,61 +223,21 @@ class DPKeras3Mixin(DPSettingsMixin):
             self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
             return
         tf_vars = self._checked_variables(variables)
-        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape)
-        for acc, s in zip(self._accumulators, summed):
-            acc.assign_add(tf.cast(s, acc.dtype))
-        self._accum_examples.assign_add(num_examples)
-        self._accum_batches.assign_add(1)
-        if _distribute.num_replicas() > 1:
-            self._release_lot_across_replicas(tf_vars, regularization_grads)
-            return
+        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape, ledger.saving_model(self))
+        self._take_batch(summed, num_examples, regularization_grads, tf_vars, variables)
 
-        def release_lot():
-            self.apply(
-                self._release(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars), variables
-            )
-            return self._reset_lot()
+    def _apply_release(self, grads, variables) -> None:
+        self.apply(grads, variables)
 
-        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
+    def _count_replica_lot(self, num_examples) -> None:
+        """Nothing inside the lot's conditional: ``noised_steps`` (ONLY_FIRST_REPLICA) synchronizes,
+        so it is counted outside (``_apply_lot_across_replicas``)."""
 
-    def _lot_sums(self) -> list[tf.Tensor]:
-        """The accumulated clipped sums of the lot (this replica's share under a strategy)."""
-        return [tf.cast(acc.value, tf.float32) for acc in self._accumulators]
-
-    def _lot_complete(self) -> tf.Tensor:
-        """True on the last batch of a lot (the same on every replica: each counts the batches)."""
-        return self._accum_batches.value >= self._dp.accumulation
-
-    def _reset_lot(self) -> tf.Tensor:
-        for acc in self._accumulators:
-            acc.assign(tf.zeros_like(acc.value))
-        self._accum_examples.assign(0.0)
-        self._accum_batches.assign(0)
-        return tf.constant(True)
-
-    def _release_lot_across_replicas(self, tf_vars, regularization_grads) -> None:
-        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
-
-        Every batch goes through the cross-replica sum (a synchronization point, which cannot sit
-        in a ``tf.cond``): on the lot's last batch each replica contributes its accumulated sums
-        noised by σC/√R and divided by the global L (``_noised``, no synchronization inside the
-        conditional), zeros on the others. The descent rule runs on the last batch only
-        (``_apply_lot_update``); ``noised_steps`` and ``iterations`` count lots, outside the
-        conditional (they synchronize: ``only_first_replica``).
-        """
-        complete = self._lot_complete()
-
-        def noised():
-            return self._noised(self._lot_sums(), self._accum_examples.value, regularization_grads, tf_vars)
-
-        grads = tf.cond(complete, noised, lambda: [tf.zeros_like(v) for v in tf_vars])
+    def _apply_lot_across_replicas(self, grads, tf_vars, complete) -> None:
+        """Counts the lot (``noised_steps``, outside the conditional: it synchronizes), SUMs `grads`
+        across the replicas (every batch), then applies the descent rule and the variables'
+        constraints inside the cross-replica update, on the lot's last batch only."""
         self.noised_steps.assign_add(tf.cast(complete, tf.int64))
-        self._apply_lot_update(list(grads), tf_vars, complete)
-        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
-
-    def _apply_lot_update(self, grads, tf_vars, complete) -> None:
-        """SUMs `grads` across the replicas (every batch), then applies the descent rule and the
-        variables' constraints inside the cross-replica update, on the lot's last batch only."""
         summed = self._all_reduce_sum_gradients(list(zip(grads, tf_vars)))
         tf.__internal__.distribute.interim.maybe_merge_call(
             self._update_on_lot_end, self._distribution_strategy, summed, self.learning_rate
@@ -360,80 +310,18 @@ class DPKeras3Mixin(DPSettingsMixin):
                     "or OneDeviceStrategy)"
                 )
 
-    def _clipped_sum(self, per_example_loss, tf_vars, tape) -> tuple[list[tf.Tensor], tf.Tensor]:
-        """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and its size."""
-        finite = []
-
-        def factors(sq_norms):
-            finite.append(_step.finite_rows(sq_norms))
-            return self._clip_factors(sq_norms, finite[-1])
-
-        summed, sq_norms = self._backend.clipped_sum(per_example_loss, tf_vars, tape, factors)
-        self._refuse_batch_writes(per_example_loss, ledger.saving_model(self))  # At trace time.
-        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(tf.logical_not(finite[-1][:, 0]), tf.int64)))
-        self.on_per_example_sq_norms(sq_norms)
-        # Under a strategy the realized count is the whole lot's (all replicas): normalize, the hooks.
-        return summed, _distribute.global_sum(tf.cast(tf.shape(per_example_loss)[0], tf.float32))
-
-    def _release(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
-        """Steps 4-5 (``_noised``), counted in ``noised_steps`` (hook ``on_noised_step``), pending for ``apply``."""
-        grads = self._noised(summed, num_examples, regularization_grads, tf_vars)
-        self.noised_steps.assign_add(1)
-        self.on_noised_step(num_examples)
-        self._dp.pending[:] = grads
-        return grads
-
-    def _noised(self, summed, num_examples, regularization_grads, tf_vars) -> list[tf.Tensor]:
-        """Steps 4-5 on a lot's clipped sum (hooks add_noise, normalize), then the regularization
-        gradient (no clip, no noise), in the variables' dtypes."""
-        grads = self.normalize(self.add_noise(summed), num_examples)
-        if regularization_grads is not None:
-            # Every replica computes the same regularization gradient; the cross-replica sum adds R shares.
-            grads = [g + tf.cast(_distribute.replica_share(r), g.dtype) for g, r in zip(grads, regularization_grads)]
-        return [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
-
-    # ------------------------------------------------ hooks for subclasses
-    # Published extension points (adaptive clipping, gradient canaries): anything a hook derives
-    # from the data is a release of its own, which must be noised and charged by the accountant
-    # (through ``effective_noise_multiplier``). Steps 4-5 (``add_noise``, ``normalize``,
-    # ``standard_normal``) are the tf_keras ones: ``DPSettingsMixin``.
-    def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
-        """Hook: called once per batch (every batch of a lot) inside the traced step with
-        ``sq_norms[i, v] = ||g_i[v]||²`` ([B, V]); the clip bounds in force are ``self.clip_bounds``.
-        As on tf_keras (``DPSanitizerMixin.on_per_example_sq_norms``). Default: nothing."""
-
-    def on_noised_step(self, num_examples: tf.Tensor) -> None:
-        """Hook: called once per noised step, after the gradient's release and the ``noised_steps``
-        increment, with the realized number of examples. Default: nothing."""
-
     def apply(self, grads, trainable_variables=None):
         """Applies the descent rule to gradients that came out of ``sanitize`` only."""
         grads = list(grads)
-        pending = self._dp.pending
-        for grad in grads:
-            if grad is not None and not any(grad is g for g in pending):
-                raise ValueError(NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
-        del pending[:]
+        self._take_pending(grads, NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
         with self._keras_view():
             return super().apply(grads, trainable_variables)
 
-    # ------------------------------------------------------------------ lots
-    # One rule for both Kerases: the tf_keras sanitizer's (its docstring, "Lots").
-    discard_partial_lot = DPSanitizerMixin.discard_partial_lot
-
+    # ------------------------------------------------------- fit's lot boundaries
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
         super().load_own_variables(store)
         self.discard_partial_lot("saved in the loaded file")
-
-    def finalize_variable_values(self, var_list):
-        """Called by fit at its end: an incomplete last lot is discarded."""
-        self.discard_partial_lot("at the end of fit")
-        return super().finalize_variable_values(var_list)
-
-    # The lot boundaries of fit: the tf_keras rule, over Keras 3's fit (its epoch loop's locals).
-    _check_lot_alignment = DPSanitizerMixin._check_lot_alignment
-    _on_fit_epoch_begin = DPSanitizerMixin._on_fit_epoch_begin
 
     def _fit_locals(self, model: Any) -> dict:
         frame = ledger.fit_frame(model)
@@ -446,17 +334,9 @@ class DPKeras3Mixin(DPSettingsMixin):
         where = self._fit_locals(model)
         return bool(where) and where.get("epoch") == where.get("initial_epoch")
 
-    def _watch_lot_boundaries(self, model: Any) -> None:
-        """At trace time: lots of `model`'s fit never cross an epoch or a fit."""
-        if model is None:
-            return
-        ledger.note_fit_sampling(model, self)
-        self._check_lot_alignment(model)
-        if self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0:
-            # Traced at the first step of this fit, after its first epoch began.
-            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
-        if "reset_metrics" not in vars(model):
-            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
+    def _first_step_of_fit(self, model: Any) -> bool:
+        """Keras 3: traced at the first step of this fit, after its first epoch began."""
+        return self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0
 
 
 _DP_DOC = """

@@ -33,7 +33,8 @@ import tensorflow as tf
 from keras_dpsgd.step import _display, _mixing
 from keras_dpsgd import _validate, ledger
 from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.preprocessing.normalization import fitted_state_message, is_marked_public
+from keras_dpsgd.step._loss import per_example_values, refuse_data_losses, regularization_gradients, regularization_sum
+from keras_dpsgd.preprocessing.normalization import refuse_fitted_layers
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 from keras_dpsgd.step.lots import is_lots_dataset
 
@@ -103,12 +104,7 @@ def refuse_adapted_preprocessing(model: keras.Model) -> None:
     model, outside the privacy ledger. Passes layers built from given statistics, layers marked with
     ``keras_dpsgd.mark_public`` and layers that record their own privacy events.
     """
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if is_marked_public(layer):
-            continue
-        state = _fitted_state(layer)
-        if state is not None:
-            raise ValueError(fitted_state_message(layer, state))
+    refuse_fitted_layers(model._flatten_layers(include_self=False, recursive=True), _fitted_state)
 
 
 def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
@@ -279,21 +275,7 @@ def per_example_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any
 def weight_regularization(model: keras.Model) -> tf.Tensor | None:
     """Σ of the weight regularizers (``variable.regularizer(variable)``): data-independent, or None."""
     terms = [v.regularizer(v) for v in model.trainable_weights if getattr(v, "regularizer", None) is not None]
-    if not terms:
-        return None
-    return tf.add_n([tf.cast(tf.reduce_sum(t), tf.float32) for t in terms])
-
-
-def _refuse_data_losses(model: keras.Model, num_weight_terms: int) -> None:
-    """add_loss terms (e.g. activity regularizers) may depend on the data: refuse them."""
-    extra = len(model.losses) - num_weight_terms
-    if extra > 0:
-        raise ValueError(
-            f"the model added {extra} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
-            "depend on the data, so their gradient cannot be added without clipping and noise. Fold them "
-            "into the per-example loss in your own train_step (keras_dpsgd.keras3.sanitized_gradients), "
-            "or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
-        )
+    return regularization_sum(terms) if terms else None
 
 
 def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss):
@@ -302,23 +284,13 @@ def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     # An eager step, or the reference backend, would take pfor jacobians through a grouped convolution.
     refuse_grouped_convolution_layers(ledger.saving_model(optimizer), optimizer._backend)
     variables = list(variables)
-    loss = tf.convert_to_tensor(per_example_loss)
-    if loss.shape.rank == 0 or loss.shape.rank is None:
-        raise ValueError(
-            f"per_example_loss must have shape [batch_size], got {loss.shape}: it was reduced over the batch"
-        )
-    if loss.shape.rank > 1:
-        with tape:
-            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
-    reg_grads = None
-    if regularization_loss is not None:
-        if not getattr(tape, "_persistent", False):
-            raise ValueError(
-                "regularization_loss needs tf.GradientTape(persistent=True): the regularization gradient "
-                "and the per-example gradients are two tape queries"
-            )
-        tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
-        reg_grads = tape.gradient(regularization_loss, tf_vars, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    loss = per_example_values(
+        per_example_loss,
+        tape,
+        lambda shape: f"per_example_loss must have shape [batch_size], got {shape}: it was reduced over the batch",
+    )
+    tf_vars = [v.value if isinstance(v, keras.Variable) else v for v in variables]
+    reg_grads = regularization_gradients(regularization_loss, tf_vars, tape, "regularization_loss")
     return optimizer, loss, variables, reg_grads
 
 
@@ -388,7 +360,9 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
         y_pred = self(x, training=True)
         losses = per_example_loss(self, y, y_pred, sample_weight)
         refuse_example_mixing(self, losses)  # Frozen BatchNormalization proven from the traced step.
-        _refuse_data_losses(self, num_weight_terms)
+        refuse_data_losses(
+            len(self.losses), num_weight_terms, own_step="train_step (keras_dpsgd.keras3.sanitized_gradients)"
+        )
         regularization = weight_regularization(self)
     private_update(optimizer, losses, variables, tape, regularization_loss=regularization, model=self)
     # The logged loss and metrics: means over the real rows (padding of Poisson lots excluded).

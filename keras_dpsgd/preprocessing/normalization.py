@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import TYPE_CHECKING, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -155,10 +155,16 @@ def refuse_adapted_preprocessing(model: Optional[keras.Model]) -> None:
     """
     if model is None:
         return
-    for layer in model.submodules:
-        if not _is_tf_keras_layer(layer) or is_marked_public(layer):
+    refuse_fitted_layers([layer for layer in model.submodules if _is_tf_keras_layer(layer)], _data_fitted_state)
+
+
+def refuse_fitted_layers(layers: Iterable[Any], fitted_state: Callable[[Any], Optional[str]]) -> None:
+    """Raises ValueError for the first of `layers` that holds state fitted on data and is not marked
+    public (both Kerases; `fitted_state(layer)` says what state, or None)."""
+    for layer in layers:
+        if is_marked_public(layer):
             continue
-        state = _data_fitted_state(layer)
+        state = fitted_state(layer)
         if state is not None:
             raise ValueError(fitted_state_message(layer, state))
 

@@ -67,84 +67,39 @@ apart (``keras_dpsgd.tf_keras._train_step``); activity regularizers and other
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Sequence
+from typing import Any
 
 import tensorflow as tf
 
-from keras_dpsgd.step import _display, _distribute, _math as _step
+from keras_dpsgd.step import _display, _distribute
 from keras_dpsgd._frames import find_calling_model
 from keras_dpsgd import ledger
-from keras_dpsgd.step._settings import DPSettingsMixin, DPState
+from keras_dpsgd.step._settings import DPState
+from keras_dpsgd.step._release import LotReleaseMixin
 from keras_dpsgd.preprocessing.normalization import refuse_adapted_preprocessing
 from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.backends.tensorflow._per_example import (
-    per_example_loss,
-    refuse_example_mixing,
+from keras_dpsgd.step._loss import SCALAR_LOSS_MESSAGE, per_example_values, regularization_gradients
+from keras_dpsgd.backends.tensorflow._per_example import refuse_example_mixing
+
+
+_NOT_PRIVATE_MESSAGE = (
+    "{cls}.apply_gradients got a gradient that did not come from its "
+    "compute_gradients: applying it would be a non-private step. Call "
+    "minimize(loss, var_list, tape) or apply the output of compute_gradients. "
+    "(A LossScaleOptimizer, which compile adds under the 'mixed_float16' policy, "
+    "rescales the sanitized gradients: loss scaling is not supported; use the "
+    "'float32' or 'mixed_bfloat16' policy.)"
 )
 
-_LOG = logging.getLogger("keras_dpsgd")
 
-
-class _EpochBoundary:
-    """`model.reset_metrics`, which Keras fit calls at the start of every epoch.
-
-    Installed by the DP optimizer on the model it trains (an instance
-    attribute): when the call comes from ``fit``, the optimizer first closes
-    the lot boundary (``_on_fit_epoch_begin``). Other callers (evaluate,
-    train_on_batch) only reset the metrics.
-    """
-
-    def __init__(self, model: Any):
-        self._model = model
-
-    def __call__(self) -> None:
-        model = self._model
-        hook = getattr(model.optimizer, "_on_fit_epoch_begin", None)
-        if hook is not None and ledger.fit_frame(model, max_depth=2) is not None:
-            hook(model)
-        return type(model).reset_metrics(model)
-
-
-def _resolve_bounds(l2_norm_clip: Any, var_list: Sequence[tf.Variable]) -> list[float]:
-    """One clip bound per trainable variable, in `var_list` order (None, per-example normalization: 1,
-    the sensitivity of an example rescaled to norm < 1)."""
-    num = len(var_list)
-    if l2_norm_clip is None:
-        return [1.0] * num
-    if isinstance(l2_norm_clip, float):
-        return [l2_norm_clip] * num
-    if isinstance(l2_norm_clip, list):
-        if len(l2_norm_clip) != num:
-            raise ValueError(
-                f"l2_norm_clip must have one bound per trainable variable ({num}: "
-                f"{[v.name for v in var_list]}), got {len(l2_norm_clip)}"
-            )
-        return list(l2_norm_clip)
-    names = [v.name for v in var_list]
-    keys = {}
-    for name in names:
-        short = name[:-2] if name.endswith(":0") else name
-        key = name if name in l2_norm_clip else short
-        if key not in l2_norm_clip:
-            raise ValueError(
-                f"l2_norm_clip has no bound for trainable variable {short!r}; keys: {sorted(l2_norm_clip)}"
-            )
-        keys[key] = True
-    extra = sorted(set(l2_norm_clip) - set(keys))
-    if extra:
-        raise ValueError(
-            f"l2_norm_clip names variables that are not trainable variables of the model: {extra}; variables: {names}"
-        )
-    return [l2_norm_clip[n] if n in l2_norm_clip else l2_norm_clip[n[:-2]] for n in names]
-
-
-class DPSanitizerMixin(DPSettingsMixin):
+class DPSanitizerMixin(LotReleaseMixin):
     """DP-SGD sanitizer for a tf_keras (2.11+) optimizer; put before the optimizer class.
 
     ``keras_dpsgd.step._classes.init_private`` constructs it (``DPSGDOptimizer`` and the classes of
     ``make_dp_optimizer``): the DP arguments checked, the tf_keras ``__init__``, then ``_init_dp``.
-    The settings' properties and ``get_config`` are shared with Keras 3 (``DPSettingsMixin``).
+    The settings and the lot/release state machine are shared with Keras 3
+    (``keras_dpsgd.step._release.LotReleaseMixin``); this class supplies tf_keras's hooks: its
+    variables, how the model is found (the call stack), its fit's locals and ``apply_gradients``.
     """
 
     # ----------------------------------------------------------------- setup
@@ -170,15 +125,15 @@ class DPSanitizerMixin(DPSettingsMixin):
         if getattr(self, "_built", False):
             return
         super().build(var_list)
-        bounds = _resolve_bounds(self._dp.l2_norm_clip, var_list)
-        sigmas = self._dp.noise_multiplier
-        self._dp.sigmas = list(sigmas) if isinstance(sigmas, list) else [sigmas] * len(var_list)
-        self.clip_bounds = tf.Variable(bounds, dtype=tf.float32, trainable=False, name="clip_bounds")
-        self._variables.append(self.clip_bounds)
-        if self.gradient_accumulation_steps > 1:
-            self._accumulators = [self.add_variable_from_reference(v, "dp_accumulator") for v in var_list]
-            self._accum_batches = self.add_variable([], tf.int64, name="dp_accumulated_batches")
-            self._accum_examples = self.add_variable([], tf.float32, name="dp_accumulated_examples")
+        self._build_lot(var_list, [v.name for v in var_list])
+
+    def _bounds_variable(self, bounds: list[float]) -> tf.Variable:
+        clip_bounds = tf.Variable(bounds, dtype=tf.float32, trainable=False, name="clip_bounds")
+        self._variables.append(clip_bounds)
+        return clip_bounds
+
+    def _value(self, variable: tf.Variable) -> tf.Variable:
+        return variable  # TF reads it where an op takes it (under a strategy: this replica's copy).
 
     def _saved_layouts(self) -> list[list]:
         """The variable layouts of the files this version loads (None: a saved value it skips).
@@ -226,34 +181,7 @@ class DPSanitizerMixin(DPSettingsMixin):
         self.discard_partial_lot("saved in the loaded weights")
         return result
 
-    # ------------------------------------------------------------------ lots
-    def discard_partial_lot(self, where: str = "") -> int:
-        """Drops an incomplete lot (never released, no privacy spent); returns its batches.
-
-        Counted in ``discarded_lots``/``discarded_batches`` and announced by a
-        warning. Keras ``fit`` calls it at lot boundaries on its own.
-        """
-        if getattr(self, "_accum_batches", None) is None:
-            return 0
-        with tf.init_scope():
-            batches = int(self._accum_batches.numpy())
-            if batches == 0:
-                return 0
-            for acc in self._accumulators:
-                acc.assign(tf.zeros_like(acc))
-            self._accum_examples.assign(0.0)
-            self._accum_batches.assign(0)
-        self.discarded_lots += 1
-        self.discarded_batches += batches
-        _LOG.warning(
-            "keras_dpsgd: discarded an incomplete lot (%d of %d batches) %s: it was never released "
-            "(no noise drawn, no update applied) and is not carried into another lot.",
-            batches,
-            self.gradient_accumulation_steps,
-            where,
-        )
-        return batches
-
+    # ------------------------------------------------------- fit's lot boundaries
     def _fit_steps_per_epoch(self, model: Any) -> int | None:
         """The steps per epoch of `model`'s running fit (tf_keras: its data handler's), or None."""
         frame = ledger.fit_frame(model)
@@ -264,88 +192,10 @@ class DPSanitizerMixin(DPSettingsMixin):
         """At an epoch's start: True for the first epoch of this fit (tf_keras: no step taken yet)."""
         return int(model._train_counter.numpy()) == 0
 
-    def _check_lot_alignment(self, model: Any) -> None:
-        """With Poisson lots (known q), fit's steps_per_epoch must hold whole lots."""
-        k = self.gradient_accumulation_steps
-        steps = self._fit_steps_per_epoch(model)
-        if self._dp.sampling_rate is not None and steps is not None and steps % k:
-            raise ValueError(
-                f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
-                f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
-                "every epoch would be discarded and shift every later lot of the stream; pass "
-                "steps_per_epoch=lots.steps_per_epoch"
-            )
-
-    def _on_fit_epoch_begin(self, model: Any) -> None:
-        """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
-        ledger.note_fit_sampling(model, self)  # a later fit may have another q = B·k/N
-        self._check_lot_alignment(model)
-        if self._first_epoch_of_fit(model):
-            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
-            return
-        if self.discard_partial_lot("at the end of an epoch") and self._dp.sampling_rate is not None:
-            raise ValueError(
-                "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
-                "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
-                "and save BackupAndRestore checkpoints at epoch ends or every multiple of "
-                f"gradient_accumulation_steps = {self.gradient_accumulation_steps} batches"
-            )
-
-    def _watch_lot_boundaries(self, model: Any) -> None:
-        """At trace time: fit's q where the optimizer does not know it (``ledger.note_fit_sampling``,
-        again at every epoch start), and lots of `model`'s fit never cross an epoch or a fit."""
-        if model is None:
-            return
-        ledger.note_fit_sampling(model, self)
-        if "reset_metrics" not in vars(model):
-            object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
-        if self.gradient_accumulation_steps == 1:
-            return
-        self._check_lot_alignment(model)
+    def _first_step_of_fit(self, model: Any) -> bool:
+        """tf_keras: the model's step counter is still 0."""
         with tf.init_scope():
-            first_step_of_fit = int(model._train_counter.numpy()) == 0
-        if first_step_of_fit:
-            self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
-
-    def finalize_variable_values(self, var_list):
-        """Called by fit at its end: an incomplete last lot is discarded."""
-        self.discard_partial_lot("at the end of fit")
-        return super().finalize_variable_values(var_list)
-
-    # ------------------------------------------------------ sanitizer steps
-    def _clipped_sum(self, loss, var_list, tape, model):
-        """Steps 1-3 through the backend: Σ_i clip(g_i), plus the batch size."""
-        finite = []  # The non-finite mask, computed once from the backend's sq_norms.
-
-        def factors(sq_norms):
-            finite.append(_step.finite_rows(sq_norms))
-            return self._clip_factors(sq_norms, finite[-1])
-
-        summed, sq_norms = self._backend.clipped_sum(loss, var_list, tape, factors)
-        self._refuse_batch_writes(loss, model)  # At trace time.
-        nonfinite = tf.logical_not(finite[-1][:, 0])
-        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
-        self.on_per_example_sq_norms(sq_norms)
-        # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
-        return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
-
-    def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
-        """Hook called once per batch inside the traced step with sq_norms [B, V].
-
-        Override (e.g. adaptive clipping's norm query) to observe per-example
-        squared norms; the clip bounds in force are ``self.clip_bounds``.
-        Whatever is derived from them is a release of its own that must be
-        noised and recorded by the accountant. Default: nothing.
-        """
-
-    # ------------------------------------------------ hooks for subclasses
-    # Published extension points, the same names as on Keras 3 (``DPKeras3Mixin``): adaptive
-    # clipping and gradient canaries use them. Anything a hook derives from the data is a release
-    # of its own, which must be noised and charged (``release_noise_multipliers``). Steps 4-5
-    # (``add_noise``, ``normalize``, ``standard_normal``) are shared: ``DPSettingsMixin``.
-    def on_noised_step(self, num_examples: tf.Tensor) -> None:
-        """Hook: called once per noised step (once per lot), after the gradient's release and the
-        ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""
+            return int(model._train_counter.numpy()) == 0
 
     # ------------------------------------------------------ optimizer API
     def _check_distribution(self) -> None:
@@ -419,43 +269,20 @@ class DPSanitizerMixin(DPSettingsMixin):
             loss, regularization = loss
         refuse_example_mixing(model, var_list, loss)
         raw_loss = loss
-        loss = per_example_loss(loss, tape, type(self).__name__)
-        reg_grads = None
-        if callable(regularization):  # A function of the weights only (``_tf_keras_step``): its own tape.
-            with tf.GradientTape() as reg_tape:
-                reg_tape.watch(var_list)
-                value = regularization()
-            reg_grads = reg_tape.gradient(value, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
-        elif regularization is not None:
-            if not getattr(tape, "_persistent", False):
-                raise ValueError(
-                    "a (per_example_loss, regularization_loss) pair needs tf.GradientTape(persistent=True): "
-                    "the regularization gradient and the per-example gradients are two tape queries"
-                )
-            reg_grads = tape.gradient(regularization, var_list, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            reg_grads = [_distribute.replica_share(tf.convert_to_tensor(g)) for g in reg_grads]
+        name = type(self).__name__
+        loss = per_example_values(
+            loss,
+            tape,
+            lambda shape: SCALAR_LOSS_MESSAGE.format(cls=name, shape=shape),
+            lambda shape: f"{name} needs a per-example loss of known rank, got shape {shape}",
+        )
+        # A function of the weights only (``_tf_keras_step``) or a tensor on the persistent tape.
+        reg_grads = regularization_gradients(
+            regularization, var_list, tape, "a (per_example_loss, regularization_loss) pair"
+        )
         if _distribute.num_replicas() == 1:  # the logged loss and metrics: over the real rows
             _display.install_tf_keras(model, raw_loss, loss)
         return loss, var_list, tape, reg_grads
-
-    def _release(self, summed, num_examples, reg_grads):
-        """Steps 4-5 and the regularization gradient (no clip, no noise), pending for apply_gradients."""
-        return self._pending(self._noised(summed, num_examples, reg_grads))
-
-    def _noised(self, summed, num_examples, reg_grads):
-        """Steps 4-5 (``noised_steps`` + 1, ``on_noised_step``) plus the regularization gradient."""
-        grads = self.normalize(self.add_noise(summed), num_examples)
-        self.noised_steps.assign_add(1)
-        self.on_noised_step(num_examples)
-        if reg_grads is not None:
-            grads = [g + r for g, r in zip(grads, reg_grads)]
-        return grads
-
-    def _pending(self, grads):
-        """Marks `grads` as the sanitized gradients the next apply_gradients may apply."""
-        self._dp.pending[:] = grads
-        return grads
 
     def _sanitized_sum(self, loss, var_list, tape):
         """The path `compute_gradients` and `minimize` share: prepare → build → Σ_i clip(g_i).
@@ -494,7 +321,7 @@ class DPSanitizerMixin(DPSettingsMixin):
                 "(Keras fit does): compute_gradients alone cannot accumulate a lot"
             )
         var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
-        return list(zip(self._release(summed, num_examples, reg_grads), var_list))
+        return list(zip(self._release(summed, num_examples, reg_grads, var_list), var_list))
 
     def minimize(self, loss, var_list, tape=None):
         """One DP-SGD step, or one batch of a lot when accumulating."""
@@ -502,58 +329,20 @@ class DPSanitizerMixin(DPSettingsMixin):
             self.apply_gradients(self.compute_gradients(loss, var_list, tape))
             return
         var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
-        for acc, s in zip(self._accumulators, summed):
-            acc.assign_add(s)
-        self._accum_examples.assign_add(num_examples)
-        self._accum_batches.assign_add(1)
-        if _distribute.num_replicas() > 1:
-            self._release_lot_across_replicas(var_list, reg_grads)
-            return
+        self._take_batch(summed, num_examples, reg_grads, var_list, var_list)
 
-        def release_lot():
-            lot = [acc.read_value() for acc in self._accumulators]
-            grads = self._release(lot, self._accum_examples.read_value(), reg_grads)
-            self.apply_gradients(list(zip(grads, var_list)))
-            return self._reset_lot()
+    def _apply_release(self, grads, variables) -> None:
+        self.apply_gradients(list(zip(grads, variables)))
 
-        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
-
-    def _lot_complete(self) -> tf.Tensor:
-        """True on the last batch of a lot (the same on every replica: each counts the batches)."""
-        return self._accum_batches >= self.gradient_accumulation_steps
-
-    def _reset_lot(self) -> tf.Tensor:
-        for acc in self._accumulators:
-            acc.assign(tf.zeros_like(acc))
-        self._accum_examples.assign(0.0)
-        self._accum_batches.assign(0)
-        return tf.constant(True)
-
-    def _release_lot_across_replicas(self, var_list, reg_grads) -> None:
-        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
-
-        The cross-replica sum of tf_keras's ``apply_gradients`` is a synchronization point, which
-        tf.distribute cannot run inside a ``tf.cond``: so every batch goes through it. Each replica
-        holds its own partial sums (the accumulators are updated in replica context, one copy per
-        replica) and, on the lot's last batch only, releases them noised by σC/√R and divided by
-        the global L (``_noised``, inside the conditional, with no synchronization); on other
-        batches it contributes zeros. The descent rule and the step counter are applied only on
-        the last batch (``_distributed_apply_gradients_fn``). The cost: one gradient all-reduce
-        per batch instead of one per lot.
-        """
-        complete = self._lot_complete()
-        lot = lambda: self._noised(
-            [acc.read_value() for acc in self._accumulators],  # noqa: E731
-            self._accum_examples.read_value(),
-            reg_grads,
-        )
-        grads = tf.cond(complete, lot, lambda: [tf.zeros_like(v) for v in var_list])
+    def _apply_lot_across_replicas(self, grads, tf_vars, complete) -> None:
+        """tf_keras: ``apply_gradients`` SUMs `grads` across the replicas on every batch; the descent
+        rule and the step counter run on the lot's last batch only (``_distributed_apply_gradients_fn``).
+        ``noised_steps`` (a per-replica copy) was counted inside the lot's conditional."""
         self._gate_updates = True
         try:
-            self.apply_gradients(list(zip(self._pending(list(grads)), var_list)))
+            self.apply_gradients(list(zip(self._pending(grads), tf_vars)))
         finally:
             self._gate_updates = False
-        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
 
     def _distributed_apply_gradients_fn(self, distribution, grads_and_vars, **kwargs):
         """tf_keras's cross-replica update; under accumulation with R > 1 only on a lot's last batch."""
@@ -577,16 +366,5 @@ class DPSanitizerMixin(DPSettingsMixin):
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """Applies gradients that came out of this optimizer's sanitizer only."""
         grads_and_vars = list(grads_and_vars)
-        pending = self._dp.pending
-        for grad, _ in grads_and_vars:
-            if grad is not None and not any(grad is g for g in pending):
-                raise ValueError(
-                    f"{type(self).__name__}.apply_gradients got a gradient that did not come from its "
-                    "compute_gradients: applying it would be a non-private step. Call "
-                    "minimize(loss, var_list, tape) or apply the output of compute_gradients. "
-                    "(A LossScaleOptimizer, which compile adds under the 'mixed_float16' policy, "
-                    "rescales the sanitized gradients: loss scaling is not supported; use the "
-                    "'float32' or 'mixed_bfloat16' policy.)"
-                )
-        del pending[:]
+        self._take_pending([grad for grad, _ in grads_and_vars], _NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
         return super().apply_gradients(grads_and_vars, *args, **kwargs)

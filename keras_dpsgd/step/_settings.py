@@ -329,7 +329,7 @@ class DPSettingsMixin:
 
     def _group_bounds(self) -> tf.Tensor:
         """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one.
-        Per-example normalization: C = 1, the sensitivity (``_sanitizer._resolve_bounds``)."""
+        Per-example normalization: C = 1, the sensitivity (``_release.resolve_bounds``)."""
         bounds = tf.convert_to_tensor(self.clip_bounds)
         return bounds if self.per_layer_clipping else bounds[:1]
 

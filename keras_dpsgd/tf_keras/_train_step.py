@@ -19,14 +19,9 @@ import types
 import tensorflow as tf
 import tf_keras
 
-__all__ = ["make_private", "weight_regularization_terms"]
+from keras_dpsgd.step._loss import refuse_data_losses, regularization_sum
 
-DATA_LOSSES_MESSAGE = (
-    "the model added {extra} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
-    "depend on the data, so their gradient cannot be added without clipping and noise. Fold them "
-    "into the per-example loss in your own train step, or use weight regularizers (kernel_regularizer), "
-    "which the private step adds un-noised."
-)
+__all__ = ["make_private", "weight_regularization_terms"]
 
 
 def weight_regularization_terms(model: tf_keras.Model) -> list:
@@ -41,8 +36,7 @@ class _WeightRegularization:
         self._terms = list(terms)
 
     def __call__(self) -> tf.Tensor:
-        values = [fn() for fn in self._terms]
-        return tf.add_n([tf.cast(tf.reduce_sum(v), tf.float32) for v in values if v is not None])
+        return regularization_sum([v for v in (fn() for fn in self._terms) if v is not None])
 
 
 def _private_compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
@@ -50,9 +44,7 @@ def _private_compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None)
     del x
     data_loss = self.compiled_loss(y, y_pred, sample_weight, regularization_losses=None)
     terms = weight_regularization_terms(self)
-    extra = len(self.losses) - len(terms)
-    if extra > 0:
-        raise ValueError(DATA_LOSSES_MESSAGE.format(extra=extra))
+    refuse_data_losses(len(self.losses), len(terms), own_step="train step")
     if not terms or data_loss is None:
         return data_loss
     return data_loss, _WeightRegularization(terms)

@@ -36,14 +36,6 @@ if TYPE_CHECKING:
 
 BACKEND_NAMES = ("auto", "reference", "fast")
 
-_SCALAR_LOSS_MESSAGE = (
-    "{cls} needs the per-example loss (shape [batch_size]) but got a loss of shape {shape}: "
-    "it was reduced over the batch. Compile with an unreduced loss, e.g. "
-    "model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy("
-    'from_logits=True, reduction="none")) or reduction=keras.losses.Reduction.NONE '
-    '(string losses such as loss="mse" are reduced).'
-)
-
 
 class PerExampleBackend(Protocol):
     """What the sanitizer needs from a per-example gradient backend."""
@@ -112,17 +104,3 @@ def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Varia
                 "examples of a batch in training (batch statistics): DP-SGD clips each example's gradient, "
                 "which bounds nothing then. " + _mixing.FREEZE_HINT
             )
-
-
-def per_example_loss(loss: tf.Tensor, tape: tf.GradientTape, cls_name: str) -> tf.Tensor:
-    """Checks the loss is per example and averages any non-batch axes to [B]."""
-    loss = tf.convert_to_tensor(loss)
-    if loss.shape.rank == 0:
-        raise ValueError(_SCALAR_LOSS_MESSAGE.format(cls=cls_name, shape=loss.shape))
-    if loss.shape.rank is None:
-        raise ValueError(f"{cls_name} needs a per-example loss of known rank, got shape {loss.shape}")
-    if loss.shape.rank > 1:
-        # Same weighting as SUM_OVER_BATCH_SIZE: mean over the B × T values.
-        with tape:
-            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
-    return loss
