@@ -81,7 +81,11 @@ class DPKeras3Mixin(DPSettingsMixin):
         self._init_dp_state(state)
         # Counted once per step under a strategy (the replicas are in sync).
         self.noised_steps = self.add_variable(
-            (), initializer="zeros", dtype="int64", aggregation="only_first_replica", name="noised_steps"
+            (),
+            initializer="zeros",
+            dtype="int32"
+            if _on_jax()
+            else "int64",  # JAX: int64 needs x64 aggregation="only_first_replica", name="noised_steps"
         )
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
         self._ledger_q_max, self._ledger_sigma_min = ledger.add_bound_variables(self)
@@ -97,6 +101,10 @@ class DPKeras3Mixin(DPSettingsMixin):
         again): attaching closes those into it before it is written.
         """
         ledger.attach(ledger.saving_model(self, max_depth=64), self)
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            return _state.save_variables(self, store)  # the noise key and the non-finite count unsaved
         return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
@@ -137,11 +145,11 @@ class DPKeras3Mixin(DPSettingsMixin):
 
     @property
     def ledger_max_sampling_rate(self) -> tf.Variable:
-        return self._ledger_q_max.value
+        return _ledger_variable(self._ledger_q_max)
 
     @property
     def ledger_min_noise_multiplier(self) -> tf.Variable:
-        return self._ledger_sigma_min.value
+        return _ledger_variable(self._ledger_sigma_min)
 
     def build(self, variables):
         if self.built:
@@ -169,6 +177,10 @@ class DPKeras3Mixin(DPSettingsMixin):
             self._accum_examples = self.add_variable(
                 (), initializer="zeros", dtype="float32", name="dp_accumulated_examples"
             )
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            _state.add_variables(self)
 
     # ----------------------------------------------------------- sanitizer
     def sanitize(
@@ -424,6 +436,10 @@ class DPKeras3Mixin(DPSettingsMixin):
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
         super().load_own_variables(store)
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            _state.after_load(self)
         self.discard_partial_lot("saved in the loaded file")
 
     def finalize_variable_values(self, var_list):
@@ -457,6 +473,15 @@ class DPKeras3Mixin(DPSettingsMixin):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
         if "reset_metrics" not in vars(model):
             object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
+
+
+def _on_jax() -> bool:
+    return keras.backend.backend() == "jax"
+
+
+def _ledger_variable(variable: Any) -> Any:
+    """The ledger's view of a saved bound: the tf.Variable (TensorFlow), the Keras variable (JAX)."""
+    return variable if _on_jax() else variable.value
 
 
 _DP_DOC = """
