@@ -76,6 +76,9 @@ def test_within_limit_stops_before_the_budget():
     assert callback.stopped
     assert int(model.optimizer.noised_steps.numpy()) == 5
     assert model_epsilon(model, target_delta=DELTA)[0] <= target
+    # A fit with no budget left runs no step (the callback skips the call: JAX's train_function(state, it)).
+    model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[callback])
+    assert int(model.optimizer.noised_steps.numpy()) == 5
 
 
 # ------------------------------------------------------------ lots
