@@ -7,6 +7,7 @@ Usage::
     python benchmarks/overhead.py --max-batch --max-batch-limit 4096 --memory-budget-mib 8000
     python benchmarks/overhead.py --modes fast fast-clip-only   # how much of the overhead is the noise
     python benchmarks/overhead.py --keras 3            # the same models on Keras 3 (make_private)
+    python benchmarks/overhead.py --keras 3 --backend jax --models mlp alexnet transformer --modes fast
 
 What is measured:
 
@@ -19,7 +20,9 @@ What is measured:
   ``--keras tf_keras`` (default): tf_keras models and ``keras_dpsgd.tf_keras.DPSGDOptimizer``;
   ``--keras 3``: the same models built with Keras 3 (``import keras``), made private with
   ``keras_dpsgd.keras3.make_private`` and compiled with ``keras_dpsgd.keras3.DPSGDOptimizer``,
-  against a non-private Keras 3 ``fit``.
+  against a non-private Keras 3 ``fit``. ``--backend jax`` (with ``--keras 3``): Keras 3 on JAX
+  (``KERAS_BACKEND=jax``, set before keras is imported), the DP step of ``keras_dpsgd/backends/jax``
+  (mode "fast" is its one path, per-example gradients under ``jax.vmap``; "reference" does not exist there).
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
   the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
@@ -239,12 +242,10 @@ def compile_model(model, mode: str):
             from keras_dpsgd.tf_keras import DPSGDOptimizer
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
-        opt = DPSGDOptimizer(
-            l2_norm_clip=1.0,
-            noise_multiplier=sigma,
-            learning_rate=0.01,
-            per_example_backend="reference" if mode == "reference" else "fast",
-        )
+        backend = "reference" if mode == "reference" else "fast"
+        if os.environ.get("KERAS_BACKEND") == "jax" and _KERAS["which"] == "3":
+            backend = "auto"  # JAX has one per-example path (jax.vmap)
+        opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.01, per_example_backend=backend)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -420,6 +421,12 @@ def main(argv=None) -> dict:
         choices=list(MODES),
         help="fast-clip-only: the fast backend with sigma = 0 (the cost of clipping alone, without the noise draw)",
     )
+    parser.add_argument(
+        "--backend",
+        default="tensorflow",
+        choices=["tensorflow", "jax"],
+        help="Keras 3's backend (--keras 3 only): set as KERAS_BACKEND before keras is imported",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed batches per round (fast, non-private)")
     parser.add_argument("--reference-steps", type=int, default=2, help="timed batches per round (reference)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -438,8 +445,24 @@ def main(argv=None) -> dict:
         raise ValueError("--memory and --max-batch measure one Keras at a time: give one --keras")
     if "tf_keras" in args.keras and set(args.models) & set(HUB_MODELS):
         parser.error(f"--models {' '.join(sorted(set(args.models) & set(HUB_MODELS)))} need --keras 3 (keras_hub)")
+    if args.backend == "jax":
+        if args.keras != ["3"]:
+            parser.error("--backend jax needs --keras 3 (tf_keras runs on TensorFlow only)")
+        if "reference" in args.modes or args.memory or args.max_batch:
+            parser.error(
+                "--backend jax times the modes nonprivate, fast and fast-clip-only only (no --memory, --max-batch)"
+            )
+    if "keras" in sys.modules and sys.modules["keras"].backend.backend() != args.backend:
+        raise ValueError(f"keras was imported with another backend than --backend {args.backend}")
+    os.environ["KERAS_BACKEND"] = args.backend
     _KERAS["which"] = args.keras[0]
-    report = {"keras": args.keras, "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count(), "results": {}}
+    report = {
+        "keras": args.keras,
+        "backend": args.backend,
+        "load_average_start": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "results": {},
+    }
     for name in args.models:
         batch = DEFAULT_BATCH[name]
         res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes, args.keras)

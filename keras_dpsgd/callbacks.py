@@ -316,7 +316,9 @@ class WithinLimit(_PrivacyCallback):
         """Keras runs the next call even if stop_training is set now: a no-op step for it."""
         model = self.model
 
-        def _skip_step(iterator):
+        def _skip_step(*args):
+            if len(args) == 2:  # Keras 3 on JAX: train_function(state, iterator) -> (logs, state)
+                return {}, args[0]
             return model.get_metrics_result()
 
         self._replaced = {"train_function": model.train_function}

@@ -64,6 +64,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False, delete_checkpoint=True):
+        from keras_dpsgd.keras3._train_step import _refuse_jax
+
+        _refuse_jax("keras_dpsgd.keras3.BackupAndRestore")
         super().__init__(
             backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint, delete_checkpoint=delete_checkpoint
         )

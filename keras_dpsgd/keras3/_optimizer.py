@@ -77,7 +77,11 @@ class DPKeras3Mixin(LotReleaseMixin):
         self._init_dp_state(state)
         # Counted once per step under a strategy (the replicas are in sync).
         self.noised_steps = self.add_variable(
-            (), initializer="zeros", dtype="int64", aggregation="only_first_replica", name="noised_steps"
+            (),
+            initializer="zeros",
+            dtype="int32" if _on_jax() else "int64",  # JAX: int64 needs x64
+            aggregation="only_first_replica",
+            name="noised_steps",
         )
         # The worst (q, σ_eff) the ledger has charged (keras_dpsgd.ledger reads them as tf.Variables).
         self._ledger_q_max, self._ledger_sigma_min = ledger.add_bound_variables(self)
@@ -93,6 +97,10 @@ class DPKeras3Mixin(LotReleaseMixin):
         again): attaching closes those into it before it is written.
         """
         ledger.attach(ledger.saving_model(self, max_depth=64), self)
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            return _state.save_variables(self, store)  # the noise key and the non-finite count unsaved
         return super().save_own_variables(store)
 
     # ------------------------------------------------------------ settings
@@ -133,11 +141,11 @@ class DPKeras3Mixin(LotReleaseMixin):
 
     @property
     def ledger_max_sampling_rate(self) -> tf.Variable:
-        return self._ledger_q_max.value
+        return _ledger_variable(self._ledger_q_max)
 
     @property
     def ledger_min_noise_multiplier(self) -> tf.Variable:
-        return self._ledger_sigma_min.value
+        return _ledger_variable(self._ledger_sigma_min)
 
     def build(self, variables):
         if self.built:
@@ -146,6 +154,10 @@ class DPKeras3Mixin(LotReleaseMixin):
             super().build(variables)
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
         self._build_lot(variables, [getattr(v, "path", v.name) for v in variables])
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            _state.add_variables(self)
 
     def _bounds_variable(self, bounds: list[float]) -> Any:
         return self.add_variable(
@@ -321,6 +333,10 @@ class DPKeras3Mixin(LotReleaseMixin):
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
         super().load_own_variables(store)
+        if _on_jax():
+            from keras_dpsgd.backends.jax import _state
+
+            _state.after_load(self)
         self.discard_partial_lot("saved in the loaded file")
 
     def _fit_locals(self, model: Any) -> dict:
@@ -337,6 +353,15 @@ class DPKeras3Mixin(LotReleaseMixin):
     def _first_step_of_fit(self, model: Any) -> bool:
         """Keras 3: traced at the first step of this fit, after its first epoch began."""
         return self._first_epoch_of_fit(model) and self._fit_locals(model).get("begin_step") == 0
+
+
+def _on_jax() -> bool:
+    return keras.backend.backend() == "jax"
+
+
+def _ledger_variable(variable: Any) -> Any:
+    """The ledger's view of a saved bound: the tf.Variable (TensorFlow), the Keras variable (JAX)."""
+    return variable if _on_jax() else variable.value
 
 
 _DP_DOC = """

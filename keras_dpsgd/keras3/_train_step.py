@@ -1,4 +1,4 @@
-"""The private train step of a Keras 3 model (TensorFlow backend).
+"""The private train step of a Keras 3 model (TensorFlow backend; JAX: ``keras_dpsgd.backends.jax``).
 
 Keras 3's ``train_step`` reduces the loss and hands the optimizer only the batch-summed gradient,
 so the per-example step is on the model side: :func:`make_private` gives a model a train step that
@@ -321,6 +321,7 @@ def sanitized_gradients(
       ValueError: a non-DP optimizer, a reduced (scalar) loss, a regularization loss with a
         non-persistent tape, or gradient_accumulation_steps > 1 (use :func:`private_update`).
     """
+    _refuse_jax("keras_dpsgd.keras3.sanitized_gradients (a model's own train step)")
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     return optimizer.sanitize(loss, variables, tape, reg_grads)
 
@@ -341,6 +342,7 @@ def private_update(
     and applied once (``DPKeras3Mixin.minimize``). `model` (default: the model whose method calls
     this, found on the call stack) marks the lot boundaries of its ``fit``.
     """
+    _refuse_jax("keras_dpsgd.keras3.private_update (a model's own train step)")
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     if model is None:
         model = ledger.saving_model(optimizer)
@@ -394,6 +396,12 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
     """
     if is_lots_dataset(x) and len(args) < _BEFORE_SHUFFLE + 1:
         kwargs.setdefault("shuffle", False)
+    if keras.backend.backend() == "jax":
+        from keras_dpsgd.backends.jax import prepare_fit, values_kept_on_refusal
+
+        prepare_fit(self)  # JAX traces the step with the variables purged: host-side work first
+        with values_kept_on_refusal(self):
+            return type(self).fit(self, x, *args, **kwargs)
     return type(self).fit(self, x, *args, **kwargs)
 
 
@@ -448,20 +456,28 @@ def _overridden(model: keras.Model, method: str) -> bool:
     return getattr(type(model), method) is not getattr(keras.Model, method)
 
 
-def check_backend() -> None:
-    """Refuses a Keras 3 backend other than TensorFlow, the one the private step is written for.
+def check_backend() -> str:
+    """The Keras 3 backend, refused unless it is TensorFlow or JAX (``keras_dpsgd.backends.jax``).
 
     Raises:
-      ValueError: naming the backend and the way out (KERAS_BACKEND=tensorflow).
+      ValueError: naming the backend and the way out (KERAS_BACKEND=tensorflow or jax).
     """
     backend = keras.backend.backend()
-    if backend != "tensorflow":
+    if backend not in ("tensorflow", "jax"):
         raise ValueError(
-            f"keras_dpsgd supports Keras 3 with the TensorFlow backend only, got the {backend!r} backend "
-            f"(KERAS_BACKEND={backend}): its per-example gradients, clipping and noise are TensorFlow graph "
-            "code. Set KERAS_BACKEND=tensorflow before importing keras (or unset it), or use tf_keras "
-            "(TF_USE_LEGACY_KERAS=1)."
+            f"keras_dpsgd supports Keras 3 with the TensorFlow and JAX backends, got the {backend!r} backend "
+            f"(KERAS_BACKEND={backend}; torch is planned): its per-example gradients, clipping and noise are "
+            "written for TensorFlow and JAX. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing "
+            "keras (or unset it), or use tf_keras (TF_USE_LEGACY_KERAS=1)."
         )
+    return backend
+
+
+def _refuse_jax(what: str) -> None:
+    if keras.backend.backend() == "jax":
+        from keras_dpsgd.backends.jax import unsupported
+
+        raise unsupported(what)
 
 
 def make_private(model: keras.Model) -> keras.Model:
@@ -476,7 +492,7 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Raises:
       TypeError: `model` is not a Keras 3 model.
-      ValueError: Keras 3 runs on a backend other than TensorFlow; the model overrides
+      ValueError: Keras 3 runs on a backend other than TensorFlow or JAX; the model overrides
         ``train_step`` or ``compute_loss`` (use :func:`sanitized_gradients` in its own step).
         (A BatchNormalization layer in training mode is refused at the first step:
         :func:`refuse_example_mixing`.)
@@ -486,14 +502,21 @@ def make_private(model: keras.Model) -> keras.Model:
             f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (a tf_keras model: "
             "keras_dpsgd.tf_keras.make_private, needed only for weight regularizers)"
         )
-    check_backend()
+    backend = check_backend()
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
+            if backend == "jax":
+                _refuse_jax(f"a model with its own {method} ({type(model).__name__})")
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
-    model.train_step = types.MethodType(_private_train_step, model)
+    if backend == "jax":
+        from keras_dpsgd.backends.jax import private_train_step
+
+        model.train_step = types.MethodType(private_train_step, model)
+    else:
+        model.train_step = types.MethodType(_private_train_step, model)
+        _reduce_first_batch_per_leaf(model)
+        _no_automatic_xla(model)
     model.fit = types.MethodType(_fit, model)
-    _reduce_first_batch_per_leaf(model)
-    _no_automatic_xla(model)
     setattr(model, _PRIVATE_ATTR, True)
     model.train_function = None  # Rebuilt on the next fit with the private step.
     return model

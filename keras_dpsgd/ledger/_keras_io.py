@@ -12,6 +12,7 @@ import math
 import weakref
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -333,20 +334,32 @@ def add_bound_variables(optimizer: Any) -> list:
     """
 
     def constant(value: float):
-        return lambda shape, dtype=None: tf.fill(shape, tf.constant(value, tf.float64))
+        return lambda shape, dtype=None: tf.fill(shape, tf.constant(value, dtype or "float64"))
 
     return [
-        optimizer.add_variable(shape=(), dtype="float64", initializer=constant(value), name=name)
+        optimizer.add_variable(shape=(), dtype=_bound_dtype(optimizer), initializer=constant(value), name=name)
         for name, value in BOUND_VARIABLES
     ]
+
+
+def _bound_dtype(optimizer: Any) -> str:
+    """float64, or float32 on JAX without x64 (the ledger rounds it outward: :func:`_outward`)."""
+    if is_keras3(optimizer):
+        import keras
+
+        if keras.backend.backend() == "jax":
+            import jax
+
+            return "float64" if jax.config.jax_enable_x64 else "float32"
+    return "float64"
 
 
 def _bound_variables(optimizer: Any) -> Optional[tuple]:
     """The optimizer's (largest q, smallest σ) variables, or None if it has none."""
     q_max = getattr(optimizer, "ledger_max_sampling_rate", None)
     sigma_min = getattr(optimizer, "ledger_min_noise_multiplier", None)
-    if isinstance(q_max, tf.Variable) and isinstance(sigma_min, tf.Variable):
-        return q_max, sigma_min
+    if all(hasattr(v, "assign") and hasattr(v, "numpy") for v in (q_max, sigma_min)):
+        return q_max, sigma_min  # tf.Variables; Keras 3 variables on JAX
     return None
 
 
@@ -354,11 +367,26 @@ def _read_bounds(variables: Optional[tuple]) -> Optional[tuple]:
     return None if variables is None else tuple(float(v.numpy()) for v in variables)
 
 
+def _outward(value: float, dtype: Any, up: bool) -> Any:
+    """`value` in the variable's dtype, rounded away from an under-reported ε: q up, σ down.
+
+    JAX without x64 keeps the float64 bounds in float32, whose nearest value may be a smaller q
+    (or a larger σ) than the one charged.
+    """
+    if np.dtype(dtype) == np.float64 or not math.isfinite(value):
+        return value
+    rounded = np.float32(value)
+    if (float(rounded) < value) if up else (float(rounded) > value):
+        rounded = np.nextafter(rounded, np.float32(np.inf if up else -np.inf))
+    return rounded
+
+
 def _write_bounds(variables: Optional[tuple], values: Optional[tuple]) -> None:
     if variables is None:
         return
-    for variable, value in zip(variables, values):
-        if float(variable.numpy()) != value:
+    for up, variable, value in zip((True, False), variables, values):
+        value = _outward(value, getattr(variable.dtype, "as_numpy_dtype", variable.dtype), up)
+        if float(variable.numpy()) != float(value):
             variable.assign(value)
 
 

@@ -32,11 +32,6 @@ def _words(shape, seed) -> tf.Tensor:
     return tf.random.stateless_uniform(shape, seed=seed, minval=None, maxval=None, dtype=tf.uint32)
 
 
-def _unit(words: tf.Tensor) -> tf.Tensor:
-    """(w + ½)·2⁻³² in float32: uniform on (0, 1]."""
-    return _coarse(tf.cast(words, tf.float32))
-
-
 def box_muller(x0: tf.Tensor, x1: tf.Tensor, x2: tf.Tensor | None = None, x3=None) -> tf.Tensor:
     """Two standard normals per pair of words: [2, P] from uint32 words ``x0``, ``x1`` ([P]).
 
@@ -47,22 +42,34 @@ def box_muller(x0: tf.Tensor, x1: tf.Tensor, x2: tf.Tensor | None = None, x3=Non
     return tf.stack(_polar(u1, x1, tf.constant(1.0)))
 
 
-def _coarse(w0: tf.Tensor) -> tf.Tensor:
-    """:func:`_unit` of words already cast to float32 (``u1`` without refinement)."""
+# The sampler's math on float32 arrays, written once for every backend: ``where`` and ``ops`` (an
+# array namespace with sqrt, log, cos, sin: tf.math, jax.numpy) come from the caller.
+def _coarse(w0):
+    """``u1 = (w0 + ½)·2⁻³²`` of words already cast to float32 (``u1`` without refinement)."""
     return (w0 + 0.5) * _TWO_POW_MINUS_32
+
+
+def refined_unit(w0, w2, w3, where):
+    """``u1`` from float32 words: ``(w2 + (w3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``w0 == 0``, else :func:`_coarse`."""
+    fine = (w2 + _coarse(w3)) * _TWO_POW_MINUS_32**2
+    return where(w0 == 0.0, fine, _coarse(w0))
+
+
+def polar(u1, w1, scale, ops):
+    """``scale`` times the pair (r cos θ, r sin θ), r = sqrt(-2 ln u1), θ = 2π·w1·2⁻³² (float32 word w1)."""
+    radius = ops.sqrt(ops.log(u1) * (-2.0 * scale * scale))
+    angle = w1 * (2.0 * math.pi * _TWO_POW_MINUS_32)
+    return radius * ops.cos(angle), radius * ops.sin(angle)
 
 
 def _refine(w0: tf.Tensor, x2: tf.Tensor, x3: tf.Tensor) -> tf.Tensor:
     """``u1``, with ``(x2 + (x3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``x0 == 0``."""
-    fine = (tf.cast(x2, tf.float32) + _unit(x3)) * _TWO_POW_MINUS_32**2
-    return tf.where(tf.equal(w0, 0.0), fine, _coarse(w0))
+    return refined_unit(w0, tf.cast(x2, tf.float32), tf.cast(x3, tf.float32), tf.where)
 
 
 def _polar(u1: tf.Tensor, x1: tf.Tensor, scale: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``scale`` times the pair (r cos θ, r sin θ), r = sqrt(-2 ln u1), θ = 2π·x1·2⁻³²."""
-    radius = tf.sqrt(tf.math.log(u1) * (-2.0 * tf.square(scale)))
-    angle = tf.cast(x1, tf.float32) * (2.0 * math.pi * _TWO_POW_MINUS_32)
-    return radius * tf.cos(angle), radius * tf.sin(angle)
+    """:func:`polar` of TensorFlow words."""
+    return polar(u1, tf.cast(x1, tf.float32), scale, tf.math)
 
 
 def _scaled_normal(n: tf.Tensor, seed, scale: tf.Tensor) -> tf.Tensor:

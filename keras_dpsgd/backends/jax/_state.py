@@ -1,0 +1,61 @@
+"""The JAX backend's optimizer state: what TensorFlow keeps in local ``tf.Variable``s, as optimizer variables.
+
+JAX's train step is stateless (``train_step(state, data)``): whatever the step changes must be one of
+the optimizer's variables, which Keras threads through the step. Three are added when a DP optimizer
+is built on JAX (:func:`add_variables`):
+
+* ``dp_noise_key`` (uint32 [2]): the noise key of an optimizer without a seed, drawn from OS entropy
+  and split at every release. Never saved (a file holds zeros) and drawn afresh from OS entropy on
+  load, so restoring a file twice never replays noise (as the TF generator, never checkpointed).
+* ``dp_nonfinite_examples``: the examples zeroed for a non-finite gradient, an un-noised count over
+  the private data kept in this process only: never saved (a file holds 0), reset on load.
+* ``dp_expected_lot_size``: the traced mirror of ``expected_lot_size`` (0 = unset), which the
+  optimizer's setter writes (``DPState.lot`` is this variable on JAX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from keras_dpsgd.backends.jax._noise import entropy_key
+
+__all__ = ["add_variables", "save_variables", "after_load", "UNSAVED"]
+
+UNSAVED = ("dp_noise_key", "dp_nonfinite_examples")
+
+
+def add_variables(optimizer: Any) -> None:
+    """Makes the JAX-only variables of a DP optimizer (called from its ``build``)."""
+    dp = optimizer._dp
+    lot = 0.0 if dp.expected_lot_size is None else float(dp.expected_lot_size)
+    optimizer._jax_lot = optimizer.add_variable(
+        (), initializer=keras.initializers.Constant(lot), dtype="float32", name="dp_expected_lot_size"
+    )
+    optimizer._jax_nonfinite = optimizer.add_variable(
+        (), initializer="zeros", dtype="int32", name="dp_nonfinite_examples"
+    )
+    optimizer._jax_key = optimizer.add_variable((2,), initializer="zeros", dtype="uint32", name="dp_noise_key")
+    optimizer._jax_key.assign(entropy_key())
+    dp.lot, dp.nonfinite = optimizer._jax_lot, optimizer._jax_nonfinite
+
+
+def _unsaved(optimizer: Any) -> set:
+    return {id(getattr(optimizer, a)) for a in ("_jax_key", "_jax_nonfinite") if hasattr(optimizer, a)}
+
+
+def save_variables(optimizer: Any, store: Any) -> None:
+    """Keras's ``Optimizer.save_own_variables``, with zeros for the noise key and the non-finite count."""
+    unsaved = _unsaved(optimizer)
+    for i, variable in enumerate(optimizer.variables):
+        value = variable.numpy()
+        store[str(i)] = np.zeros_like(value) if id(variable) in unsaved else value
+
+
+def after_load(optimizer: Any) -> None:
+    """A fresh OS-entropy key and a zero non-finite count after a load (never what the file held)."""
+    if hasattr(optimizer, "_jax_key"):
+        optimizer._jax_key.assign(entropy_key())
+        optimizer._jax_nonfinite.assign(0)

@@ -1,0 +1,370 @@
+"""The private train step of a Keras 3 model on the JAX backend (stateless: ``train_step(state, data)``).
+
+Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_step``), for one batch:
+
+1. per-example gradients: ``jax.vmap`` over the batch of ``jax.grad`` of one example's compiled
+   loss through ``model.stateless_call`` on a batch of one (no layer can mix examples);
+2. clip (flat or per group, ``_per_example.clip_factors``) and sum, non-finite examples zeroed
+   and counted;
+3. with ``gradient_accumulation_steps`` = k > 1, the clipped sums of k batches are accumulated in
+   the optimizer's ``dp_accumulator`` variables; the lot is released on its k-th batch only
+   (``jax.lax.cond``): one noise draw per lot;
+4. release: noise N(0, σ_v² C_v²) from the library's sampler (``_noise``), divided by L
+   (``expected_lot_size``, else the realized number of examples), plus the gradient of the weight
+   regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it;
+5. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
+   them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
+
+Everything the step checks it checks when it is traced (a data-dependent ``add_loss``, a
+non-trainable variable written from an example's data such as BatchNormalization's moving
+statistics in training mode), before any weight changes. Host-side work (attaching the ledger,
+the lot boundaries of ``fit``) happens before ``fit`` runs (:func:`prepare_fit`), while Keras's
+variables still hold their values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src import backend as keras_backend
+
+from keras_dpsgd import ledger
+from keras_dpsgd.backends.jax import _noise
+from keras_dpsgd.backends.jax._loss import per_example_loss
+from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
+
+__all__ = [
+    "private_train_step",
+    "prepare_fit",
+    "values_kept_on_refusal",
+    "check_optimizer",
+    "unsupported",
+    "JAX_UNSUPPORTED",
+]
+
+JAX_UNSUPPORTED = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
+
+_HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step", "_noise_key", "standard_normal")
+
+
+def unsupported(feature: str) -> ValueError:
+    """The refusal of a feature not built on JAX, naming it."""
+    return ValueError(f"{feature} {JAX_UNSUPPORTED} (KERAS_BACKEND=jax is set)")
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuses, by name, the DP optimizer features not built on JAX."""
+    from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+
+    cls = type(optimizer)
+    if getattr(optimizer, "_adaptive", None) is not None or "Adaptive" in cls.__name__:
+        raise unsupported(f"adaptive clipping ({cls.__name__})")
+    for hook in _HOOKS:
+        if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
+            raise unsupported(
+                f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
+            )
+    if optimizer.per_example_backend != "auto":
+        raise unsupported(
+            f"per_example_backend={optimizer.per_example_backend!r} (JAX computes each example's gradient under "
+            "jax.vmap; leave per_example_backend='auto')"
+        )
+
+
+def _check_model(model: keras.Model) -> None:
+    from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
+
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        # Under DataParallel the step's one jit program is partitioned by GSPMD, which gave wrong
+        # per-example convolution-kernel gradients on 2 CPU devices (Dense was exact): fail closed until
+        # the per-example part runs per device (shard_map) and is proven against the one-example loop.
+        raise unsupported(f"keras.distribution.{type(distribution).__name__}")
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, (DPPCA, DPNormalization)):
+            raise unsupported(f"the {type(layer).__name__} layer ({layer.name!r})")
+
+
+def prepare_fit(model: keras.Model) -> None:
+    """Before a fit (variables still hold values): checks, the ledger attached, the lot boundaries watched."""
+    from keras_dpsgd.keras3._train_step import _check_dp_optimizer, refuse_adapted_preprocessing
+
+    optimizer = _check_dp_optimizer(model.optimizer)
+    check_optimizer(optimizer)
+    _check_model(model)
+    refuse_adapted_preprocessing(model)
+    ledger.attach(model, optimizer)
+    optimizer._watch_lot_boundaries(model)
+
+
+@contextlib.contextmanager
+def values_kept_on_refusal(model: keras.Model):
+    """Puts the variables' values back when a fit fails before its first step ran (a refusal at trace time).
+
+    Keras's JAX fit takes the values out of the variables before the first step (to pass them to the
+    stateless step) and puts them back only once a step has run; a step refused when it is traced
+    would leave a model without weights. The values were never donated then, so they are restored.
+    """
+    variables = list(model.variables) + list(model.optimizer.variables) + list(model.metrics_variables)
+    kept = [(v, v._value) for v in variables]
+    try:
+        yield
+    except BaseException:
+        for variable, value in kept:
+            if variable._value is None and value is not None and not value.is_deleted():
+                variable._value = value
+        raise
+
+
+def _real_mean(losses, sample_weight):
+    """(Σ ℓ_i over the real rows / their number, that number): ``keras_dpsgd.step._display.real_mean``'s rule."""
+    leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
+    losses = losses.astype(jnp.float32)
+    if not leaves:
+        count = jnp.float32(losses.shape[0])
+        return jnp.where(count > 0, jnp.sum(losses) / jnp.maximum(count, 1.0), 0.0), count
+    rows = None
+    for w in leaves:
+        nonzero = jnp.asarray(w) != 0
+        if nonzero.ndim > 1:
+            nonzero = jnp.any(nonzero.reshape(nonzero.shape[0], -1), axis=1)
+        rows = nonzero if rows is None else rows | nonzero
+    count = jnp.sum(rows.astype(jnp.float32))
+    total = jnp.sum(jnp.where(rows, losses, 0.0))
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0), count
+
+
+class _OptimizerState:
+    """The optimizer's variables of one traced step as a list, read and written by variable."""
+
+    def __init__(self, optimizer: Any, values: Any):
+        self.values = list(values)
+        self._pos = {id(v): i for i, v in enumerate(optimizer.variables)}
+
+    def __getitem__(self, variable):
+        return self.values[self._pos[id(variable)]]
+
+    def __setitem__(self, variable, value):
+        self.values[self._pos[id(variable)]] = jnp.asarray(value).astype(variable.dtype)
+
+
+def _seed_positions(model) -> list[int]:
+    """Where the random seed states (Dropout's, ...) are among the model's non-trainable variables."""
+    states = {
+        id(generator.state)
+        for layer in model._flatten_layers(include_self=True, recursive=True)
+        for generator in getattr(layer, "_seed_generators", ())
+    }
+    return [j for j, v in enumerate(model.non_trainable_variables) if id(v) in states]
+
+
+def _per_example(model, trainable, non_trainable, x, y, sample_weight):
+    """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values).
+
+    Each example draws its own randomness (a Dropout mask of its own): example i runs with every
+    seed state ``[seed, counter]`` as ``[seed + i, counter]``; the states then advance as in one call.
+    """
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    num_weight_terms = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
+    data_losses = []
+    non_trainable = list(non_trainable)
+    seed_pos = _seed_positions(model)
+    other_pos = [j for j in range(len(non_trainable)) if j not in seed_pos]
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    offsets = jnp.stack([jnp.arange(batch), jnp.zeros(batch, jnp.int32)], axis=1)
+    seeds = [non_trainable[j][None] + offsets.astype(non_trainable[j].dtype) for j in seed_pos]
+
+    def loss_of_one(params, seeds_i, xi, yi, wi):
+        xb, yb, wb = keras.tree.map_structure(lambda a: None if a is None else a[None], (xi, yi, wi))
+        values = list(non_trainable)
+        for j, seed in zip(seed_pos, seeds_i):
+            values[j] = seed
+        y_pred, new_values, losses = model.stateless_call(params, values, xb, return_losses=True, **kwargs)
+        data_losses.append(len(losses) - num_weight_terms)
+        loss = per_example_loss(model, yb, y_pred, wb)[0]
+        new_seeds = [new_values[j] for j in seed_pos]
+        return loss, (loss, y_pred, [new_values[j] for j in other_pos], new_seeds)
+
+    try:
+        grads, (losses, y_pred, new_others, new_seeds) = jax.vmap(
+            jax.grad(loss_of_one, has_aux=True), in_axes=(None, 0, 0, 0, 0), out_axes=(0, (0, 0, None, 0))
+        )(trainable, seeds, x, y, sample_weight)
+    except ValueError as err:
+        if "out_axes" not in str(err) and "vmap has mapped output" not in str(err):
+            raise
+        raise ValueError(
+            "the private step writes a non-trainable variable from an example's data (e.g. BatchNormalization's "
+            "moving statistics in training mode): it would publish a value of the batch outside the ledger, and "
+            "batch statistics mix examples. Freeze the layer (layer.trainable = False: inference mode) or use "
+            "LayerNormalization/GroupNormalization"
+        ) from err
+    if data_losses and data_losses[-1] > 0:
+        raise ValueError(
+            f"the model added {data_losses[-1]} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
+            "depend on the data, so their gradient cannot be added without clipping and noise. Fold them into the "
+            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
+        )
+    new_values = list(non_trainable)
+    for j, value in zip(other_pos, new_others):
+        new_values[j] = value
+    for j, value in zip(seed_pos, new_seeds):
+        new_values[j] = value[0] if batch else non_trainable[j]  # example 0 ran with the state itself
+    y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
+
+    def weighted_gradient(weights):
+        """∇ Σ_i w_i ℓ_i, each ℓ_i computed on its own (vmap, the same seeds): Σ_i w_i g_i by linearity."""
+
+        def total(params):
+            per_example = jax.vmap(lambda *a: loss_of_one(*a)[0], in_axes=(None, 0, 0, 0, 0))
+            return jnp.sum(jax.lax.stop_gradient(weights) * per_example(params, seeds, x, y, sample_weight))
+
+        return [g.astype(jnp.float32) for g in jax.grad(total)(trainable)]
+
+    def again():
+        """The per-example gradients computed again (a branch of its own: pass 1's need not be kept)."""
+        return list(
+            jax.vmap(jax.grad(loss_of_one, has_aux=True), in_axes=(None, 0, 0, 0, 0))(
+                trainable, seeds, x, y, sample_weight
+            )[0]
+        )
+
+    weighted_gradient.again = again
+
+    return list(grads), losses, y_pred, new_values, weighted_gradient
+
+
+def _regularization(model, trainable):
+    """(Σ weight regularizers, its gradient per variable) at `trainable`, or (None, None)."""
+    variables = model.trainable_variables
+    if not any(getattr(v, "regularizer", None) is not None for v in variables):
+        return None, None
+
+    def total(params):
+        terms = [
+            jnp.sum(v.regularizer(p)).astype(jnp.float32)
+            for v, p in zip(variables, params)
+            if getattr(v, "regularizer", None) is not None
+        ]
+        return sum(terms)
+
+    return jax.value_and_grad(total)(trainable)
+
+
+def _clipped_sum(optimizer, opt, grads, weighted_gradient):
+    """(Σ_i clip(g_i) per variable, finite rows [B, 1]) of one batch.
+
+    Flat clipping (one group): the squared norms from the per-example gradients, then the clipped
+    sum as one weighted backward pass ∇ Σ_i f_i ℓ_i (= Σ_i f_i g_i by linearity; each ℓ_i still
+    computed on its own), which never materializes f_i·g_i. Where that sum is not finite (an
+    example with factor 0 whose gradient holds NaN/Inf: 0·NaN in the backward pass), and with
+    per-layer clipping, the sum is taken over the per-example gradients with every zero-factor
+    example replaced by exact zeros (``_per_example.clipped_sum``).
+    """
+    bounds = opt[optimizer.clip_bounds]
+    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
+    stability = optimizer.stability if optimizer.clipping == "normalize" else None
+    groups = optimizer._clip_groups()
+    sq = sq_norms(grads)
+    finite = finite_rows(sq)
+    factors = clip_factors(sq, bounds, groups, finite, stability)
+    exact = clipped_sum(grads, lambda _: factors)[0] if max(groups) > 0 else None
+    if exact is not None:
+        return exact, finite
+    fast = weighted_gradient(factors[:, 0])
+    ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in fast]))
+    summed = jax.lax.cond(ok, lambda: fast, lambda: clipped_sum(weighted_gradient.again(), lambda _: factors)[0])
+    return list(summed), finite
+
+
+def _release(optimizer, opt, summed, num_examples, reg_grads, trainable):
+    """Noise, normalization, regularization gradient, ``noised_steps`` + 1 and the descent rule."""
+    dp = optimizer._dp
+    groups = optimizer._clip_groups()
+    bounds = opt[optimizer.clip_bounds]
+    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
+    steps = opt[optimizer.noised_steps]
+    if dp.seed is None:
+        base = _noise.key_data(opt[optimizer._jax_key])
+        carry, draw = jax.random.split(base)
+        opt[optimizer._jax_key] = jax.random.key_data(carry)
+    noised = []
+    for v, s in enumerate(summed):
+        sigma = dp.sigmas[v]
+        if sigma == 0:
+            noised.append(s)
+            continue
+        key = _noise.seeded_key(dp.seed, steps, v) if dp.seed is not None else jax.random.fold_in(draw, v)
+        noised.append(_noise.add_gaussian(s, sigma * bounds[groups[v]], key))
+    lot = opt[optimizer._jax_lot]
+    denominator = jnp.where(lot > 0, lot, jnp.asarray(num_examples, jnp.float32))
+    grads = [n / denominator for n in noised]
+    if reg_grads is not None:
+        grads = [g + r.astype(g.dtype) for g, r in zip(grads, reg_grads)]
+    grads = [g.astype(t.dtype) for g, t in zip(grads, trainable)]
+    opt[optimizer.noised_steps] = steps + 1
+    optimizer._dp.pending[:] = grads  # the only gradients its apply accepts
+    trainable, values = optimizer.stateless_apply(opt.values, grads, trainable)
+    opt.values = list(values)
+    return list(trainable)
+
+
+def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
+    """The DP train step installed on a JAX-backend model by ``keras_dpsgd.keras3.make_private``."""
+    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
+
+    trainable, non_trainable, optimizer_values, metrics_values = state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    optimizer = _check_dp_optimizer(self.optimizer)
+    check_optimizer(optimizer)
+    opt = _OptimizerState(optimizer, optimizer_values)
+    trainable = list(trainable)
+
+    grads, losses, y_pred, non_trainable, weighted_gradient = _per_example(
+        self, trainable, non_trainable, x, y, sample_weight
+    )
+    summed, finite = _clipped_sum(optimizer, opt, grads, weighted_gradient)
+    nonfinite = jnp.sum((~finite[:, 0]).astype(jnp.int32))
+    opt[optimizer._jax_nonfinite] = opt[optimizer._jax_nonfinite] + nonfinite
+    num_examples = jnp.float32(losses.shape[0])
+    regularization, reg_grads = _regularization(self, trainable)
+
+    k = optimizer._dp.accumulation
+    if k == 1:
+        trainable = _release(optimizer, opt, summed, num_examples, reg_grads, trainable)
+    else:
+        for acc, s in zip(optimizer._accumulators, summed):
+            opt[acc] = opt[acc] + s.astype(acc.dtype)
+        opt[optimizer._accum_examples] = opt[optimizer._accum_examples] + num_examples
+        opt[optimizer._accum_batches] = opt[optimizer._accum_batches] + 1
+
+        def release(carry):
+            params, values = carry
+            inner = _OptimizerState(optimizer, values)
+            sums = [inner[acc].astype(jnp.float32) for acc in optimizer._accumulators]
+            params = _release(optimizer, inner, sums, inner[optimizer._accum_examples], reg_grads, list(params))
+            for acc in optimizer._accumulators:
+                inner[acc] = jnp.zeros_like(inner[acc])
+            inner[optimizer._accum_examples] = 0.0
+            inner[optimizer._accum_batches] = 0
+            return list(params), inner.values
+
+        complete = opt[optimizer._accum_batches] >= k
+        trainable, values = jax.lax.cond(complete, release, lambda carry: carry, (trainable, opt.values))
+        opt.values = list(values)
+
+    # The logged loss (real rows only) and Keras's metrics.
+    total, count = _real_mean(losses, sample_weight)
+    if regularization is not None:
+        total = total + regularization
+    with keras_backend.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_values))) as scope:
+        self._loss_tracker.update_state(total, sample_weight=count)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight)
+    new_metrics = []
+    for ref, value in zip(self.metrics_variables, metrics_values):
+        current = scope.get_current_value(ref)
+        new_metrics.append(value if current is None else current)
+    return logs, (trainable, list(non_trainable), opt.values, new_metrics)

@@ -1,0 +1,13 @@
+"""The JAX suite: collected only in a process that asked for it (tests/test_backend_jax.py starts one).
+
+Keras fixes its backend when it is first imported, and the normal suite runs on TensorFlow
+(tests/conftest.py), so these modules run in one subprocess with KERAS_DPSGD_JAX_SUITE=1, where
+this file selects the JAX backend before anything imports keras.
+"""
+
+import os
+
+if os.environ.get("KERAS_DPSGD_JAX_SUITE") == "1":
+    os.environ["KERAS_BACKEND"] = "jax"
+else:
+    collect_ignore_glob = ["test_*.py"]

@@ -1,0 +1,108 @@
+"""What is not built on JAX is refused by name, before any weight changes."""
+
+import keras
+import numpy as np
+import pytest
+from _jax_helpers import built, compiled
+
+import keras_dpsgd.keras3 as k3
+
+NOT_YET = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
+
+
+def _weights(model):
+    return [np.array(v.numpy()) for v in model.trainable_variables]
+
+
+def _assert_refused_unchanged(model, x, y, match):
+    before = _weights(model)
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    for b, a in zip(before, _weights(model)):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_batch_normalization_in_training_mode_is_refused():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
+    )
+    x, y = np.random.default_rng(0).normal(size=(6, 5)).astype("float32"), np.arange(6) % 3
+    compiled(model, l2_norm_clip=1.0)
+    _assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
+
+
+def test_frozen_batch_normalization_trains():
+    keras.utils.set_random_seed(0)
+    bn = keras.layers.BatchNormalization()
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)])
+    bn.trainable = False
+    x, y = np.random.default_rng(0).normal(size=(6, 5)).astype("float32"), np.arange(6) % 3
+    compiled(model, l2_norm_clip=1.0)
+    model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    assert int(model.optimizer.noised_steps.numpy()) == 1
+
+
+def test_data_dependent_add_loss_is_refused():
+    model = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.1))]
+    )
+    compiled(model, l2_norm_clip=1.0)
+    _assert_refused_unchanged(model, np.zeros((4, 5), "float32"), np.zeros(4), "add_loss")
+
+
+def test_adaptive_clipping_is_refused():
+    model, x, y = built("dense")
+    compiled(model, k3.AdaptiveDPSGDOptimizer, l2_norm_clip=[1.0] * 4, norm_noise_multiplier=1.0)
+    _assert_refused_unchanged(model, x, y, f"adaptive clipping .*{NOT_YET}")
+
+
+def test_data_parallel_is_refused():
+    """Not built: GSPMD gave wrong per-example conv-kernel gradients under DataParallel on 2 devices."""
+    model, x, y = built("dense")
+    compiled(model, l2_norm_clip=1.0)
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    try:
+        _assert_refused_unchanged(model, x, y, f"keras.distribution.DataParallel {NOT_YET}")
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def test_dp_layers_are_refused():
+    inputs = keras.Input((5,))
+    outputs = keras.layers.Dense(3)(k3.DPNormalization(noise_multiplier=1.0, lower=-1.0, upper=1.0)(inputs))
+    model = keras.Model(inputs, outputs)
+    compiled(model, l2_norm_clip=1.0)
+    x, y = np.zeros((4, 5), "float32"), np.zeros(4)
+    _assert_refused_unchanged(model, x, y, f"DPNormalization .*{NOT_YET}")
+
+
+def test_backup_audit_and_own_step_are_refused():
+    with pytest.raises(ValueError, match=f"BackupAndRestore {NOT_YET}"):
+        k3.BackupAndRestore("/tmp/never")
+    with pytest.raises(ValueError, match=f"audit .*{NOT_YET}"):
+        k3.MembershipInferenceCallback(np.zeros((2, 5)), np.zeros((2, 5)))
+    with pytest.raises(ValueError, match=f"private_update .*{NOT_YET}"):
+        k3.private_update(None, None, [], None)
+    with pytest.raises(ValueError, match=f"sanitized_gradients .*{NOT_YET}"):
+        k3.sanitized_gradients(None, None, [], None)
+
+    class Own(keras.Model):
+        def train_step(self, state, data):
+            raise AssertionError
+
+    with pytest.raises(ValueError, match=f"own train_step .*{NOT_YET}"):
+        k3.make_private(Own())
+
+
+def test_explicit_per_example_backend_is_refused():
+    model, x, y = built("dense")
+    compiled(model, l2_norm_clip=1.0, per_example_backend="fast")
+    _assert_refused_unchanged(model, x, y, f"per_example_backend='fast' .*{NOT_YET}")
+
+
+def test_cli_train_is_refused(capsys):
+    from keras_dpsgd.cli import main
+
+    assert main(["train", "--dataset", "mnist", "--epochs", "1"]) != 0
+    assert f"the CLI (keras-dpsgd train) {NOT_YET}" in capsys.readouterr().err
