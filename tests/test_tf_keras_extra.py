@@ -19,6 +19,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _SCRIPT = textwrap.dedent(
     """
+    import importlib
     import os
     import sys
 
@@ -43,7 +44,8 @@ _SCRIPT = textwrap.dedent(
 
     refused(lambda: __import__("keras_dpsgd.tf_keras"))
     refused(lambda: audit.MembershipInferenceCallback)
-    refused(lambda: keras_dpsgd.normalization.DPNormalization)
+    refused(lambda: importlib.import_module("keras_dpsgd.preprocessing.normalization").DPNormalization)
+    refused(lambda: keras_dpsgd.tools.AdaptiveDPSGDOptimizer)
     os.environ["TF_USE_LEGACY_KERAS"] = "1"  # the top-level names now follow tf_keras
     refused(lambda: keras_dpsgd.DPSGDOptimizer)
     print("REFUSED_OK")
@@ -62,7 +64,7 @@ def test_without_tf_keras_keras3_works_and_every_tf_keras_entry_point_names_the_
 
 
 def test_cli_under_legacy_keras_without_tf_keras_names_the_extra_before_any_work(capsys, monkeypatch):
-    from keras_dpsgd import _datasets
+    from keras_dpsgd.data import _datasets
     from keras_dpsgd.cli import main
 
     monkeypatch.setitem(sys.modules, "tf_keras", None)
