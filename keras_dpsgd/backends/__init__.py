@@ -47,7 +47,6 @@ Everything else a backend does (its train step, the checks of a traced step) is 
 from __future__ import annotations
 
 import importlib
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -109,7 +108,7 @@ def load(keras_backend: str | None = None) -> ModuleType:
       TypeError: the module lacks part of :data:`INTERFACE` (a keras_dpsgd bug, named).
     """
     module_name = BACKENDS[name_for(keras_backend)]
-    module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    module = importlib.import_module(module_name)
     missing = [name for name in INTERFACE if not hasattr(module, name)]
     if missing:
         raise TypeError(f"{module_name} is not a keras_dpsgd backend: it lacks {missing} (see keras_dpsgd.backends)")
