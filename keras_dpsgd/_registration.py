@@ -112,7 +112,7 @@ def register_when_keras_is_imported() -> None:
 
     Called at the end of ``keras_dpsgd/__init__.py`` (the package itself is complete by then).
     """
-    _wanted.update(front_end for name, front_end in _KERAS_PACKAGES.items() if name in sys.modules)
+    _wanted.update(front_end for name, front_end in _KERAS_PACKAGES.items() if sys.modules.get(name) is not None)
     _register_wanted(just_imported="keras_dpsgd")
     pending = _wanted or not all(name in sys.modules for name in _KERAS_PACKAGES)
     if pending and not any(isinstance(f, _AfterKerasImport) for f in sys.meta_path):

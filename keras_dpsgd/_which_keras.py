@@ -24,6 +24,8 @@ __all__ = [
     "active_front_end",
     "front_end_attribute",
     "front_end_names",
+    "import_tf_keras",
+    "TF_KERAS_EXTRA",
 ]
 
 ENV_VAR = "TF_USE_LEGACY_KERAS"
@@ -31,6 +33,8 @@ LEGACY_VALUES = ("true", "True", "1")  # as TensorFlow reads it
 KERAS3 = "keras3"
 TF_KERAS = "tf_keras"
 FRONT_END_MODULES = {KERAS3: "keras_dpsgd.keras3", TF_KERAS: "keras_dpsgd.tf_keras"}
+# tf_keras is an optional dependency: the extra that installs it.
+TF_KERAS_EXTRA = 'pip install "keras-dpsgd[tf-keras]"'
 
 _TITLES = {KERAS3: "Keras 3 (`import keras`)", TF_KERAS: "tf_keras (Keras 2, `import tf_keras`)"}
 _HOW_TO_SELECT = {
@@ -42,6 +46,28 @@ _HOW_TO_SELECT = {
 def active_front_end() -> str:
     """``"tf_keras"`` if ``TF_USE_LEGACY_KERAS`` makes tf.keras the legacy Keras, else ``"keras3"``."""
     return TF_KERAS if os.environ.get(ENV_VAR) in LEGACY_VALUES else KERAS3
+
+
+def import_tf_keras() -> Any:
+    """The ``tf_keras`` module: every tf_keras entry point of keras_dpsgd imports it through here.
+
+    Raises:
+      ImportError: tf_keras is not installed (an optional extra); the message names the command that
+        installs it and the way to Keras 3, which needs no tf_keras.
+    """
+    try:
+        return importlib.import_module("tf_keras")
+    except ModuleNotFoundError as err:
+        if err.name != "tf_keras":
+            raise  # tf_keras is there but one of its own imports failed: its error, unchanged
+        value = os.environ.get(ENV_VAR)
+        why = f" ({ENV_VAR}={value!r} selects tf_keras)" if value in LEGACY_VALUES else ""
+        raise ImportError(
+            f"keras_dpsgd's tf_keras (Keras 2) support needs the tf_keras package, which is not installed"
+            f"{why}: {TF_KERAS_EXTRA}. Keras 3 (`import keras`, keras_dpsgd.keras3) needs no tf_keras: "
+            f"{_HOW_TO_SELECT[KERAS3]}.",
+            name="tf_keras",
+        ) from err
 
 
 def front_end_names(front_end: str, modules: Mapping[str, str] = FRONT_END_MODULES) -> list[str]:

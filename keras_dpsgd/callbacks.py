@@ -12,17 +12,17 @@ Both read the model's ledger (:func:`keras_dpsgd.ledger.model_privacy_ledger`),
 which is checkpointed with the optimizer, so a resumed run continues ε.
 ε assumes Poisson sampling of the lots: see :mod:`keras_dpsgd.step.lots`.
 
-The same classes serve both Kerases: each is a ``keras.callbacks.Callback``
-(Keras 3) and, once tf_keras is imported (this module does not import it), a
-``tf_keras.callbacks.Callback``, and dispatches on the Keras of
-the model it is given (a Keras 3 model made private with
-:func:`keras_dpsgd.keras3.make_private`, or a tf_keras model).
+The same classes serve both Kerases, and this module does not import tf_keras: each is a
+``keras.callbacks.Callback`` (Keras 3) that also speaks the protocol tf_keras's ``CallbackList``
+reads (``_implements_*_batch_hooks``, ``_supports_tf_logs``, ``_chief_worker_only``; tf_keras checks
+no base class), and dispatches on the Keras of the model it is given (a Keras 3 model made private
+with :func:`keras_dpsgd.keras3.make_private`, or a tf_keras model). The classes are fixed at
+import: importing tf_keras before or after changes nothing.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Iterable, Optional
 
 import keras
@@ -77,14 +77,19 @@ def is_keras3_model(model: Any) -> bool:
     return isinstance(model, keras.Model)
 
 
-class _PrivacyCallback(keras.callbacks.Callback):
-    """A callback for both Kerases: Keras 3's base first, then what tf_keras's CallbackList reads.
+# tf_keras's CallbackList asks each callback which batch hooks it implements (it calls and times only those).
+_BATCH_HOOKS = {
+    "train": ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end"),
+    "test": ("on_test_batch_begin", "on_test_batch_end"),
+    "predict": ("on_predict_batch_begin", "on_predict_batch_end"),
+}
 
-    tf_keras's ``Callback`` becomes the second base once tf_keras is imported (:func:`adopt_tf_keras_base`).
-    """
+
+class _PrivacyCallback(keras.callbacks.Callback):
+    """A callback for both Kerases: Keras 3's base, plus what tf_keras's CallbackList reads of a callback."""
 
     def __init__(self, target_delta, num_examples, batch_size, extra_events, accountant):
-        keras.callbacks.Callback.__init__(self)  # Not tf_keras's: it assigns `model`, a property here.
+        super().__init__()
         self.validation_data = None
         self._chief_worker_only = None
         self._supports_tf_logs = False
@@ -128,21 +133,20 @@ class _PrivacyCallback(keras.callbacks.Callback):
             accountant=self.accountant,
         )
 
+    # tf_keras's callback protocol (``tf_keras.callbacks.Callback`` has these; Keras 3's does not).
+    def _implements_hooks(self, kind: str) -> bool:
+        """Whether this class overrides one of Keras's `kind` ("train", "test", "predict") batch hooks."""
+        base = keras.callbacks.Callback
+        return any(getattr(type(self), hook) is not getattr(base, hook) for hook in _BATCH_HOOKS[kind])
 
-def adopt_tf_keras_base() -> None:
-    """Makes the callbacks here ``tf_keras.callbacks.Callback`` too (second base, after Keras 3's).
+    def _implements_train_batch_hooks(self) -> bool:
+        return self._implements_hooks("train")
 
-    Called at this module's import if tf_keras is imported, else by ``keras_dpsgd.tf_keras``, which
-    keras_dpsgd's import hook imports right after tf_keras (``keras_dpsgd._registration``): so a
-    Keras 3 program never imports tf_keras, and a tf_keras fit gets the same classes as before.
-    """
-    base = sys.modules["tf_keras"].callbacks.Callback
-    if base not in _PrivacyCallback.__bases__:
-        _PrivacyCallback.__bases__ = (keras.callbacks.Callback, base)  # subclasses' MROs follow
+    def _implements_test_batch_hooks(self) -> bool:
+        return self._implements_hooks("test")
 
-
-if "tf_keras" in sys.modules:
-    adopt_tf_keras_base()
+    def _implements_predict_batch_hooks(self) -> bool:
+        return self._implements_hooks("predict")
 
 
 class PrivacyLogger(_PrivacyCallback):
@@ -182,9 +186,6 @@ class PrivacyLogger(_PrivacyCallback):
     def on_train_begin(self, logs=None):
         self._begin()
         _run_first(self.model)
-
-    def _implements_train_batch_hooks(self):  # tf_keras: no batch hooks, so none to call or time
-        return False
 
     def on_epoch_end(self, epoch, logs=None):
         self.epsilon, self.delta = self._epsilon()

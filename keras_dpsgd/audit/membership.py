@@ -26,6 +26,8 @@ one-run canary audit (:func:`keras_dpsgd.audit.canary_audit`).
 from __future__ import annotations
 
 import dataclasses
+import threading
+import types
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit._callback import MembershipInferenceCallbackCore
 
 __all__ = [
-    "MembershipInferenceCallback",
+    "MembershipInferenceCallback",  # noqa: F822 (tf_keras's, defined at first access, by __getattr__)
     "MembershipInferenceReport",
     "attack_features",
     "membership_inference",
@@ -204,14 +206,27 @@ def membership_inference(
     return reports
 
 
-def _tf_keras_callback():
-    import tf_keras as keras
-
-    return keras.callbacks.Callback
+_DEFINE_LOCK = threading.Lock()
 
 
-class MembershipInferenceCallback(MembershipInferenceCallbackCore, _tf_keras_callback()):
-    __doc__ = (
-        MembershipInferenceCallbackCore.__doc__
-        + "\n    tf_keras; Keras 3: ``keras_dpsgd.keras3.MembershipInferenceCallback``.\n"
-    )
+def __getattr__(name: str) -> Any:
+    """``MembershipInferenceCallback``, tf_keras's, defined at its first use (PEP 562).
+
+    So this module (and the attack, which takes a model of either Keras) imports without tf_keras;
+    Keras 3's callback is ``keras_dpsgd.keras3.MembershipInferenceCallback``.
+    """
+    if name != "MembershipInferenceCallback":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _DEFINE_LOCK:
+        if name not in globals():
+            from keras_dpsgd._which_keras import import_tf_keras
+
+            namespace = {
+                "__doc__": MembershipInferenceCallbackCore.__doc__
+                + "\n    tf_keras; Keras 3: ``keras_dpsgd.keras3.MembershipInferenceCallback``.\n",
+                "__module__": __name__,
+                "__qualname__": name,
+            }
+            bases = (MembershipInferenceCallbackCore, import_tf_keras().callbacks.Callback)
+            globals()[name] = types.new_class(name, bases, exec_body=lambda ns: ns.update(namespace))
+    return globals()[name]

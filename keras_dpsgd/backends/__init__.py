@@ -1,7 +1,128 @@
-"""Per-example gradients and the noise source, one sub-package per backend.
+"""The backend seam: where keras_dpsgd's DP step differs by array library, behind one small interface.
 
-:mod:`keras_dpsgd.backends.tensorflow` serves Keras 3 on TensorFlow and tf_keras (the fast backend:
-ghost norms and per-example rules, and the reference backend: per-example Jacobians).
-:mod:`keras_dpsgd.backends.jax` serves Keras 3 on JAX (``KERAS_BACKEND=jax``): per-example gradients under
-``jax.vmap``, the library's sampler on ``jax.random`` bits, the stateless private train step.
+The DP step is the same math on every backend (``keras_dpsgd.step``: clip factors, noise scales,
+normalization, the ledger). Two things are written per array library: the per-example computation
+("the clipped sum and squared norms of a per-example loss") and the noise source (the library's
+Gaussian sampler and its keys). A backend is a sub-package of ``keras_dpsgd.backends`` that exposes
+them; :func:`load` picks it by the Keras backend, as Keras picks its own backend modules
+(``keras.config.backend()``), and imports it only when it is chosen.
+
+============== ==================================== =============================================
+Keras          keras_dpsgd backend                  module
+============== ==================================== =============================================
+tf_keras       ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
+Keras 3 + TF   ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
+Keras 3 + JAX  ``jax``                              ``keras_dpsgd.backends.jax``
+torch, numpy,  refused by name (:func:`name_for`: ValueError naming the supported backends)
+openvino
+============== ==================================== =============================================
+
+The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` checks them):
+
+``PER_EXAMPLE_CHOICES``: tuple[str, ...]
+  The values of the optimizers' ``per_example_backend`` argument it accepts ("auto" among them).
+``per_example(name: str, jacobian_fallback: str) -> PerExample``
+  The per-example computation called `name`. ``PerExample.clipped_sum(loss, variables, recorder,
+  clip_factors) -> (summed, sq_norms)``: with ``sq_norms[i, v] = ||g_i[v]||²`` (float32 [B, V], one
+  column per trainable variable, g_i the gradient of example i's loss) and
+  ``factors = clip_factors(sq_norms)`` ([B, V]), ``summed[v] = Σ_i factors[i, v] · g_i[v]`` (one
+  dense array per variable, shaped like it). Unnoised: the optimizer adds the noise. An example
+  whose factor is 0 contributes exactly 0 to ``summed``, even when its gradient holds NaN or Inf.
+  `loss` and `recorder` are the backend's record of the per-example loss: on TensorFlow the [B] loss
+  tensor and the ``tf.GradientTape`` that recorded it; a stateless backend (JAX) takes a pure
+  function of the trainable values instead (its docstring says which).
+``add_gaussian(x, stddev, key) -> x + N(0, stddev² I)``, ``standard_normal(shape, key, dtype)``
+  The library's own Gaussian sampler (``keras_dpsgd.step._noise``: tails to 11.6 standard
+  deviations, not a clamped or truncated library normal), a pure function of `key`.
+``seeded_key(seed: int, step, index: int) -> key``
+  The key of the noise on tensor `index` of the `step`-th noised step of an optimizer with an
+  integer `seed`: reproducible and resumable. Without a seed, keys come from OS entropy and are
+  never saved; where that state lives is the backend's (TensorFlow: a ``tf.random.Generator`` of
+  the optimizer, never checkpointed; a stateless backend: an optimizer variable it keeps out of
+  every file).
+
+Everything else a backend does (its train step, the checks of a traced step) is its own.
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+__all__ = ["BACKENDS", "INTERFACE", "keras_backend_of", "load", "name_for", "per_example"]
+
+# keras_dpsgd backend -> its module, imported only when chosen.
+BACKENDS = {"tensorflow": "keras_dpsgd.backends.tensorflow", "jax": "keras_dpsgd.backends.jax"}
+# Keras backend -> keras_dpsgd backend ("tf_keras" stands for tf_keras, which runs on TensorFlow).
+_FOR_KERAS = {"tensorflow": "tensorflow", "tf_keras": "tensorflow", "jax": "jax"}
+# Keras 3 backends without a keras_dpsgd backend, refused by name.
+_REFUSED = ("torch", "numpy", "openvino")
+INTERFACE = ("PER_EXAMPLE_CHOICES", "per_example", "add_gaussian", "standard_normal", "seeded_key")
+
+
+def name_for(keras_backend: str | None = None) -> str:
+    """The keras_dpsgd backend that serves `keras_backend` (default: ``keras.config.backend()``).
+
+    Args:
+      keras_backend: a Keras 3 backend name ("tensorflow", "jax", ...) or "tf_keras".
+
+    Raises:
+      ValueError: a Keras backend keras_dpsgd has no backend for (torch, numpy, openvino refused by
+        name), naming the supported ones and how to choose one.
+    """
+    if keras_backend is None:
+        import keras
+
+        keras_backend = keras.config.backend()
+    if keras_backend in _FOR_KERAS:
+        return _FOR_KERAS[keras_backend]
+    known = "a backend keras_dpsgd does not support yet" if keras_backend in _REFUSED else "an unknown backend"
+    raise ValueError(
+        f"keras_dpsgd has no DP-SGD backend for the Keras backend {keras_backend!r} ({known}): its per-example "
+        f"gradients and noise are written for {sorted(set(_FOR_KERAS) - {'tf_keras'})}. Set KERAS_BACKEND="
+        "tensorflow or KERAS_BACKEND=jax before importing keras, or use tf_keras (TF_USE_LEGACY_KERAS=1)."
+    )
+
+
+def keras_backend_of(obj: Any) -> str:
+    """The Keras backend of a Keras object or class: "tf_keras" for tf_keras's, else ``keras.config.backend()``.
+
+    A Keras 3 object runs on the one backend of its process; tf_keras runs on TensorFlow whatever
+    ``KERAS_BACKEND`` says.
+    """
+    cls = obj if isinstance(obj, type) else type(obj)
+    if any(k.__module__.split(".")[0] == "tf_keras" for k in cls.__mro__):
+        return "tf_keras"
+    import keras
+
+    return keras.config.backend()
+
+
+def load(keras_backend: str | None = None) -> ModuleType:
+    """The backend module that serves `keras_backend` (default: Keras 3's), imported on first use.
+
+    Raises:
+      ValueError: as :func:`name_for`.
+      ImportError: the backend's array library is not installed (its own message).
+      TypeError: the module lacks part of :data:`INTERFACE` (a keras_dpsgd bug, named).
+    """
+    module_name = BACKENDS[name_for(keras_backend)]
+    module = importlib.import_module(module_name)
+    missing = [name for name in INTERFACE if not hasattr(module, name)]
+    if missing:
+        raise TypeError(f"{module_name} is not a keras_dpsgd backend: it lacks {missing} (see keras_dpsgd.backends)")
+    return module
+
+
+def per_example(name: str, jacobian_fallback: str, keras_backend: str | None = None) -> Any:
+    """The per-example computation `name` ("auto", ...) of the backend serving `keras_backend`.
+
+    Raises:
+      ValueError: `name` is not one of the backend's ``PER_EXAMPLE_CHOICES`` (naming them), or as
+        :func:`name_for`.
+    """
+    backend = load(keras_backend)
+    if name not in backend.PER_EXAMPLE_CHOICES:
+        raise ValueError(f"per_example_backend must be one of {backend.PER_EXAMPLE_CHOICES}, got {name!r}")
+    return backend.per_example(name, jacobian_fallback)

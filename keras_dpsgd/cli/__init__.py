@@ -24,8 +24,10 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 
+from keras_dpsgd._which_keras import ENV_VAR, TF_KERAS, TF_KERAS_EXTRA, active_front_end
 from keras_dpsgd.cli._quiet import import_tensorflow_quietly
 
 __all__ = [
@@ -157,6 +159,11 @@ def require_extras(args: argparse.Namespace) -> None:
             continue
         if not _importable(module):
             raise ImportError(f"{option} needs {module}: pip install keras-dpsgd[{extra}]")
+    if getattr(args, "uses_tensorflow", False) and active_front_end() == TF_KERAS and not _importable("tf_keras"):
+        raise ImportError(
+            f"{ENV_VAR}={os.environ.get(ENV_VAR)} trains with tf_keras, which is not installed: {TF_KERAS_EXTRA} "
+            f"(or unset {ENV_VAR} to train with Keras 3)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from keras_dpsgd import _validate
-from keras_dpsgd._which_keras import KERAS3, TF_KERAS, active_front_end
+from keras_dpsgd._which_keras import KERAS3, TF_KERAS, active_front_end, import_tf_keras
 
 MODELS = ("mlp", "cnn")
 FRONT_ENDS = (KERAS3, TF_KERAS)
@@ -34,9 +34,9 @@ def keras_module(front: str) -> Any:
     _check_front(front)
     if front == "keras3":
         import keras
-    else:
-        import tf_keras as keras
-    return keras
+
+        return keras
+    return import_tf_keras()
 
 
 def keras_label(front: str) -> str:
@@ -67,10 +67,7 @@ def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, widt
     Raises:
       ValueError: unknown name or arguments out of range.
     """
-    if keras_module is None:
-        import tf_keras as keras
-    else:
-        keras = keras_module
+    keras = import_tf_keras() if keras_module is None else keras_module
     if name not in MODELS:
         raise ValueError(f"model must be one of {list(MODELS)}, got {name!r}")
     num_classes = _validate.integer_at_least(2, num_classes=num_classes)

@@ -315,9 +315,9 @@ class DPReleaseMixin:
 
 def tf_keras_preprocessing_layer() -> type:
     """tf_keras's ``PreprocessingLayer`` (imported here, when a tf_keras layer class is defined)."""
-    import tf_keras
+    from keras_dpsgd._which_keras import import_tf_keras
 
-    return tf_keras.layers.experimental.preprocessing.PreprocessingLayer
+    return import_tf_keras().layers.experimental.preprocessing.PreprocessingLayer
 
 
 _DEFINE_LOCK = threading.Lock()
@@ -336,8 +336,9 @@ def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type
         raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
     with _DEFINE_LOCK:
         if name not in module_globals:
-            import tf_keras
+            from keras_dpsgd._which_keras import import_tf_keras
 
+            tf_keras = import_tf_keras()
             mechanism, doc = layers[name]
             bases = (TfKerasAdaptGlue, mechanism, tf_keras_preprocessing_layer())
             namespace = {"__doc__": doc, "__module__": module_globals["__name__"], "__qualname__": name}

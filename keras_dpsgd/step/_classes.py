@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from keras_dpsgd import backends
 from keras_dpsgd.step._clipping import DEFAULT_STABILITY
 from keras_dpsgd.step._settings import check_settings
 from keras_dpsgd.step._tfp_compat import check_num_microbatches
@@ -55,6 +56,7 @@ def init_private(
         seed=seed,
         clipping=clipping,
         stability=stability,
+        keras_backend=backends.keras_backend_of(optimizer),
     )
     base_init(**base_kwargs)
     optimizer._init_dp(state)

@@ -11,6 +11,7 @@ private and configured for the lots. One implementation serves both Kerases: the
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Optional
 
 from keras_dpsgd import _validate
@@ -103,9 +104,8 @@ def _front_end(model: Any) -> str:
 
     if isinstance(model, keras.Model):
         return "keras3"
-    import tf_keras  # here, not above: a Keras 3 run does not import tf_keras
-
-    if isinstance(model, tf_keras.Model):
+    tf_keras = sys.modules.get("tf_keras")  # a tf_keras model exists only once tf_keras is imported
+    if tf_keras is not None and isinstance(model, tf_keras.Model):
         return "tf_keras"
     raise TypeError(f"model must be a Keras 3 or tf_keras Model, got {type(model).__name__}")
 

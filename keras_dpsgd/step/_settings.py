@@ -19,11 +19,10 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.step._clipping import DEFAULT_STABILITY, check_clipping
-from keras_dpsgd.step import _distribute, _noise, _math as _step
-from keras_dpsgd import ledger
+from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd import backends, ledger
 from keras_dpsgd.backends.tensorflow import _state
 from keras_dpsgd.backends.tensorflow._report import FALLBACK_CHOICES, PerExampleReport
-from keras_dpsgd.backends.tensorflow._per_example import resolve_backend
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 
 
@@ -120,6 +119,7 @@ class DPState:
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     generator: Any = None  # tf.random.Generator from OS entropy (seed None), never checkpointed.
+    noise: Any = None  # The noise source: the backend module (keras_dpsgd.backends) that serves this Keras.
     sigmas: list = dataclasses.field(default_factory=list)
     local: threading.local = dataclasses.field(default_factory=threading.local)
 
@@ -167,8 +167,12 @@ def check_settings(
     seed: Any = None,
     clipping: Any = "clip",
     stability: Any = DEFAULT_STABILITY,
+    keras_backend: str | None = None,
 ) -> DPState:
     """The checked DP arguments of a private optimizer (both front ends), as a :class:`DPState`.
+
+    `keras_backend` (``keras_dpsgd.backends.keras_backend_of`` the optimizer: "tf_keras", or Keras 3's
+    backend, the default) chooses the per-example computation and the noise source.
 
     Raises:
       ValueError: naming the first argument out of range (in the order of the signature).
@@ -184,7 +188,8 @@ def check_settings(
         accumulation=check_accumulation_steps(gradient_accumulation_steps),
         expected_lot_size=check_lot_size(expected_lot_size),
         sampling_rate=check_sampling_rate(sampling_rate),
-        backend=resolve_backend(per_example_backend, fallback),
+        backend=backends.per_example(per_example_backend, fallback, keras_backend),
+        noise=backends.load(keras_backend),
         per_example_backend=per_example_backend,
         jacobian_fallback=fallback,
         seed=check_seed(seed),
@@ -349,7 +354,7 @@ class DPSettingsMixin:
         stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
         stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (1 for one replica)
         return [
-            s if self._dp.sigmas[v] == 0 else _noise.add_gaussian(s, stds[v], self._noise_key(v))
+            s if self._dp.sigmas[v] == 0 else self._dp.noise.add_gaussian(s, stds[v], self._noise_key(v))
             for v, s in enumerate(summed)
         ]
 
@@ -383,7 +388,7 @@ class DPSettingsMixin:
         """N(0, 1) noise for a hook's own release (``keras_dpsgd.step._noise``: tails to 11.6, not TF's
         clamp at 5.68), drawn like the gradient's; `index` >= 2**30 keeps a seeded stream apart
         from the gradient's (indices 0..V-1)."""
-        return _noise.standard_normal(shape, self._noise_key(index), dtype)
+        return self._dp.noise.standard_normal(shape, self._noise_key(index), dtype)
 
     def _noise_key(self, index: int) -> tf.Tensor:
         """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
@@ -391,5 +396,5 @@ class DPSettingsMixin:
         if self._dp.seed is None:
             key = self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
         else:  # Reproducible and resumable: a function of (seed, noised step, tensor[, replica]).
-            key = _step.noise_key(self._dp.seed, tf.convert_to_tensor(self.noised_steps), index)
+            key = self._dp.noise.seeded_key(self._dp.seed, tf.convert_to_tensor(self.noised_steps), index)
         return _distribute.replica_key(key)

@@ -6,23 +6,22 @@ The top-level ``keras_dpsgd.DPSGDOptimizer`` (and every other name listed in
 the legacy Keras, and ``keras_dpsgd.keras3``'s otherwise.
 """
 
-import tf_keras as _tf_keras
+from keras_dpsgd._which_keras import import_tf_keras
 
-from keras_dpsgd.tf_keras._train_step import make_private
-from keras_dpsgd.callbacks import adopt_tf_keras_base
-from keras_dpsgd.preprocessing.normalization import DPNormalization
-from keras_dpsgd.tf_keras._optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
-from keras_dpsgd.preprocessing.pca import DPPCA
-from keras_dpsgd.tf_keras._adaptive import (
+_tf_keras = import_tf_keras()  # first: without tf_keras, an ImportError that names the extra to install
+
+from keras_dpsgd.tf_keras._train_step import make_private  # noqa: E402
+from keras_dpsgd.preprocessing.normalization import DPNormalization  # noqa: E402
+from keras_dpsgd.tf_keras._optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer  # noqa: E402
+from keras_dpsgd.preprocessing.pca import DPPCA  # noqa: E402
+from keras_dpsgd.tf_keras._adaptive import (  # noqa: E402
     AdaptiveClippingMixin,
     AdaptiveDPSGDOptimizer,
     ClipBoundsLogger,
     initial_clip_bounds,
     make_adaptive_optimizer,
 )
-from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes as _accounted_layer_classes
-
-adopt_tf_keras_base()  # PrivacyLogger and WithinLimit: tf_keras callbacks too
+from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes as _accounted_layer_classes  # noqa: E402
 
 # Registered for loading; made by DPVocabulary.apply_to, not public names.
 _DPStringLookup, _DPTextVectorization = _accounted_layer_classes(_tf_keras)

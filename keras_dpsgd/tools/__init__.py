@@ -33,7 +33,7 @@ _LAZY = {
     "AdaptiveClippingMixin": "keras_dpsgd.tf_keras._adaptive",
     "AdaptiveDPSGDOptimizer": "keras_dpsgd.tf_keras._adaptive",
     "make_adaptive_optimizer": "keras_dpsgd.tf_keras._adaptive",
-    "initial_clip_bounds": "keras_dpsgd.tf_keras._adaptive",
+    "initial_clip_bounds": "keras_dpsgd.tools._adaptive_core",
     "ClipBoundsLogger": "keras_dpsgd.tf_keras._adaptive",
     # large lots
     "scale_learning_rate": "keras_dpsgd.tools.large_lots",

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.step import _distribute
-from keras_dpsgd.backends.tensorflow import _per_example
+from keras_dpsgd import backends
 from keras_dpsgd import _validate
 from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
@@ -301,7 +301,7 @@ def initial_clip_bounds(
     y = tf.constant(rng.integers(0, classes, size=int(batch_size)))
     loss = loss or _losses_module(model).SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     variables = [getattr(v, "value", v) if _is_keras3(model) else v for v in model.trainable_variables]
-    backend = _per_example.resolve_backend(per_example_backend)
+    backend = backends.per_example(per_example_backend, "warn", "tensorflow")  # the traced probe below is TF code
 
     # Traced, as in training, with the batch as the step's arguments: the per-example backend's
     # graph checks run (they find the batch among the step's inputs).

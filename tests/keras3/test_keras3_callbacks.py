@@ -49,10 +49,14 @@ def _steps(model):
 TARGET = 0.5 * (_eps(23) + _eps(24))
 
 
-def test_the_callbacks_are_callbacks_of_both_kerases():
+def test_the_callbacks_are_keras3_callbacks_that_speak_tf_keras_protocol():
     for callback in (PrivacyLogger(DELTA), WithinLimit(1.0, DELTA)):
         assert isinstance(callback, keras.callbacks.Callback)
-        assert isinstance(callback, tf_keras.callbacks.Callback)
+        for kind in ("train", "test", "predict"):  # as tf_keras's own base class computes it
+            name = f"_implements_{kind}_batch_hooks"
+            assert getattr(callback, name)() == getattr(tf_keras.callbacks.Callback, name)(callback), (callback, kind)
+    assert WithinLimit(1.0, DELTA)._implements_train_batch_hooks()  # it counts steps after each batch
+    assert not PrivacyLogger(DELTA)._implements_train_batch_hooks()
 
 
 def test_logger_epsilon_equals_the_accountant_for_the_steps_taken():

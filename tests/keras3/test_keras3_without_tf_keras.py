@@ -56,19 +56,31 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-# tf_keras imported after keras_dpsgd: its callbacks and layers are tf_keras's as before.
+# tf_keras imported after keras_dpsgd: the callbacks' classes do not change, and serve a tf_keras fit;
+# tf_keras's layers are defined and registered.
 _LATE_TF_KERAS = textwrap.dedent(
     """
     import sys
+
+    import numpy as np
 
     from keras_dpsgd import PrivacyLogger, WithinLimit
     from keras_dpsgd.preprocessing import normalization, pca
 
     assert "tf_keras" not in sys.modules
+    mros = (PrivacyLogger.__mro__, WithinLimit.__mro__)
     import tf_keras
 
-    for callback in (PrivacyLogger(1e-5), WithinLimit(1.0, 1e-5)):
-        assert isinstance(callback, tf_keras.callbacks.Callback), type(callback).__mro__
+    import keras_dpsgd.tf_keras as tk
+
+    assert (PrivacyLogger.__mro__, WithinLimit.__mro__) == mros
+    model = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    model.compile(optimizer=tk.DPSGDOptimizer(1.0, 1.1, learning_rate=0.1, seed=0), loss=loss)
+    x, y = np.zeros((32, 3), np.float32), np.zeros(32, np.int32)
+    logger, limit = PrivacyLogger(1e-5, num_examples=32), WithinLimit(100.0, 1e-5, num_examples=32)
+    history = model.fit(x, y, batch_size=8, epochs=1, callbacks=[logger, limit], verbose=0)
+    assert history.history["epsilon"][-1] > 0 and int(model.optimizer.noised_steps.numpy()) == 4
     for cls in (normalization.DPNormalization, pca.DPPCA):
         assert issubclass(cls, tf_keras.layers.Layer) and cls.__qualname__ == cls.__name__
         assert tf_keras.saving.get_registered_object(f"keras_dpsgd>{cls.__name__}") is cls

@@ -9,6 +9,9 @@ the audit callback, DPPCA/DPNormalization layers, keras_dpsgd's BackupAndRestore
 train step (``private_update``/``sanitized_gradients``) and the CLI.
 """
 
+from typing import Any
+
+from keras_dpsgd.backends.jax._noise import add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.jax._train_step import (
     JAX_UNSUPPORTED,
     prepare_fit,
@@ -17,4 +20,26 @@ from keras_dpsgd.backends.jax._train_step import (
     values_kept_on_refusal,
 )
 
-__all__ = ["JAX_UNSUPPORTED", "prepare_fit", "private_train_step", "unsupported", "values_kept_on_refusal"]
+__all__ = [
+    "JAX_UNSUPPORTED",
+    "PER_EXAMPLE_CHOICES",
+    "add_gaussian",
+    "per_example",
+    "prepare_fit",
+    "private_train_step",
+    "seeded_key",
+    "standard_normal",
+    "unsupported",
+    "values_kept_on_refusal",
+]
+
+# The seam's interface (keras_dpsgd.backends). One per-example computation: each example's gradient under
+# jax.vmap, its own batch of one; "fast"/"reference" name TensorFlow's graph analysis and are refused here.
+PER_EXAMPLE_CHOICES = ("auto",)
+
+
+def per_example(name: str, jacobian_fallback: str) -> Any:
+    """The per-example computation: ``_per_example`` (vmap); `jacobian_fallback` has nothing to fall back from."""
+    from keras_dpsgd.backends.jax import _per_example
+
+    return _per_example

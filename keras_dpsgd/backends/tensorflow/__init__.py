@@ -1,15 +1,44 @@
-"""Fast per-example clipping (ghost norms and book-keeping) for DP-SGD on TensorFlow (Keras 3 and tf_keras).
+"""The TensorFlow backend (Keras 3 on TensorFlow, and tf_keras): its side of :mod:`keras_dpsgd.backends`.
 
-``FastBackend`` implements the per-example backend protocol of ``keras_dpsgd.backends.tensorflow._per_example``:
-``clipped_sum(loss, var_list, tape, clip_factors) -> (summed, sq_norms)``. It gives the same
-numbers as the per-example jacobian (reference) path, without materializing per-example
-gradients for the layers that carry most parameters. See ``_backend`` for the algorithm.
-``ReferenceBackend`` (``_reference``) is the always-exact per-example jacobian path it falls back
-to for a variable without a rule (announced: ``_report``). How a new op gets a per-example
-rule: ``_handlers.register_rule``.
+Per-example computation (``per_example``): ``FastBackend`` (``_backend``) implements the protocol of
+``keras_dpsgd.backends.tensorflow._per_example``: ``clipped_sum(loss, var_list, tape, clip_factors) ->
+(summed, sq_norms)`` with fast per-example clipping (ghost norms and book-keeping). It gives the same
+numbers as the per-example jacobian (reference) path, without materializing per-example gradients
+for the layers that carry most parameters. See ``_backend`` for the algorithm. ``ReferenceBackend``
+(``_reference``) is the always-exact per-example jacobian path it falls back to for a variable
+without a rule (announced: ``_report``). How a new op gets a per-example rule:
+``_handlers.register_rule``.
+
+Noise source: the library's sampler (``keras_dpsgd.step._noise``) under stateless TensorFlow keys
+(``seeded_key``: ``keras_dpsgd.step._math.noise_key``); an optimizer without a seed draws its keys
+from a ``tf.random.Generator`` of OS entropy, never checkpointed (``keras_dpsgd.step._settings``).
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend
+from keras_dpsgd.step._math import noise_key as seeded_key
+from keras_dpsgd.step._noise import add_gaussian, standard_normal
 
-__all__ = ["FastBackend", "ReferenceBackend"]
+__all__ = [
+    "FastBackend",
+    "PER_EXAMPLE_CHOICES",
+    "ReferenceBackend",
+    "add_gaussian",
+    "per_example",
+    "seeded_key",
+    "standard_normal",
+]
+
+# "auto" and "fast": FastBackend; "reference": ReferenceBackend.
+PER_EXAMPLE_CHOICES = ("auto", "reference", "fast")
+
+
+def per_example(name: str, jacobian_fallback: str) -> Any:
+    """The per-example computation `name` (``_per_example.resolve_backend``; it imports this package)."""
+    from keras_dpsgd.backends.tensorflow._per_example import resolve_backend
+
+    return resolve_backend(name, jacobian_fallback)

@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import tensorflow as tf
 
 from keras_dpsgd.step import _mixing
+from keras_dpsgd.backends.tensorflow import PER_EXAMPLE_CHOICES as BACKEND_NAMES
 from keras_dpsgd.backends.tensorflow import FastBackend, ReferenceBackend
 from keras_dpsgd.backends.tensorflow._reference import ClipFactorsFn
 
 if TYPE_CHECKING:
     import tf_keras as keras  # imported where used: the Keras 3 front end must not load tf_keras
-
-BACKEND_NAMES = ("auto", "reference", "fast")
 
 
 class PerExampleBackend(Protocol):
