@@ -18,6 +18,7 @@ from keras_dpsgd.tf_keras._adaptive import (
     AdaptiveDPSGDOptimizer,
     ClipBoundsLogger,
     initial_clip_bounds,
+    initial_flat_clip_bound,
     make_adaptive_optimizer,
 )
 from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes as _accounted_layer_classes
@@ -36,6 +37,7 @@ __all__ = [
     "DPPCA",
     "DPSGDOptimizer",
     "initial_clip_bounds",
+    "initial_flat_clip_bound",
     "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",

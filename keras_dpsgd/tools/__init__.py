@@ -34,6 +34,7 @@ _LAZY = {
     "AdaptiveDPSGDOptimizer": "keras_dpsgd.tf_keras._adaptive",
     "make_adaptive_optimizer": "keras_dpsgd.tf_keras._adaptive",
     "initial_clip_bounds": "keras_dpsgd.tf_keras._adaptive",
+    "initial_flat_clip_bound": "keras_dpsgd.tf_keras._adaptive",
     "ClipBoundsLogger": "keras_dpsgd.tf_keras._adaptive",
     # large lots
     "scale_learning_rate": "keras_dpsgd.tools.large_lots",
