@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--query-noise", type=float, default=None, help="flat-adaptive/quantile: σ of the query (default: L/20)"
     )
+    p.add_argument(
+        "--unit-step",
+        action="store_true",
+        help="the step in units of the bound: clip: lr/C; flat-adaptive/quantile: divide_by_bound=True "
+        "(the released gradient divided by the bound in force); normalize: no effect (its bound is 1)",
+    )
     p.add_argument("--lr", type=float, default=4.0)
     p.add_argument("--lr-end", type=float, default=None, help="linear decay to this rate (default: constant)")
     p.add_argument("--momentum", type=float, default=0.9)
@@ -92,12 +98,13 @@ def _model(args):
     )
 
 
-def _learning_rate(args, steps: int):
+def _learning_rate(args, steps, scale: float = 1.0):
     import tf_keras as keras
 
     if args.lr_end is None:
-        return args.lr
-    return keras.optimizers.schedules.PolynomialDecay(args.lr, steps, end_learning_rate=args.lr_end)
+        return args.lr * scale
+    steps = steps or args._planned
+    return keras.optimizers.schedules.PolynomialDecay(args.lr * scale, steps, end_learning_rate=args.lr_end * scale)
 
 
 def _events(args, q: float, steps: int):
@@ -125,6 +132,8 @@ def _optimizer(args, model, sigma: float, learning_rate):
     if args.ema:
         common.update(use_ema=True, ema_momentum=args.ema)
     if args.clipping == "clip":
+        if args.unit_step:  # the same step size for every C: only the clipping changes
+            common["learning_rate"] = _learning_rate(args, None, scale=1.0 / args.clip)
         return DPSGDOptimizer(args.clip, sigma, **common)
     if args.clipping == "normalize":
         return DPSGDOptimizer(None, sigma, clipping="normalize", stability=args.stability, **common)
@@ -135,7 +144,7 @@ def _optimizer(args, model, sigma: float, learning_rate):
         mode = dict(alpha=args.alpha)
     else:
         mode = dict(rule="quantile", target_quantile=args.quantile)
-    return AdaptiveDPSGDOptimizer(start, sigma, _query_noise(args), **mode, **common)
+    return AdaptiveDPSGDOptimizer(start, sigma, _query_noise(args), divide_by_bound=args.unit_step, **mode, **common)
 
 
 def run_private(args, data) -> dict:
@@ -149,6 +158,7 @@ def run_private(args, data) -> dict:
     model = _model(args)
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     planned = args.epochs * lots.steps_per_epoch
+    args._planned = planned
     sigma = calibrate_noise_multiplier(
         _events(args, lots.sampling_rate, planned), target_epsilon=args.target_epsilon, target_delta=args.delta
     )
@@ -202,7 +212,7 @@ def main(argv=None) -> dict:
         "command": "python benchmarks/mnist_cnn.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "target_epsilon": args.target_epsilon,
         "num_examples": int(len(data.x_train)),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run")},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run", "_planned")},
     }
     result.update(run_private(args, data))
     result["load_average"] = os.getloadavg()
