@@ -11,7 +11,10 @@ The per-example step is one of (``--clipping``):
 * ``normalize``: per-example normalization g/(||g|| + γ) (Bu et al. 2023; De et al. 2022), no C;
 * ``flat-adaptive`` / ``quantile``: the no-tuning bounds of ``keras_dpsgd.tools`` (Three Tools rule
   with one group; Andrew et al. 2021), their norm or count queries charged in the calibration and the
-  ledger.
+  ledger; ``per-layer-adaptive``: the Three Tools rule with one bound per variable.
+
+``--features scatter`` trains a linear model on ScatterNet features (Tramèr & Boneh 2021) instead of
+the CNN on pixels.
 
 ``--ema M`` evaluates Keras' moving average of the weights (post-processing, no privacy cost). ``--log
 FILE --run NAME`` appends the JSON object to FILE (benchmarks/results/mnist_cnn_runs.jsonl holds every
@@ -29,9 +32,11 @@ import shlex
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _scatter
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-MODES = ("clip", "normalize", "flat-adaptive", "quantile")
+MODES = ("clip", "normalize", "flat-adaptive", "quantile", "per-layer-adaptive")
+ADAPTIVE = MODES[2:]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=4.0)
     p.add_argument("--lr-end", type=float, default=None, help="linear decay to this rate (default: constant)")
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument(
+        "--features",
+        choices=("pixels", "scatter"),
+        default="pixels",
+        help="pixels: the tanh CNN on [-1, 1] pixels; scatter: a linear model on ScatterNet features "
+        "(J = 2, L = 8: 81 × 7 × 7, benchmarks/_scatter.py) group-normalized per example (Tramèr & Boneh 2021)",
+    )
+    p.add_argument("--groups", type=int, default=27, help="scatter: groups of the per-example normalization")
+    p.add_argument("--cache", default=None, help="scatter: .npz file caching the features (public transform)")
     p.add_argument("--activation", default="tanh")
     p.add_argument("--filters", type=int, nargs=2, default=[16, 32])
     p.add_argument("--dense", type=int, default=32)
@@ -80,9 +94,31 @@ def _load(data_dir: str, limit):
     return data
 
 
-def _model(args):
+def _scatter_features(args, data):
+    """ScatterNet features, group-normalized per example: a fixed map of each image alone (no privacy cost)."""
+    import numpy as np
+
+    import _scatter
+
+    if args.cache and os.path.exists(args.cache):
+        with np.load(args.cache) as f:
+            train, test = f["train"], f["test"]
+    else:
+        train, test = _scatter.scatter(data.x_train), _scatter.scatter(data.x_test)
+        if args.cache:
+            np.savez(args.cache, train=train, test=test)
+    if len(train) != len(data.x_train):
+        raise ValueError(f"--cache holds {len(train)} training rows, the data {len(data.x_train)}")
+    data.x_train = _scatter.group_normalize(train, args.groups)
+    data.x_test = _scatter.group_normalize(test, args.groups)
+    return data
+
+
+def _model(args, input_shape):
     import tf_keras as keras
 
+    if args.features == "scatter":  # a linear model on the features
+        return keras.Sequential([keras.Input(shape=input_shape), keras.layers.Flatten(), keras.layers.Dense(10)])
     act, (f1, f2) = args.activation, args.filters
     return keras.Sequential(
         [
@@ -107,7 +143,7 @@ def _learning_rate(args, steps, scale: float = 1.0):
     return keras.optimizers.schedules.PolynomialDecay(args.lr * scale, steps, end_learning_rate=args.lr_end * scale)
 
 
-def _events(args, q: float, steps: int):
+def _events(args, q: float, steps: int, num_vars: int):
     """σ ↦ the events of the planned steps (with the bound's queries for the adaptive modes)."""
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent
 
@@ -116,7 +152,11 @@ def _events(args, q: float, steps: int):
     from keras_dpsgd.tools import adaptive_clipping_event
 
     return lambda s: adaptive_clipping_event(  # one gradient release and one query per step
-        noise_multiplier=s, norm_noise_multiplier=_query_noise(args), num_layers=1, sampling_rate=q, steps=steps
+        noise_multiplier=s,
+        norm_noise_multiplier=_query_noise(args),
+        num_layers=num_vars if args.clipping == "per-layer-adaptive" else 1,
+        sampling_rate=q,
+        steps=steps,
     )
 
 
@@ -137,10 +177,12 @@ def _optimizer(args, model, sigma: float, learning_rate):
         return DPSGDOptimizer(args.clip, sigma, **common)
     if args.clipping == "normalize":
         return DPSGDOptimizer(None, sigma, clipping="normalize", stability=args.stability, **common)
-    from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, initial_flat_clip_bound
+    from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, initial_clip_bounds, initial_flat_clip_bound
 
     start = initial_flat_clip_bound(model, seed=args.seed)  # random noise: no privacy cost
-    if args.clipping == "flat-adaptive":
+    if args.clipping == "per-layer-adaptive":
+        start = initial_clip_bounds(model, seed=args.seed)
+    if args.clipping != "quantile":
         mode = dict(alpha=args.alpha)
     else:
         mode = dict(rule="quantile", target_quantile=args.quantile)
@@ -155,12 +197,14 @@ def run_private(args, data) -> dict:
     from keras_dpsgd.tf_keras import ClipBoundsLogger
 
     start = time.perf_counter()
-    model = _model(args)
+    model = _model(args, data.x_train.shape[1:])
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     planned = args.epochs * lots.steps_per_epoch
     args._planned = planned
     sigma = calibrate_noise_multiplier(
-        _events(args, lots.sampling_rate, planned), target_epsilon=args.target_epsilon, target_delta=args.delta
+        _events(args, lots.sampling_rate, planned, len(model.trainable_variables)),
+        target_epsilon=args.target_epsilon,
+        target_delta=args.delta,
     )
     optimizer = lots.configure(_optimizer(args, model, sigma, _learning_rate(args, planned)))
     model.compile(
@@ -194,8 +238,11 @@ def run_private(args, data) -> dict:
         "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
         "wall_s": time.perf_counter() - start,
     }
-    if bounds.history:  # flat: the same C for every variable
-        out["clip_bound_per_epoch"] = [round(next(iter(b.values())), 5) for b in bounds.history]
+    if args.clipping in ADAPTIVE:  # flat: the same C for every variable
+        per_layer = args.clipping == "per-layer-adaptive"
+        out["clip_bound_per_epoch"] = [
+            [round(v, 5) for v in b.values()] if per_layer else round(next(iter(b.values())), 5) for b in bounds.history
+        ]
         out["effective_noise_multiplier"] = float(optimizer.effective_noise_multiplier)
     return out
 
@@ -207,6 +254,8 @@ def main(argv=None) -> dict:
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     data = _load(args.data_dir, args.max_train_examples)
+    if args.features == "scatter":
+        data = _scatter_features(args, data)
     result = {
         "run": args.run,
         "command": "python benchmarks/mnist_cnn.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
