@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(data_dir: str, limit):
-    from keras_dpsgd._datasets import load_dataset
+    from keras_dpsgd.data._datasets import load_dataset
 
     data = load_dataset("mnist", data_dir=data_dir)
     scale = lambda x: x.astype("float32").reshape(-1, 28, 28, 1) * 2.0 - 1.0  # noqa: E731  [0, 1] -> [-1, 1]
