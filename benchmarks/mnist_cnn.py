@@ -241,7 +241,8 @@ def run_private(args, data) -> dict:
     if args.clipping in ADAPTIVE:  # flat: the same C for every variable
         per_layer = args.clipping == "per-layer-adaptive"
         out["clip_bound_per_epoch"] = [
-            [round(v, 5) for v in b.values()] if per_layer else round(next(iter(b.values())), 5) for b in bounds.history
+            [float(f"{v:.4g}") for v in b.values()] if per_layer else float(f"{next(iter(b.values())):.4g}")
+            for b in bounds.history
         ]
         out["effective_noise_multiplier"] = float(optimizer.effective_noise_multiplier)
     return out
