@@ -17,7 +17,7 @@ from keras_dpsgd.keras3._backup import BackupAndRestore
 from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
-from keras_dpsgd.tools._adaptive_core import initial_clip_bounds
+from keras_dpsgd.tools._adaptive_core import initial_clip_bounds, initial_flat_clip_bound
 from keras_dpsgd.keras3._train_step import (
     is_private,
     make_private,
@@ -38,6 +38,7 @@ __all__ = [
     "DPPCA",
     "DPSGDOptimizer",
     "initial_clip_bounds",
+    "initial_flat_clip_bound",
     "is_private",
     "make_adaptive_optimizer",
     "make_dp_optimizer",

@@ -35,12 +35,14 @@ class AdaptiveClippingKeras3Mixin(AdaptiveClippingCore):
         super().build(variables)
         # Σ_i min(‖g_i^v‖, β C_v) of the current lot (summed over the lot's batches, zeroed after each release and when a partial lot is discarded).
         self._norm_sums = self.add_variable(
-            (len(variables),), initializer="zeros", dtype="float32", name="adaptive_norm_sums"
+            (self._num_bound_groups(len(variables)),), initializer="zeros", dtype="float32", name="adaptive_norm_sums"
         )
 
 
 # The norm queries' release is split across replicas (``AdaptiveClippingCore._update_clip_bounds``).
+# divide_by_bound divides each replica's share of the release by the same public bound (linear).
 SPLIT_HOOKS.update(
+    add_noise=AdaptiveClippingCore.add_noise,
     on_per_example_sq_norms=AdaptiveClippingCore.on_per_example_sq_norms,
     on_noised_step=AdaptiveClippingCore.on_noised_step,
 )

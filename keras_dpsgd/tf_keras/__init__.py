@@ -19,6 +19,7 @@ from keras_dpsgd.tf_keras._adaptive import (  # noqa: E402
     AdaptiveDPSGDOptimizer,
     ClipBoundsLogger,
     initial_clip_bounds,
+    initial_flat_clip_bound,
     make_adaptive_optimizer,
 )
 from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes as _accounted_layer_classes  # noqa: E402
@@ -35,6 +36,7 @@ __all__ = [
     "DPPCA",
     "DPSGDOptimizer",
     "initial_clip_bounds",
+    "initial_flat_clip_bound",
     "make_adaptive_optimizer",
     "make_dp_optimizer",
     "make_private",

@@ -16,6 +16,7 @@ from keras_dpsgd.tools._adaptive_core import (
     ClipBoundsLoggerCore,
     adaptive_optimizer_class,
     initial_clip_bounds,
+    initial_flat_clip_bound,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "AdaptiveDPSGDOptimizer",
     "make_adaptive_optimizer",
     "initial_clip_bounds",
+    "initial_flat_clip_bound",
     "ClipBoundsLogger",
 ]
 
@@ -49,7 +51,9 @@ class AdaptiveClippingMixin(AdaptiveClippingCore):
             return
         super().build(var_list)
         # An optimizer variable (checkpointed): a lot interrupted by a restart keeps its partial norm sums.
-        self._norm_sums = self.add_variable([len(var_list)], tf.float32, name="adaptive_norm_sums")
+        self._norm_sums = self.add_variable(
+            [self._num_bound_groups(len(var_list))], tf.float32, name="adaptive_norm_sums"
+        )
 
 
 _ADAPTIVE_CLASSES: dict[type, type] = {}

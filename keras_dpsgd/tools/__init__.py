@@ -33,7 +33,8 @@ _LAZY = {
     "AdaptiveClippingMixin": "keras_dpsgd.tf_keras._adaptive",
     "AdaptiveDPSGDOptimizer": "keras_dpsgd.tf_keras._adaptive",
     "make_adaptive_optimizer": "keras_dpsgd.tf_keras._adaptive",
-    "initial_clip_bounds": "keras_dpsgd.tools._adaptive_core",
+    "initial_clip_bounds": "keras_dpsgd.tools._initial_bounds",
+    "initial_flat_clip_bound": "keras_dpsgd.tools._initial_bounds",
     "ClipBoundsLogger": "keras_dpsgd.tf_keras._adaptive",
     # large lots
     "scale_learning_rate": "keras_dpsgd.tools.large_lots",

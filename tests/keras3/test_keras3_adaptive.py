@@ -134,8 +134,8 @@ def test_other_descent_rules_validation_logger_and_initial_bounds(tmp_path):
     assert adam_cls([1.0, 1.0], 1.0, 2.0).effective_noise_multiplier == pytest.approx((2 + 2 / 4) ** -0.5)
     with pytest.raises(ValueError, match="Keras 3 DP optimizer class"):
         k3.make_adaptive_optimizer(keras.optimizers.SGD)
-    with pytest.raises(ValueError, match="adaptive clipping is per variable"):
-        k3.AdaptiveDPSGDOptimizer(1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="clipping='normalize' has no bound"):
+        k3.AdaptiveDPSGDOptimizer(None, 1.0, 1.0, clipping="normalize")
     with pytest.raises(ValueError, match="beta must be"):
         k3.AdaptiveDPSGDOptimizer([1.0], 1.0, 1.0, beta=-1.0)
     model = _model()

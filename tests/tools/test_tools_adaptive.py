@@ -207,8 +207,10 @@ def test_initial_clip_bounds_are_mean_norms_on_noise():
 
 
 def test_validation_and_serialization():
-    with pytest.raises(ValueError, match="adaptive clipping is per variable"):
-        AdaptiveDPSGDOptimizer(1.0, 1.0, 1.0)
+    flat = AdaptiveDPSGDOptimizer(1.0, 1.0, 2.0)  # one flat bound: one gradient release, one query
+    assert flat.effective_noise_multiplier == pytest.approx((1 + 1 / 4) ** -0.5)
+    with pytest.raises(ValueError, match="clipping='normalize' has no bound"):
+        AdaptiveDPSGDOptimizer(None, 1.0, 1.0, clipping="normalize")
     with pytest.raises(ValueError, match="norm_noise_multiplier must have one entry"):
         AdaptiveDPSGDOptimizer([1.0, 1.0], 1.0, [1.0])
     with pytest.raises(ValueError, match="alpha must be"):
