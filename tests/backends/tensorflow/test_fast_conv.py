@@ -122,13 +122,17 @@ def test_grouped_conv2d_on_the_reference_backend_is_refused():
     kernel = model.trainable_variables[0]
     with tf.GradientTape() as tape:
         losses = tf.reduce_sum((model(x) - y) ** 2, axis=1)
-    pfor = tape.jacobian(losses, kernel)
-    loop = []
-    for i in range(3):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum((model(x[i : i + 1]) - y[i : i + 1]) ** 2)
-        loop.append(tape.gradient(loss, kernel))
-    assert not np.allclose(pfor.numpy(), np.stack(loop), atol=1e-3)  # the TensorFlow bug being refused
+    try:
+        pfor = tape.jacobian(losses, kernel)
+    except tf.errors.InvalidArgumentError:
+        pfor = None  # on some machines pfor fails outright ("filter_size does not have enough elements")
+    if pfor is not None:
+        loop = []
+        for i in range(3):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((model(x[i : i + 1]) - y[i : i + 1]) ** 2)
+            loop.append(tape.gradient(loss, kernel))
+        assert not np.allclose(pfor.numpy(), np.stack(loop), atol=1e-3)  # the TensorFlow bug being refused
     opt = kt.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, per_example_backend="reference")
     model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
     with pytest.raises(ValueError, match="grouped convolution.*Only the fast per-example backend"):

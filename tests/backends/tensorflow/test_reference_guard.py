@@ -52,7 +52,10 @@ def test_the_jacobian_check_trips_on_a_hidden_grouped_convolution():
     x, y = data((3, 5, 5, 4), (3, 2), seed=8)
     model = _grouped_model()
     model(x[:1])
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"pfor jacobian\) of variable .*kernel"):
+    # The step stops either at our run-time check or, on machines where pfor fails outright on the grouped
+    # kernel, at pfor's own error; never with a result (both stop the step before any update).
+    pattern = r"pfor jacobian\) of variable .*kernel|filter_size does not have enough elements"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=pattern):
         _step(ReferenceBackend(), model)(x, y)
 
 
