@@ -306,6 +306,13 @@ class DPKeras3Mixin(LotReleaseMixin):
                         "gated to its last batch inside the cross-replica update, applies the descent rule only, "
                         f"not Keras's {option}; set {fix}, gradient_accumulation_steps=1, or train on one device"
                     )
+            if getattr(self, "_adaptive", None) is not None:
+                raise ValueError(
+                    f"{name}(gradient_accumulation_steps={self._dp.accumulation}) under "
+                    f"{_distribute.num_replicas()} replicas: adaptive clipping's norm query is released inside "
+                    "the lot's conditional, where the replicas cannot sum it, so the bounds would never move; set "
+                    "gradient_accumulation_steps=1 (a larger global batch), or train on one device"
+                )
         for option in ("clipnorm", "clipvalue", "global_clipnorm"):
             if getattr(self, option, None) is not None:
                 raise ValueError(

@@ -302,6 +302,14 @@ def refusals():
                 l2_norm_clip=[1.0] * 4, noise_multiplier=1.0, norm_noise_multiplier=1.0, learning_rate=0.1
             ),
             "clipnorm": lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, clipnorm=1.0),
+            # Before the refusal this trained with bounds that never moved (the query's release was skipped).
+            "adaptive_accumulation": lambda: k3.AdaptiveDPSGDOptimizer(
+                l2_norm_clip=[1.0] * 4,
+                noise_multiplier=1.0,
+                norm_noise_multiplier=1.0,
+                gradient_accumulation_steps=2,
+                learning_rate=0.1,
+            ),
             # Accumulation works under R > 1 (test_keras3_accumulate_distribute); with weight decay it is refused.
             "accumulation": lambda: k3.DPSGDOptimizer(
                 l2_norm_clip=1.0, noise_multiplier=1.0, gradient_accumulation_steps=2, weight_decay=0.01

@@ -164,6 +164,7 @@ def test_two_workers_back_up_once_and_resume_a_relaunched_cluster():
         ("hook", "_Hooked overrides on_per_example_sq_norms .* not split across the 2 replicas"),
         ("adaptive_hook", "_HookedAdaptive overrides on_noised_step .* not split across the 2 replicas"),
         ("clipnorm", r"clipnorm=1.0\) under 2 replicas"),
+        ("adaptive_accumulation", r"gradient_accumulation_steps=2\) under 2 replicas: adaptive clipping"),
         ("accumulation", r"gradient_accumulation_steps=2\) under 2 replicas"),
     ],
 )
