@@ -51,12 +51,6 @@ def test_data_dependent_add_loss_is_refused():
     _assert_refused_unchanged(model, np.zeros((4, 5), "float32"), np.zeros(4), "add_loss")
 
 
-def test_adaptive_clipping_is_refused():
-    model, x, y = built("dense")
-    compiled(model, k3.AdaptiveDPSGDOptimizer, l2_norm_clip=[1.0] * 4, norm_noise_multiplier=1.0)
-    _assert_refused_unchanged(model, x, y, f"adaptive clipping .*{NOT_YET}")
-
-
 def test_data_parallel_is_refused():
     """Not built: GSPMD gave wrong per-example conv-kernel gradients under DataParallel on 2 devices."""
     model, x, y = built("dense")
