@@ -288,7 +288,6 @@ def train(args) -> dict:
     rule for tf.keras); the result's "keras" key says which one ran.
     """
     _check_args(args)
-    from keras_dpsgd import backends
     from keras_dpsgd.data import _models
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
@@ -297,10 +296,6 @@ def train(args) -> dict:
 
     front = _models.front_end()
     keras = _models.keras_module(front)
-    if front == "keras3" and backends.is_jax():
-        from keras_dpsgd.backends.jax import unsupported
-
-        raise unsupported("the CLI (keras-dpsgd train)")
     start = time.perf_counter()
     data = _load_data(args)
     n = data.num_examples

@@ -94,10 +94,3 @@ def test_explicit_per_example_backend_is_refused():
     is made (the seam's PER_EXAMPLE_CHOICES), before any fit."""
     with pytest.raises(ValueError, match=r"per_example_backend must be one of \('auto',\), got 'fast'"):
         k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, per_example_backend="fast")
-
-
-def test_cli_train_is_refused(capsys):
-    from keras_dpsgd.cli import main
-
-    assert main(["train", "--dataset", "mnist", "--epochs", "1"]) != 0
-    assert f"the CLI (keras-dpsgd train) {NOT_YET}" in capsys.readouterr().err
