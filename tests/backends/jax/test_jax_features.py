@@ -1,5 +1,6 @@
-"""BackupAndRestore and the CLI on JAX: a run interrupted and resumed from its backup continues exactly (weights,
-adaptive bounds, noised_steps, ε), and ``keras-dpsgd train`` runs in this process on the bundled digits."""
+"""BackupAndRestore, the membership-inference callback and the CLI on JAX: a run interrupted and resumed from its
+backup continues exactly (weights, adaptive bounds, noised_steps, ε), the callback's loss attack has the AUC of the
+model's own losses, and ``keras-dpsgd train`` runs in this process on the bundled digits."""
 
 import keras
 import numpy as np
@@ -49,8 +50,30 @@ def _run(callbacks=(), moved=False):
     return model
 
 
-def test_backup_and_restore_resumes_exactly(tmp_path):
-    whole = _run()
+def _loss_attack_auc(model, members, non_members):
+    """P(ℓ(member) < ℓ(non-member)) (ties 1/2) from the model's logits: the "loss" attack's AUC."""
+
+    def losses(xs, ys):
+        logits = np.asarray(model(xs), np.float64)
+        log_p = logits - logits.max(axis=1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+        return -log_p[np.arange(len(ys)), ys]
+
+    inside, outside = losses(*members), losses(*non_members)
+    return np.mean((inside[:, None] < outside[None, :]) + 0.5 * (inside[:, None] == outside[None, :]))
+
+
+def test_backup_and_restore_resumes_exactly_and_the_membership_callback_runs(tmp_path):
+    """The uninterrupted run also carries the membership-inference callback: its loss attack's AUC is the model's."""
+    _, x, y = built("dense")
+    rng = np.random.default_rng(3)
+    members, non_members = (x[:4], y[:4]), (rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6))
+    audit = k3.MembershipInferenceCallback(members, non_members, methods=("loss",), verbose=0)
+    whole = _run([audit])
+    ((epoch, reports),) = audit.history[-1:]
+    assert (epoch, len(audit.history)) == (2, 2)
+    assert reports["loss"].auc == pytest.approx(_loss_attack_auc(whole, members, non_members), abs=1e-9)
+
     backup = str(tmp_path / "backup")
     with pytest.raises(KeyboardInterrupt):
         _run([k3.BackupAndRestore(backup), _Interrupt()])  # the backup holds epoch 0
