@@ -28,9 +28,13 @@ The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` c
   ``factors = clip_factors(sq_norms)`` ([B, V]), ``summed[v] = Σ_i factors[i, v] · g_i[v]`` (one
   dense array per variable, shaped like it). Unnoised: the optimizer adds the noise. An example
   whose factor is 0 contributes exactly 0 to ``summed``, even when its gradient holds NaN or Inf.
-  `loss` and `recorder` are the backend's record of the per-example loss: on TensorFlow the [B] loss
-  tensor and the ``tf.GradientTape`` that recorded it; a stateless backend (JAX) takes a pure
-  function of the trainable values instead (its docstring says which).
+  The arguments differ by backend, the contract above does not. TensorFlow:
+  ``clipped_sum(loss, variables, recorder, clip_factors)``, `loss` the [B] loss tensor and `recorder`
+  the ``tf.GradientTape`` that recorded it (the backend derives the per-example gradients). JAX:
+  ``clipped_sum(grads, clip_factors)``, `grads` the per-example gradients themselves (one
+  [B, *shape] array per variable), which the JAX train step computes under ``jax.vmap`` of a
+  stateless call on a batch of one (``keras_dpsgd.backends.jax._train_step``): a stateless backend
+  has no tape to hand over.
 ``add_gaussian(x, stddev, key) -> x + N(0, stddev² I)``, ``standard_normal(shape, key, dtype)``
   The library's own Gaussian sampler (``keras_dpsgd.step._noise``: tails to 11.6 standard
   deviations, not a clamped or truncated library normal), a pure function of `key`.
@@ -50,7 +54,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-__all__ = ["BACKENDS", "INTERFACE", "keras_backend_of", "load", "name_for", "per_example"]
+__all__ = ["BACKENDS", "INTERFACE", "is_jax", "keras_backend_of", "load", "name_for", "per_example"]
 
 # keras_dpsgd backend -> its module, imported only when chosen.
 BACKENDS = {"tensorflow": "keras_dpsgd.backends.tensorflow", "jax": "keras_dpsgd.backends.jax"}
@@ -83,6 +87,18 @@ def name_for(keras_backend: str | None = None) -> str:
         f"gradients and noise are written for {sorted(set(_FOR_KERAS) - {'tf_keras'})}. Set KERAS_BACKEND="
         "tensorflow or KERAS_BACKEND=jax before importing keras, or use tf_keras (TF_USE_LEGACY_KERAS=1)."
     )
+
+
+def is_jax(keras_backend: str | None = None) -> bool:
+    """Whether `keras_backend` (default: ``keras.config.backend()``) is JAX: the JAX backend's train step,
+    state and refusals apply. Never raises (torch, numpy and openvino are refused by :func:`name_for`
+    where a DP step is built, not here).
+    """
+    if keras_backend is None:
+        import keras
+
+        keras_backend = keras.config.backend()
+    return keras_backend == "jax"
 
 
 def keras_backend_of(obj: Any) -> str:

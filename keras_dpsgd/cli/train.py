@@ -296,10 +296,6 @@ def train(args) -> dict:
 
     front = _models.front_end()
     keras = _models.keras_module(front)
-    if getattr(getattr(keras, "backend", None), "backend", lambda: "")() == "jax":
-        from keras_dpsgd.backends.jax import unsupported
-
-        raise unsupported("the CLI (keras-dpsgd train)")
     start = time.perf_counter()
     data = _load_data(args)
     n = data.num_examples

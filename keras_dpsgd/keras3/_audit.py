@@ -1,4 +1,4 @@
-"""The audit's Keras callback on Keras 3 (the audit itself takes models of either Keras)."""
+"""The audit's Keras callback on Keras 3, TensorFlow or JAX backend (the attack reads the model's logits only)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,3 @@ __all__ = ["MembershipInferenceCallback"]
 
 class MembershipInferenceCallback(MembershipInferenceCallbackCore, keras.callbacks.Callback):
     __doc__ = MembershipInferenceCallbackCore.__doc__
-
-    def __init__(self, *args, **kwargs):
-        from keras_dpsgd.keras3._train_step import _refuse_jax
-
-        _refuse_jax("the audit (keras_dpsgd.keras3.MembershipInferenceCallback)")
-        super().__init__(*args, **kwargs)

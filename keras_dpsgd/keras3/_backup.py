@@ -6,7 +6,8 @@ the backup must be readable by every worker at restart) fail at the first save (
 ``BlockingIOError``), and one left hanging in the next collective. :class:`BackupAndRestore` writes
 as tf_keras does: the chief (worker 0) writes the backup directory, every other worker a temporary
 directory of its own (deleted at the end of ``fit``); every worker restores from the backup
-directory. One worker (no strategy, MirroredStrategy, OneDeviceStrategy): exactly Keras's callback.
+directory. One worker (no strategy, MirroredStrategy, OneDeviceStrategy, the JAX backend): exactly Keras's
+callback, which saves the optimizer (its ledger and DP state) with the weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import keras
 import tensorflow as tf
 
+from keras_dpsgd import backends
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
 
 __all__ = ["BackupAndRestore"]
@@ -25,7 +27,7 @@ __all__ = ["BackupAndRestore"]
 _PATH_ATTRIBUTES = ("_weights_path", "_training_metadata_path", "_prev_weights_path", "_prev_training_metadata_path")
 
 
-def _multi_worker(strategy: tf.distribute.Strategy) -> bool:
+def _multi_worker(strategy: tf.distribute.Strategy | None) -> bool:
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and strategy.extended._in_multi_worker_mode()
 
 
@@ -64,15 +66,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", double_checkpoint=False, delete_checkpoint=True):
-        from keras_dpsgd.keras3._train_step import _refuse_jax
-
-        _refuse_jax("keras_dpsgd.keras3.BackupAndRestore")
         super().__init__(
             backup_dir, save_freq=save_freq, double_checkpoint=double_checkpoint, delete_checkpoint=delete_checkpoint
         )
         self._write_dir: str | None = None
 
-    def _strategy(self) -> tf.distribute.Strategy:
+    def _strategy(self) -> tf.distribute.Strategy | None:
+        """The model's tf.distribute strategy; None on JAX (one process: Keras's callback as it is)."""
+        if backends.is_jax():
+            return None
         return self.model.distribute_strategy
 
     def _writes_backup_dir(self) -> bool:

@@ -36,7 +36,7 @@ import keras
 import tensorflow as tf
 
 from keras_dpsgd.step import _distribute
-from keras_dpsgd import ledger
+from keras_dpsgd import backends, ledger
 from keras_dpsgd.step._classes import make_dp_class
 from keras_dpsgd.step._settings import DPState
 from keras_dpsgd.step._release import LotReleaseMixin
@@ -363,7 +363,7 @@ class DPKeras3Mixin(LotReleaseMixin):
 
 
 def _on_jax() -> bool:
-    return keras.backend.backend() == "jax"
+    return backends.is_jax()
 
 
 def _ledger_variable(variable: Any) -> Any:

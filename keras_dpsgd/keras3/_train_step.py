@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.step import _display, _mixing
-from keras_dpsgd import _validate, ledger
+from keras_dpsgd import _validate, backends, ledger
 from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.step._loss import per_example_values, refuse_data_losses, regularization_gradients, regularization_sum
 from keras_dpsgd.preprocessing.normalization import refuse_fitted_layers
@@ -396,7 +396,7 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
     """
     if is_lots_dataset(x) and len(args) < _BEFORE_SHUFFLE + 1:
         kwargs.setdefault("shuffle", False)
-    if keras.backend.backend() == "jax":
+    if backends.is_jax():
         from keras_dpsgd.backends.jax import prepare_fit, values_kept_on_refusal
 
         prepare_fit(self)  # JAX traces the step with the variables purged: host-side work first
@@ -474,7 +474,7 @@ def check_backend() -> str:
 
 
 def _refuse_jax(what: str) -> None:
-    if keras.backend.backend() == "jax":
+    if backends.is_jax():
         from keras_dpsgd.backends.jax import unsupported
 
         raise unsupported(what)
@@ -505,10 +505,10 @@ def make_private(model: keras.Model) -> keras.Model:
     backend = check_backend()
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
-            if backend == "jax":
+            if backends.is_jax(backend):
                 _refuse_jax(f"a model with its own {method} ({type(model).__name__})")
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
-    if backend == "jax":
+    if backends.is_jax(backend):
         from keras_dpsgd.backends.jax import private_train_step
 
         model.train_step = types.MethodType(private_train_step, model)

@@ -345,9 +345,9 @@ def add_bound_variables(optimizer: Any) -> list:
 def _bound_dtype(optimizer: Any) -> str:
     """float64, or float32 on JAX without x64 (the ledger rounds it outward: :func:`_outward`)."""
     if is_keras3(optimizer):
-        import keras
+        from keras_dpsgd import backends
 
-        if keras.backend.backend() == "jax":
+        if backends.is_jax():
             import jax
 
             return "float64" if jax.config.jax_enable_x64 else "float32"

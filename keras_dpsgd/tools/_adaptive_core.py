@@ -17,12 +17,14 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate
 from keras_dpsgd.step import _distribute
+from keras_dpsgd.tools._adaptive_rules import ArrayOps, next_bounds, query_sensitivity, query_terms
 from keras_dpsgd.tools._bounds_logger import ClipBoundsLoggerCore
 from keras_dpsgd.tools._initial_bounds import initial_clip_bounds, initial_flat_clip_bound
 from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
 __all__ = [
     "AdaptiveClippingCore",
+    "TF_OPS",
     "ADAPTIVE_DOC",
     "NORM_NOISE_INDEX",
     "adaptive_optimizer_class",
@@ -64,6 +66,10 @@ ADAPTIVE_DOC = """
 """
 
 RULES = ("mean", "quantile")
+
+
+# The bound rules' array functions on TensorFlow (``_adaptive_rules``).
+TF_OPS = ArrayOps(tf.minimum, tf.maximum, tf.exp, tf.where, tf.zeros_like, tf.ones_like)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,12 +251,7 @@ class AdaptiveClippingCore:
         if num != len(groups):  # flat: the squared norms of the group's variables add up
             sq_norms = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(sq_norms), groups, num))
         norms = tf.sqrt(tf.maximum(sq_norms, 0.0))
-        bounds = self._group_bounds()[None, :]
-        if self.rule == "quantile":
-            terms = tf.cast(norms <= bounds, norms.dtype)
-        else:
-            terms = tf.minimum(norms, self.beta * bounds)
-        return tf.where(finite, terms, tf.zeros_like(terms))
+        return query_terms(self._adaptive, norms, self._group_bounds()[None, :], finite, TF_OPS)
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Accumulates each group's query Σ_i term_i over the lot (:meth:`_query_terms`).
@@ -284,14 +285,8 @@ class AdaptiveClippingCore:
             sums, state.norm_sums = state.norm_sums, None
         else:
             sums = tf.convert_to_tensor(self._norm_sums)
-        if self.rule == "quantile":  # a count: sensitivity 1
-            noisy = _distribute.global_sum(sums + sigmas * noise)
-            below = self.normalize([noisy], num_examples)[0]
-            new_bounds = bounds * tf.exp(-self.quantile_learning_rate * (below - self.target_quantile))
-        else:  # Σ min(‖g‖, βC): sensitivity βC
-            noisy = _distribute.global_sum(sums + sigmas * (self.beta * bounds) * noise)
-            new_bounds = self.alpha * self.normalize([noisy], num_examples)[0]
-        new_bounds = tf.maximum(new_bounds, self.min_clip_bound)
+        noisy = _distribute.global_sum(sums + sigmas * query_sensitivity(self._adaptive, bounds) * noise)
+        new_bounds = next_bounds(self._adaptive, bounds, self.normalize([noisy], num_examples)[0], TF_OPS)
         self.clip_bounds.assign(tf.gather(new_bounds, self._clip_groups()))  # flat: C once per variable
         if _distribute.num_replicas() == 1:
             self._norm_sums.assign(tf.zeros_like(noisy))

@@ -28,6 +28,16 @@ def test_other_keras_backends_are_refused_by_name(keras_backend):
         backends.name_for(keras_backend)
 
 
+@pytest.mark.parametrize("keras_backend", ["jax", "tensorflow", "tf_keras", "torch", "numpy", "openvino", "mxnet"])
+def test_is_jax_names_jax_only_and_never_raises(keras_backend):
+    """One predicate for "the JAX train step applies" (it was written six times); torch is refused elsewhere."""
+    assert backends.is_jax(keras_backend) is (keras_backend == "jax")
+
+
+def test_is_jax_defaults_to_keras3s_backend():
+    assert backends.is_jax() is (keras.config.backend() == "jax")
+
+
 def test_default_is_keras3s_backend_and_tf_keras_objects_run_on_tensorflow():
     import tf_keras
 

@@ -2,11 +2,12 @@
 
 Per-example gradients under ``jax.vmap`` (``_per_example``), the library's Gaussian sampler on
 ``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and the stateless private
-train step (``_train_step``) that ``keras_dpsgd.keras3.make_private`` installs when
-``keras.config.backend() == "jax"``. What is not built on JAX yet is refused by name
-(:func:`unsupported`): ``keras.distribution`` (DataParallel), adaptive clipping and optimizer hooks,
-the audit callback, DPPCA/DPNormalization layers, keras_dpsgd's BackupAndRestore, a model's own
-train step (``private_update``/``sanitized_gradients``) and the CLI.
+train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive``) that
+``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
+(``keras_dpsgd.backends.is_jax``). What is not built on JAX yet is refused by name
+(:func:`unsupported`): ``keras.distribution`` (DataParallel), optimizer hooks of one's own,
+the audit callback, DPPCA/DPNormalization layers and a model's own train step
+(``private_update``/``sanitized_gradients``).
 """
 
 from typing import Any

@@ -11,7 +11,9 @@ Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_st
    (``jax.lax.cond``): one noise draw per lot;
 4. release: noise N(0, σ_v² C_v²) from the library's sampler (``_noise``), divided by L
    (``expected_lot_size``, else the realized number of examples), plus the gradient of the weight
-   regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it;
+   regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it. With adaptive
+   clipping the bound queries summed over the lot are released after it and set the next bounds
+   (``_adaptive``: the rules of ``keras_dpsgd.tools._adaptive_rules``);
 5. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
    them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
 
@@ -33,7 +35,7 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import _noise
+from keras_dpsgd.backends.jax import _adaptive, _noise
 from keras_dpsgd.backends.jax._loss import per_example_loss
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
 
@@ -59,12 +61,14 @@ def unsupported(feature: str) -> ValueError:
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on JAX."""
     from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+    from keras_dpsgd.tools._adaptive_core import AdaptiveClippingCore
 
     cls = type(optimizer)
-    if getattr(optimizer, "_adaptive", None) is not None or "Adaptive" in cls.__name__:
-        raise unsupported(f"adaptive clipping ({cls.__name__})")
+    # The step runs no hook: it does DPKeras3Mixin's release, and adaptive clipping's (``_adaptive``).
+    adaptive = _adaptive.is_adaptive(optimizer)
     for hook in _HOOKS:
-        if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
+        allowed = [getattr(DPKeras3Mixin, hook, None)] + ([getattr(AdaptiveClippingCore, hook, None)] * adaptive)
+        if not any(getattr(cls, hook, None) is a for a in allowed):
             raise unsupported(
                 f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
             )
@@ -271,6 +275,8 @@ def _clipped_sum(optimizer, opt, grads, weighted_gradient):
     sq = sq_norms(grads)
     finite = finite_rows(sq)
     factors = clip_factors(sq, bounds, groups, finite, stability)
+    if _adaptive.is_adaptive(optimizer):
+        _adaptive.accumulate_queries(optimizer, opt, sq, finite, bounds)
     exact = clipped_sum(grads, lambda _: factors)[0] if max(groups) > 0 else None
     if exact is not None:
         return exact, finite
@@ -291,16 +297,19 @@ def _release(optimizer, opt, summed, num_examples, reg_grads, trainable):
         base = _noise.key_data(opt[optimizer._jax_key])
         carry, draw = jax.random.split(base)
         opt[optimizer._jax_key] = jax.random.key_data(carry)
+
+    def key_for(index):
+        return _noise.seeded_key(dp.seed, steps, index) if dp.seed is not None else jax.random.fold_in(draw, index)
+
     noised = []
     for v, s in enumerate(summed):
         sigma = dp.sigmas[v]
-        if sigma == 0:
-            noised.append(s)
-            continue
-        key = _noise.seeded_key(dp.seed, steps, v) if dp.seed is not None else jax.random.fold_in(draw, v)
-        noised.append(_noise.add_gaussian(s, sigma * bounds[groups[v]], key))
+        noised.append(s if sigma == 0 else _noise.add_gaussian(s, sigma * bounds[groups[v]], key_for(v)))
     lot = opt[optimizer._jax_lot]
     denominator = jnp.where(lot > 0, lot, jnp.asarray(num_examples, jnp.float32))
+    if _adaptive.is_adaptive(optimizer):  # the bound queries: released with the gradient, after it
+        noised = _adaptive.divide_by_bound(optimizer, noised, bounds)
+        _adaptive.release_queries(optimizer, opt, bounds, denominator, key_for)
     grads = [n / denominator for n in noised]
     if reg_grads is not None:
         grads = [g + r.astype(g.dtype) for g, r in zip(grads, reg_grads)]

@@ -1,0 +1,110 @@
+"""BackupAndRestore, the membership-inference callback and the CLI on JAX: a run interrupted and resumed from its
+backup continues exactly (weights, adaptive bounds, noised_steps, ε), the callback's loss attack has the AUC of the
+model's own losses, and ``keras-dpsgd train`` runs in this process on the bundled digits."""
+
+import keras
+import numpy as np
+import pytest
+from _jax_helpers import built, compiled
+
+import keras_dpsgd.keras3 as k3
+from keras_dpsgd import model_epsilon
+from keras_dpsgd.accounting import compute_epsilon
+from keras_dpsgd.tools import adaptive_clipping as ac
+
+Q, SIGMA, SIGMA_Q, DELTA = 0.5, 1.1, 2.0, 1e-3
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt("killed at the start of epoch 1")
+
+
+class _Steps(keras.callbacks.Callback):
+    taken = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        _Steps.taken += 1
+
+
+def _run(callbacks=(), moved=False):
+    """A seeded adaptive run of 2 epochs x 2 lots (noise: a function of (seed, step, tensor)); `moved`: other
+    initial weights (only a restore can bring the run back to the uninterrupted one)."""
+    model, x, y = built("dense")
+    if moved:
+        for v in model.trainable_variables:
+            v.assign(v + 0.5)
+    compiled(
+        model,
+        k3.AdaptiveDPSGDOptimizer,
+        l2_norm_clip=1.0,
+        noise_multiplier=SIGMA,
+        norm_noise_multiplier=SIGMA_Q,
+        learning_rate=0.1,
+        sampling_rate=Q,
+        expected_lot_size=2.0,
+        seed=5,
+    )
+    model.fit(x[:4], y[:4], batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model
+
+
+def _loss_attack_auc(model, members, non_members):
+    """P(ℓ(member) < ℓ(non-member)) (ties 1/2) from the model's logits: the "loss" attack's AUC."""
+
+    def losses(xs, ys):
+        logits = np.asarray(model(xs), np.float64)
+        log_p = logits - logits.max(axis=1, keepdims=True)
+        log_p -= np.log(np.exp(log_p).sum(axis=1, keepdims=True))
+        return -log_p[np.arange(len(ys)), ys]
+
+    inside, outside = losses(*members), losses(*non_members)
+    return np.mean((inside[:, None] < outside[None, :]) + 0.5 * (inside[:, None] == outside[None, :]))
+
+
+def test_backup_and_restore_resumes_exactly_and_the_membership_callback_runs(tmp_path):
+    """The uninterrupted run also carries the membership-inference callback: its loss attack's AUC is the model's."""
+    _, x, y = built("dense")
+    rng = np.random.default_rng(3)
+    members, non_members = (x[:4], y[:4]), (rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6))
+    audit = k3.MembershipInferenceCallback(members, non_members, methods=("loss",), verbose=0)
+    whole = _run([audit])
+    ((epoch, reports),) = audit.history[-1:]
+    assert (epoch, len(audit.history)) == (2, 2)
+    assert reports["loss"].auc == pytest.approx(_loss_attack_auc(whole, members, non_members), abs=1e-9)
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        _run([k3.BackupAndRestore(backup), _Interrupt()])  # the backup holds epoch 0
+    _Steps.taken = 0
+    resumed = _run([k3.BackupAndRestore(backup), _Steps()], moved=True)
+    assert _Steps.taken == 2  # epoch 1 only
+    assert int(resumed.optimizer.noised_steps.numpy()) == 4
+    for a, b in zip(whole.trainable_variables, resumed.trainable_variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(resumed.optimizer.clip_bounds.numpy(), whole.optimizer.clip_bounds.numpy(), rtol=1e-6)
+    event = ac.adaptive_clipping_event(
+        noise_multiplier=SIGMA, norm_noise_multiplier=SIGMA_Q, num_layers=1, sampling_rate=Q, steps=4
+    )
+    eps, _ = model_epsilon(resumed, target_delta=DELTA)
+    assert eps == pytest.approx(compute_epsilon([event], DELTA), rel=1e-9)
+    assert eps == pytest.approx(model_epsilon(whole, target_delta=DELTA)[0], rel=1e-12)
+
+
+def test_cli_trains_on_jax_in_this_process(capsys):
+    """``KERAS_BACKEND=jax keras-dpsgd train`` on the bundled digits: the planned lots run, ε is the accountant's."""
+    import json
+
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent
+    from keras_dpsgd.cli import main
+
+    argv = ["train", "--epochs", "1", "--lot-size", "256", "--width", "8", "--seed", "0", "--json"]
+    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dataset"] == "digits" and result["keras"] == keras.__version__
+    assert result["steps"] == result["planned_steps"] == 6  # ceil(1347 / 256) lots
+    event = PoissonSampledGaussianEvent(result["sampling_rate"], result["noise_multiplier"], result["steps"])
+    assert result["epsilon"] == pytest.approx(compute_epsilon([event], result["delta"]), rel=1e-9)
+    assert result["epsilon"] <= result["target_epsilon"]
+    assert result["test_accuracy"] > 0.2  # 10 classes: above chance after 6 noisy lots
