@@ -34,9 +34,11 @@ __all__ = [
     "values_kept_on_refusal",
 ]
 
-# The seam's interface (keras_dpsgd.backends). One per-example computation: each example's gradient under
-# jax.vmap, its own batch of one; "fast"/"reference" name TensorFlow's graph analysis and are refused here.
-PER_EXAMPLE_CHOICES = ("auto",)
+# The seam's interface (keras_dpsgd.backends). "auto": the layers with rules (_ghost) take their norms and
+# clipped sums from their inputs and output gradients, every other variable its gradient under jax.vmap;
+# "reference": every variable's gradient under jax.vmap (each example its own batch of one). "fast" names
+# TensorFlow's graph analysis and is refused here.
+PER_EXAMPLE_CHOICES = ("auto", "reference")
 
 
 def per_example(name: str, jacobian_fallback: str) -> Any:
