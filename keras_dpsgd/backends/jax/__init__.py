@@ -1,6 +1,7 @@
 """The JAX backend of keras_dpsgd (Keras 3 with ``KERAS_BACKEND=jax``).
 
-Per-example gradients under ``jax.vmap`` (``_per_example``), the library's Gaussian sampler on
+Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for the common layers
+(ghost norms and book-keeping sums: ``_ghost``, ``_rules``), the library's Gaussian sampler on
 ``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and the stateless private
 train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive``) that
 ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``

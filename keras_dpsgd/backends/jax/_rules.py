@@ -19,6 +19,27 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 
 
+def _nonnegative(gram):
+    """A Gram form's ||g||², which rounding can leave slightly below 0 where g ≈ 0: clamped at 0 (NaN kept)."""
+    return jnp.where(gram < 0, 0.0, gram)
+
+
+def _outer_sq_norms(a, d):
+    """(||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a Dense kernel and bias.
+
+    ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j)) or the
+    direct product (B·T·i·j), whichever is cheaper.
+    """
+    rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    bias = jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1)
+    if rows == 1:
+        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2)), bias
+    if rows * (d_in + d_out) < d_in * d_out:
+        gram = jnp.sum(jnp.einsum("bti,bsi->bts", a, a) * jnp.einsum("btj,bsj->bts", d, d), (1, 2))
+        return _nonnegative(gram), bias
+    return jnp.sum(jnp.square(jnp.einsum("bti,btj->bij", a, d)), axis=(1, 2)), bias
+
+
 class Rule:
     """A layer whose output before its activation, ``pre(layer, inputs)``, is affine in its trainable variables.
 
@@ -56,18 +77,10 @@ class _Dense(Rule):
             return None
         a = jnp.concatenate([x.reshape(x.shape[0], -1, x.shape[-1]) for x, _ in calls], axis=1).astype(jnp.float32)
         d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
-        out = {}
+        kernel, bias = _outer_sq_norms(a, d)
+        out = {id(layer._kernel): kernel}
         if layer.bias is not None:
-            out[id(layer.bias)] = jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1)
-        rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
-        if rows == 1:
-            out[id(layer._kernel)] = jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2))
-        elif rows * (d_in + d_out) < d_in * d_out:  # Gram: B·T²(d_in + d_out) < direct: B·T·d_in·d_out
-            out[id(layer._kernel)] = jnp.sum(
-                jnp.einsum("bti,bsi->bts", a, a) * jnp.einsum("btj,bsj->bts", d, d), (1, 2)
-            )
-        else:
-            out[id(layer._kernel)] = jnp.sum(jnp.square(jnp.einsum("bti,btj->bij", a, d)), axis=(1, 2))
+            out[id(layer.bias)] = bias
         return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
 
 
@@ -82,7 +95,17 @@ class _EinsumDense(_Dense):
 
 class _Conv(Rule):
     def pre(self, layer, inputs):
-        outputs = layer.convolution_op(inputs, layer.kernel)  # BaseConv.call, before the activation
+        padding = layer.padding  # BaseConv.call (Conv1D.call with "causal"), before the activation
+        if padding == "causal":
+            inputs, padding = keras.ops.pad(inputs, layer._compute_causal_padding()), "valid"
+        outputs = keras.ops.conv(
+            inputs,
+            layer.kernel,
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
         if not layer.use_bias:
             return outputs
         if layer.data_format == "channels_last":
@@ -93,6 +116,33 @@ class _Conv(Rule):
 
     def post(self, layer, outputs):
         return outputs if layer.activation is None else layer.activation(outputs)
+
+    def sq_norms(self, layer, calls, trainable):
+        """The kernel's norm from the input's patches (one row per output position): Dense's forms on them."""
+        if layer.lora_enabled or layer.groups != 1 or layer.data_format != "channels_last":
+            return None
+        if layer.padding not in ("valid", "same"):  # Conv1D's "causal": the vector-Jacobian product
+            return None
+        spec = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}[layer.rank]
+        rows, grads = [], []
+        for a, d in calls:
+            batch = a.shape[0]
+            patches = jax.lax.conv_general_dilated_patches(
+                a.reshape((-1,) + a.shape[2:]).astype(jnp.float32),
+                filter_shape=tuple(layer.kernel_size),
+                window_strides=tuple(layer.strides),
+                padding=layer.padding.upper(),
+                rhs_dilation=tuple(layer.dilation_rate),
+                dimension_numbers=spec,
+            )  # [B, *positions, C·prod(kernel_size)] in some order of the patch's entries: norms do not care
+            rows.append(patches.reshape(batch, -1, patches.shape[-1]))
+            grads.append(d.reshape(batch, -1, d.shape[-1]))
+        out = _outer_sq_norms(jnp.concatenate(rows, 1), jnp.concatenate(grads, 1).astype(jnp.float32))
+        keep = {id(t) for t in trainable}
+        found = {id(layer._kernel): out[0]}
+        if layer.use_bias:
+            found[id(layer.bias)] = out[1]
+        return {k: v for k, v in found.items() if k in keep}
 
 
 class _Embedding(Rule):
@@ -105,7 +155,7 @@ class _Embedding(Rule):
             return None
         d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
         same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)
-        return {id(layer.embeddings): jnp.sum(same * jnp.einsum("btj,bsj->bts", d, d), axis=(1, 2))}
+        return {id(layer.embeddings): _nonnegative(jnp.sum(same * jnp.einsum("btj,bsj->bts", d, d), axis=(1, 2)))}
 
 
 class _LayerNorm(Rule):

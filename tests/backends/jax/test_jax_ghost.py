@@ -39,10 +39,11 @@ def test_plan_covers_the_layers_with_rules_and_leaves_the_rest_to_vmap():
 
 
 def _sequence(rng):
-    """Embedding with repeated ids (Gram form: T² < V), a Dense on the sequence in the Gram form (16 -> 16, T = 6)
+    """Embedding with repeated ids (Gram form: T² < V), a causal Conv1D, a Dense on the sequence in the Gram form (16 -> 16, T = 6)
     and one in the direct form (16 -> 2), called twice (a shared layer: two calls, one gradient)."""
     ids = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(50, 16)(ids)
+    h = keras.layers.Conv1D(16, 2, padding="causal")(h)  # the vector-Jacobian product (causal: no patch form)
     h = keras.layers.Dense(16, activation="tanh")(h)
     shared = keras.layers.Dense(2)
     h = keras.layers.Concatenate()([shared(h), shared(h * 0.5)])
@@ -90,8 +91,8 @@ def test_sequence_model_per_layer_clipped_step_matches_loop():
     per-variable clip bounds: the loop's clipped mean."""
     model, x, y = _model("sequence")
     plan = _plan(model, x)
-    assert {type(layer).__name__ for layer in plan.covered} == {"Embedding", "Dense"} and plan.uncovered == []
-    assert len(plan.expected) == 5  # the shared Dense twice
+    assert {type(layer).__name__ for layer in plan.covered} == {"Embedding", "Conv1D", "Dense"}
+    assert plan.uncovered == [] and len(plan.expected) == 6  # the shared Dense twice
     clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
     compiled(model, l2_norm_clip=clip)
     assert_step(model, x, y, loop_clipped_mean(model, x, y, clip, per_layer=True))
@@ -117,9 +118,19 @@ def test_variable_read_outside_its_layer_is_not_covered():
 
 
 def test_normalization_and_a_nonfinite_example_on_a_convolution():
-    """clipping='normalize' (g/(||g|| + γ)) with one example holding Inf: that example contributes exactly 0."""
-    model, x, y = built("conv2d")
-    x = x.copy()
+    """clipping='normalize' (g/(||g|| + γ)) with one example holding Inf: that example contributes exactly 0.
+    The convolution (SAME, stride 2) takes its kernel's norm from the input's patches."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=5)
     x[1, 0, 0, 0] = np.inf
     compiled(model, l2_norm_clip=None, clipping="normalize", stability=0.05)
     expected = [np.zeros(v.shape) for v in model.trainable_variables]
