@@ -100,19 +100,22 @@ def _intercepting(model, taps: _Taps):
         finally:
             taps.watching = False
 
-    patched = []
+    patched = []  # (object, its own instance attribute "call" before, if any)
     try:
         for layer in taps.layers:
+            patched.append((layer, vars(layer).get("call")))
             object.__setattr__(layer, "call", _wrapped_call(layer, RULES[type(layer)], taps))
-            patched.append(layer)
+        patched.append((model, vars(model).get("call")))
         object.__setattr__(model, "call", watched_call)
-        patched.append(model)
         StatelessScope.get_current_value = read
         yield taps
     finally:
         StatelessScope.get_current_value = original_read
-        for layer in patched:
-            object.__delattr__(layer, "call")
+        for obj, own in reversed(patched):
+            if own is None:
+                object.__delattr__(obj, "call")
+            else:
+                object.__setattr__(obj, "call", own)
 
 
 # ------------------------------------------------------------------------------------------ the plan

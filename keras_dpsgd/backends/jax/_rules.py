@@ -178,6 +178,8 @@ def rule_for(layer) -> Rule | None:
     rule = RULES.get(type(layer))  # exact type: a subclass may compute something else
     if rule is None or not layer.trainable_variables or not rule.covers(layer):
         return None
+    if "call" in vars(layer):  # a call of its own on the instance (patched by someone): not the class's
+        return None
     policy = layer.dtype_policy
     if getattr(policy, "quantization_mode", None) is not None or getattr(layer, "_remat_mode", None) is not None:
         return None
