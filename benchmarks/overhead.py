@@ -21,8 +21,11 @@ What is measured:
   ``--keras 3``: the same models built with Keras 3 (``import keras``), made private with
   ``keras_dpsgd.keras3.make_private`` and compiled with ``keras_dpsgd.keras3.DPSGDOptimizer``,
   against a non-private Keras 3 ``fit``. ``--backend jax`` (with ``--keras 3``): Keras 3 on JAX
-  (``KERAS_BACKEND=jax``, set before keras is imported), the DP step of ``keras_dpsgd/backends/jax``
-  (mode "fast" is its one path, per-example gradients under ``jax.vmap``; "reference" does not exist there).
+  (``KERAS_BACKEND=jax``, set before keras is imported), the DP step of ``keras_dpsgd/backends/jax``:
+  mode "fast" is ``per_example_backend="auto"`` (norm rules for Dense, EinsumDense, Embedding, Conv,
+  LayerNormalization, the rest under ``jax.vmap``), "reference" is ``jax.vmap`` for every variable, and
+  "jax-privacy" is JAX Privacy's Keras API (``jax_privacy.keras_api.make_private``, σ = 1.1, C = 1, run
+  with jax-privacy installed: a venv of its own, see benchmarks/results/overhead_jax_issue29.json).
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
   the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
@@ -66,7 +69,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-MODES = ("nonprivate", "fast", "reference", "fast-clip-only")
+MODES = ("nonprivate", "fast", "reference", "fast-clip-only", "jax-privacy")
 DEFAULT_BATCH = {
     "mlp": 256,
     "alexnet": 128,
@@ -228,7 +231,7 @@ def make_data(name: str, batch: int, batches: int, seed: int = 0):
     return x, y
 
 
-def compile_model(model, mode: str):
+def compile_model(model, mode: str, batch: int = 0):
     keras = _keras()
     if mode == "nonprivate":
         opt = keras.optimizers.SGD(learning_rate=0.01)
@@ -243,14 +246,41 @@ def compile_model(model, mode: str):
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         backend = "reference" if mode == "reference" else "fast"
-        if os.environ.get("KERAS_BACKEND") == "jax" and _KERAS["which"] == "3":
-            backend = "auto"  # JAX has one per-example path (jax.vmap)
+        if os.environ.get("KERAS_BACKEND") == "jax" and _KERAS["which"] == "3" and mode != "reference":
+            backend = "auto"  # JAX: norm rules where a layer has one, else jax.vmap ("reference": jax.vmap only)
         opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.01, per_example_backend=backend)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    elif mode == "jax-privacy":
+        opt, loss = _jax_privacy(model, batch)
     else:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     model.compile(optimizer=opt, loss=loss)
     return model
+
+
+def _jax_privacy(model, batch: int):
+    """JAX Privacy's Keras API (``jax_privacy.keras_api.make_private``) on the same model: σ = 1.1, C = 1.
+
+    Per-example gradients under ``jax.vmap`` (``jax_privacy.clipped_grad``), divided by the batch size
+    (``rescale_to_unit_norm=False``, as ours); ``train_steps`` enough for every timed fit.
+    """
+    import keras
+    from jax_privacy import keras_api
+
+    config = keras_api.DPKerasConfig(
+        epsilon=1e9,  # only checked against σ's ε (σ is given): large enough for any timing run
+        delta=1e-5,
+        clipping_norm=1.0,
+        batch_size=batch,
+        gradient_accumulation_steps=1,
+        train_steps=10**4,  # its fit counts train_size / batch_size steps per epoch: 1
+        train_size=batch,
+        noise_multiplier=1.1,
+        rescale_to_unit_norm=False,
+        seed=0,
+    )
+    keras_api.make_private(model, config)
+    return keras.optimizers.SGD(learning_rate=0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 class _BatchTimer:
@@ -308,8 +338,8 @@ def run_timing(
         _KERAS["which"] = keras_name
         model = build_model(name)
         weights = weights or model.get_weights()
-        model = compile_model(model, mode)
-        model.set_weights(weights)
+        model.set_weights(weights)  # before compile: JAX Privacy's make_private adds weights of its own
+        model = compile_model(model, mode, batch)
         time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
         models[keras_name, mode] = model
     times = {config: [] for config in configs}
@@ -448,10 +478,10 @@ def main(argv=None) -> dict:
     if args.backend == "jax":
         if args.keras != ["3"]:
             parser.error("--backend jax needs --keras 3 (tf_keras runs on TensorFlow only)")
-        if "reference" in args.modes or args.memory or args.max_batch:
-            parser.error(
-                "--backend jax times the modes nonprivate, fast and fast-clip-only only (no --memory, --max-batch)"
-            )
+        if args.memory or args.max_batch:
+            parser.error("--backend jax times steps only (no --memory, --max-batch)")
+    elif "jax-privacy" in args.modes:
+        parser.error("--modes jax-privacy needs --keras 3 --backend jax")
     if "keras" in sys.modules and sys.modules["keras"].backend.backend() != args.backend:
         raise ValueError(f"keras was imported with another backend than --backend {args.backend}")
     os.environ["KERAS_BACKEND"] = args.backend

@@ -1,6 +1,7 @@
 """The JAX backend of keras_dpsgd (Keras 3 with ``KERAS_BACKEND=jax``).
 
-Per-example gradients under ``jax.vmap`` (``_per_example``), the library's Gaussian sampler on
+Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for the common layers
+(ghost norms and book-keeping sums: ``_ghost``, ``_rules``), the library's Gaussian sampler on
 ``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and the stateless private
 train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive``) that
 ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
@@ -34,9 +35,11 @@ __all__ = [
     "values_kept_on_refusal",
 ]
 
-# The seam's interface (keras_dpsgd.backends). One per-example computation: each example's gradient under
-# jax.vmap, its own batch of one; "fast"/"reference" name TensorFlow's graph analysis and are refused here.
-PER_EXAMPLE_CHOICES = ("auto",)
+# The seam's interface (keras_dpsgd.backends). "auto": the layers with rules (_ghost) take their norms and
+# clipped sums from their inputs and output gradients, every other variable its gradient under jax.vmap;
+# "reference": every variable's gradient under jax.vmap (each example its own batch of one). "fast" names
+# TensorFlow's graph analysis and is refused here.
+PER_EXAMPLE_CHOICES = ("auto", "reference")
 
 
 def per_example(name: str, jacobian_fallback: str) -> Any:

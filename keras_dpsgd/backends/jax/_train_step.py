@@ -3,7 +3,9 @@
 Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_step``), for one batch:
 
 1. per-example gradients: ``jax.vmap`` over the batch of ``jax.grad`` of one example's compiled
-   loss through ``model.stateless_call`` on a batch of one (no layer can mix examples);
+   loss through ``model.stateless_call`` on a batch of one (no layer can mix examples); with
+   ``per_example_backend="auto"`` the layers with rules (``_ghost``) are differentiated at their
+   pre-activation outputs instead, their norms and clipped sums taken from inputs and output gradients;
 2. clip (flat or per group, ``_per_example.clip_factors``) and sum, non-finite examples zeroed
    and counted;
 3. with ``gradient_accumulation_steps`` = k > 1, the clipped sums of k batches are accumulated in
@@ -35,7 +37,7 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import _adaptive, _noise
+from keras_dpsgd.backends.jax import _adaptive, _ghost, _noise
 from keras_dpsgd.backends.jax._loss import per_example_loss
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
 
@@ -72,10 +74,10 @@ def check_optimizer(optimizer: Any) -> None:
             raise unsupported(
                 f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
             )
-    if optimizer.per_example_backend != "auto":
+    if optimizer.per_example_backend not in ("auto", "reference"):
         raise unsupported(
-            f"per_example_backend={optimizer.per_example_backend!r} (JAX computes each example's gradient under "
-            "jax.vmap; leave per_example_backend='auto')"
+            f"per_example_backend={optimizer.per_example_backend!r} (JAX takes 'auto': norm rules where a layer has "
+            "one, else jax.vmap; or 'reference': jax.vmap for every variable)"
         )
 
 
@@ -166,8 +168,11 @@ def _seed_positions(model) -> list[int]:
     return [j for j, v in enumerate(model.non_trainable_variables) if id(v) in states]
 
 
-def _per_example(model, trainable, non_trainable, x, y, sample_weight):
+def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None):
     """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values).
+
+    With a `tap` (``_ghost.Plan``) the gradients are those of ``tap.params(trainable)`` and the covered
+    layers' inputs are left in ``tap.captured`` (no weighted gradient then).
 
     Each example draws its own randomness (a Dropout mask of its own): example i runs with every
     seed state ``[seed, counter]`` as ``[seed + i, counter]``; the states then advance as in one call.
@@ -187,16 +192,21 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight):
         values = list(non_trainable)
         for j, seed in zip(seed_pos, seeds_i):
             values[j] = seed
-        y_pred, new_values, losses = model.stateless_call(params, values, xb, return_losses=True, **kwargs)
+        if tap is None:
+            y_pred, new_values, losses = model.stateless_call(params, values, xb, return_losses=True, **kwargs)
+            captured = []
+        else:
+            with tap.applied(params, trainable) as (full, captured):
+                y_pred, new_values, losses = model.stateless_call(full, values, xb, return_losses=True, **kwargs)
         data_losses.append(len(losses) - num_weight_terms)
         loss = per_example_loss(model, yb, y_pred, wb)[0]
         new_seeds = [new_values[j] for j in seed_pos]
-        return loss, (loss, y_pred, [new_values[j] for j in other_pos], new_seeds)
+        return loss, (loss, y_pred, [new_values[j] for j in other_pos], new_seeds, captured)
 
     try:
-        grads, (losses, y_pred, new_others, new_seeds) = jax.vmap(
-            jax.grad(loss_of_one, has_aux=True), in_axes=(None, 0, 0, 0, 0), out_axes=(0, (0, 0, None, 0))
-        )(trainable, seeds, x, y, sample_weight)
+        grads, (losses, y_pred, new_others, new_seeds, captured) = jax.vmap(
+            jax.grad(loss_of_one, has_aux=True), in_axes=(None, 0, 0, 0, 0), out_axes=(0, (0, 0, None, 0, 0))
+        )(trainable if tap is None else tap.params(trainable), seeds, x, y, sample_weight)
     except ValueError as err:
         if "out_axes" not in str(err) and "vmap has mapped output" not in str(err):
             raise
@@ -218,6 +228,9 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight):
     for j, value in zip(seed_pos, new_seeds):
         new_values[j] = value[0] if batch else non_trainable[j]  # example 0 ran with the state itself
     y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
+    if tap is not None:
+        tap.captured = captured
+        return grads, losses, y_pred, new_values, None
 
     def weighted_gradient(weights):
         """∇ Σ_i w_i ℓ_i, each ℓ_i computed on its own (vmap, the same seeds): Σ_i w_i g_i by linearity."""
@@ -258,6 +271,23 @@ def _regularization(model, trainable):
     return jax.value_and_grad(total)(trainable)
 
 
+def _factors_of(optimizer, opt):
+    """sq [B, V] -> (clip factors [B, V], finite rows [B, 1]) under the optimizer's clipping."""
+    bounds = opt[optimizer.clip_bounds]
+    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
+    stability = optimizer.stability if optimizer.clipping == "normalize" else None
+    groups = optimizer._clip_groups()
+
+    def factors_of(sq):
+        finite = finite_rows(sq)
+        factors = clip_factors(sq, bounds, groups, finite, stability)
+        if _adaptive.is_adaptive(optimizer):  # the bound queries read the same norms
+            _adaptive.accumulate_queries(optimizer, opt, sq, finite, bounds)
+        return factors, finite
+
+    return factors_of
+
+
 def _clipped_sum(optimizer, opt, grads, weighted_gradient):
     """(Σ_i clip(g_i) per variable, finite rows [B, 1]) of one batch.
 
@@ -268,15 +298,9 @@ def _clipped_sum(optimizer, opt, grads, weighted_gradient):
     per-layer clipping, the sum is taken over the per-example gradients with every zero-factor
     example replaced by exact zeros (``_per_example.clipped_sum``).
     """
-    bounds = opt[optimizer.clip_bounds]
-    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
-    stability = optimizer.stability if optimizer.clipping == "normalize" else None
     groups = optimizer._clip_groups()
     sq = sq_norms(grads)
-    finite = finite_rows(sq)
-    factors = clip_factors(sq, bounds, groups, finite, stability)
-    if _adaptive.is_adaptive(optimizer):
-        _adaptive.accumulate_queries(optimizer, opt, sq, finite, bounds)
+    factors, finite = _factors_of(optimizer, opt)(sq)
     exact = clipped_sum(grads, lambda _: factors)[0] if max(groups) > 0 else None
     if exact is not None:
         return exact, finite
@@ -332,10 +356,18 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     opt = _OptimizerState(optimizer, optimizer_values)
     trainable = list(trainable)
 
-    grads, losses, y_pred, non_trainable, weighted_gradient = _per_example(
-        self, trainable, non_trainable, x, y, sample_weight
-    )
-    summed, finite = _clipped_sum(optimizer, opt, grads, weighted_gradient)
+    kwargs = {"training": True} if self._call_has_training_arg else {}
+    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs) if optimizer.per_example_backend == "auto" else None
+    if ghost is None:
+        grads, losses, y_pred, non_trainable, weighted_gradient = _per_example(
+            self, trainable, non_trainable, x, y, sample_weight
+        )
+        summed, finite = _clipped_sum(optimizer, opt, grads, weighted_gradient)
+    else:  # covered layers' norms and sums from their inputs and output gradients (_ghost)
+        before = list(non_trainable)
+        grads, losses, y_pred, non_trainable, _ = _per_example(self, trainable, before, x, y, sample_weight, ghost)
+        factors_of = _factors_of(optimizer, opt)
+        summed, finite = ghost.clipped_sum(grads, trainable, before, factors_of, optimizer._clip_groups())
     nonfinite = jnp.sum((~finite[:, 0]).astype(jnp.int32))
     opt[optimizer._jax_nonfinite] = opt[optimizer._jax_nonfinite] + nonfinite
     num_examples = jnp.float32(losses.shape[0])

@@ -103,7 +103,7 @@ def test_gradient_canaries_and_own_step_are_refused():
 
 
 def test_explicit_per_example_backend_is_refused():
-    """TensorFlow's per-example backends name a graph analysis JAX does not have: refused when the optimizer
-    is made (the seam's PER_EXAMPLE_CHOICES), before any fit."""
-    with pytest.raises(ValueError, match=r"per_example_backend must be one of \('auto',\), got 'fast'"):
+    """TensorFlow's fast per-example backend names a graph analysis JAX does not have: refused when the
+    optimizer is made (the seam's PER_EXAMPLE_CHOICES), before any fit."""
+    with pytest.raises(ValueError, match=r"per_example_backend must be one of \('auto', 'reference'\), got 'fast'"):
         k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, per_example_backend="fast")

@@ -1,0 +1,257 @@
+"""Per-example clipped sums on JAX without per-example weight gradients for the layers it knows (ghost clipping).
+
+The exact path (``_per_example``) differentiates each example's loss, on a batch of one under
+``jax.vmap``, with respect to every trainable variable: B full gradients. Here the same vmapped
+backward pass is taken with respect to a zero perturbation ``z`` added to the pre-activation output
+of each *covered* layer call (and to the other trainable variables, as before). It returns, per
+example i and call c, the layer's input ``a_ic`` (recorded in the forward pass) and its output
+gradient ``δ_ic = ∂ℓ_i/∂z_c``. A covered layer's output before its activation is affine in its
+trainable variables ``w`` given its input (``pre(a, w)``), so an example's gradient is the
+vector-Jacobian product ``g_i = Σ_c (∂pre/∂w)(a_ic)ᵀ δ_ic``, and
+
+* its squared norm comes from ``(a_i, δ_i)``: for a Dense kernel ``||a_i||²·||δ_i||²`` (one row) or
+  ``Σ_{t,s} (a_t·a_s)(δ_t·δ_s)`` (rows t of a sequence), for an Embedding
+  ``Σ_{t,s} [id_t = id_s] δ_t·δ_s`` (Li et al. 2022, "ghost clipping"; Bu et al. 2023,
+  "book-keeping"), otherwise the vector-Jacobian product of one example (this layer's gradient only);
+* the clipped sum ``Σ_i f_i g_i`` is one vector-Jacobian product over the batch with cotangents
+  ``f_i δ_i`` (no second backward pass through the model; no per-example gradient kept).
+
+Mixing is impossible by construction, as on the exact path: the forward and backward passes run
+under ``jax.vmap`` on batches of one, and so do the rules' products (``jax.vmap`` of ``pre`` on one
+example's input). An example with factor 0 (non-finite) has its inputs and cotangents replaced by
+exact zeros first. Layers covered (exact type, float32, not quantized, no rematerialization; their rules in ``_rules``):
+``Dense`` (LoRA included), ``EinsumDense`` (LoRA included), ``Embedding`` (without LoRA),
+``Conv1D``/``Conv2D``/``Conv3D``, ``LayerNormalization``. Every other trainable variable keeps the
+exact per-example gradient of ``_per_example`` (one warning names its layers). A covered variable
+read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel)
+would lose that use's gradient: every read is watched when the step is traced and such a layer is
+not covered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from keras_dpsgd.backends.jax._rules import RULES, per_example_grads, rule_for, weighted_sums
+
+__all__ = ["Plan", "plan"]
+
+_LOG = logging.getLogger("keras_dpsgd")
+_ANNOUNCED: set = set()
+
+
+# -------------------------------------------------------------------------------------- interception
+class _Taps:
+    """The covered calls of one trace: their order and shapes, the inputs recorded, the reads watched."""
+
+    def __init__(self, layers, expected=None, zs=None):
+        self.layers = list(layers)
+        self.owner = {id(v): layer for layer in self.layers for v in layer.variables}
+        self.expected, self.zs = expected, zs
+        self.calls, self.inputs, self.inside, self.violations = [], [], [], set()
+        self.watching = False
+
+
+def _wrapped_call(layer, rule, taps):
+    def call(inputs, *args, **kwargs):
+        taps.inside.append(layer)
+        try:
+            pre = rule.pre(layer, inputs)
+        finally:
+            taps.inside.pop()
+        k = len(taps.calls)
+        taps.calls.append((layer, tuple(pre.shape)))
+        if taps.zs is not None:
+            if k >= len(taps.expected) or taps.expected[k] != (layer, tuple(pre.shape)):
+                raise RuntimeError(
+                    f"keras_dpsgd: layer {layer.name!r} was called in another order or shape than when the step was "
+                    "planned; the per-example gradients cannot be proven exact"
+                )
+            pre = pre + taps.zs[k].astype(pre.dtype)
+            taps.inputs.append(inputs)
+        return rule.post(layer, pre)
+
+    return call
+
+
+@contextlib.contextmanager
+def _intercepting(model, taps: _Taps):
+    """Covered layers' calls tap their pre-activations; reads of their variables elsewhere are recorded."""
+    original_read = StatelessScope.get_current_value
+
+    def read(scope, variable):
+        owner = taps.owner.get(id(variable))
+        if owner is not None and taps.watching and (not taps.inside or taps.inside[-1] is not owner):
+            taps.violations.add(owner)
+        return original_read(scope, variable)
+
+    model_call = model.call
+
+    def watched_call(*args, **kwargs):
+        taps.watching = True
+        try:
+            return model_call(*args, **kwargs)
+        finally:
+            taps.watching = False
+
+    patched = []  # (object, its own instance attribute "call" before, if any)
+    try:
+        for layer in taps.layers:
+            patched.append((layer, vars(layer).get("call")))
+            object.__setattr__(layer, "call", _wrapped_call(layer, RULES[type(layer)], taps))
+        patched.append((model, vars(model).get("call")))
+        object.__setattr__(model, "call", watched_call)
+        StatelessScope.get_current_value = read
+        yield taps
+    finally:
+        StatelessScope.get_current_value = original_read
+        for obj, own in reversed(patched):
+            if own is None:
+                object.__delattr__(obj, "call")
+            else:
+                object.__setattr__(obj, "call", own)
+
+
+# ------------------------------------------------------------------------------------------ the plan
+def plan(model, trainable, non_trainable, x, kwargs) -> Plan | None:
+    """The covered layers of `model` for this trace (``None`` when none is), found by tracing one example."""
+    candidates = [
+        layer for layer in model._flatten_layers(include_self=False, recursive=True) if rule_for(layer) is not None
+    ]
+    seen, shared = set(), set()
+    for layer in candidates:
+        for v in layer.variables:
+            (shared if id(v) in seen else seen).add(id(v))
+    candidates = [layer for layer in candidates if not any(id(v) in shared for v in layer.variables)]
+    if not candidates:
+        return None
+    taps = _Taps(candidates)
+    x_one = keras.tree.map_structure(lambda a: None if a is None else a[:1], x)
+
+    def forward(params, values, xb):
+        with _intercepting(model, taps):
+            return model.stateless_call(params, values, xb, **kwargs)[0]
+
+    jax.eval_shape(forward, list(trainable), list(non_trainable), x_one)
+    called = {id(layer) for layer, _ in taps.calls}
+    trainable_ids = {id(v) for v in model.trainable_variables}
+    covered = [
+        layer
+        for layer in candidates
+        if id(layer) in called
+        and layer not in taps.violations
+        and all(id(v) in trainable_ids for v in layer.trainable_variables)
+    ]
+    if not covered:
+        return None
+    return Plan(model, covered, [(layer, shape) for layer, shape in taps.calls if layer in covered])
+
+
+class Plan:
+    """The covered layers and calls of one trace: what the vmapped backward pass differentiates, and the rules.
+
+    Used by ``_train_step._per_example`` as its ``tap``: :meth:`params` (what ``jax.grad`` differentiates),
+    :meth:`applied` (the model's trainable values and the interception for one example), then
+    :meth:`clipped_sum` on the gradients and the recorded inputs (:attr:`captured`).
+    """
+
+    def __init__(self, model, covered, expected):
+        self.model, self.covered, self.expected = model, covered, expected
+        covered_ids = {id(v) for layer in covered for v in layer.trainable_variables}
+        variables = model.trainable_variables
+        self.index = {id(v): j for j, v in enumerate(variables)}
+        self.uncovered = [j for j, v in enumerate(variables) if id(v) not in covered_ids]
+        self.captured = None
+        self._announce([v for j, v in enumerate(variables) if j in set(self.uncovered)])
+
+    def _announce(self, variables) -> None:
+        names = tuple(v.path for v in variables)
+        if names and names not in _ANNOUNCED:
+            _ANNOUNCED.add(names)
+            _LOG.warning(
+                "keras_dpsgd (JAX): %d trainable variable(s) outside the layers with per-example norm rules "
+                "(Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization in float32) take exact "
+                "per-example gradients under jax.vmap, about B times their gradient's memory: %s",
+                len(names),
+                ", ".join(names),
+            )
+
+    def params(self, trainable):
+        """(the uncovered variables' values, one zero perturbation per covered call): what jax.grad takes."""
+        zs = [jnp.zeros(shape, jnp.float32) for _, shape in self.expected]
+        return [trainable[j] for j in self.uncovered], zs
+
+    @contextlib.contextmanager
+    def applied(self, params, trainable):
+        """(the model's trainable values with `params`' uncovered ones, the recorded inputs) for one example."""
+        uncovered, zs = params
+        full = list(jax.lax.stop_gradient(t) for t in trainable)
+        for j, value in zip(self.uncovered, uncovered):
+            full[j] = value
+        taps = _Taps(self.covered, self.expected, zs)
+        with _intercepting(self.model, taps):
+            yield full, taps.inputs
+        if taps.violations:
+            names = sorted(layer.name for layer in taps.violations)
+            raise RuntimeError(f"keras_dpsgd: the variables of layer(s) {names} were read outside their layer's call")
+        if len(taps.calls) != len(self.expected):
+            raise RuntimeError("keras_dpsgd: the covered layers were called another number of times than planned")
+
+    def _values(self, trainable, non_trainable):
+        values = {id(v): t for v, t in zip(self.model.trainable_variables, trainable)}
+        values.update({id(v): t for v, t in zip(self.model.non_trainable_variables, non_trainable)})
+        return values
+
+    def _calls(self, grads):
+        """{layer: [(inputs [B, 1, ...], output gradient [B, 1, ...]) per call]}."""
+        calls = {id(layer): [] for layer in self.covered}
+        for (layer, _), a, d in zip(self.expected, self.captured, grads[1]):
+            calls[id(layer)].append((a, d))
+        return calls
+
+    def clipped_sum(self, grads, trainable, non_trainable, factors_of, groups) -> tuple[list, jax.Array]:
+        """(Σ_i f_i g_i per trainable variable, finite rows [B, 1]).
+
+        `factors_of(sq [B, V])` -> (factors [B, V], finite [B, 1]); `groups[v]`: variable v's clip group.
+        """
+        from keras_dpsgd.backends.jax._per_example import sq_norms
+
+        uncovered_grads = list(grads[0])
+        values = self._values(trainable, non_trainable)
+        calls = self._calls(grads)
+        columns = [None] * len(trainable)
+        if uncovered_grads:
+            uncovered_sq = sq_norms(uncovered_grads)
+            for c, j in enumerate(self.uncovered):
+                columns[j] = uncovered_sq[:, c]
+        for layer in self.covered:
+            rule, train = RULES[type(layer)], layer.trainable_variables
+            closed = rule.sq_norms(layer, calls[id(layer)], train) or {}
+            missing = [v for v in train if id(v) not in closed]
+            if missing:
+                direct = per_example_grads(layer, rule, calls[id(layer)], values, missing)
+                closed.update(
+                    {id(v): jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), 1) for v, g in zip(missing, direct)}
+                )
+            for v in train:
+                columns[self.index[id(v)]] = closed[id(v)].astype(jnp.float32)
+        sq = jnp.stack(columns, axis=1)
+        factors, finite = factors_of(sq)
+
+        summed = [None] * len(trainable)
+        for c, (j, g) in enumerate(zip(self.uncovered, uncovered_grads)):
+            f = factors[:, j].reshape((-1,) + (1,) * (g.ndim - 1))
+            summed[j] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
+        for layer in self.covered:
+            rule = RULES[type(layer)]
+            for v, s in weighted_sums(
+                layer, rule, calls[id(layer)], values, factors, finite, self.index, groups
+            ).items():
+                summed[self.index[v]] = s
+        return summed, finite

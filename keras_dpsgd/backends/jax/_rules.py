@@ -1,0 +1,246 @@
+"""The layers with per-example norm rules on JAX, and the vector-Jacobian products the rules share (``_ghost``).
+
+A rule (:class:`Rule`) serves a layer whose output before its activation, ``pre(layer, inputs)``, is
+affine in its trainable variables given its input. From each example's inputs ``a_i`` and output gradients
+``δ_i`` (one pair per call, [B, 1, ...]: each example a batch of one), :func:`per_example_grads` gives
+this layer's gradient of one example (``jax.vmap`` of a vector-Jacobian product) and :func:`weighted_sums`
+the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``).
+``Rule.sq_norms`` may replace the former by closed forms (Dense: ``||a||²·||δ||²`` or the Gram form on
+sequences; Embedding: the Gram form with id equality). ``RULES`` maps an exact layer type to its rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+__all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
+
+
+def _nonnegative(gram):
+    """A Gram form's ||g||², which rounding can leave slightly below 0 where g ≈ 0: clamped at 0 (NaN kept)."""
+    return jnp.where(gram < 0, 0.0, gram)
+
+
+def _outer_sq_norms(a, d):
+    """(||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a Dense kernel and bias.
+
+    ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j)) or the
+    direct product (B·T·i·j), whichever is cheaper.
+    """
+    rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    bias = jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1)
+    if rows == 1:
+        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2)), bias
+    if rows * (d_in + d_out) < d_in * d_out:
+        gram = jnp.sum(jnp.einsum("bti,bsi->bts", a, a) * jnp.einsum("btj,bsj->bts", d, d), (1, 2))
+        return _nonnegative(gram), bias
+    return jnp.sum(jnp.square(jnp.einsum("bti,btj->bij", a, d)), axis=(1, 2)), bias
+
+
+class Rule:
+    """A layer whose output before its activation, ``pre(layer, inputs)``, is affine in its trainable variables.
+
+    ``pre`` reads the layer's variables from the current ``StatelessScope``; ``post`` is what the layer
+    applies after (its activation). ``sq_norms`` may return closed forms per variable (``None``: the
+    vector-Jacobian product of each example).
+    """
+
+    def pre(self, layer, inputs):
+        raise NotImplementedError
+
+    def post(self, layer, outputs):
+        return outputs
+
+    def covers(self, layer) -> bool:
+        return not getattr(layer, "lora_enabled", False)
+
+    def sq_norms(self, layer, calls, trainable) -> dict | None:
+        return None
+
+
+class _Dense(Rule):
+    def pre(self, layer, inputs):
+        x = keras.ops.matmul(inputs, layer.kernel)  # Dense.kernel adds LoRA's product where enabled
+        return x if layer.bias is None else keras.ops.add(x, layer.bias)
+
+    def post(self, layer, outputs):
+        return outputs if layer.activation is None else layer.activation(outputs)
+
+    def covers(self, layer) -> bool:
+        return True
+
+    def sq_norms(self, layer, calls, trainable):
+        if layer.lora_enabled:
+            return None
+        a = jnp.concatenate([x.reshape(x.shape[0], -1, x.shape[-1]) for x, _ in calls], axis=1).astype(jnp.float32)
+        d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
+        kernel, bias = _outer_sq_norms(a, d)
+        out = {id(layer._kernel): kernel}
+        if layer.bias is not None:
+            out[id(layer.bias)] = bias
+        return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
+
+
+class _EinsumDense(_Dense):
+    def pre(self, layer, inputs):
+        x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+        return x if layer.bias is None else keras.ops.add(x, layer.bias)
+
+    def sq_norms(self, layer, calls, trainable):
+        return None
+
+
+class _Conv(Rule):
+    def pre(self, layer, inputs):
+        padding = layer.padding  # BaseConv.call (Conv1D.call with "causal"), before the activation
+        if padding == "causal":
+            inputs, padding = keras.ops.pad(inputs, layer._compute_causal_padding()), "valid"
+        outputs = keras.ops.conv(
+            inputs,
+            layer.kernel,
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        if not layer.use_bias:
+            return outputs
+        if layer.data_format == "channels_last":
+            shape = (1,) * (layer.rank + 1) + (layer.filters,)
+        else:
+            shape = (1, layer.filters) + (1,) * layer.rank
+        return keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
+
+    def post(self, layer, outputs):
+        return outputs if layer.activation is None else layer.activation(outputs)
+
+    def sq_norms(self, layer, calls, trainable):
+        """The kernel's norm from the input's patches (one row per output position): Dense's forms on them."""
+        if layer.lora_enabled or layer.groups != 1 or layer.data_format != "channels_last":
+            return None
+        if layer.padding not in ("valid", "same"):  # Conv1D's "causal": the vector-Jacobian product
+            return None
+        spec = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}[layer.rank]
+        rows, grads = [], []
+        for a, d in calls:
+            batch = a.shape[0]
+            patches = jax.lax.conv_general_dilated_patches(
+                a.reshape((-1,) + a.shape[2:]).astype(jnp.float32),
+                filter_shape=tuple(layer.kernel_size),
+                window_strides=tuple(layer.strides),
+                padding=layer.padding.upper(),
+                rhs_dilation=tuple(layer.dilation_rate),
+                dimension_numbers=spec,
+            )  # [B, *positions, C·prod(kernel_size)] in some order of the patch's entries: norms do not care
+            rows.append(patches.reshape(batch, -1, patches.shape[-1]))
+            grads.append(d.reshape(batch, -1, d.shape[-1]))
+        out = _outer_sq_norms(jnp.concatenate(rows, 1), jnp.concatenate(grads, 1).astype(jnp.float32))
+        keep = {id(t) for t in trainable}
+        found = {id(layer._kernel): out[0]}
+        if layer.use_bias:
+            found[id(layer.bias)] = out[1]
+        return {k: v for k, v in found.items() if k in keep}
+
+
+class _Embedding(Rule):
+    def pre(self, layer, inputs):
+        return keras.layers.Embedding.call(layer, inputs)
+
+    def sq_norms(self, layer, calls, trainable):
+        ids = jnp.concatenate([x.reshape(x.shape[0], -1) for x, _ in calls], axis=1)
+        if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
+            return None
+        d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
+        same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)
+        return {id(layer.embeddings): _nonnegative(jnp.sum(same * jnp.einsum("btj,bsj->bts", d, d), axis=(1, 2)))}
+
+
+class _LayerNorm(Rule):
+    def pre(self, layer, inputs):
+        return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
+
+
+RULES: dict[type, Rule] = {
+    keras.layers.Dense: _Dense(),
+    keras.layers.EinsumDense: _EinsumDense(),
+    keras.layers.Conv1D: _Conv(),
+    keras.layers.Conv2D: _Conv(),
+    keras.layers.Conv3D: _Conv(),
+    keras.layers.Embedding: _Embedding(),
+    keras.layers.LayerNormalization: _LayerNorm(),
+}
+
+
+def rule_for(layer) -> Rule | None:
+    rule = RULES.get(type(layer))  # exact type: a subclass may compute something else
+    if rule is None or not layer.trainable_variables or not rule.covers(layer):
+        return None
+    if "call" in vars(layer):  # a call of its own on the instance (patched by someone): not the class's
+        return None
+    policy = layer.dtype_policy
+    if getattr(policy, "quantization_mode", None) is not None or getattr(layer, "_remat_mode", None) is not None:
+        return None
+    if policy.compute_dtype != "float32" or policy.variable_dtype != "float32":
+        return None
+    return rule
+
+
+def _pre_at(layer, rule, inputs, values):
+    """The layer's pre-activation output on `inputs` with its variables at `values` (id -> value)."""
+    with StatelessScope(state_mapping=[(v, values[id(v)]) for v in layer.variables]):
+        return rule.pre(layer, inputs)
+
+
+def _with(values, variables, new):
+    out = dict(values)
+    out.update({id(v): n for v, n in zip(variables, new)})
+    return out
+
+
+def per_example_grads(layer, rule, calls, values, variables) -> list:
+    """Each example's gradient of `variables` (this layer's only): [B, *shape] each, Σ over the calls."""
+    current = [values[id(v)] for v in variables]
+
+    def one(a, d):
+        _, vjp = jax.vjp(lambda w: _pre_at(layer, rule, a, _with(values, variables, w)), current)
+        return vjp(d.astype(jnp.float32))[0]
+
+    total = None
+    for a, d in calls:
+        g = jax.vmap(one)(a, d)
+        total = g if total is None else [t + x for t, x in zip(total, g)]
+    return total
+
+
+def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) -> dict:
+    """{id(v): Σ_i f_iv g_iv} for the layer's trainable variables: one vjp over the batch per clip group.
+
+    The pre-activation is recomputed under ``jax.vmap`` on each example's input (batches of one) and
+    transposed at cotangents ``f_i δ_i``; rows with factor 0 (or non-finite) are exact zeros first.
+    """
+    variables = layer.trainable_variables
+    current = [values[id(v)] for v in variables]
+    masked = []
+    for a, _ in calls:
+        keep = finite.reshape((-1,) + (1,) * (a.ndim - 1))
+        masked.append(jnp.where(keep, a, jnp.zeros((), a.dtype)))
+
+    def batched(w):
+        at = _with(values, variables, w)
+        return [jax.vmap(lambda a: _pre_at(layer, rule, a, at))(a) for a in masked]
+
+    _, vjp = jax.vjp(batched, current)
+    out = {}
+    for group in sorted({groups[index[id(v)]] for v in variables}):
+        members = [v for v in variables if groups[index[id(v)]] == group]
+        f = factors[:, index[id(members[0])]]  # one column per clip group: its members' factors are equal
+        cotangents = []
+        for _, d in calls:
+            fb = f.reshape((-1,) + (1,) * (d.ndim - 1))
+            cotangents.append(jnp.where(fb > 0, d.astype(jnp.float32) * fb, 0.0))
+        sums = vjp(cotangents)[0]
+        out.update({id(u): s for u, s in zip(variables, sums) if groups[index[id(u)]] == group})
+    return out

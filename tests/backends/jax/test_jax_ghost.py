@@ -1,0 +1,158 @@
+"""Ghost norms on JAX (``keras_dpsgd.backends.jax._ghost``): which layers take them, and exact steps.
+
+Every step is checked against the one-example loop of ``_jax_helpers`` (jax.grad on a batch of one,
+clipped in numpy; σ = 0), or against ``per_example_backend="reference"`` (every variable under
+jax.vmap). The models are small so that the suite stays fast.
+"""
+
+import keras
+import numpy as np
+from _jax_helpers import LR, assert_step, built, compiled, example_grads, loop_clipped_mean
+
+from keras_dpsgd.backends.jax import _ghost
+
+
+def _plan(model, x):
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    return _ghost.plan(model, trainable, non_trainable, x, kwargs)
+
+
+def _covered(model, x):
+    plan = _plan(model, x)
+    return set() if plan is None else {type(layer).__name__ for layer in plan.covered}
+
+
+def test_plan_covers_the_layers_with_rules_and_leaves_the_rest_to_vmap():
+    model, x, _ = built("transformer")
+    assert _covered(model, x) == {"EinsumDense", "Dense", "LayerNormalization"}
+    assert _plan(model, x).uncovered == []
+    model, x, _ = built("lstm")
+    plan = _plan(model, x)
+    assert {type(layer).__name__ for layer in plan.covered} == {"Dense"}
+    assert [model.trainable_variables[j].path.split("/")[-1] for j in plan.uncovered] == [
+        "kernel",
+        "recurrent_kernel",
+        "bias",
+    ]
+
+
+def _sequence(rng):
+    """Embedding with repeated ids (Gram form: T² < V), a causal Conv1D, a Dense on the sequence in the Gram form (16 -> 16, T = 6)
+    and one in the direct form (16 -> 2), called twice (a shared layer: two calls, one gradient)."""
+    ids = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(50, 16)(ids)
+    h = keras.layers.Conv1D(16, 2, padding="causal")(h)  # the vector-Jacobian product (causal: no patch form)
+    h = keras.layers.Dense(16, activation="tanh")(h)
+    shared = keras.layers.Dense(2)
+    h = keras.layers.Concatenate()([shared(h), shared(h * 0.5)])
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
+    x = rng.integers(0, 4, size=(5, 6)).astype("int32")  # few ids: repeats within an example
+    return keras.Model(ids, outputs), x
+
+
+def _lora(rng):
+    dense = keras.layers.Dense(6, activation="relu")
+    model = keras.Sequential([keras.Input((5,)), dense, keras.layers.Dense(3)])
+    dense.enable_lora(2)
+    dense.lora_kernel_b.assign(rng.normal(size=dense.lora_kernel_b.shape).astype("float32"))  # B = 0 at init
+    return model, rng.normal(size=(6, 5)).astype("float32")
+
+
+class _TiedOutput(keras.layers.Layer):
+    """Reads another layer's kernel (weight tying): that use's gradient is outside the Dense's call."""
+
+    def __init__(self, dense, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = dense
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.dense.kernel))
+
+
+def _tied(rng):
+    dense = keras.layers.Dense(4, use_bias=False)
+    inputs = keras.Input((3,))
+    h = keras.layers.Dense(4, activation="tanh")(dense(inputs))
+    outputs = _TiedOutput(dense)(h)  # [B, 3]
+    return keras.Model(inputs, outputs), rng.normal(size=(5, 3)).astype("float32")
+
+
+def _model(name):
+    rng = np.random.default_rng(1)
+    keras.utils.set_random_seed(1)
+    model, x = {"sequence": _sequence, "lora": _lora, "tied": _tied}[name](rng)
+    return model, x, rng.integers(0, 3, size=len(x))
+
+
+def test_sequence_model_per_layer_clipped_step_matches_loop():
+    """Embedding (Gram form, repeated ids), Dense on a sequence (Gram and direct forms), a layer called twice,
+    per-variable clip bounds: the loop's clipped mean."""
+    model, x, y = _model("sequence")
+    plan = _plan(model, x)
+    assert {type(layer).__name__ for layer in plan.covered} == {"Embedding", "Conv1D", "Dense"}
+    assert plan.uncovered == [] and len(plan.expected) == 6  # the shared Dense twice
+    clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
+    compiled(model, l2_norm_clip=clip)
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, clip, per_layer=True))
+
+
+def test_lora_dense_flat_clipped_step_matches_loop():
+    model, x, y = _model("lora")
+    assert _covered(model, x) == {"Dense"}
+    compiled(model, l2_norm_clip=0.3)
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, 0.3))
+
+
+def test_variable_read_outside_its_layer_is_not_covered():
+    """The tied kernel's gradient has two uses; a rule on the Dense's call alone would miss one: that layer falls
+    back to jax.vmap (the step stays exact), the others keep their rules."""
+    model, x, y = _model("tied")
+    plan = _plan(model, x)
+    tied = model.layers[1]
+    assert tied not in plan.covered and len(plan.covered) == 1
+    assert [model.trainable_variables[j] for j in plan.uncovered] == [tied.kernel]
+    compiled(model, l2_norm_clip=0.3)
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, 0.3))
+
+
+def test_normalization_and_a_nonfinite_example_on_a_convolution():
+    """clipping='normalize' (g/(||g|| + γ)) with one example holding Inf: that example contributes exactly 0.
+    The convolution (SAME, stride 2) takes its kernel's norm from the input's patches."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 2)),
+            keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.integers(0, 3, size=5)
+    x[1, 0, 0, 0] = np.inf
+    compiled(model, l2_norm_clip=None, clipping="normalize", stability=0.05)
+    expected = [np.zeros(v.shape) for v in model.trainable_variables]
+    for i, g in enumerate(example_grads(model, x, y)):
+        if i == 1:
+            continue
+        norm = np.sqrt(sum(np.sum(a**2) for a in g))
+        expected = [e + a / (norm + 0.05) / len(x) for e, a in zip(expected, g)]
+    assert_step(model, x, y, expected)
+    assert int(model.optimizer.nonfinite_examples.numpy()) == 1
+
+
+def test_auto_equals_reference_with_accumulation():
+    """Two batches accumulated into one lot: 'auto' (rules) and 'reference' (jax.vmap) give the same update."""
+    updates = []
+    for backend in ("auto", "reference"):
+        model, x, y = built("dense")
+        compiled(model, l2_norm_clip=0.3, gradient_accumulation_steps=2, per_example_backend=backend)
+        before = [np.asarray(v.numpy(), np.float64) for v in model.trainable_variables]
+        model.fit(x[:4], y[:4], batch_size=2, epochs=1, shuffle=False, verbose=0)
+        after = [np.asarray(v.numpy(), np.float64) for v in model.trainable_variables]
+        updates.append([(b - a) / LR for b, a in zip(before, after)])
+    for got, want in zip(*updates):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert any(np.abs(u).max() > 1e-4 for u in updates[0])
