@@ -39,16 +39,21 @@ def test_one_version_everywhere():
     assert config["metadata"]["version"] == keras_dpsgd.__version__ == released[0]
 
 
-def test_changelog_keeps_an_empty_unreleased_and_one_line_entries():
+def test_changelog_opens_with_unreleased_and_keeps_one_line_entries():
+    """Keep a Changelog: [Unreleased] first (entries of the work since the last release, or none), then
+    the latest release; both hold one-line entries under the standard headings only."""
     text = _read("CHANGELOG.md")
     sections = re.split(r"^## ", text, flags=re.M)
-    assert sections[1].strip() == "[Unreleased]"
-    latest = sections[2]
-    entries = [line for line in latest.splitlines() if line.startswith("- ")]
-    continuation = [line for line in latest.splitlines() if line.startswith("  ")]
-    assert entries and not continuation, continuation[:3]
-    for heading in re.findall(r"^### (.+)$", latest, flags=re.M):
-        assert heading in ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"), heading
+    assert sections[1].splitlines()[0].strip() == "[Unreleased]"
+    assert re.match(r"\[\d+\.\d+\.\d+\] - \d{4}-\d{2}-\d{2}$", sections[2].splitlines()[0].strip())
+    for section in sections[1:3]:
+        entries = [line for line in section.splitlines() if line.startswith("- ")]
+        continuation = [line for line in section.splitlines() if line.startswith("  ")]
+        assert not continuation, continuation[:3]
+        for heading in re.findall(r"^### (.+)$", section, flags=re.M):
+            assert heading in ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"), heading
+        assert entries or "###" not in section, "a heading without entries"
+    assert [line for line in sections[2].splitlines() if line.startswith("- ")], "the latest release lists no entry"
 
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
