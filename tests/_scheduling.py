@@ -27,6 +27,7 @@ DISTRIBUTION = "distribution"
 # Longest first (2-core CI, seconds of their slowest parts): the distribution launch, then the
 # modules whose fixtures run subprocesses or train for long.
 LONGEST_FIRST = (
+    "test_backend_jax.py",  # the whole JAX suite in one subprocess (~5 min)
     DISTRIBUTION,
     "test_examples_main.py",
     "test_examples_tools.py",
