@@ -614,6 +614,20 @@ def _fused_batch_norm(op, ins):
     return [r] + [stats] * (len(op.outputs) - 1)
 
 
+def _image_transform(op, ins):
+    """``ImageProjectiveTransformV2/V3`` (Keras's RandomTranslation, RandomRotation, RandomZoom ...): image j
+    of the batch axis is warped by transform j (or by the one transform of a [1, 8] input); nothing
+    crosses images. Data transforms must be row-paired with the images; shape and fill from data mix."""
+    images, transforms = ins[0], ins[1]
+    if images is None or images.axis != 0:
+        return mixed(op, "transforms images with the batch on another axis than the first")
+    if transforms is not None and (transforms.axis, transforms.k, transforms.order) != (0, images.k, images.order):
+        return mixed(op, "pairs the images with transforms of other rows")
+    if any(r is not None for r in ins[2:]):
+        return mixed(op, "takes its output shape or fill value from the data")
+    return images
+
+
 def _call(op, ins):
     """Keras's grouped-convolution call (``_grouped.recognize``), tf_keras's LSTM/GRU function
     call (``_recurrent.recognize``), or any other call through its body (``_call_body``)."""
@@ -805,6 +819,8 @@ _RULES = {
     "FusedBatchNormV3": _fused_batch_norm,
     "SparseSoftmaxCrossEntropyWithLogits": _xent,
     "SoftmaxCrossEntropyWithLogits": _xent,
+    "ImageProjectiveTransformV2": _image_transform,
+    "ImageProjectiveTransformV3": _image_transform,
     "PartitionedCall": _call,
     "StatefulPartitionedCall": _call,
     **{name: _string_elementwise for name in _STRING_ELEMENTWISE},
