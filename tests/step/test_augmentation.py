@@ -107,6 +107,24 @@ def test_update_is_the_mean_over_views_clipped_once(front, name, backend):
         assert not model.optimizer.per_example_report.fallback  # the views' rows proven, ghost/materialized rules
 
 
+def test_accumulated_lot_counts_examples_not_views(front):
+    """gradient_accumulation_steps = 2: two batches of 3 examples (K = 2 views each) are one lot of 6, released once
+    as lr × (1/6) Σ_i clip(mean of example i's views' gradients)."""
+    model, x, y = built(front, "dense")
+    x, y = x[:6], y[:6]
+    views = Views(x.shape[1:], 2)
+    _private(front, model, augmentation=views, augmentation_multiplicity=2)
+    clip = 0.3
+    _compile(front, model, clip, gradient_accumulation_steps=2)
+    expected, _ = _oracle(front, model, x, y, views, clip, np.ones(len(x)))
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    assert int(model.optimizer.noised_steps.numpy()) == 1
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+
+
 def test_sensitivity_is_one_clipped_vector_per_example(front):
     """Removing one example moves the release's clipped sum by its one clipped gradient: <= C, and = C when
     its clip is active (K clipped views would move it by up to K·C)."""
