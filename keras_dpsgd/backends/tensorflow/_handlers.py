@@ -189,7 +189,7 @@ def _by_example(t: tf.Tensor, blocks: int, batch) -> tf.Tensor:
 def _per_example(parts: list, blocks: int, x: tf.Tensor, static_batch, batch) -> list:
     """Per-row kernel gradients [rows, ...] as per-example ones [B, ...]: as they are where each
     example is one row of ``x`` (statically known), else summed over each example's rows (several
-    blocks, or k rows per example: TimeDistributed, the K views of augmentation multiplicity)."""
+    blocks, or k rows per example: a reshape [B, T, ...] -> [B·T, ...], the K views of augmentation multiplicity)."""
     if blocks == 1 and static_batch is not None and x.shape[0] == static_batch:
         return parts
     return _summed_blocks(parts, blocks, batch)
