@@ -5,7 +5,7 @@ into ONE per-example loss before clipping. The same on both Kerases; each front 
 For a batch of B examples the step
 
 1. draws K views of the batch, each with a call of its own to the augmentation (fresh randomness
-   per view, also for a layer that draws one transform per call, such as Keras 3's RandomCrop):
+   per view, also for a layer or callable that draws one transform per call):
    ``v_k = augmentation(x)``, k = 1..K (:func:`views`);
 2. lays them out example-major, ``[B, K, ...] -> [B·K, ...]``: rows ``i·K .. i·K+K-1`` are the views
    of example i, and repeats the targets and sample weights the same way (:func:`repeat`);
