@@ -183,11 +183,13 @@ def test_augmentation_that_mixes_examples_is_refused(front):
 
 
 def test_keras_random_layers_draw_different_views(front):
-    """RandomTranslation + RandomFlip as the augmentation: proven per example by the fast rules; each call
-    draws its own transforms, so the K views of one example differ."""
+    """RandomTranslation + RandomFlip (+ pad and RandomCrop on Keras 3; tf_keras's crop is an op the analysis does
+    not know, refused) as the augmentation: proven per example by the fast rules; each call draws its own
+    transforms, so the K views of one example differ."""
     K = front.keras
     model, x, y = _conv(front)
-    layers = K.Sequential([K.layers.RandomTranslation(0.2, 0.2), K.layers.RandomFlip("horizontal")])
+    crop = [K.layers.ZeroPadding2D(1), K.layers.RandomCrop(8, 8)] if front.name == "keras3" else []
+    layers = K.Sequential([K.layers.RandomTranslation(0.2, 0.2), K.layers.RandomFlip("horizontal"), *crop])
     _private(front, model, augmentation=layers, augmentation_multiplicity=4)
     _compile(front, model, 1.0, backend="fast")
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)

@@ -344,8 +344,11 @@ def _reshape(op, ins):
 def _strided_slice(op, ins):
     r = ins[0]
     x = op.inputs[0]
-    begin, end, strides = (_static(t) for t in op.inputs[1:4])
-    if x.shape.rank is None or begin is None or strides is None:
+    if any(b is not None for b in ins[1:4]):  # one example's values would place every example's slice
+        return mixed(op, "slices with bounds computed from the data")
+    # Bounds of other axes may be unknown (a random crop): only the batch axis's decide the rows.
+    begin, strides = _partial_value(op.inputs[1]), _static(op.inputs[3])
+    if x.shape.rank is None or not isinstance(begin, list) or strides is None:
         return mixed(op, "slices with bounds unknown at trace time")
     masks = {
         m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
@@ -368,6 +371,8 @@ def _strided_slice(op, ins):
         if in_dim == r.axis:
             if masks["shrink_axis_mask"] & bit:
                 return mixed(op, "picks one example out of the batch")
+            if begin[i] is None and not masks["begin_mask"] & bit:
+                return mixed(op, "slices the batch axis with bounds unknown at trace time")
             whole = (
                 int(strides[i]) == 1 and (masks["begin_mask"] & bit or int(begin[i]) == 0) and masks["end_mask"] & bit
             )
