@@ -16,6 +16,12 @@ The per-example step is one of (``--clipping``):
 ``--features scatter`` trains a linear model on ScatterNet features (Tramèr & Boneh 2021) instead of
 the CNN on pixels.
 
+``--augmentation-multiplicity K`` (pixels only; De et al. 2022): each example's loss is the mean over K
+random translations of it by up to ``--translate`` pixels (``keras_dpsgd.tf_keras.make_private(model,
+augmentation=RandomTranslation, augmentation_multiplicity=K)``); its gradient is clipped once, so σ and
+ε are those of the run without augmentation. (The ScatterNet features are computed once per image
+before training, so pixel augmentation does not combine with them here.)
+
 ``--ema M`` evaluates Keras' moving average of the weights (post-processing, no privacy cost). ``--log
 FILE --run NAME`` appends the JSON object to FILE (benchmarks/results/mnist_cnn_runs.jsonl holds every
 run made with it). Needs MNIST's IDX files (``--data-dir``); it downloads nothing.
@@ -28,12 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _scatter
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _mnist, _scatter
+import _mnist  # noqa: E402
 
 MODES = ("clip", "normalize", "flat-adaptive", "quantile", "per-layer-adaptive")
 ADAPTIVE = MODES[2:]
@@ -41,9 +46,7 @@ ADAPTIVE = MODES[2:]
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True, help="directory of MNIST's IDX files (plain or .gz)")
-    p.add_argument("--target-epsilon", type=float, default=2.0)
-    p.add_argument("--delta", type=float, default=1e-5)
+    _mnist.add_common_arguments(p)
     p.add_argument("--epochs", type=int, default=40, help="planned epochs (σ is calibrated to them)")
     p.add_argument("--lot-size", type=int, default=2048, help="expected Poisson lot size L")
     p.add_argument("--clipping", choices=MODES, default="normalize")
@@ -75,23 +78,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--activation", default="tanh")
     p.add_argument("--filters", type=int, nargs=2, default=[16, 32])
     p.add_argument("--dense", type=int, default=32)
-    p.add_argument("--ema", type=float, default=0.0, help="evaluate an EMA of the weights (0: off)")
-    p.add_argument("--max-train-examples", type=int, default=None, help="first N training images (timing)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--log", default=None, metavar="JSONL", help="also append the JSON object to this file")
-    p.add_argument("--run", default=None, help="a name for the run, stored in the JSON object")
+    p.add_argument(
+        "--augmentation-multiplicity",
+        type=int,
+        default=1,
+        help="pixels: K random translations of each example, averaged into its one clipped gradient (1: none)",
+    )
+    p.add_argument("--translate", type=float, default=2.0, help="augmentation: the largest shift, in pixels")
     return p
 
 
-def _load(data_dir: str, limit):
-    from keras_dpsgd.data._datasets import load_dataset
+def _augmented(args, model):
+    """The model with the private step on K translated views of each example (--augmentation-multiplicity)."""
+    import tf_keras as keras
 
-    data = load_dataset("mnist", data_dir=data_dir)
-    scale = lambda x: x.astype("float32").reshape(-1, 28, 28, 1) * 2.0 - 1.0  # noqa: E731  [0, 1] -> [-1, 1]
-    data.x_train, data.x_test = scale(data.x_train), scale(data.x_test)
-    if limit:
-        data.x_train, data.y_train = data.x_train[:limit], data.y_train[:limit]
-    return data
+    from keras_dpsgd.tf_keras import make_private
+
+    if args.augmentation_multiplicity == 1:
+        return model
+    if args.features != "pixels":
+        raise ValueError("--augmentation-multiplicity needs --features pixels (the features are fixed per image)")
+    shift = args.translate / 28.0
+    translate = keras.layers.RandomTranslation(
+        shift, shift, fill_mode="constant", fill_value=-1.0, interpolation="nearest", seed=args.seed
+    )
+    return make_private(model, augmentation=translate, augmentation_multiplicity=args.augmentation_multiplicity)
 
 
 def _scatter_features(args, data):
@@ -169,8 +180,7 @@ def _optimizer(args, model, sigma: float, learning_rate):
     from keras_dpsgd.tf_keras import DPSGDOptimizer
 
     common = dict(learning_rate=learning_rate, momentum=args.momentum, seed=args.seed)
-    if args.ema:
-        common.update(use_ema=True, ema_momentum=args.ema)
+    common.update(_mnist.ema_kwargs(args.ema))
     if args.clipping == "clip":
         if args.unit_step:  # the same step size for every C: only the clipping changes
             common["learning_rate"] = _learning_rate(args, None, scale=1.0 / args.clip)
@@ -197,7 +207,7 @@ def run_private(args, data) -> dict:
     from keras_dpsgd.tf_keras import ClipBoundsLogger
 
     start = time.perf_counter()
-    model = _model(args, data.x_train.shape[1:])
+    model = _augmented(args, _model(args, data.x_train.shape[1:]))
     lots = PoissonLots(data.x_train, data.y_train, expected_lot_size=args.lot_size, seed=args.seed)
     planned = args.epochs * lots.steps_per_epoch
     args._planned = planned
@@ -250,27 +260,13 @@ def run_private(args, data) -> dict:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    import tf_keras as keras
-
-    if args.seed is not None:
-        keras.utils.set_random_seed(args.seed)
-    data = _load(args.data_dir, args.max_train_examples)
+    _mnist.seed_everything(args.seed)
+    data = _mnist.load(args.data_dir, args.max_train_examples, signed_pixels=True)
     if args.features == "scatter":
         data = _scatter_features(args, data)
-    result = {
-        "run": args.run,
-        "command": "python benchmarks/mnist_cnn.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "target_epsilon": args.target_epsilon,
-        "num_examples": int(len(data.x_train)),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run", "_planned")},
-    }
+    result = _mnist.record("mnist_cnn.py", args, argv, len(data.x_train))
     result.update(run_private(args, data))
-    result["load_average"] = os.getloadavg()
-    result["cpus"] = os.cpu_count()
-    if args.log:
-        with open(args.log, "a") as f:
-            f.write(json.dumps(result, sort_keys=True) + "\n")
-    return result
+    return _mnist.finish(result, args.log)
 
 
 if __name__ == "__main__":

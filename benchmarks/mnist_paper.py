@@ -37,18 +37,16 @@ import argparse
 import json
 import math
 import os
-import shlex
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _mnist
+import _mnist  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data-dir", required=True, help="directory of MNIST's IDX files (plain or .gz)")
-    p.add_argument("--target-epsilon", type=float, default=2.0)
-    p.add_argument("--delta", type=float, default=1e-5)
+    _mnist.add_common_arguments(p)
     p.add_argument("--sigma", type=float, default=None, help="fixed σ (paper); default: calibrated to --epochs")
     p.add_argument("--epochs", type=int, default=100, help="planned epochs (with --sigma: at most)")
     p.add_argument("--lot-size", type=int, default=600)
@@ -73,28 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pca-normalize-inputs", action="store_true", help="project unit-norm rows (as adapt sees them)")
     p.add_argument("--hidden", type=int, default=1000)
     p.add_argument("--activation", default="relu", help="hidden activation (the paper: relu; e.g. tanh)")
-    p.add_argument(
-        "--ema",
-        type=float,
-        default=0.0,
-        help="evaluate an exponential moving average of the weights with this momentum "
-        "(post-processing of the noised steps: no privacy cost; 0: off)",
-    )
     p.add_argument("--baseline-epochs", type=int, default=0, help="non-private baseline epochs (0: skip)")
-    p.add_argument("--max-train-examples", type=int, default=None, help="first N training images only (quick runs)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--log", default=None, metavar="JSONL", help="also append the JSON object to this file")
-    p.add_argument("--run", default=None, help="a name for the run, stored in the JSON object")
     return p
-
-
-def _load(data_dir: str, limit):
-    from keras_dpsgd.data._datasets import load_dataset
-
-    data = load_dataset("mnist", data_dir=data_dir)
-    if limit:
-        data.x_train, data.y_train = data.x_train[:limit], data.y_train[:limit]
-    return data
 
 
 def _model(pca, hidden: int, activation: str):
@@ -159,7 +137,7 @@ def _optimizer(args, model, sigma: float, learning_rate):
     from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, DPSGDOptimizer
     from keras_dpsgd.tools import initial_clip_bounds
 
-    common = dict(learning_rate=learning_rate, momentum=args.momentum, seed=args.seed, **_ema_kwargs(args))
+    common = dict(learning_rate=learning_rate, momentum=args.momentum, seed=args.seed, **_mnist.ema_kwargs(args.ema))
     num_vars = len(model.trainable_variables)
     if args.clip_mode == "adaptive":  # C_0 from random noise (public), then α × the noised mean norms
         bounds = initial_clip_bounds(model, seed=args.seed)
@@ -167,11 +145,6 @@ def _optimizer(args, model, sigma: float, learning_rate):
     if args.clip_mode == "flat":
         return DPSGDOptimizer(args.clip, sigma, **common)
     return DPSGDOptimizer([args.clip] * num_vars, [sigma * math.sqrt(num_vars)] * num_vars, **common)
-
-
-def _ema_kwargs(args) -> dict:
-    """Keras' own weight averaging (`use_ema`); fit swaps the averages in at its end."""
-    return {"use_ema": True, "ema_momentum": args.ema} if args.ema else {}
 
 
 def run_private(args, data) -> dict:
@@ -231,7 +204,9 @@ def run_baseline(args, data) -> dict:
     model = _model(pca, args.hidden, args.activation)
     steps_per_epoch = math.ceil(len(data.x_train) / args.lot_size)
     model.compile(
-        optimizer=keras.optimizers.SGD(_schedule(args, steps_per_epoch), momentum=args.momentum, **_ema_kwargs(args)),
+        optimizer=keras.optimizers.SGD(
+            _schedule(args, steps_per_epoch), momentum=args.momentum, **_mnist.ema_kwargs(args.ema)
+        ),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -242,27 +217,13 @@ def run_baseline(args, data) -> dict:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    import tf_keras as keras
-
-    if args.seed is not None:
-        keras.utils.set_random_seed(args.seed)
-    data = _load(args.data_dir, args.max_train_examples)
-    result = {
-        "run": args.run,
-        "command": "python benchmarks/mnist_paper.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "target_epsilon": args.target_epsilon,
-        "num_examples": int(len(data.x_train)),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("data_dir", "log", "run")},
-    }
+    _mnist.seed_everything(args.seed)
+    data = _mnist.load(args.data_dir, args.max_train_examples)
+    result = _mnist.record("mnist_paper.py", args, argv, len(data.x_train))
     result.update(run_private(args, data))
     if args.baseline_epochs:
         result["non_private_baseline"] = run_baseline(args, data)
-    result["load_average"] = os.getloadavg()
-    result["cpus"] = os.cpu_count()
-    if args.log:
-        with open(args.log, "a") as f:
-            f.write(json.dumps(result, sort_keys=True) + "\n")
-    return result
+    return _mnist.finish(result, args.log)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.step import _display, _mixing
+from keras_dpsgd.step._augment import Augmentation, check_augmentation
 from keras_dpsgd import _validate, backends, ledger
 from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
 from keras_dpsgd.step._loss import per_example_values, refuse_data_losses, regularization_gradients, regularization_sum
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 _PRIVATE_ATTR = "_keras_dpsgd_private"
+_AUGMENTATION_ATTR = "_keras_dpsgd_augmentation"
 
 _OWN_STEP_MESSAGE = (
     "make_private cannot make {cls} private: it overrides {method}, which the private train step "
@@ -352,6 +354,9 @@ def private_update(
 def _private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    views = getattr(self, _AUGMENTATION_ATTR, None)
+    if views is not None:  # K views of each example, rows i·K .. i·K+K-1 (keras_dpsgd.step._augment)
+        x, y, sample_weight = views.views(x), views.repeat(y), views.repeat(sample_weight)
     optimizer = _check_dp_optimizer(self.optimizer)
     refuse_adapted_preprocessing(self)
     refuse_grouped_convolution_layers(self, optimizer._backend)  # Only the fast backend reads them exactly.
@@ -360,14 +365,16 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     num_weight_terms = sum(1 for v in self.trainable_weights if getattr(v, "regularizer", None) is not None)
     with tf.GradientTape(persistent=num_weight_terms > 0) as tape:
         y_pred = self(x, training=True)
-        losses = per_example_loss(self, y, y_pred, sample_weight)
-        refuse_example_mixing(self, losses)  # Frozen BatchNormalization proven from the traced step.
+        losses = per_example_loss(self, y, y_pred, sample_weight)  # one value per view with augmentation
+        example_losses = losses if views is None else views.mean_over_views(losses)  # ℓ_i = mean_k ℓ_ik
+        refuse_example_mixing(self, example_losses)  # Frozen BatchNormalization proven from the traced step.
         refuse_data_losses(
             len(self.losses), num_weight_terms, own_step="train_step (keras_dpsgd.keras3.sanitized_gradients)"
         )
         regularization = weight_regularization(self)
-    private_update(optimizer, losses, variables, tape, regularization_loss=regularization, model=self)
-    # The logged loss and metrics: means over the real rows (padding of Poisson lots excluded).
+    private_update(optimizer, example_losses, variables, tape, regularization_loss=regularization, model=self)
+    # The logged loss and metrics: means over the real rows (padding of Poisson lots excluded); with
+    # augmentation over the real views, i.e. the mean over examples of the mean over their K views.
     rows = _display.real_rows(sample_weight)
     total, count = _display.real_mean(losses, rows)
     if regularization is not None:
@@ -480,7 +487,14 @@ def _refuse_jax(what: str) -> None:
         raise unsupported(what)
 
 
-def make_private(model: keras.Model) -> keras.Model:
+def _call_in_training(augmentation: Any, x: Any) -> Any:
+    """One view: a Keras layer called in training mode (its random transforms on), else `augmentation(x)`."""
+    if isinstance(augmentation, keras.layers.Layer):
+        return augmentation(x, training=True)
+    return augmentation(x)
+
+
+def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_multiplicity: int = 1) -> keras.Model:
     """Gives a Keras 3 model (Sequential, functional or subclassed) the private train step.
 
     The DP settings stay on the optimizer: compile with a keras_dpsgd Keras 3 DP optimizer
@@ -490,19 +504,37 @@ def make_private(model: keras.Model) -> keras.Model:
     private step; their DP optimizer then refuses the first step until ``make_private`` is called
     again.
 
+    Args:
+      model: the Keras 3 model.
+      augmentation: augmentation multiplicity (De et al. 2022): a Keras layer (called with
+        ``training=True``, e.g. ``keras.Sequential([keras.layers.RandomTranslation(0.1, 0.1)])``)
+        or a callable ``x -> augmented x``, called once per view inside the train step (fresh
+        randomness for each view); None: each view is the batch itself, made to differ by the
+        model's own random layers, if any.
+      augmentation_multiplicity: K in [1, 256], views per example. The loss of an example is the
+        mean of its K views' losses, so its gradient (the mean of the views' gradients) is clipped
+        once: one example still contributes one clipped vector, and the privacy ledger is that of
+        the step without augmentation. Metrics and the logged loss are means over the views.
+        (``keras_dpsgd.step._augment``.) Not built on JAX (refused there).
+
     Raises:
-      TypeError: `model` is not a Keras 3 model.
+      TypeError: `model` is not a Keras 3 model; `augmentation` is not callable.
       ValueError: Keras 3 runs on a backend other than TensorFlow or JAX; the model overrides
-        ``train_step`` or ``compute_loss`` (use :func:`sanitized_gradients` in its own step).
-        (A BatchNormalization layer in training mode is refused at the first step:
-        :func:`refuse_example_mixing`.)
+        ``train_step`` or ``compute_loss`` (use :func:`sanitized_gradients` in its own step);
+        `augmentation_multiplicity` is not an integer in [1, 256]; augmentation on JAX.
+        (A BatchNormalization layer in training mode, or an augmentation that mixes the examples
+        such as MixUp, is refused at the first step: :func:`refuse_example_mixing`.)
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"make_private needs a Keras 3 keras.Model, got {type(model).__name__} (a tf_keras model: "
             "keras_dpsgd.tf_keras.make_private, needed only for weight regularizers)"
         )
+    augmentation, multiplicity = check_augmentation(augmentation, augmentation_multiplicity)
+    views = Augmentation(augmentation, multiplicity, _call_in_training)
     backend = check_backend()
+    if backends.is_jax(backend) and views.active:
+        _refuse_jax("augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))")
     for method in ("train_step", "compute_loss"):
         if _overridden(model, method):
             if backends.is_jax(backend):
@@ -518,6 +550,7 @@ def make_private(model: keras.Model) -> keras.Model:
         _no_automatic_xla(model)
     model.fit = types.MethodType(_fit, model)
     setattr(model, _PRIVATE_ATTR, True)
+    object.__setattr__(model, _AUGMENTATION_ATTR, views if views.active else None)  # untracked by Keras
     model.train_function = None  # Rebuilt on the next fit with the private step.
     return model
 

@@ -10,6 +10,10 @@ of the weights only: post-processing). ``add_loss`` terms that are tensors (acti
 regularizers, losses of the data) are refused, as on Keras 3: their gradient would need clipping
 and noise. tf_keras gives a DP optimizer no hook before ``compute_loss`` runs, so a model with
 weight regularizers needs this call; other tf_keras models do not.
+
+Augmentation multiplicity (``make_private(model, augmentation=..., augmentation_multiplicity=K)``)
+also gives the model a ``train_step``: tf_keras's own, on the K views of each example
+(``keras_dpsgd.step._augment``), with the per-example loss the mean of the views' losses.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ import types
 import tensorflow as tf
 import tf_keras
 
+from keras_dpsgd.step import _display, _distribute
+from keras_dpsgd.step._augment import Augmentation, check_augmentation
 from keras_dpsgd.step._loss import refuse_data_losses, regularization_sum
 
 __all__ = ["make_private", "weight_regularization_terms"]
+
+_AUGMENTATION_ATTR = "_keras_dpsgd_augmentation"
 
 
 def weight_regularization_terms(model: tf_keras.Model) -> list:
@@ -50,28 +58,84 @@ def _private_compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None)
     return data_loss, _WeightRegularization(terms)
 
 
-def make_private(model: tf_keras.Model) -> tf_keras.Model:
-    """Gives a tf_keras model the private ``compute_loss`` (weight regularizers kept apart).
+def _call_in_training(augmentation, x):
+    """One view: a tf_keras layer called in training mode (its random transforms on), else `augmentation(x)`."""
+    if isinstance(augmentation, tf_keras.layers.Layer):
+        return augmentation(x, training=True)
+    return augmentation(x)
+
+
+def _augmented_train_step(self, data):
+    """tf_keras's ``train_step`` on the K views of each example (module docstring)."""
+    views = vars(self)[_AUGMENTATION_ATTR]
+    x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = views.views(x), views.repeat(y), views.repeat(sample_weight)
+    with tf.GradientTape() as tape:
+        y_pred = self(x, training=True)
+        loss = self.compute_loss(x, y, y_pred, sample_weight)  # one value per view
+        pair = isinstance(loss, tuple)
+        view_loss = loss[0] if pair else loss
+        example_loss = views.mean_over_views(view_loss)  # ℓ_i = mean_k ℓ_ik
+    self._validate_target_and_loss(y, view_loss)
+    self.optimizer.minimize((example_loss, loss[1]) if pair else example_loss, self.trainable_variables, tape=tape)
+    if _distribute.num_replicas() == 1:  # the logged loss: the mean over the real views (as the DP step's)
+        per_view = tf.convert_to_tensor(view_loss)
+        if per_view.shape.rank and per_view.shape.rank > 1:
+            per_view = tf.reduce_mean(per_view, axis=list(range(1, per_view.shape.rank)))
+        _display.install_tf_keras(self, view_loss, per_view)
+    return self.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def make_private(model: tf_keras.Model, *, augmentation=None, augmentation_multiplicity: int = 1) -> tf_keras.Model:
+    """Gives a tf_keras model the private ``compute_loss`` (weight regularizers kept apart), and with
+    augmentation the ``train_step`` on K views of each example.
 
     Needed only for models with weight regularizers (or ``add_loss`` of a function of the
-    weights); the DP settings stay on the tf_keras DP optimizer. The model is changed in place
-    (its instance's ``compute_loss``) and returned.
+    weights) or augmentation multiplicity; the DP settings stay on the tf_keras DP optimizer. The
+    model is changed in place (its instance's ``compute_loss``, and ``train_step`` with
+    augmentation) and returned.
+
+    Args:
+      model: the tf_keras model.
+      augmentation: a tf_keras layer (called with ``training=True``) or a callable
+        ``x -> augmented x``, called once per view inside the train step; None: each view is the
+        batch itself, made to differ by the model's own random layers, if any.
+      augmentation_multiplicity: K in [1, 256] views per example (De et al. 2022), averaged into
+        one per-example loss, so one gradient per example is clipped: the sensitivity and the
+        ledger are those of the step without augmentation (``keras_dpsgd.step._augment``).
 
     Raises:
-      TypeError: `model` is not a tf_keras model (Keras 3 models: ``keras_dpsgd.keras3.make_private``).
-      ValueError: the model overrides ``compute_loss`` itself.
+      TypeError: `model` is not a tf_keras model (Keras 3 models: ``keras_dpsgd.keras3.make_private``);
+        `augmentation` is not callable.
+      ValueError: the model overrides ``compute_loss`` itself (or ``train_step``, with augmentation);
+        `augmentation_multiplicity` is not an integer in [1, 256].
     """
     if not isinstance(model, tf_keras.Model):
         raise TypeError(
             f"this make_private is for tf_keras models, got {type(model).__name__}; a Keras 3 model "
             "needs keras_dpsgd.keras3.make_private"
         )
+    augmentation, multiplicity = check_augmentation(augmentation, augmentation_multiplicity)
+    views = Augmentation(augmentation, multiplicity, _call_in_training)
     if type(model).compute_loss is not tf_keras.Model.compute_loss:
         raise ValueError(
             f"make_private cannot make {type(model).__name__} private: it overrides compute_loss. Return "
             "(per_example_loss, regularization_fn) from it, where regularization_fn() computes the weight "
             "regularization; the DP optimizer adds its gradient un-noised."
         )
+    if views.active and type(model).train_step is not tf_keras.Model.train_step:
+        raise ValueError(
+            f"make_private cannot give {type(model).__name__} augmentation multiplicity: it overrides train_step, "
+            "which would ignore the views. In your own train_step, average the loss of each example's views "
+            "into one per-example loss before calling optimizer.minimize."
+        )
     model.compute_loss = types.MethodType(_private_compute_loss, model)
+    if views.active:
+        object.__setattr__(model, _AUGMENTATION_ATTR, views)  # untracked by tf_keras (never saved)
+        model.train_step = types.MethodType(_augmented_train_step, model)
+    else:
+        vars(model).pop(_AUGMENTATION_ATTR, None)
+        if getattr(vars(model).get("train_step"), "__func__", None) is _augmented_train_step:
+            del vars(model)["train_step"]  # an earlier make_private's augmentation, undone
     model.train_function = None  # Retraced with the private compute_loss.
     return model

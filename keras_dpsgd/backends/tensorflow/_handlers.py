@@ -186,6 +186,15 @@ def _by_example(t: tf.Tensor, blocks: int, batch) -> tf.Tensor:
     return tf.reshape(tf.transpose(t4, [1, 0, 2, 3]), tf.stack([batch, -1, k]))
 
 
+def _per_example(parts: list, blocks: int, x: tf.Tensor, static_batch, batch) -> list:
+    """Per-row kernel gradients [rows, ...] as per-example ones [B, ...]: as they are where each
+    example is one row of ``x`` (statically known), else summed over each example's rows (several
+    blocks, or k rows per example: a reshape [B, T, ...] -> [B·T, ...], the K views of augmentation multiplicity)."""
+    if blocks == 1 and static_batch is not None and x.shape[0] == static_batch:
+        return parts
+    return _summed_blocks(parts, blocks, batch)
+
+
 def _summed_blocks(parts: list, blocks: int, batch) -> list:
     """Per-row gradients [blocks·B·k, ...] summed over each example's rows of every block."""
     summed = []
@@ -218,7 +227,7 @@ def _conv2d(op, index, w, var, clean, static_batch):
         # of the input give the per-example kernel gradients without im2col patches.
         def make_dense(g, batch):
             parts = _conv.per_example_kernel_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding)
-            return _uses.PiecesUse(parts if blocks == 1 else _summed_blocks(parts, blocks, batch))
+            return _uses.PiecesUse(_per_example(parts, blocks, x, static_batch, batch))
 
         return Site(y, make_dense)
 
@@ -251,7 +260,7 @@ def _depthwise_conv2d(op, index, w, var, clean, static_batch):
 
     def make(g, batch):
         parts = _conv.per_example_depthwise_grads(_f32(x), _f32(g), (kh, kw), strides, rates, padding)
-        return _uses.PiecesUse(parts if blocks == 1 else _summed_blocks(parts, blocks, batch))
+        return _uses.PiecesUse(_per_example(parts, blocks, x, static_batch, batch))
 
     return Site(y, make)
 
@@ -404,7 +413,7 @@ def _grouped_conv(op, index, w, var, clean, static_batch):
         parts = _conv.per_example_grouped_kernel_grads(
             xc, gc, taps, call.strides, call.rates, call.padding, call.groups
         )
-        return _uses.PiecesUse(parts if call.blocks == 1 else _summed_blocks(parts, call.blocks, batch))
+        return _uses.PiecesUse(_per_example(parts, call.blocks, x, static_batch, batch))
 
     return Site(y, make)
 

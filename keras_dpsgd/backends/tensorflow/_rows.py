@@ -344,8 +344,11 @@ def _reshape(op, ins):
 def _strided_slice(op, ins):
     r = ins[0]
     x = op.inputs[0]
-    begin, end, strides = (_static(t) for t in op.inputs[1:4])
-    if x.shape.rank is None or begin is None or strides is None:
+    if any(b is not None for b in ins[1:4]):  # one example's values would place every example's slice
+        return mixed(op, "slices with bounds computed from the data")
+    # Bounds of other axes may be unknown (a random crop): only the batch axis's decide the rows.
+    begin, strides = _partial_value(op.inputs[1]), _static(op.inputs[3])
+    if x.shape.rank is None or not isinstance(begin, list) or strides is None:
         return mixed(op, "slices with bounds unknown at trace time")
     masks = {
         m: op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")
@@ -368,6 +371,8 @@ def _strided_slice(op, ins):
         if in_dim == r.axis:
             if masks["shrink_axis_mask"] & bit:
                 return mixed(op, "picks one example out of the batch")
+            if begin[i] is None and not masks["begin_mask"] & bit:
+                return mixed(op, "slices the batch axis with bounds unknown at trace time")
             whole = (
                 int(strides[i]) == 1 and (masks["begin_mask"] & bit or int(begin[i]) == 0) and masks["end_mask"] & bit
             )
@@ -614,6 +619,20 @@ def _fused_batch_norm(op, ins):
     return [r] + [stats] * (len(op.outputs) - 1)
 
 
+def _image_transform(op, ins):
+    """``ImageProjectiveTransformV2/V3`` (Keras's RandomTranslation, RandomRotation, RandomZoom ...): image j
+    of the batch axis is warped by transform j (or by the one transform of a [1, 8] input); nothing
+    crosses images. Data transforms must be row-paired with the images; shape and fill from data mix."""
+    images, transforms = ins[0], ins[1]
+    if images is None or images.axis != 0:
+        return mixed(op, "transforms images with the batch on another axis than the first")
+    if transforms is not None and (transforms.axis, transforms.k, transforms.order) != (0, images.k, images.order):
+        return mixed(op, "pairs the images with transforms of other rows")
+    if any(r is not None for r in ins[2:]):
+        return mixed(op, "takes its output shape or fill value from the data")
+    return images
+
+
 def _call(op, ins):
     """Keras's grouped-convolution call (``_grouped.recognize``), tf_keras's LSTM/GRU function
     call (``_recurrent.recognize``), or any other call through its body (``_call_body``)."""
@@ -805,6 +824,8 @@ _RULES = {
     "FusedBatchNormV3": _fused_batch_norm,
     "SparseSoftmaxCrossEntropyWithLogits": _xent,
     "SoftmaxCrossEntropyWithLogits": _xent,
+    "ImageProjectiveTransformV2": _image_transform,
+    "ImageProjectiveTransformV3": _image_transform,
     "PartitionedCall": _call,
     "StatefulPartitionedCall": _call,
     **{name: _string_elementwise for name in _STRING_ELEMENTWISE},

@@ -28,6 +28,11 @@ def _segment_sum(h, ids):
     return tf.math.unsorted_segment_sum(h, ids, num_segments=tf.shape(h)[0])
 
 
+def _random_crop(h):
+    start = tf.random.stateless_uniform([], seed=[1, 2], minval=0, maxval=3, dtype=tf.int32)  # same in both steps
+    return tf.pad(h, [[0, 0], [1, 1]])[:, start : start + 4]
+
+
 # pattern(h [B, 4], dense) -> [B, 3]; expected outcome: "fast" (no fallback), "reference"
 # (the whole step on per-example jacobians: reordered rows) or "raise".
 PATTERNS = {
@@ -42,6 +47,8 @@ PATTERNS = {
     "reverse_features": ("fast", lambda h, d: d(tf.reverse(h, axis=[1]))),
     "softmax_features": ("fast", lambda h, d: d(tf.nn.softmax(h, axis=-1))),
     "slice_all_rows": ("fast", lambda h, d: d(h[:, :]) + d(h[..., ::-1])),
+    # A random crop of the features (Keras 3's RandomCrop): bounds unknown at trace time off the batch axis.
+    "random_feature_slice": ("fast", lambda h, d: d(_random_crop(h))),
     "feature_reduce": ("fast", lambda h, d: d(h - tf.reduce_mean(h, axis=1, keepdims=True))),
     # Sorting each example's features (TopKV2 along the last axis) keeps the rows.
     "sort_features": ("fast", lambda h, d: d(tf.sort(h, axis=-1))),

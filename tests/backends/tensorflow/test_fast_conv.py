@@ -137,3 +137,24 @@ def test_grouped_conv2d_on_the_reference_backend_is_refused():
     model.compile(optimizer=opt, loss=keras.losses.MeanSquaredError(reduction="none"))
     with pytest.raises(ValueError, match="grouped convolution.*Only the fast per-example backend"):
         model.fit(x, y, batch_size=3, epochs=1, verbose=0)
+
+
+class _TwoRowsPerExample(keras.Model):
+    """[B, 2, 8, 8, 1] -> conv on [2B, 8, 8, 1] -> [B, 2·6·6·3]: each example owns 2 rows of the conv input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.out = L.Conv2D(3, 3, activation="tanh"), L.Dense(2)
+
+    def call(self, x):
+        import tensorflow as tf
+
+        h = self.conv(tf.reshape(x, [-1, 8, 8, 1]))
+        return self.out(tf.reshape(h, [-1, 2 * 6 * 6 * 3]))
+
+
+def test_conv2d_kernel_sums_the_rows_of_each_example():
+    """The materialized kernel rule (6 x 6 output) sums an example's k rows (TimeDistributed-style reshapes,
+    the views of augmentation multiplicity); it took one row per example and failed with a shape error."""
+    x, y = data((3, 2, 8, 8, 1), (3, 2), seed=7)
+    check(_TwoRowsPerExample(), x, y)
