@@ -4,9 +4,9 @@ Under ``DataParallel`` Keras shards each batch over the devices of a 1-D mesh an
 variables, and its one ``jit`` program is partitioned by GSPMD. GSPMD does not serve the per-example
 part: ``jax.vmap`` of ``jax.grad`` of a convolution, with the batch sharded, gave wrong per-example
 kernel gradients on 2 CPU devices (JAX 0.10.2; a pure-JAX ``lax.conv_general_dilated`` reproduces it,
-no Keras and no keras_dpsgd involved, while the summed non-private gradient is right): the
-partitioner mishandles the grouped convolution (``feature_group_count`` = batch) that batching the
-kernel's gradient makes. So the DP step runs that part per device, by hand (:func:`per_device`):
+no Keras and no keras_dpsgd involved, while the summed non-private gradient is right): an XLA
+partitioner bug, most likely in the grouped convolution (``feature_group_count`` = batch) that
+batching the kernel's gradient makes. So the DP step runs that part per device, by hand (:func:`per_device`):
 
 1. each device computes its examples' gradients (``vmap``, a batch of one each), their norms and
    clip factors, and its clipped sum (``keras_dpsgd.backends.jax._per_example``);

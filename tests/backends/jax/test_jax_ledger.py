@@ -70,7 +70,7 @@ def test_within_limit_stops_before_the_budget():
 
 def test_poisson_lots_train_and_charge_their_q():
     model, x, y = built(FRONT, "dense")
-    x, y = np.concatenate([x] * 10), np.concatenate([y] * 10)
+    x, y = np.concatenate([x] * 4), np.concatenate([y] * 4)
     lots = PoissonLots(x, y, expected_lot_size=8, physical_batch_size=4, seed=0)
     opt = lots.configure(
         k3.DPSGDOptimizer(
