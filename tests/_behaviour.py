@@ -44,7 +44,7 @@ def keras3_front() -> Front:
 
     import keras_dpsgd.keras3 as k3
 
-    return Front(f"keras3-{keras.config.backend()}", keras, k3.DPSGDOptimizer, k3.make_private, always_private=True)
+    return Front("keras3", keras, k3.DPSGDOptimizer, k3.make_private, always_private=True)
 
 
 def tf_keras_front() -> Front:

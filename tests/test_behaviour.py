@@ -172,7 +172,7 @@ def _regularized(front, **layer_kwargs):
     # Keras 3: a reduced compiled loss (the private step takes it per example): Keras 3's own build of an
     # unreduced loss plus model.losses fails on JAX (ops.sum of a [B] and a scalar), with or without DP.
     # tf_keras's DP optimizer needs the unreduced (vector) loss.
-    keras3 = front.name.startswith("keras3")
+    keras3 = front.name == "keras3"
     loss = K.losses.SparseCategoricalCrossentropy(from_logits=True) if keras3 else front.loss()
     model.compile(optimizer=front.optimizer_cls(l2_norm_clip=0.1, noise_multiplier=0.0, learning_rate=LR), loss=loss)
     return front.make_private(model)

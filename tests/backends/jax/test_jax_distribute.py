@@ -148,4 +148,15 @@ def test_model_parallel_is_refused_by_name():
         FRONT.compiled(model, l2_norm_clip=1.0)
         with pytest.raises(ValueError, match="keras.distribution.ModelParallel .*is not supported on the JAX"):
             model.fit(x[:4], y[:4], batch_size=4, verbose=0)
-    assert k3.DPSGDOptimizer is FRONT.optimizer_cls
+
+
+def test_adaptive_clipping_under_data_parallel_is_refused_by_name():
+    """Its norm queries are not split over the devices yet: refused before any weight changes."""
+    with keras.distribution.DataParallel().scope():
+        model, x, y = built(FRONT, "dense")
+        FRONT.compiled(model, k3.AdaptiveDPSGDOptimizer, l2_norm_clip=1.0, norm_noise_multiplier=1.0)
+        before = [np.array(v.numpy()) for v in model.trainable_variables]
+        with pytest.raises(ValueError, match="adaptive clipping .*under keras.distribution.DataParallel"):
+            model.fit(x[:4], y[:4], batch_size=4, verbose=0)
+        for b, v in zip(before, model.trainable_variables):
+            np.testing.assert_array_equal(b, np.asarray(v.numpy()))
