@@ -150,7 +150,7 @@ def clipped_sum_per_device(
     def local(bounds, trainable, non_trainable, seeds, x, y, sample_weight):
         trainable = varying(list(trainable), where)
         grads, losses, y_pred, new_values, weighted_gradient = _per_example(
-            model, trainable, non_trainable, x, y, sample_weight, seeds
+            model, trainable, non_trainable, x, y, sample_weight, seeds=seeds
         )
         summed, finite = _clipped_sum(optimizer, _Bounds(optimizer, bounds), grads, weighted_gradient)
         return summed, (finite, losses, y_pred), new_values

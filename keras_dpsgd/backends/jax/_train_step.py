@@ -347,7 +347,8 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
 
     where = data_parallel_mesh(self)
     kwargs = {"training": True} if self._call_has_training_arg else {}
-    auto = optimizer.per_example_backend == "auto" and where is None
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    auto = optimizer.per_example_backend == "auto" and where is None and batch > 0  # B = 0: the vmap path
     ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs) if auto else None
     if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_distribute)
         summed, finite, losses, y_pred, non_trainable = clipped_sum_per_device(
