@@ -1,7 +1,9 @@
 """The behavioural suite's front ends: one set of checks (tests/test_behaviour.py) for Keras 3 and tf_keras.
 
 A front end builds the same small models with its Keras, a DP SGD optimizer, and the compiled
-private model; the oracle is the one-example-at-a-time loop of ``tests._keras3_helpers``.
+private model; the oracle is the one-example-at-a-time loop of ``tests._keras3_helpers``. The
+Keras 3 front serves the backend of its process: TensorFlow here, JAX in the JAX suite's process
+(tests/backends/jax/test_jax_behaviour.py runs the same checks there).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ class Front:
     def loss(self):
         return self.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def compiled(self, model, **dp_kwargs):
-        """`model` compiled with this front's DP SGD (σ, C, lr from `dp_kwargs`) and its private step."""
+    def compiled(self, model, optimizer_cls=None, **dp_kwargs):
+        """`model` compiled with this front's DP SGD, or `optimizer_cls` (σ, C, lr from `dp_kwargs`), and its
+        private step."""
         dp_kwargs.setdefault("noise_multiplier", 0.0)
         dp_kwargs.setdefault("seed", 1)
-        opt = self.optimizer_cls(**dp_kwargs)
+        opt = (optimizer_cls or self.optimizer_cls)(**dp_kwargs)
         self.private(model)
         model.compile(optimizer=opt, loss=self.loss())
         return model
@@ -81,6 +84,17 @@ def lstm(K, rng):
     return model, rng.normal(size=(4, 3, 2)).astype("float32")
 
 
+def transformer(K, rng):
+    """A transformer block: self-attention and a feed-forward layer, each with a residual and LayerNorm."""
+    inputs = K.Input((4, 8))
+    h = K.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    h = K.layers.LayerNormalization()(K.layers.Add()([inputs, h]))
+    f = K.layers.Dense(8)(K.layers.Dense(16, activation="relu")(h))
+    h = K.layers.LayerNormalization()(K.layers.Add()([h, f]))
+    outputs = K.layers.Dense(3)(K.layers.GlobalAveragePooling1D()(h))
+    return K.Model(inputs, outputs), rng.normal(size=(5, 4, 8)).astype("float32")
+
+
 def subclassed(K, rng):
     class TwoDense(K.Model):
         def __init__(self):
@@ -97,7 +111,7 @@ def subclassed(K, rng):
     return model, x
 
 
-MODELS = {f.__name__: f for f in (dense, conv2d, embedding, layer_norm, lstm, subclassed)}
+MODELS = {f.__name__: f for f in (dense, conv2d, embedding, layer_norm, lstm, transformer, subclassed)}
 
 
 def built(front: Front, name: str, seed: int = 0):

@@ -1,4 +1,8 @@
-"""Shared checks for the Keras 3 tests: a one-example-at-a-time DP-SGD step as the oracle."""
+"""The one oracle of the DP step: a one-example-at-a-time clipped mean (Keras 3 on TF or JAX, and tf_keras).
+
+Each example's gradient is taken alone, on a batch of one: ``tf.GradientTape`` on TensorFlow
+(tf_keras, Keras 3 + TF), ``jax.grad`` of ``model.stateless_call`` on JAX (no ``vmap``); the clip is numpy.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +16,9 @@ def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight
     `clip` is a float (flat) or one bound per trainable variable (per-layer); with `stability` γ
     (per-example normalization, flat) each gradient is scaled by clip/(||∇ℓ_i|| + γ) instead.
     """
-    variables = model.trainable_variables
-    total = [np.zeros(v.shape, np.float64) for v in variables]
+    total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
     batch = len(x)
-    for i in range(batch):
-        y_i = tf.nest.map_structure(lambda a: a[i : i + 1], y)  # y may be a list or dict (several outputs)
-        with tf.GradientTape() as tape:
-            pred = model(x[i : i + 1], training=True)
-            loss = tf.reduce_mean(loss_fn(y_i, pred))
-            if sample_weight is not None:
-                loss = loss * float(sample_weight[i])
-        grads = [np.asarray(tf.convert_to_tensor(g), np.float64) for g in tape.gradient(loss, variables)]
+    for grads in example_grads(model, x, y, loss_fn, sample_weight):
         if per_layer:
             grads = [g * min(1.0, c / max(np.linalg.norm(g), 1e-30)) for g, c in zip(grads, clip)]
         else:
@@ -31,6 +27,48 @@ def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight
             grads = [g * factor for g in grads]
         total = [t + g for t, g in zip(total, grads)]
     return [t / batch for t in total]
+
+
+def example_grads(model, x, y, loss_fn, sample_weight=None) -> list:
+    """[∇ℓ_i per trainable variable (float64) for each example i], one example at a time (a batch of one)."""
+    gradient = _jax_gradient(model, loss_fn) if _on_jax(model) else _tf_gradient(model, loss_fn)
+    out = []
+    for i in range(len(x)):
+        y_i = tf.nest.map_structure(lambda a: a[i : i + 1], y)  # y may be a list or dict (several outputs)
+        weight = 1.0 if sample_weight is None else float(sample_weight[i])
+        out.append([np.asarray(g, np.float64) for g in gradient(x[i : i + 1], y_i, weight)])
+    return out
+
+
+def _on_jax(model) -> bool:
+    from keras_dpsgd.backends import keras_backend_of
+
+    return keras_backend_of(model) == "jax"
+
+
+def _tf_gradient(model, loss_fn):
+    def gradient(x_i, y_i, weight):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(loss_fn(y_i, model(x_i, training=True))) * weight
+        return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    return gradient
+
+
+def _jax_gradient(model, loss_fn):
+    import jax
+    import jax.numpy as jnp
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+
+    def loss(params, x_i, y_i, weight):
+        pred, _ = model.stateless_call(params, non_trainable, x_i, **kwargs)
+        return jnp.mean(loss_fn(y_i, pred)) * weight
+
+    grad = jax.jit(jax.grad(loss))  # one example per call, compiled once
+    return lambda x_i, y_i, weight: grad(trainable, x_i, y_i, weight)
 
 
 def one_sgd_step(model, x, y, learning_rate, sample_weight=None):

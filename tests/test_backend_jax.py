@@ -2,7 +2,8 @@
 
 Keras fixes its backend at its first import and this process runs on TensorFlow (tests/conftest.py),
 so the JAX modules run in a child with KERAS_DPSGD_JAX_SUITE=1 (their conftest then selects
-KERAS_BACKEND=jax). On main before issue 29 ``make_private`` refused the JAX backend, so the suite's
+KERAS_BACKEND=jax), on 2 host CPU devices. The behaviour suite's checks run there too
+(tests/backends/jax/test_jax_behaviour.py). On main before issue 29 ``make_private`` refused the JAX backend, so the suite's
 first step test fails there.
 """
 
@@ -25,6 +26,9 @@ def test_jax_suite_passes():
         KERAS_DPSGD_JAX_SUITE="1",
         KERAS_BACKEND="jax",
         JAX_PLATFORMS="cpu",
+        # 2 host CPU devices for keras.distribution.DataParallel (test_jax_distribute.py); set before JAX
+        # starts (the JAX suite's conftest sets it too, for a direct run); every other test runs on device 0.
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
     )
     proc = subprocess.run(

@@ -3,10 +3,10 @@
 Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for the common layers
 (ghost norms and book-keeping sums: ``_ghost``, ``_rules``), the library's Gaussian sampler on
 ``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and the stateless private
-train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive``) that
-``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
+train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive`` and DataParallel's in
+``_distribute``) that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
 (``keras_dpsgd.backends.is_jax``). What is not built on JAX yet is refused by name
-(:func:`unsupported`): ``keras.distribution`` (DataParallel), optimizer hooks of one's own,
+(:func:`unsupported`): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
 the audit callback, DPPCA/DPNormalization layers and a model's own train step
 (``private_update``/``sanitized_gradients``).
 """

@@ -13,6 +13,7 @@ and an example whose factor is 0 contributes exactly 0, even when its gradient h
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -56,7 +57,8 @@ def sq_norms(grads: Sequence[jax.Array]) -> jax.Array:
     if not grads:
         raise ValueError("no trainable variables: nothing to clip")
     return jnp.stack(
-        [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], -1), axis=1) for g in grads], axis=1
+        [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], math.prod(g.shape[1:])), axis=1) for g in grads],
+        axis=1,
     )
 
 

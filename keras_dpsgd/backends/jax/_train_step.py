@@ -19,6 +19,9 @@ Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_st
 5. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
    them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
 
+Under ``keras.distribution.DataParallel`` steps 1-2 run per device and are summed over the devices
+(``_distribute``); steps 3-5 run once: one noise draw per lot, one ``noised_steps``.
+
 Everything the step checks it checks when it is traced (a data-dependent ``add_loss``, a
 non-trainable variable written from an example's data such as BatchNormalization's moving
 statistics in training mode), before any weight changes. Host-side work (attaching the ledger,
@@ -38,7 +41,9 @@ from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
 from keras_dpsgd.backends.jax import _adaptive, _ghost, _noise
+from keras_dpsgd.backends.jax._distribute import check_replicated, clipped_sum_per_device, data_parallel_mesh
 from keras_dpsgd.backends.jax._loss import per_example_loss
+from keras_dpsgd.backends.jax._metrics import real_mean, unweighted_metrics_on_real_rows
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
 
 __all__ = [
@@ -84,12 +89,8 @@ def check_optimizer(optimizer: Any) -> None:
 def _check_model(model: keras.Model) -> None:
     from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 
-    distribution = keras.distribution.distribution()
-    if distribution is not None:
-        # Under DataParallel the step's one jit program is partitioned by GSPMD, which gave wrong
-        # per-example convolution-kernel gradients on 2 CPU devices (Dense was exact): fail closed until
-        # the per-example part runs per device (shard_map) and is proven against the one-example loop.
-        raise unsupported(f"keras.distribution.{type(distribution).__name__}")
+    if data_parallel_mesh(model) is not None:  # refuses any other distribution by name
+        check_replicated(model)
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if isinstance(layer, (DPPCA, DPNormalization)):
             raise unsupported(f"the {type(layer).__name__} layer ({layer.name!r})")
@@ -126,24 +127,6 @@ def values_kept_on_refusal(model: keras.Model):
         raise
 
 
-def _real_mean(losses, sample_weight):
-    """(Σ ℓ_i over the real rows / their number, that number): ``keras_dpsgd.step._display.real_mean``'s rule."""
-    leaves = [w for w in keras.tree.flatten(sample_weight) if w is not None]
-    losses = losses.astype(jnp.float32)
-    if not leaves:
-        count = jnp.float32(losses.shape[0])
-        return jnp.where(count > 0, jnp.sum(losses) / jnp.maximum(count, 1.0), 0.0), count
-    rows = None
-    for w in leaves:
-        nonzero = jnp.asarray(w) != 0
-        if nonzero.ndim > 1:
-            nonzero = jnp.any(nonzero.reshape(nonzero.shape[0], -1), axis=1)
-        rows = nonzero if rows is None else rows | nonzero
-    count = jnp.sum(rows.astype(jnp.float32))
-    total = jnp.sum(jnp.where(rows, losses, 0.0))
-    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), 0.0), count
-
-
 class _OptimizerState:
     """The optimizer's variables of one traced step as a list, read and written by variable."""
 
@@ -168,14 +151,21 @@ def _seed_positions(model) -> list[int]:
     return [j for j, v in enumerate(model.non_trainable_variables) if id(v) in states]
 
 
-def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None):
+def _example_seeds(model, non_trainable, x) -> list:
+    """Each example's seed states: example i runs with every ``[seed, counter]`` as ``[seed + i, counter]``."""
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    offsets = jnp.stack([jnp.arange(batch), jnp.zeros(batch, jnp.int32)], axis=1)
+    return [non_trainable[j][None] + offsets.astype(non_trainable[j].dtype) for j in _seed_positions(model)]
+
+
+def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None, seeds=None):
     """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values).
 
     With a `tap` (``_ghost.Plan``) the gradients are those of ``tap.params(trainable)`` and the covered
     layers' inputs are left in ``tap.captured`` (no weighted gradient then).
 
-    Each example draws its own randomness (a Dropout mask of its own): example i runs with every
-    seed state ``[seed, counter]`` as ``[seed + i, counter]``; the states then advance as in one call.
+    Each example draws its own randomness (a Dropout mask of its own, :func:`_example_seeds`, or
+    `seeds` given by the caller); the states then advance as in one call.
     """
     kwargs = {"training": True} if model._call_has_training_arg else {}
     num_weight_terms = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
@@ -184,8 +174,7 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None)
     seed_pos = _seed_positions(model)
     other_pos = [j for j in range(len(non_trainable)) if j not in seed_pos]
     batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
-    offsets = jnp.stack([jnp.arange(batch), jnp.zeros(batch, jnp.int32)], axis=1)
-    seeds = [non_trainable[j][None] + offsets.astype(non_trainable[j].dtype) for j in seed_pos]
+    seeds = _example_seeds(model, non_trainable, x) if seeds is None else seeds
 
     def loss_of_one(params, seeds_i, xi, yi, wi):
         xb, yb, wb = keras.tree.map_structure(lambda a: None if a is None else a[None], (xi, yi, wi))
@@ -356,9 +345,16 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     opt = _OptimizerState(optimizer, optimizer_values)
     trainable = list(trainable)
 
+    where = data_parallel_mesh(self)
     kwargs = {"training": True} if self._call_has_training_arg else {}
-    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs) if optimizer.per_example_backend == "auto" else None
-    if ghost is None:
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    auto = optimizer.per_example_backend == "auto" and where is None and batch > 0  # B = 0: the vmap path
+    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs) if auto else None
+    if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_distribute)
+        summed, finite, losses, y_pred, non_trainable = clipped_sum_per_device(
+            where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
+        )
+    elif ghost is None:
         grads, losses, y_pred, non_trainable, weighted_gradient = _per_example(
             self, trainable, non_trainable, x, y, sample_weight
         )
@@ -398,12 +394,13 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
         opt.values = list(values)
 
     # The logged loss (real rows only) and Keras's metrics.
-    total, count = _real_mean(losses, sample_weight)
+    total, count = real_mean(losses, sample_weight)
     if regularization is not None:
         total = total + regularization
     with keras_backend.StatelessScope(state_mapping=list(zip(self.metrics_variables, metrics_values))) as scope:
         self._loss_tracker.update_state(total, sample_weight=count)
-        logs = self.compute_metrics(x, y, y_pred, sample_weight)
+        with unweighted_metrics_on_real_rows(self, y, y_pred, sample_weight):
+            logs = self.compute_metrics(x, y, y_pred, sample_weight)
     new_metrics = []
     for ref, value in zip(self.metrics_variables, metrics_values):
         current = scope.get_current_value(ref)

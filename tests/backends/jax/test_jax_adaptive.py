@@ -6,13 +6,17 @@ import math
 import keras
 import numpy as np
 import pytest
-from _jax_helpers import LR, built, compiled, example_grads
 from scipy import stats
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd import model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.tools import adaptive_clipping as ac
+from tests._behaviour import built, keras3_front
+from tests._keras3_helpers import example_grads
+
+FRONT = keras3_front()
+LR = 0.5
 
 
 def _group_norms(grads, per_layer):
@@ -45,10 +49,10 @@ def _expected(grads, bounds, per_layer, rule, alpha, beta, eta, target, lot, div
 def test_bound_update_and_step_match_a_one_example_loop(per_layer, rule, divide, k):
     """Zero noise: the bounds move by Three Tools' / Andrew et al.'s rule from the lot's norms, the step clips to the
     bounds in force. With k = 2 the two batches of a lot make one query (accumulated), released once."""
-    model, x, y = built("dense")
+    model, x, y = built(FRONT, "dense")
     bounds = np.array([0.3, 0.05, 0.2, 0.08]) if per_layer else np.array([0.4])
     alpha, beta, eta, target = 1.3, 2.0, 0.7, 0.4
-    opt = compiled(
+    opt = FRONT.compiled(
         model,
         k3.AdaptiveDPSGDOptimizer,
         l2_norm_clip=list(bounds) if per_layer else float(bounds[0]),
@@ -60,10 +64,11 @@ def test_bound_update_and_step_match_a_one_example_loop(per_layer, rule, divide,
         quantile_learning_rate=eta,
         divide_by_bound=divide,
         gradient_accumulation_steps=k,
+        learning_rate=LR,
     ).optimizer
     x, y = x[:6], y[:6]
     for _ in range(2):  # the second lot is clipped to the bounds the first one set
-        grads = example_grads(model, x, y)
+        grads = example_grads(model, x, y, FRONT.loss())
         step, new = _expected(grads, bounds, per_layer, rule, alpha, beta, eta, target, len(x), divide)
         before = [np.asarray(v.numpy(), np.float64) for v in model.trainable_variables]
         logger = k3.ClipBoundsLogger(update_freq=0)
@@ -84,9 +89,9 @@ def test_bound_update_and_step_match_a_one_example_loop(per_layer, rule, divide,
 def test_norm_query_noise_is_gaussian_with_scale_sigma_beta_c_and_charged_by_the_ledger():
     """z = (L·C_new/α − Σ min(‖g‖, βC)) / (σ_q β C) is N(0, 1) (lr = 0: the gradients stay fixed); the ledger's ε
     is the gradient's and the queries' releases composed (Three Tools, Sec. 3), above the gradient's alone."""
-    model, x, y = built("dense")
+    model, x, y = built(FRONT, "dense")
     q, sigma, sigma_q, beta, steps = 0.25, 1.2, 1.5, 2.0, 8
-    opt = compiled(
+    opt = FRONT.compiled(
         model,
         k3.AdaptiveDPSGDOptimizer,
         l2_norm_clip=[1.0] * 4,
@@ -99,7 +104,7 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_beta_c_and_charged_by_the
         expected_lot_size=float(len(x)),
         seed=None,
     ).optimizer
-    norms = _group_norms(example_grads(model, x, y), True)
+    norms = _group_norms(example_grads(model, x, y, FRONT.loss()), True)
     zs, prev = [], np.ones(4)
     for _ in range(steps):
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
@@ -126,8 +131,8 @@ def test_a_hook_of_ones_own_on_an_adaptive_optimizer_is_refused():
         def on_noised_step(self, num_examples):
             super().on_noised_step(num_examples)
 
-    model, x, y = built("dense")
-    compiled(model, Canary, l2_norm_clip=1.0, norm_noise_multiplier=1.0)
+    model, x, y = built(FRONT, "dense")
+    FRONT.compiled(model, Canary, l2_norm_clip=1.0, norm_noise_multiplier=1.0)
     before = [np.array(v.numpy()) for v in model.trainable_variables]
     with pytest.raises(ValueError, match="Canary overrides on_noised_step .*not supported on the JAX backend"):
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)

@@ -5,12 +5,14 @@ model's own losses, and ``keras-dpsgd train`` runs in this process on the bundle
 import keras
 import numpy as np
 import pytest
-from _jax_helpers import built, compiled
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd import model_epsilon
 from keras_dpsgd.accounting import compute_epsilon
 from keras_dpsgd.tools import adaptive_clipping as ac
+from tests._behaviour import built, keras3_front
+
+FRONT = keras3_front()
 
 Q, SIGMA, SIGMA_Q, DELTA = 0.5, 1.1, 2.0, 1e-3
 
@@ -31,11 +33,11 @@ class _Steps(keras.callbacks.Callback):
 def _run(callbacks=(), moved=False):
     """A seeded adaptive run of 2 epochs x 2 lots (noise: a function of (seed, step, tensor)); `moved`: other
     initial weights (only a restore can bring the run back to the uninterrupted one)."""
-    model, x, y = built("dense")
+    model, x, y = built(FRONT, "dense")
     if moved:
         for v in model.trainable_variables:
             v.assign(v + 0.5)
-    compiled(
+    FRONT.compiled(
         model,
         k3.AdaptiveDPSGDOptimizer,
         l2_norm_clip=1.0,
@@ -65,7 +67,7 @@ def _loss_attack_auc(model, members, non_members):
 
 def test_backup_and_restore_resumes_exactly_and_the_membership_callback_runs(tmp_path):
     """The uninterrupted run also carries the membership-inference callback: its loss attack's AUC is the model's."""
-    _, x, y = built("dense")
+    _, x, y = built(FRONT, "dense")
     rng = np.random.default_rng(3)
     members, non_members = (x[:4], y[:4]), (rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6))
     audit = k3.MembershipInferenceCallback(members, non_members, methods=("loss",), verbose=0)

@@ -1,15 +1,30 @@
 """Ghost norms on JAX (``keras_dpsgd.backends.jax._ghost``): which layers take them, and exact steps.
 
-Every step is checked against the one-example loop of ``_jax_helpers`` (jax.grad on a batch of one,
+Every step is checked against the one-example loop of ``tests._keras3_helpers`` (jax.grad on a batch of one,
 clipped in numpy; σ = 0), or against ``per_example_backend="reference"`` (every variable under
 jax.vmap). The models are small so that the suite stays fast.
 """
 
 import keras
 import numpy as np
-from _jax_helpers import LR, assert_step, built, compiled, example_grads, loop_clipped_mean
 
 from keras_dpsgd.backends.jax import _ghost
+from tests._behaviour import built, keras3_front
+from tests._keras3_helpers import example_grads, loop_clipped_mean, one_sgd_step
+
+FRONT = keras3_front()
+LR = 0.5
+
+
+def compiled(model, **dp_kwargs):
+    dp_kwargs.setdefault("learning_rate", LR)
+    return FRONT.compiled(model, **dp_kwargs)
+
+
+def assert_step(model, x, y, expected):
+    before, after = one_sgd_step(model, x, y, LR)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
 
 
 def _plan(model, x):
@@ -25,10 +40,10 @@ def _covered(model, x):
 
 
 def test_plan_covers_the_layers_with_rules_and_leaves_the_rest_to_vmap():
-    model, x, _ = built("transformer")
+    model, x, _ = built(FRONT, "transformer")
     assert _covered(model, x) == {"EinsumDense", "Dense", "LayerNormalization"}
     assert _plan(model, x).uncovered == []
-    model, x, _ = built("lstm")
+    model, x, _ = built(FRONT, "lstm")
     plan = _plan(model, x)
     assert {type(layer).__name__ for layer in plan.covered} == {"Dense"}
     assert [model.trainable_variables[j].path.split("/")[-1] for j in plan.uncovered] == [
@@ -95,14 +110,14 @@ def test_sequence_model_per_layer_clipped_step_matches_loop():
     assert plan.uncovered == [] and len(plan.expected) == 6  # the shared Dense twice
     clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
     compiled(model, l2_norm_clip=clip)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, clip, per_layer=True))
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), clip, per_layer=True))
 
 
 def test_lora_dense_flat_clipped_step_matches_loop():
     model, x, y = _model("lora")
     assert _covered(model, x) == {"Dense"}
     compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, 0.3))
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 0.3))
 
 
 def test_variable_read_outside_its_layer_is_not_covered():
@@ -114,7 +129,7 @@ def test_variable_read_outside_its_layer_is_not_covered():
     assert tied not in plan.covered and len(plan.covered) == 1
     assert [model.trainable_variables[j] for j in plan.uncovered] == [tied.kernel]
     compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, 0.3))
+    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 0.3))
 
 
 def test_normalization_and_a_nonfinite_example_on_a_convolution():
@@ -134,7 +149,7 @@ def test_normalization_and_a_nonfinite_example_on_a_convolution():
     x[1, 0, 0, 0] = np.inf
     compiled(model, l2_norm_clip=None, clipping="normalize", stability=0.05)
     expected = [np.zeros(v.shape) for v in model.trainable_variables]
-    for i, g in enumerate(example_grads(model, x, y)):
+    for i, g in enumerate(example_grads(model, x, y, FRONT.loss())):
         if i == 1:
             continue
         norm = np.sqrt(sum(np.sum(a**2) for a in g))
@@ -147,7 +162,7 @@ def test_auto_equals_reference_with_accumulation():
     """Two batches accumulated into one lot: 'auto' (rules) and 'reference' (jax.vmap) give the same update."""
     updates = []
     for backend in ("auto", "reference"):
-        model, x, y = built("dense")
+        model, x, y = built(FRONT, "dense")
         compiled(model, l2_norm_clip=0.3, gradient_accumulation_steps=2, per_example_backend=backend)
         before = [np.asarray(v.numpy(), np.float64) for v in model.trainable_variables]
         model.fit(x[:4], y[:4], batch_size=2, epochs=1, shuffle=False, verbose=0)

@@ -3,10 +3,11 @@
 import keras
 import numpy as np
 import pytest
-from _jax_helpers import built, compiled
 
 import keras_dpsgd.keras3 as k3
+from tests._behaviour import built, keras3_front
 
+FRONT = keras3_front()
 NOT_YET = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
 
 
@@ -28,7 +29,7 @@ def test_batch_normalization_in_training_mode_is_refused():
         [keras.Input((5,)), keras.layers.Dense(4), keras.layers.BatchNormalization(), keras.layers.Dense(3)]
     )
     x, y = np.random.default_rng(0).normal(size=(6, 5)).astype("float32"), np.arange(6) % 3
-    compiled(model, l2_norm_clip=1.0)
+    FRONT.compiled(model, l2_norm_clip=1.0)
     _assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
 
 
@@ -38,28 +39,9 @@ def test_frozen_batch_normalization_trains():
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)])
     bn.trainable = False
     x, y = np.random.default_rng(0).normal(size=(6, 5)).astype("float32"), np.arange(6) % 3
-    compiled(model, l2_norm_clip=1.0)
+    FRONT.compiled(model, l2_norm_clip=1.0)
     model.fit(x, y, batch_size=6, epochs=1, verbose=0)
     assert int(model.optimizer.noised_steps.numpy()) == 1
-
-
-def test_data_dependent_add_loss_is_refused():
-    model = keras.Sequential(
-        [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.1))]
-    )
-    compiled(model, l2_norm_clip=1.0)
-    _assert_refused_unchanged(model, np.zeros((4, 5), "float32"), np.zeros(4), "add_loss")
-
-
-def test_data_parallel_is_refused():
-    """Not built: GSPMD gave wrong per-example conv-kernel gradients under DataParallel on 2 devices."""
-    model, x, y = built("dense")
-    compiled(model, l2_norm_clip=1.0)
-    keras.distribution.set_distribution(keras.distribution.DataParallel())
-    try:
-        _assert_refused_unchanged(model, x, y, f"keras.distribution.DataParallel {NOT_YET}")
-    finally:
-        keras.distribution.set_distribution(None)
 
 
 @pytest.mark.parametrize("layer", ["DPNormalization", "DPPCA"])
@@ -71,7 +53,7 @@ def test_dp_layers_are_refused(layer):
     else:
         dp_layer = k3.DPNormalization(noise_multiplier=1.0, lower=-1.0, upper=1.0)
     model = keras.Model(inputs, keras.layers.Dense(3)(dp_layer(inputs)))
-    compiled(model, l2_norm_clip=1.0)
+    FRONT.compiled(model, l2_norm_clip=1.0)
     x, y = np.zeros((4, 5), "float32"), np.zeros(4)
     _assert_refused_unchanged(model, x, y, f"{layer} .*{NOT_YET}")
 
@@ -86,8 +68,8 @@ def test_cli_dp_normalize_is_refused_before_its_release(capsys):
 def test_gradient_canaries_and_own_step_are_refused():
     from keras_dpsgd.audit import with_gradient_canaries
 
-    model, x, y = built("dense")
-    compiled(model, with_gradient_canaries(k3.DPSGDOptimizer), l2_norm_clip=1.0)
+    model, x, y = built(FRONT, "dense")
+    FRONT.compiled(model, with_gradient_canaries(k3.DPSGDOptimizer), l2_norm_clip=1.0)
     _assert_refused_unchanged(model, x, y, rf"overrides \w+ .*{NOT_YET}")
     with pytest.raises(ValueError, match=f"private_update .*{NOT_YET}"):
         k3.private_update(None, None, [], None)

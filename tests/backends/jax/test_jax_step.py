@@ -1,88 +1,50 @@
-"""The private step on JAX: exact clipped steps against a one-example loop, the noise, non-finite examples.
+"""The private step on JAX beyond the behaviour suite (test_jax_behaviour.py): non-finite examples,
+per-example normalization, a Dropout mask per example, seeded noise, the library's sampler.
 
-The oracle computes each example's gradient alone (jax.grad on a batch of one, no vmap) and clips it
-in numpy; σ = 0 makes the step exact.
+The oracle is the behaviour suite's one-example loop (tests/_keras3_helpers.py: jax.grad on a batch
+of one, no vmap, clipped in numpy); σ = 0 makes the step exact.
 """
 
 import jax.numpy as jnp
 import keras
 import numpy as np
-import pytest
-from _jax_helpers import assert_step, built, compiled, loop_clipped_mean
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.backends.jax import _noise
+from tests._behaviour import built, keras3_front
+from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
+
+LR = 0.5
+FRONT = keras3_front()
 
 
-def test_backend_is_jax():
-    assert keras.backend.backend() == "jax"
+def compiled(model, **dp_kwargs):
+    return FRONT.compiled(model, learning_rate=LR, **dp_kwargs)
 
 
-def test_make_private_trains_on_jax():
-    """Before issue 29 make_private refused the JAX backend (and earlier the step failed with a TypeError)."""
-    model, x, y = built("dense")
-    compiled(model, l2_norm_clip=1.0)
-    history = model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
-    assert np.isfinite(history.history["loss"][0])
-    assert int(model.optimizer.noised_steps.numpy()) == 1
-
-
-@pytest.mark.parametrize("name", ["dense", "conv2d", "lstm", "transformer", "subclassed"])
-def test_flat_clipped_step_matches_loop(name):
-    model, x, y = built(name)
-    compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, 0.3))
-
-
-@pytest.mark.parametrize("name", ["conv2d"])
-def test_per_layer_clipped_step_matches_loop(name):
-    model, x, y = built(name)
-    clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
-    compiled(model, l2_norm_clip=clip)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, clip, per_layer=True))
-
-
-def test_batch_size_one():
-    model, x, y = built("dense")
-    compiled(model, l2_norm_clip=0.2)
-    assert_step(model, x[:1], y[:1], loop_clipped_mean(model, x[:1], y[:1], 0.2))
+def assert_step(model, x, y, expected):
+    before, after = one_sgd_step(model, x, y, LR)
+    for b, a, g in zip(before, after, expected):
+        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
 
 
 def test_nonfinite_example_contributes_exactly_zero():
     """An example whose gradient is NaN is zeroed (factor 0, NaN not propagated) and counted."""
-    model, x, y = built("dense")
+    model, x, y = built(FRONT, "dense")
     compiled(model, l2_norm_clip=0.3)
     x = x.copy()
     x[2, 0] = np.nan
     keep = np.arange(len(x)) != 2
-    expected = [g * (keep.sum() / len(x)) for g in loop_clipped_mean(model, x[keep], y[keep], 0.3)]
+    expected = [g * (keep.sum() / len(x)) for g in loop_clipped_mean(model, x[keep], y[keep], FRONT.loss(), 0.3)]
     assert_step(model, x, y, expected)
     assert int(model.optimizer.nonfinite_examples.numpy()) == 1
 
 
-def test_weight_regularizer_gradient_is_added_unclipped():
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.5))])
-    # A reduced compiled loss (the step takes it unreduced): Keras's own build of an unreduced loss plus
-    # model.losses fails on JAX (ops.sum of a [B] and a scalar), with or without DP.
-    compiled(model, l2_norm_clip=0.1, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(3)
-    x, y = rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6)
-    expected = loop_clipped_mean(model, x, y, 0.1)
-    expected[0] = expected[0] + 2 * 0.5 * model.trainable_variables[0].numpy()
-    assert_step(model, x, y, expected)
-
-
 def test_per_example_normalization():
     """clipping='normalize': each gradient scaled by 1/(||g|| + γ), sensitivity 1."""
-    model, x, y = built("dense")
+    model, x, y = built(FRONT, "dense")
     compiled(model, l2_norm_clip=None, clipping="normalize", stability=0.05)
-    from _jax_helpers import example_grads
-
-    grads = example_grads(model, x, y)
-    expected = [np.zeros(v.shape) for v in model.trainable_variables]
-    for g in grads:
-        norm = np.sqrt(sum(np.sum(a**2) for a in g))
-        expected = [e + a / (norm + 0.05) / len(x) for e, a in zip(expected, g)]
+    expected = loop_clipped_mean(model, x, y, FRONT.loss(), 1.0, stability=0.05)
     assert_step(model, x, y, expected)
 
 
@@ -129,19 +91,6 @@ def _noise_only(x, **dp_kwargs):
     return (before - np.asarray(model.trainable_variables[0].numpy())).ravel(), model
 
 
-def _assert_std(noise, expected):
-    # 10,000 coordinates: the sample std is within 3% of the truth with probability > 0.9999 (chi-square).
-    assert abs(noise.std() / expected - 1.0) < 0.03
-    assert abs(noise.mean()) < 4 * expected / np.sqrt(noise.size)
-
-
-def test_noise_std_is_sigma_c_over_batch():
-    x = np.random.default_rng(0).normal(size=(8, 40)).astype("float32")
-    noise, model = _noise_only(x, l2_norm_clip=0.7, noise_multiplier=1.3)
-    _assert_std(noise, 1.3 * 0.7 / 8)
-    assert int(model.optimizer.noised_steps.numpy()) == 1
-
-
 def test_seeded_noise_is_reproducible_and_unseeded_is_not():
     x = np.random.default_rng(0).normal(size=(8, 40)).astype("float32")
     a, _ = _noise_only(x, l2_norm_clip=1.0, noise_multiplier=1.0, seed=7)
@@ -180,3 +129,21 @@ def test_clipped_sum_zeroes_nonfinite_rows_exactly():
     summed, norms = clipped_sum([g], lambda sq: clip_factors(sq, jnp.asarray([1.0]), [0]))
     np.testing.assert_allclose(np.asarray(summed[0]), [1.0, 1.0])
     assert not np.isfinite(np.asarray(norms)[1, 0])
+
+
+def test_unweighted_metrics_count_the_real_rows_only():
+    """Rows of weight 0 (the padding of Poisson lots) are out of `metrics=["accuracy"]`, as on TensorFlow:
+    before, JAX's unweighted metrics counted them (the logged loss did not)."""
+    model, x, y = built(FRONT, "dense")
+    x = np.concatenate([x[:4]] * 2)
+    predicted = np.argmax(np.asarray(model.predict(x, verbose=0)), axis=1)
+    y = np.concatenate([predicted[:4], (predicted[4:] + 1) % 3])  # the real rows right, the padding wrong
+    weights = np.array([1.0] * 4 + [0.0] * 4, "float32")
+    model.compile(
+        optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=0.0, learning_rate=0.0),
+        loss=FRONT.loss(),
+        metrics=["accuracy"],
+    )
+    k3.make_private(model)
+    history = model.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert history.history["accuracy"][0] == 1.0  # 0.5 with the padding counted
