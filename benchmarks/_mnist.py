@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from typing import Any, Sequence
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -67,6 +68,37 @@ def record(script: str, args: argparse.Namespace, argv: Sequence[str] | None, nu
         "target_epsilon": args.target_epsilon,
         "num_examples": int(num_examples),
         "settings": {k: v for k, v in vars(args).items() if k not in hidden and not k.startswith("_")},
+    }
+
+
+def fit_and_report(model, optimizer, lots, data, args, *, callbacks, planned: int, sigma: float, start: float) -> tuple:
+    """Trains `model` on `lots` within the target ε (``WithinLimit``), then its ledger's ε and the test
+    accuracy: (Keras's history, the run's common JSON fields). `start` is the run's ``time.perf_counter()``."""
+    from keras_dpsgd import WithinLimit, model_epsilon
+
+    history = model.fit(
+        lots.dataset(),
+        epochs=args.epochs,
+        steps_per_epoch=lots.steps_per_epoch,
+        callbacks=[WithinLimit(args.target_epsilon, args.delta), *callbacks],
+        validation_data=(data.x_test, data.y_test),
+        validation_batch_size=2000,
+        verbose=0,
+    )
+    epsilon, delta = model_epsilon(model, target_delta=args.delta)
+    _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
+    steps = int(optimizer.noised_steps.numpy())
+    return history, {
+        "epsilon": float(epsilon),
+        "delta": float(delta),
+        "accuracy": float(accuracy),
+        "epochs": steps / lots.steps_per_epoch,
+        "steps": steps,
+        "planned_steps": planned,
+        "sigma": float(sigma),
+        "val_accuracy_per_epoch": [round(a, 4) for a in history.history.get("val_accuracy", [])],
+        "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
+        "wall_s": time.perf_counter() - start,
     }
 
 

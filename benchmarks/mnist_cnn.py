@@ -202,7 +202,7 @@ def _optimizer(args, model, sigma: float, learning_rate):
 def run_private(args, data) -> dict:
     import tf_keras as keras
 
-    from keras_dpsgd import PoissonLots, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots
     from keras_dpsgd.accounting import calibrate_noise_multiplier
     from keras_dpsgd.tf_keras import ClipBoundsLogger
 
@@ -223,31 +223,10 @@ def run_private(args, data) -> dict:
         weighted_metrics=["accuracy"],
     )
     bounds = ClipBoundsLogger()  # per-epoch bounds of the adaptive modes (nothing for the others)
-    history = model.fit(
-        lots.dataset(),
-        epochs=args.epochs,
-        steps_per_epoch=lots.steps_per_epoch,
-        callbacks=[WithinLimit(args.target_epsilon, args.delta), bounds],
-        validation_data=(data.x_test, data.y_test),
-        validation_batch_size=2000,
-        verbose=0,
+    _, out = _mnist.fit_and_report(
+        model, optimizer, lots, data, args, callbacks=[bounds], planned=planned, sigma=sigma, start=start
     )
-    epsilon, delta = model_epsilon(model, target_delta=args.delta)
-    _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
-    steps = int(optimizer.noised_steps.numpy())
-    out = {
-        "epsilon": float(epsilon),
-        "delta": float(delta),
-        "accuracy": float(accuracy),
-        "epochs": steps / lots.steps_per_epoch,
-        "steps": steps,
-        "planned_steps": planned,
-        "sigma": float(sigma),
-        "num_weights": int(model.count_params()),
-        "val_accuracy_per_epoch": [round(a, 4) for a in history.history.get("val_accuracy", [])],
-        "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
-        "wall_s": time.perf_counter() - start,
-    }
+    out["num_weights"] = int(model.count_params())
     if args.clipping in ADAPTIVE:  # flat: the same C for every variable
         per_layer = args.clipping == "per-layer-adaptive"
         out["clip_bound_per_epoch"] = [

@@ -150,7 +150,7 @@ def _optimizer(args, model, sigma: float, learning_rate):
 def run_private(args, data) -> dict:
     import tf_keras as keras
 
-    from keras_dpsgd import PoissonLots, WithinLimit, model_epsilon
+    from keras_dpsgd import PoissonLots
 
     start = time.perf_counter()
     pca = _pca(args, data, args.pca_noise, args.pca_sampling_rate)
@@ -167,33 +167,12 @@ def run_private(args, data) -> dict:
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
         weighted_metrics=["accuracy"],
     )
-    limit = WithinLimit(args.target_epsilon, args.delta)
-    history = model.fit(
-        lots.dataset(),
-        epochs=args.epochs,
-        steps_per_epoch=lots.steps_per_epoch,
-        callbacks=[limit],
-        validation_data=(data.x_test, data.y_test),
-        validation_batch_size=2000,
-        verbose=0,
+    _, out = _mnist.fit_and_report(
+        model, optimizer, lots, data, args, callbacks=[], planned=planned, sigma=sigma, start=start
     )
-    epsilon, delta = model_epsilon(model, target_delta=args.delta)
-    _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0)
-    steps = int(optimizer.noised_steps.numpy())
-    return {
-        "epsilon": float(epsilon),
-        "delta": float(delta),
-        "accuracy": float(accuracy),
-        "epochs": steps / lots.steps_per_epoch,
-        "steps": steps,
-        "planned_steps": planned,
-        "sigma": float(sigma),
-        "sigma_calibrated": args.sigma is None,
-        "effective_noise_multiplier": float(optimizer.effective_noise_multiplier),
-        "val_accuracy_per_epoch": [round(a, 4) for a in history.history.get("val_accuracy", [])],
-        "ema": args.ema,  # with EMA, accuracy is the averaged weights', val_accuracy_per_epoch the raw ones
-        "wall_s": time.perf_counter() - start,
-    }
+    out["sigma_calibrated"] = args.sigma is None
+    out["effective_noise_multiplier"] = float(optimizer.effective_noise_multiplier)
+    return out
 
 
 def run_baseline(args, data) -> dict:
