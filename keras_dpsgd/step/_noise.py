@@ -55,11 +55,52 @@ def refined_unit(w0, w2, w3, where):
     return where(w0 == 0.0, fine, _coarse(w0))
 
 
+def radius(u1, scale, ops):
+    """``scale · sqrt(-2 ln u1)``, the Box–Muller radius (``ops``: sqrt and log)."""
+    return ops.sqrt(ops.log(u1) * (-2.0 * scale * scale))
+
+
 def polar(u1, w1, scale, ops):
     """``scale`` times the pair (r cos θ, r sin θ), r = sqrt(-2 ln u1), θ = 2π·w1·2⁻³² (float32 word w1)."""
-    radius = ops.sqrt(ops.log(u1) * (-2.0 * scale * scale))
+    r = radius(u1, scale, ops)
     angle = w1 * (2.0 * math.pi * _TWO_POW_MINUS_32)
-    return radius * ops.cos(angle), radius * ops.sin(angle)
+    return r * ops.cos(angle), r * ops.sin(angle)
+
+
+# Taylor coefficients of sin φ / φ and of cos φ in φ²: on |φ| <= π/4 the first omitted terms,
+# (π/4)¹¹/11! < 2e-9 and (π/4)¹²/12! < 2e-10, are below float32's half ulp of the results.
+_SIN_TAYLOR = (1.0, -1.0 / 6, 1.0 / 120, -1.0 / 5040, 1.0 / 362880)
+_COS_TAYLOR = (1.0, -1.0 / 2, 1.0 / 24, -1.0 / 720, 1.0 / 40320, -1.0 / 3628800)
+
+
+def _horner(coefficients, x):
+    acc = coefficients[-1]
+    for c in coefficients[-2::-1]:
+        acc = acc * x + c
+    return acc
+
+
+def cos_by_quarter_turns(w1, shift, ops, where):
+    """``cos(θ − shift·π/2)`` of θ = 2π·w1·2⁻³², from polynomials on one eighth of the circle.
+
+    ``shift`` (a whole number, broadcast against ``w1``) 0 gives cos θ and 1 gives sin θ: both
+    halves of a Box–Muller pair come out of one elementwise expression over a [2, P] grid, which XLA
+    fuses into its consumer without a concatenation. For array libraries whose ``sin``/``cos`` are
+    slow (XLA on CPU evaluates them per element, ~6 ns each, where this is a few multiply-adds).
+
+    The angle, in quarter turns ``4·w1·2⁻³²``, splits into the nearest whole ``q`` and
+    ``φ = (4·w1·2⁻³² − q)·π/2``, |φ| <= π/4; the subtraction is exact (Sterbenz), so this is as
+    accurate as ``cos`` of the float32 angle (about 1e-7) and exact at the quarter turns. Rotating
+    (cos φ, sin φ) by ``(q − shift) mod 4`` quarter turns gives the result.
+    """
+    quarters = w1 * (4.0 * _TWO_POW_MINUS_32)
+    q = ops.round(quarters)
+    phi = (quarters - q) * (math.pi / 2)
+    phi2 = phi * phi
+    c, s = _horner(_COS_TAYLOR, phi2), phi * _horner(_SIN_TAYLOR, phi2)
+    turn = q - shift
+    m = turn - 4.0 * ops.floor(turn * 0.25)  # (q − shift) mod 4
+    return where(m == 1.0, -s, where(m == 2.0, -c, where(m == 3.0, s, c)))
 
 
 def _refine(w0: tf.Tensor, x2: tf.Tensor, x3: tf.Tensor) -> tf.Tensor:

@@ -96,3 +96,20 @@ def test_add_gaussian_scales_by_stddev():
     same = _noise.standard_normal([300 * 500], tf.constant([1, 9], tf.int64)).numpy()
     np.testing.assert_allclose(z.ravel(), same, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(_noise.add_gaussian(x, 0.0, tf.constant([1, 9], tf.int64)).numpy(), x.numpy())
+
+
+def test_cos_by_quarter_turns_matches_cos_and_sin():
+    """The polynomial cosine (the JAX sampler's) of θ = 2π·w·2⁻³², shift 0 and 1: cos θ and sin θ to ~1e-7,
+    exact at the quarter turns; on float32 numpy arrays, where only the arithmetic is float32."""
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    quarters = np.array([0, 2**30, 2**31, 3 * 2**30, 2**32 - 1], np.uint32)
+    w = np.concatenate([words, quarters]).astype(np.float32)
+    angle = w.astype(np.float64) * (2 * math.pi * 2.0**-32)  # the float32 word's exact angle
+    cos = _noise.cos_by_quarter_turns(w, np.float32(0.0), np, np.where)
+    sin = _noise.cos_by_quarter_turns(w, np.float32(1.0), np, np.where)
+    assert cos.dtype == sin.dtype == np.float32
+    assert np.abs(cos - np.cos(angle)).max() < 2e-7
+    assert np.abs(sin - np.sin(angle)).max() < 2e-7
+    np.testing.assert_array_equal(cos[-5:], [1, 0, -1, 0, 1])
+    np.testing.assert_array_equal(sin[-5:], [0, 1, 0, -1, 0])

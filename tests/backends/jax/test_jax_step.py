@@ -10,7 +10,6 @@ import keras
 import numpy as np
 
 import keras_dpsgd.keras3 as k3
-from keras_dpsgd.backends.jax import _noise
 from tests._behaviour import built, keras3_front
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
 
@@ -98,28 +97,6 @@ def test_seeded_noise_is_reproducible_and_unseeded_is_not():
     c, _ = _noise_only(x, l2_norm_clip=1.0, noise_multiplier=1.0)
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, c)
-
-
-def test_sampler_is_the_library_sampler():
-    """Box–Muller from full words, refined where x0 = 0: the TF sampler's values, tails past TF's 5.68."""
-    import tensorflow as tf
-
-    from keras_dpsgd.step import _noise as tf_noise
-
-    rng = np.random.default_rng(0)
-    words = rng.integers(0, 2**32, size=(4, 64), dtype=np.uint64).astype(np.uint32)
-    words[0, :3] = 0  # the refined pairs
-    words[2, :3] = [0, 1, 2**31]
-    got = np.asarray(_noise.box_muller(*words))
-    want = tf_noise.box_muller(*[tf.constant(w) for w in words]).numpy()
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    assert np.abs(got).max() > 5.7  # TF's clamped sampler never goes past 5.68
-
-
-def test_sampler_moments():
-    z = np.asarray(_noise.standard_normal((200_000,), _noise.seeded_key(3, 0, 0)))
-    assert abs(z.mean()) < 4 / np.sqrt(z.size)
-    assert abs(z.std() - 1) < 0.01
 
 
 def test_clipped_sum_zeroes_nonfinite_rows_exactly():
