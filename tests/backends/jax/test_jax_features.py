@@ -1,6 +1,6 @@
 """BackupAndRestore, the membership-inference callback and the CLI on JAX: a run interrupted and resumed from its
 backup continues exactly (weights, adaptive bounds, noised_steps, ε), the callback's loss attack has the AUC of the
-model's own losses, and ``keras-dpsgd train`` runs in this process on the bundled digits."""
+model's own losses, ``keras-dpsgd train`` runs in this process on the bundled digits, and the input-canary audit runs."""
 
 import keras
 import numpy as np
@@ -110,3 +110,23 @@ def test_cli_trains_on_jax_in_this_process(capsys):
     assert result["epsilon"] == pytest.approx(compute_epsilon([event], result["delta"]), rel=1e-9)
     assert result["epsilon"] <= result["target_epsilon"]
     assert result["test_accuracy"] > 0.2  # 10 classes: above chance after 6 noisy lots
+
+
+def test_input_canary_audit_runs_on_jax():
+    """The one-run audit with input canaries (black box: the final model's losses) on JAX: its ε is the accountant's
+    for the lots it ran, and its lower bound does not exceed it (gradient canaries stay refused: an optimizer hook)."""
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent
+    from keras_dpsgd.audit.one_run import canary_audit, mlp_builder
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(192, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    result = canary_audit(
+        mlp_builder((6,), 2, width=8), (x, y), num_classes=2, canaries=16, kind="ood",
+        noise_multiplier=1.0, lot_size=50, epochs=1, seed=0,
+    )  # fmt: skip
+    n = len(x) + 16 // 2  # the public size: N + m/2
+    assert result.steps >= 1 and result.method == "one-run-ood"
+    event = PoissonSampledGaussianEvent(50 / n, 1.0, result.steps)
+    assert result.epsilon == pytest.approx(compute_epsilon([event], result.delta), rel=1e-9)
+    assert 0.0 <= result.epsilon_lower_bound <= result.epsilon
