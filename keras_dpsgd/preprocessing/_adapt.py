@@ -320,7 +320,8 @@ def tf_keras_preprocessing_layer() -> type:
     return import_tf_keras().layers.experimental.preprocessing.PreprocessingLayer
 
 
-_DEFINE_LOCK = threading.Lock()
+# Reentrant: the first import of tf_keras (inside the lock) imports keras_dpsgd.tf_keras, which defines the layers.
+_DEFINE_LOCK = threading.RLock()
 
 
 def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type, str]]) -> type:
@@ -339,6 +340,7 @@ def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type
             from keras_dpsgd._which_keras import import_tf_keras
 
             tf_keras = import_tf_keras()
+        if name not in module_globals:  # not defined by that import
             mechanism, doc = layers[name]
             bases = (TfKerasAdaptGlue, mechanism, tf_keras_preprocessing_layer())
             namespace = {"__doc__": doc, "__module__": module_globals["__name__"], "__qualname__": name}
