@@ -27,7 +27,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from keras_dpsgd import backends
 
 __all__ = ["register", "check", "adapted_layer", "describe", "prepend", "public_transform", "summary"]
 
@@ -93,13 +92,6 @@ def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None, *,
     """
     if args.dp_normalize is None and not auto:
         return None
-    if not keras.__name__.startswith("tf_keras") and backends.is_jax():  # before the release, not at fit
-        from keras_dpsgd.backends.jax import unsupported
-
-        raise unsupported(
-            "the DPNormalization layer (keras-dpsgd train --dp-normalize, or the private scaling of features "
-            "without a public range: give --feature-range instead)"
-        )
     if keras.__name__.startswith("tf_keras"):
         from keras_dpsgd.preprocessing.normalization import DPNormalization
     else:

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+from keras_dpsgd.preprocessing._seam import TfOps, outward
 
 DEFAULT_ADAPT_BATCH_SIZE = 1024
 
@@ -89,13 +90,13 @@ def feature_dim(input_shape: Any, owner: str) -> tuple[int, tuple]:
     return int(np.prod(features)), features
 
 
-def flatten(inputs: Any, dim: int, compute_dtype: Any, owner: str) -> tf.Tensor:
-    """Inputs (batch, d1, ...) as (batch, d); non-float inputs cast to `compute_dtype`."""
-    x = tf.convert_to_tensor(inputs)
-    if not x.dtype.is_floating:
-        x = tf.cast(x, compute_dtype)
+def flatten(inputs: Any, dim: int, compute_dtype: Any, owner: str, ops: Any = TfOps) -> Any:
+    """Inputs (batch, d1, ...) as (batch, d); non-float inputs cast to `compute_dtype` (`ops`: TfOps or keras.ops)."""
+    x = ops.convert_to_tensor(inputs)
+    if not ops.is_floating(x):
+        x = ops.cast(x, compute_dtype)
     check_features(x.shape, dim, owner)
-    return tf.reshape(x, (-1, dim))
+    return ops.reshape(x, (-1, dim))
 
 
 def check_features(shape: Any, dim: int, owner: str) -> None:
@@ -195,7 +196,8 @@ class DPReleaseMixin:
 
     The weights ``adapt_count``, ``adapt_sampling_rate`` and ``adapt_noise_multiplier`` record
     the releases, so a saved and reloaded layer still declares them (and never releases again by
-    loading: only ``adapt`` releases).
+    loading: only ``adapt`` releases). Where the weights hold float32 (Keras on JAX without x64)
+    q is recorded rounded up and σ rounded down (:func:`outward`): the events never understate ε.
     """
 
     _LABEL = ""
@@ -221,8 +223,7 @@ class DPReleaseMixin:
             name="adapt_noise_multiplier", shape=(), dtype="float64", initializer="zeros", trainable=False
         )
         with tf.init_scope():
-            self.adapt_sampling_rate.assign(self.sampling_rate)
-            self.adapt_noise_multiplier.assign(self.noise_multiplier)
+            self._write_records(self.sampling_rate, self.noise_multiplier)
         self._acc = self._new_accumulator(dim)
 
     # ---- state -------------------------------------------------------------
@@ -255,21 +256,43 @@ class DPReleaseMixin:
         if not self.built:
             return ()
         count = int(self.adapt_count.numpy())
-        event = release_event(
-            float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()), self._LABEL
+        return (release_event(*self._recorded(), self._LABEL),) * count
+
+    def _recorded(self) -> tuple[float, float]:
+        """(q, σ) as the weights hold them."""
+        return float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy())
+
+    def _as_recorded(self, sampling_rate: float, noise_multiplier: float) -> tuple[float, float]:
+        """(q, σ) as the weights would record them: q rounded up, σ down, to the dtype they hold.
+
+        TensorFlow holds the float64 weights as float64 (the values themselves); Keras on JAX
+        without x64 holds them as float32, where rounding to nearest could lower q or raise σ, and
+        so ε (see :func:`outward`).
+        """
+        return (
+            outward(sampling_rate, np.asarray(self.adapt_sampling_rate.numpy()).dtype, up=True),
+            outward(noise_multiplier, np.asarray(self.adapt_noise_multiplier.numpy()).dtype, up=False),
         )
-        return (event,) * count
+
+    def _write_records(self, sampling_rate: float, noise_multiplier: float) -> None:
+        """Records (q, σ) rounded outward (:meth:`_as_recorded`); fails if the weights do not read it back."""
+        target = self._as_recorded(sampling_rate, noise_multiplier)
+        self.adapt_sampling_rate.assign(target[0])
+        self.adapt_noise_multiplier.assign(target[1])
+        if self._recorded() != target:  # never expected: the outward values are representable
+            raise RuntimeError(f"{type(self).__name__} recorded {self._recorded()} for (q, σ) = {target}")
 
     def _record_mechanism(self) -> None:
-        """Stores (q, σ) in the weights the events are read from (and saved with)."""
-        recorded = (float(self.adapt_sampling_rate.numpy()), float(self.adapt_noise_multiplier.numpy()))
-        if int(self.adapt_count.numpy()) > 0 and recorded != (self.sampling_rate, self.noise_multiplier):
+        """Stores (q, σ) in the weights the events are read from (and saved with), rounded as they record it."""
+        recorded = self._recorded()
+        if int(self.adapt_count.numpy()) > 0 and recorded != self._as_recorded(
+            self.sampling_rate, self.noise_multiplier
+        ):
             raise ValueError(
                 f"this {type(self).__name__} layer's earlier adapts used (sampling_rate, noise_multiplier) = "
                 f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer"
             )
-        self.adapt_sampling_rate.assign(self.sampling_rate)
-        self.adapt_noise_multiplier.assign(self.noise_multiplier)
+        self._write_records(self.sampling_rate, self.noise_multiplier)
 
     # ---- adapt -------------------------------------------------------------
 
@@ -320,7 +343,8 @@ def tf_keras_preprocessing_layer() -> type:
     return import_tf_keras().layers.experimental.preprocessing.PreprocessingLayer
 
 
-_DEFINE_LOCK = threading.Lock()
+# Reentrant: the first import of tf_keras (inside the lock) imports keras_dpsgd.tf_keras, which defines the layers.
+_DEFINE_LOCK = threading.RLock()
 
 
 def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type, str]]) -> type:
@@ -339,6 +363,7 @@ def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type
             from keras_dpsgd._which_keras import import_tf_keras
 
             tf_keras = import_tf_keras()
+        if name not in module_globals:  # not defined by that import
             mechanism, doc = layers[name]
             bases = (TfKerasAdaptGlue, mechanism, tf_keras_preprocessing_layer())
             namespace = {"__doc__": doc, "__module__": module_globals["__name__"], "__qualname__": name}
@@ -349,6 +374,8 @@ def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type
 
 class TfKerasAdaptGlue:
     """tf_keras front end: the batches go through ``PreprocessingLayer.adapt``; put first."""
+
+    _ops = TfOps  # the layers' call: TensorFlow ops
 
     def _stream(self, data: Any, batch_size: Optional[int], steps: Optional[int]) -> None:
         # The tf_keras layer's own adapt loop (reset_state, update_state per batch, finalize_state).

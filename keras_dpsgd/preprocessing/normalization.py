@@ -418,10 +418,11 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPNormalization")
 
     def call(self, inputs):
-        x = self._check_adapted(tf.cast(tf.convert_to_tensor(inputs), self.compute_dtype))
-        mean = tf.cast(self.mean, x.dtype)
+        ops = self._ops  # TensorFlow ops on tf_keras, keras.ops on Keras 3 (any backend)
+        x = self._check_adapted(ops.cast(ops.convert_to_tensor(inputs), self.compute_dtype))
+        mean = ops.cast(self.mean, x.dtype)
         floor = _EPSILON if self.min_std is None else self.min_std
-        std = tf.maximum(tf.sqrt(tf.cast(self.variance, x.dtype)), floor)
+        std = ops.maximum(ops.sqrt(ops.cast(self.variance, x.dtype)), floor)
         return (x - mean) / std
 
     def compute_output_shape(self, input_shape):

@@ -11,13 +11,14 @@ is zeroed once the noisy release has been made.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import scipy.linalg
 import tensorflow as tf
 
 from keras_dpsgd.preprocessing import _adapt
+from keras_dpsgd.preprocessing._seam import TfOps
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import PrivacyLedger
 
@@ -89,11 +90,11 @@ def analyze_gauss(gram: np.ndarray, k: int, noise_multiplier: float, rng: np.ran
     return top_k_eigenvectors(noisy, k)
 
 
-def _normalize_rows(x: tf.Tensor) -> tf.Tensor:
-    """Scales every row to unit ℓ2 norm; zero rows stay zero (overflow-safe)."""
-    scale = tf.reduce_max(tf.abs(x), axis=1, keepdims=True)
-    x = tf.math.divide_no_nan(x, scale)
-    return tf.math.divide_no_nan(x, tf.norm(x, axis=1, keepdims=True))
+def _normalize_rows(x: Any, ops: Any = TfOps) -> Any:
+    """Scales every row to unit ℓ2 norm; zero rows stay zero (overflow-safe) (`ops`: TfOps or keras.ops)."""
+    scale = ops.max(ops.abs(x), axis=1, keepdims=True)
+    x = ops.divide_no_nan(x, scale)
+    return ops.divide_no_nan(x, ops.norm(x, axis=1, keepdims=True))
 
 
 class PCAMechanism(_adapt.DPReleaseMixin):
@@ -178,15 +179,16 @@ class PCAMechanism(_adapt.DPReleaseMixin):
 
     # ---- call --------------------------------------------------------------
 
-    def _flatten(self, inputs) -> tf.Tensor:
-        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPPCA")
+    def _flatten(self, inputs, ops: Any = TfOps) -> Any:
+        return _adapt.flatten(inputs, self.input_dim, self.compute_dtype, "DPPCA", ops)
 
     def call(self, inputs):
-        x = tf.cast(self._flatten(inputs), self.compute_dtype)
+        ops = self._ops  # TensorFlow ops on tf_keras, keras.ops on Keras 3 (any backend)
+        x = ops.cast(self._flatten(inputs, ops), self.compute_dtype)
         if self.normalize_inputs:
-            x = _normalize_rows(x)
+            x = _normalize_rows(x, ops)
         x = self._check_adapted(x)
-        return tf.matmul(x, tf.cast(self.projection, x.dtype))
+        return ops.matmul(x, ops.cast(self.projection, x.dtype))
 
     def compute_output_shape(self, input_shape):
         return tf.TensorShape([tf.TensorShape(input_shape)[0], self.n_components])

@@ -249,6 +249,9 @@ layer = model.layers[0]
 print(json.dumps({"events": [e.to_dict() for e in layer.privacy_events], "adapted": layer.is_adapted,
                   "seed": layer.seed, "projection": layer.projection.numpy().tolist(),
                   "out": model.predict(np.asarray(json.loads(sys.argv[2]), np.float32), verbose=0).tolist()}))
+# A tf_keras layer class first reached before keras_dpsgd.tf_keras is imported (this hung: its definition lock).
+from keras_dpsgd.preprocessing import pca
+assert pca.DPPCA.__module__ == pca.__name__
 """
 
 

@@ -7,7 +7,7 @@ train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive`` 
 ``_distribute``) that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
 (``keras_dpsgd.backends.is_jax``). What is not built on JAX yet is refused by name
 (:func:`unsupported`): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
-the audit callback, DPPCA/DPNormalization layers and a model's own train step
+the audit callback and a model's own train step
 (``private_update``/``sanitized_gradients``).
 """
 

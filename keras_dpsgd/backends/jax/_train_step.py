@@ -87,13 +87,8 @@ def check_optimizer(optimizer: Any) -> None:
 
 
 def _check_model(model: keras.Model) -> None:
-    from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
-
     if data_parallel_mesh(model) is not None:  # refuses any other distribution by name
         check_replicated(model)
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, (DPPCA, DPNormalization)):
-            raise unsupported(f"the {type(layer).__name__} layer ({layer.name!r})")
 
 
 def prepare_fit(model: keras.Model) -> None:

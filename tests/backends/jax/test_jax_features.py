@@ -95,19 +95,25 @@ def test_backup_and_restore_resumes_exactly_and_the_membership_callback_runs(tmp
 
 
 def test_cli_trains_on_jax_in_this_process(capsys):
-    """``KERAS_BACKEND=jax keras-dpsgd train`` on the bundled digits: the planned lots run, ε is the accountant's."""
+    """``KERAS_BACKEND=jax keras-dpsgd train --dp-normalize`` on the bundled digits: the planned lots run, ε is the
+    accountant's over the normalization's release (σ recorded in float32, rounded down) and the steps."""
     import json
 
-    from keras_dpsgd.accounting import PoissonSampledGaussianEvent
+    from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, event_from_dict
     from keras_dpsgd.cli import main
 
+    norm_sigma = 3.2  # float32 rounds it up (to less noise): recorded rounded down
+    assert float(np.float32(norm_sigma)) > norm_sigma
     argv = ["train", "--epochs", "1", "--lot-size", "256", "--width", "8", "--seed", "0", "--json"]
-    assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    assert main(argv + ["--dp-normalize", str(norm_sigma)]) == 0, capsys.readouterr().err[-3000:]
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["dataset"] == "digits" and result["keras"] == keras.__version__
     assert result["steps"] == result["planned_steps"] == 6  # ceil(1347 / 256) lots
+    release = event_from_dict(result["dp_normalize"]["event"])
+    assert release.noise_multiplier == float(np.nextafter(np.float32(norm_sigma), np.float32(0)))
     event = PoissonSampledGaussianEvent(result["sampling_rate"], result["noise_multiplier"], result["steps"])
-    assert result["epsilon"] == pytest.approx(compute_epsilon([event], result["delta"]), rel=1e-9)
+    assert result["epsilon"] == pytest.approx(compute_epsilon([release, event], result["delta"]), rel=1e-9)
+    assert result["epsilon"] > compute_epsilon([GaussianEvent(norm_sigma), event], result["delta"])
     assert result["epsilon"] <= result["target_epsilon"]
     assert result["test_accuracy"] > 0.2  # 10 classes: above chance after 6 noisy lots
 

@@ -44,27 +44,6 @@ def test_frozen_batch_normalization_trains():
     assert int(model.optimizer.noised_steps.numpy()) == 1
 
 
-@pytest.mark.parametrize("layer", ["DPNormalization", "DPPCA"])
-def test_dp_layers_are_refused(layer):
-    """Not built: their ledger records are float64 weights (rounded to float32 on JAX without x64), their call TF ops."""
-    inputs = keras.Input((5,))
-    if layer == "DPPCA":
-        dp_layer = k3.DPPCA(n_components=2, noise_multiplier=1.0)
-    else:
-        dp_layer = k3.DPNormalization(noise_multiplier=1.0, lower=-1.0, upper=1.0)
-    model = keras.Model(inputs, keras.layers.Dense(3)(dp_layer(inputs)))
-    FRONT.compiled(model, l2_norm_clip=1.0)
-    x, y = np.zeros((4, 5), "float32"), np.zeros(4)
-    _assert_refused_unchanged(model, x, y, f"{layer} .*{NOT_YET}")
-
-
-def test_cli_dp_normalize_is_refused_before_its_release(capsys):
-    from keras_dpsgd.cli import main
-
-    assert main(["train", "--dp-normalize", "1.0", "--epochs", "1"]) == 2
-    assert "the DPNormalization layer (keras-dpsgd train --dp-normalize" in capsys.readouterr().err
-
-
 def test_gradient_canaries_and_own_step_are_refused():
     from keras_dpsgd.audit import with_gradient_canaries
 
