@@ -16,8 +16,8 @@ without noise (ε = ∞). Two modes, each training ONE model with canaries:
 The audit run is a training run on the data: the ε it prints is its own.
 
 It trains on Keras 3 (``keras_dpsgd.keras3``) unless ``TF_USE_LEGACY_KERAS=1`` selects tf_keras,
-as ``tf.keras`` does; the output says which (``--json`` key ``keras``, as ``keras-dpsgd train``
-writes it: "3.15.0" or "tf_keras 2.21.0").
+as ``tf.keras`` does; the output says which, on which backend (``--json`` keys ``keras`` and
+``backend``, as ``keras-dpsgd train`` writes them: "3.15.0" or "tf_keras 2.21.0"; "tensorflow" or "jax").
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _audit(args, data, noise_multiplier):
 
 def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
-    from keras_dpsgd.data import _datasets
+    from keras_dpsgd.data import _datasets, _models
 
     _check(args)
     given = args.noise_multiplier
@@ -181,7 +181,7 @@ def audit(args) -> dict:
 
         args.lot_size = default_lot_size(data.num_examples)
     result = _audit(args, data, given)
-    out = {**result.to_dict(), "mode": args.mode}
+    out = {**result.to_dict(), "mode": args.mode, "backend": _models.backend_label(_models.front_end())}
     if args.plot:
         points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
         base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
@@ -292,6 +292,7 @@ def _select(out: dict) -> dict:
         "assumption",
         "steps",
         "keras",
+        "backend",
         "plot",
         "plot_points",
     )

@@ -6,8 +6,9 @@ Poisson-sampled lots (:class:`keras_dpsgd.PoissonLots`), the DP-SGD optimizer
 (:class:`keras_dpsgd.PrivacyLogger`) and the budget enforced by
 :class:`keras_dpsgd.WithinLimit`. It runs on Keras 3 (a model made private with
 ``keras_dpsgd.keras3.make_private``) unless ``TF_USE_LEGACY_KERAS=1`` selects
-tf_keras, TensorFlow's rule for ``tf.keras``; the plan line and the JSON key
-"keras" ("3.15.0", "tf_keras 2.21.0") say which one ran. ``--physical-batch-size``
+tf_keras, TensorFlow's rule for ``tf.keras``; the plan line and the JSON keys
+"keras" ("3.15.0", "tf_keras 2.21.0") and "backend" ("tensorflow", or "jax" under
+``KERAS_BACKEND=jax``) say which one ran, on which backend. ``--physical-batch-size``
 splits every lot into physical batches whose clipped sums are accumulated and
 noised once per lot, on either Keras. Unless ``--noise-multiplier`` is given, σ is
 the smallest noise multiplier that keeps the planned number of steps within
@@ -285,7 +286,7 @@ def train(args) -> dict:
     """Runs one training job described by parsed CLI arguments; returns the result dict.
 
     Keras 3 by default, tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's
-    rule for tf.keras); the result's "keras" key says which one ran.
+    rule for tf.keras); the result's "keras" and "backend" keys say which one ran, on which backend.
     """
     _check_args(args)
     from keras_dpsgd.data import _models
@@ -367,6 +368,7 @@ def train(args) -> dict:
         "dataset": data.name,
         "model": args.model,
         "keras": _models.keras_label(front),
+        "backend": _models.backend_label(front),
         "num_examples": n,
         "data_notes": notes,
         "epsilon": float(epsilon),
@@ -488,6 +490,13 @@ def _save(directory: str, model, ledger, result: dict) -> str:
     return directory
 
 
+def _keras_text(result: dict) -> str:
+    """The Keras and backend of a result, for people (``_models.keras_display``'s wording)."""
+    if result["keras"].startswith("tf_keras"):
+        return result["keras"]
+    return f"Keras {result['keras']} on {result['backend']}"
+
+
 def run(args) -> dict:
     """Trains; a failed ``--save`` still prints the result, then exits with code 1."""
     if args.json:
@@ -500,7 +509,7 @@ def run(args) -> dict:
         print(
             f"\n{result['dataset']}: test accuracy {result['test_accuracy']:.4f} at ε = {result['epsilon']:.4g} "
             f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}, "
-            f"{'Keras ' if not result['keras'].startswith('tf_keras') else ''}{result['keras']}\n"
+            f"{_keras_text(result)}\n"
             f"  {result['steps']} of {result['planned_steps']} planned steps, σ = {result['noise_multiplier']:.4g}, "
             f"{_clipping_text(result['l2_norm_clip'], result['stability'])}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
             + (f"\n  saved to {result['saved_to']}" if "saved_to" in result else "")

@@ -45,10 +45,16 @@ def keras_label(front: str) -> str:
     return version if front == "keras3" else f"tf_keras {version}"
 
 
+def backend_label(front: str) -> str:
+    """The backend that ran, for reports: "tensorflow" (tf_keras; Keras 3 on TensorFlow) or Keras 3's own
+    (``keras.config.backend()``: "jax")."""
+    return keras_module(front).config.backend() if front == "keras3" else "tensorflow"
+
+
 def keras_display(front: str) -> str:
-    """Which Keras ran, for people: "Keras 3.15.0" or "tf_keras 2.21.0"."""
+    """Which Keras ran, for people: "Keras 3.15.0 on tensorflow", "Keras 3.15.0 on jax" or "tf_keras 2.21.0"."""
     label = keras_label(front)
-    return f"Keras {label}" if front == "keras3" else label
+    return f"Keras {label} on {backend_label(front)}" if front == "keras3" else label
 
 
 def build_model(name: str, input_shape: Sequence[int], num_classes: int, *, width: int = 256, keras_module=None):

@@ -358,12 +358,13 @@ def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type
     """
     if name not in layers:
         raise AttributeError(f"module {module_globals['__name__']!r} has no attribute {name!r}")
+    from keras_dpsgd._which_keras import import_tf_keras
+
+    # Before the lock: tf_keras's first import registers keras_dpsgd.tf_keras, which reaches these
+    # layers (this function again, in this thread); under the lock that waited on itself for ever.
+    tf_keras = import_tf_keras()
     with _DEFINE_LOCK:
         if name not in module_globals:
-            from keras_dpsgd._which_keras import import_tf_keras
-
-            tf_keras = import_tf_keras()
-        if name not in module_globals:  # not defined by that import
             mechanism, doc = layers[name]
             bases = (TfKerasAdaptGlue, mechanism, tf_keras_preprocessing_layer())
             namespace = {"__doc__": doc, "__module__": module_globals["__name__"], "__qualname__": name}

@@ -124,6 +124,16 @@ def _check_settings(
     )
 
 
+# The settings an adaptive optimizer shows as read-only attributes and writes in ``get_config`` (its
+# ``__init__`` arguments); ``norm_sigmas`` is internal (one σ_q per group).
+_PUBLIC_SETTINGS = tuple(f.name for f in dataclasses.fields(_Settings) if f.name != "norm_sigmas")
+
+
+def _setting(name: str, doc: str) -> property:
+    """A read-only attribute of the adaptive optimizer: ``_Settings.<name>``."""
+    return property(lambda self: getattr(self._adaptive, name), doc=doc)
+
+
 def _check_bool(**named: Any) -> bool:
     ((name, value),) = named.items()
     if not isinstance(value, bool):
@@ -185,39 +195,19 @@ class AdaptiveClippingCore:
         """Size of the bound queries: one per variable (per-layer) or one (flat)."""
         return num_variables if self.per_layer_clipping else 1
 
-    @property
-    def norm_noise_multiplier(self):
-        return self._adaptive.norm_noise_multiplier
-
-    @property
-    def alpha(self) -> float:
-        return self._adaptive.alpha
-
-    @property
-    def beta(self) -> float:
-        return self._adaptive.beta
-
-    @property
-    def min_clip_bound(self) -> float:
-        return self._adaptive.min_clip_bound
-
-    @property
-    def rule(self) -> str:
-        """ "mean" (Three Tools) or "quantile" (Andrew et al. 2021)."""
-        return self._adaptive.rule
-
-    @property
-    def target_quantile(self) -> float:
-        return self._adaptive.target_quantile
-
-    @property
-    def quantile_learning_rate(self) -> float:
-        return self._adaptive.quantile_learning_rate
-
-    @property
-    def divide_by_bound(self) -> bool:
-        """Whether the released gradient is divided by the bound in force (the step in units of C)."""
-        return self._adaptive.divide_by_bound
+    # The settings, read-only (``_Settings``; ``get_config`` writes them all).
+    norm_noise_multiplier = _setting(
+        "norm_noise_multiplier", "σ_q of the bound queries, as given (one, or one per group)."
+    )
+    alpha = _setting("alpha", 'Rule "mean": C_t = α · (noisy mean norm of the previous lot).')
+    beta = _setting("beta", 'Rule "mean": the norm query clips at β · C_{t-1}.')
+    min_clip_bound = _setting("min_clip_bound", "Floor of the bounds.")
+    rule = _setting("rule", '"mean" (Three Tools) or "quantile" (Andrew et al. 2021).')
+    target_quantile = _setting("target_quantile", 'Rule "quantile": the quantile of the norms the bound follows.')
+    quantile_learning_rate = _setting("quantile_learning_rate", 'Rule "quantile": η of C ← C · exp(-η (b̃ - q)).')
+    divide_by_bound = _setting(
+        "divide_by_bound", "Whether the released gradient is divided by the bound in force (the step in units of C)."
+    )
 
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
         """The gradient's release (Σ clip(g_i) + N(0, σ² C²)); with ``divide_by_bound``, divided by C_g
@@ -308,16 +298,7 @@ class AdaptiveClippingCore:
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update(
-            norm_noise_multiplier=self.norm_noise_multiplier,
-            alpha=self.alpha,
-            beta=self.beta,
-            min_clip_bound=self.min_clip_bound,
-            rule=self.rule,
-            target_quantile=self.target_quantile,
-            quantile_learning_rate=self.quantile_learning_rate,
-            divide_by_bound=self.divide_by_bound,
-        )
+        config.update({name: getattr(self, name) for name in _PUBLIC_SETTINGS})
         return config
 
 

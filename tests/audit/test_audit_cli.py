@@ -31,6 +31,7 @@ STEP_KEYS = {
     "steps",
     "delta",
     "keras",
+    "backend",
 }
 BASE = ["--epochs", "1", "--lot-size", "128", "--width", "16", "--seed", "3"]
 SMALL = [*BASE, "--mode", "one-run", "--canaries", "200"]
@@ -55,6 +56,7 @@ def test_json_keys_reported_epsilon_is_the_ledgers_and_plot(capsys, tmp_path):
 
     legacy = os.environ.get("TF_USE_LEGACY_KERAS") == "1"  # the form of `keras-dpsgd train --json`
     assert result["keras"] == (f"tf_keras {tf_keras.__version__}" if legacy else keras.__version__)
+    assert result["backend"] == "tensorflow"
     q, steps = 128 / 1347, math.ceil(1347 / 128)
     eps = compute_epsilon(PoissonSampledGaussianEvent(q, 1.0, steps), default_delta(1347))
     assert result["epsilon"] == pytest.approx(eps, rel=1e-9)

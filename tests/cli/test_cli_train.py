@@ -93,6 +93,7 @@ def test_text_output_has_summary(capsys):
     assert code == 0
     assert "epsilon:" in out  # the progress bar shows ε
     assert "test accuracy" in out and "planned steps" in out and "lr = 0.5," in out
+    assert " on tensorflow\n" in out or ", tf_keras 2." in out  # the summary names the Keras and its backend
 
 
 def test_tfds_dataset_through_mock_data(capsys, monkeypatch):
@@ -115,6 +116,7 @@ def test_tfds_dataset_through_mock_data(capsys, monkeypatch):
             "1e-3",
         )
     assert result["dataset"] == "mnist" and result["num_examples"] == 64 and result["keras"].startswith("tf_keras 2.")
+    assert result["backend"] == "tensorflow"
     assert result["model"] == "cnn" and result["learning_rate"] == 2.0
     assert result["steps"] == 4 and result["epsilon"] <= result["target_epsilon"]
     # Mock data has random labels over 10 classes: the accuracy is a count over the 64 test examples,
@@ -150,7 +152,8 @@ def test_keras3_physical_batches_accumulate_lots_and_the_ledger_counts_lots(caps
     monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
     argv = ("--epochs", "2", "--lot-size", "256", "--width", "32", "--noise-multiplier", "1.5", "--seed", "0")
     split, err = _run_json(capsys, *argv, "--physical-batch-size", "64")
-    assert split["keras"] == keras.__version__ and "Keras 3." in err
+    assert split["keras"] == keras.__version__ and split["backend"] == "tensorflow"
+    assert f"Keras {keras.__version__} on tensorflow" in err  # the plan line
     lots = PoissonLots(
         np.zeros((1347, 1), "float32"), np.zeros(1347, "int64"), expected_lot_size=256, physical_batch_size=64
     )

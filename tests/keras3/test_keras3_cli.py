@@ -66,12 +66,14 @@ def test_train_and_save_on_each_keras(trained, legacy):
         import keras_dpsgd.tf_keras._optimizer  # noqa: F401 (registers the tf_keras DP classes for loading)
 
         assert result["keras"] == f"tf_keras {keras.__version__}" and "; tf_keras 2." in proc.stderr
+        assert result["backend"] == "tensorflow"
     else:
         import keras
 
         import keras_dpsgd.keras3  # noqa: F401 (registers the Keras 3 DP classes for loading)
 
         assert result["keras"] == keras.__version__ and "; Keras 3." in proc.stderr
+        assert result["backend"] == keras.config.backend() == "tensorflow"
     # 1 epoch of ceil(1347 / 512) = 3 lots; ε is the accountant's for the steps taken, within the target.
     steps, q, sigma = result["steps"], result["sampling_rate"], result["noise_multiplier"]
     assert steps == result["planned_steps"] == 3

@@ -69,6 +69,9 @@ _LATE_TF_KERAS = textwrap.dedent(
 
     assert "tf_keras" not in sys.modules
     mros = (PrivacyLogger.__mro__, WithinLimit.__mro__)
+    # The first access to a tf_keras DP layer imports tf_keras, whose registration imports keras_dpsgd.tf_keras,
+    # which reaches the DP layers again: that re-entry waited on its own lock for ever (a fresh process hung).
+    dppca = pca.DPPCA
     import tf_keras
 
     import keras_dpsgd.tf_keras as tk
@@ -81,6 +84,7 @@ _LATE_TF_KERAS = textwrap.dedent(
     logger, limit = PrivacyLogger(1e-5, num_examples=32), WithinLimit(100.0, 1e-5, num_examples=32)
     history = model.fit(x, y, batch_size=8, epochs=1, callbacks=[logger, limit], verbose=0)
     assert history.history["epsilon"][-1] > 0 and int(model.optimizer.noised_steps.numpy()) == 4
+    assert tk.DPPCA is pca.DPPCA is dppca
     for cls in (normalization.DPNormalization, pca.DPPCA):
         assert issubclass(cls, tf_keras.layers.Layer) and cls.__qualname__ == cls.__name__
         assert tf_keras.saving.get_registered_object(f"keras_dpsgd>{cls.__name__}") is cls

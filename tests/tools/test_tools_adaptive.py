@@ -221,6 +221,21 @@ def test_validation_and_serialization():
     assert clone.effective_noise_multiplier == opt.effective_noise_multiplier
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert isinstance(restored, AdaptiveDPSGDOptimizer)
+    settings = dict(
+        norm_noise_multiplier=[2.0, 3.0],
+        alpha=1.0,
+        beta=2.0,
+        min_clip_bound=1e-3,
+        rule="quantile",
+        target_quantile=0.3,
+        quantile_learning_rate=0.4,
+        divide_by_bound=True,
+    )
+    quantile = AdaptiveDPSGDOptimizer([1.0, 2.0], 1.0, **settings)
+    assert {k: getattr(quantile, k) for k in settings} == settings  # read back as given, and in the config
+    assert {k: quantile.get_config()[k] for k in settings} == settings
+    with pytest.raises(AttributeError):
+        quantile.alpha = 2.0  # read-only
     adam_cls = make_adaptive_optimizer(__import__("keras_dpsgd").tf_keras.DPAdamOptimizer)
     adam = adam_cls([1.0, 1.0], 1.0, 2.0, learning_rate=0.01)
     assert adam.effective_noise_multiplier == pytest.approx((2 + 2 / 4) ** -0.5)

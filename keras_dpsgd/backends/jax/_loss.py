@@ -1,7 +1,7 @@
 """The compiled loss per example on JAX (``keras_dpsgd.keras3.per_example_loss``'s rule, on ``jax.numpy``).
 
 The outputs, their losses taken unreduced and their ``loss_weights`` are read by the Keras 3 front
-end (``keras3._train_step._outputs``); here each output's values are averaged over the example's
+end (``keras3._loss._outputs``); here each output's values are averaged over the example's
 non-batch axes, over its unmasked elements only where the output carries a Keras mask
 (``Σ_t m_it ℓ_it / max(1, Σ_t m_it)``), and the weighted outputs added.
 """
@@ -17,7 +17,7 @@ __all__ = ["per_example_loss"]
 
 
 def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
-    from keras_dpsgd.keras3._train_step import _unreduced
+    from keras_dpsgd.keras3._loss import _unreduced
 
     mask = get_keras_mask(y_pred)
     if mask is not None:
@@ -38,7 +38,7 @@ def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
 
 def per_example_loss(model: Any, y: Any, y_pred: Any, sample_weight: Any = None):
     """[B] the compiled loss of each example (``keras_dpsgd.keras3.per_example_loss``)."""
-    from keras_dpsgd.keras3._train_step import _outputs
+    from keras_dpsgd.keras3._loss import _outputs
 
     total = None
     for fn, weight, target, pred, weighting in _outputs(model, y, y_pred, sample_weight):

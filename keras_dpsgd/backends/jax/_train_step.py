@@ -93,7 +93,8 @@ def _check_model(model: keras.Model) -> None:
 
 def prepare_fit(model: keras.Model) -> None:
     """Before a fit (variables still hold values): checks, the ledger attached, the lot boundaries watched."""
-    from keras_dpsgd.keras3._train_step import _check_dp_optimizer, refuse_adapted_preprocessing
+    from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing
+    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
 
     optimizer = _check_dp_optimizer(model.optimizer)
     check_optimizer(optimizer)

@@ -86,6 +86,35 @@ def test_bound_update_and_step_match_a_one_example_loop(per_layer, rule, divide,
     np.testing.assert_array_equal(opt._norm_sums.numpy(), 0.0)  # zeroed after each release
 
 
+def test_a_discarded_partial_lot_takes_its_norm_sums_with_it():
+    """k = 2, 3 batches per fit: the third batch makes an incomplete lot, discarded at the end of fit
+    (``AdaptiveClippingCore.discard_partial_lot`` on the JAX step's synced variables). Its query terms leave
+    with it: the sums are zero, and the next fit's first lot sets its bounds from its own 4 examples only (an
+    example of the discarded batch would otherwise count in a lot it was never sampled into: twice the
+    query's sensitivity)."""
+    model, x, y = built(FRONT, "dense")
+    x, y = x[:6], y[:6]
+    bounds, beta = np.array([0.3, 0.05, 0.2, 0.08]), 2.0
+    opt = FRONT.compiled(
+        model,
+        k3.AdaptiveDPSGDOptimizer,
+        l2_norm_clip=list(bounds),
+        norm_noise_multiplier=0.0,
+        beta=beta,
+        gradient_accumulation_steps=2,
+        learning_rate=0.0,  # the norms stay fixed
+    ).optimizer
+    norms = _group_norms(example_grads(model, x, y, FRONT.loss()), True)
+    for fit in range(2):
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0)
+        assert (opt.discarded_lots, int(opt.noised_steps.numpy())) == (fit + 1, fit + 1)
+        np.testing.assert_array_equal(opt._norm_sums.numpy(), 0.0)
+        new = np.minimum(norms[:4], beta * bounds[None, :]).sum(axis=0) / 4  # α = 1, lot = examples 0-3
+        np.testing.assert_allclose(np.asarray(opt.clip_bounds.numpy(), np.float64), new, rtol=2e-5)
+        assert not np.allclose(new, bounds)
+        bounds = new
+
+
 def test_norm_query_noise_is_gaussian_with_scale_sigma_beta_c_and_charged_by_the_ledger():
     """z = (L·C_new/α − Σ min(‖g‖, βC)) / (σ_q β C) is N(0, 1) (lr = 0: the gradients stay fixed); the ledger's ε
     is the gradient's and the queries' releases composed (Three Tools, Sec. 3), above the gradient's alone."""

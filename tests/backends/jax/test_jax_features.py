@@ -106,8 +106,10 @@ def test_cli_trains_on_jax_in_this_process(capsys):
     assert float(np.float32(norm_sigma)) > norm_sigma
     argv = ["train", "--epochs", "1", "--lot-size", "256", "--width", "8", "--seed", "0", "--json"]
     assert main(argv + ["--dp-normalize", str(norm_sigma)]) == 0, capsys.readouterr().err[-3000:]
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["dataset"] == "digits" and result["keras"] == keras.__version__
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["dataset"] == "digits" and result["keras"] == keras.__version__ and result["backend"] == "jax"
+    assert f"Keras {keras.__version__} on jax" in err  # the plan line
     assert result["steps"] == result["planned_steps"] == 6  # ceil(1347 / 256) lots
     release = event_from_dict(result["dp_normalize"]["event"])
     assert release.noise_multiplier == float(np.nextafter(np.float32(norm_sigma), np.float32(0)))
