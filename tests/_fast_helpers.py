@@ -52,7 +52,9 @@ def traced_step(backend, model, x, y, factors_fn, weights=None, dynamic_dims=1):
     if weights is not None:
         specs.append(tf.TensorSpec([None], tf.float32))
 
-    @tf.function(input_signature=specs)
+    # autograph=False: straight-line code (a Python `if` on a tensor in the library would raise here, not pass);
+    # autograph's conversion of the library's code is a large part of each trace.
+    @tf.function(input_signature=specs, autograph=False)
     def step(x, y, *w):
         with tf.GradientTape() as tape:
             loss = per_example_loss(model, x, y, w[0] if w else None)

@@ -209,7 +209,9 @@ def test_sensitivity_to_one_example_is_bounded(per_layer):
     view = TfVariables(model)
     factors, backend = _factors(view, per_layer), FastBackend()
 
-    @tf.function(input_signature=[tf.TensorSpec([None, STEPS], tf.int32), tf.TensorSpec([None, 2], tf.float32)])
+    @tf.function(
+        input_signature=[tf.TensorSpec([None, STEPS], tf.int32), tf.TensorSpec([None, 2], tf.float32)], autograph=False
+    )
     def clipped_sum(x, y):  # traced once, for every batch
         with tf.GradientTape() as tape:
             loss = per_example_loss(view, x, y)
