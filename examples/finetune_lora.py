@@ -76,12 +76,12 @@ def hashed_ids(texts, vocabulary: int, length: int):
     return ids
 
 
-def tiny_backbone(vocabulary: int, length: int):
+def tiny_backbone(vocabulary: int, length: int, num_layers: int = 2):
     import keras_hub
 
     return keras_hub.models.BertBackbone(
         vocabulary_size=vocabulary,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=2,
         hidden_dim=64,
         intermediate_dim=128,
@@ -158,7 +158,8 @@ def main(argv=None):
     if args.preset_dir:
         backbone, ids, pad = preset_backbone_and_ids(args.preset_dir, texts, length)
     else:
-        backbone, ids, pad = tiny_backbone(args.vocabulary, length), hashed_ids(texts, args.vocabulary, length), 0
+        backbone = tiny_backbone(args.vocabulary, length, num_layers=1 if args.smoke else 2)  # --smoke: 1 layer
+        ids, pad = hashed_ids(texts, args.vocabulary, length), 0
     backbone.enable_lora(args.rank)
     order = np.random.default_rng(args.seed).permutation(len(ids))
     cut = int(0.8 * len(ids))

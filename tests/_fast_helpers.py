@@ -37,10 +37,12 @@ def per_layer_factors(clips):
     return fn
 
 
-def run_traced(backend, model, x, y, factors_fn, weights=None, dynamic_dims=1):
-    """Calls backend.clipped_sum inside a tf.function, with a None batch dimension.
+def traced_step(backend, model, x, y, factors_fn, weights=None, dynamic_dims=1):
+    """backend.clipped_sum inside one tf.function, with a None batch dimension: a callable
+    ``(x, y[, weights]) -> (summed, sq_norms)`` (numpy) traced once for every batch size.
 
-    `dynamic_dims` leading dims of x and y are left unknown in the traced graph.
+    `x`, `y` (and `weights`) give the shapes; `dynamic_dims` leading dims of x and y are left unknown
+    in the traced graph.
     """
 
     def spec(a, k):
@@ -50,15 +52,28 @@ def run_traced(backend, model, x, y, factors_fn, weights=None, dynamic_dims=1):
     if weights is not None:
         specs.append(tf.TensorSpec([None], tf.float32))
 
-    @tf.function(input_signature=specs)
+    # autograph=False: straight-line code (a Python `if` on a tensor in the library would raise here, not pass);
+    # autograph's conversion of the library's code is a large part of each trace.
+    @tf.function(input_signature=specs, autograph=False)
     def step(x, y, *w):
         with tf.GradientTape() as tape:
             loss = per_example_loss(model, x, y, w[0] if w else None)
         return backend.clipped_sum(loss, model.trainable_variables, tape, factors_fn)
 
-    args = (x, y) if weights is None else (x, y, weights)
-    summed, sq_norms = step(*args)
-    return [s.numpy() for s in summed], sq_norms.numpy()
+    def run(*args):
+        summed, sq_norms = step(*args)
+        return [s.numpy() for s in summed], sq_norms.numpy()
+
+    return run
+
+
+def run_traced(backend, model, x, y, factors_fn, weights=None, dynamic_dims=1):
+    """Calls backend.clipped_sum inside a tf.function, with a None batch dimension.
+
+    `dynamic_dims` leading dims of x and y are left unknown in the traced graph.
+    """
+    step = traced_step(backend, model, x, y, factors_fn, weights, dynamic_dims)
+    return step(x, y) if weights is None else step(x, y, weights)
 
 
 def loop_oracle(model, x, y, factors_fn, weights=None):
@@ -108,18 +123,22 @@ def sequence_data(batch, steps, features, out, masked, seed=0):
     return x, y
 
 
-def check(model, x, y, factors=None, fallback=(), reference=True, dynamic_dims=1):
+def check(model, x, y, factors=None, fallback=(), reference=True, dynamic_dims=1, first_rows=()):
     """Fast backend == one-example loop (== the reference jacobian path if `reference`).
 
-    `fallback` lists the variables expected to use per-example jacobians.
+    `fallback` lists the variables expected to use per-example jacobians; each n in `first_rows`
+    also runs the batch ``x[:n]`` through the same fast trace (batch size None) against the loop.
     """
     tf.random.set_seed(1)
     model(x[:1])
     factors = factors or flat_factors(1.0)
     backend = FastBackend()
-    got = run_traced(backend, model, x, y, factors, dynamic_dims=dynamic_dims)
+    step = traced_step(backend, model, x, y, factors, dynamic_dims=dynamic_dims)
+    got = step(x, y)
     assert sorted(backend.last_fallback) == sorted(v.name for v in fallback)
     assert_same(got, loop_oracle(model, x, y, factors))
+    for n in first_rows:
+        assert_same(step(x[:n], y[:n]), loop_oracle(model, x[:n], y[:n], factors))
     if reference:
         assert_same(got, run_traced(_reference_backend(), model, x, y, factors))
     return got

@@ -149,7 +149,7 @@ def test_count_query_noise_is_gaussian_with_scale_sigma():
     )
     model.optimizer = opt
 
-    @tf.function
+    @tf.function(autograph=False)  # straight-line code: autograph's conversion of the library took ~11 s of the trace
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = front.loss()(y, model(x, training=True))

@@ -21,6 +21,7 @@ from _fast_helpers import (
     per_layer_factors,
     run_traced,
     sequence_data,
+    traced_step,
 )
 
 from keras_dpsgd.backends.tensorflow import FastBackend
@@ -29,14 +30,18 @@ from keras_dpsgd.backends.tensorflow._backend import _reference_backend
 L = keras.layers
 
 
-def _check(model, x, y, factors=None, reference=False):
+def _check(model, x, y, factors=None, reference=False, first_rows=()):
+    """Each n in `first_rows` also runs the batch x[:n] through the same fast trace (batch size None)."""
     model(x[:1])
     view = model if isinstance(model, tf_keras.Model) else TfVariables(model)
     factors = factors or flat_factors(1.0)
     backend = FastBackend()
-    got = run_traced(backend, view, x, y, factors)
+    step = traced_step(backend, view, x, y, factors)
+    got = step(x, y)
     assert backend.last_fallback == []
     assert_same(got, loop_oracle(view, x, y, factors))
+    for n in first_rows:
+        assert_same(step(x[:n], y[:n]), loop_oracle(view, x[:n], y[:n], factors))
     if reference:
         assert_same(got, run_traced(_reference_backend(), view, x, y, factors))
 
@@ -60,21 +65,7 @@ def test_keras3_recurrent_layers(name):
     x, y = sequence_data(3, 4, 3, (4, 2) if return_sequences else (2,), masked)
     model = _model(make(3, return_sequences=return_sequences), 4, 3, masked)
     factors = per_layer_factors([0.05, 0.02, 0.03, 0.04, 0.1]) if per_layer else None
-    _check(model, x, y, factors=factors)
-
-
-def test_keras3_bidirectional_masked():
-    """A forward LSTM and a backward GRU (``go_backwards``; Bidirectional reverses its outputs)."""
-    x, y = sequence_data(3, 4, 2, (4, 2), masked=True, seed=1)
-    layer = L.Bidirectional(
-        L.LSTM(2, return_sequences=True), backward_layer=L.GRU(2, return_sequences=True, go_backwards=True)
-    )
-    _check(_model(layer, 4, 2, masked=True), x, y, factors=per_layer_factors([0.05] * 8))
-
-
-def test_keras3_batch_of_one():
-    x, y = sequence_data(1, 3, 2, (2,), masked=False, seed=2)
-    _check(_model(L.GRU(2), 3, 2, masked=False), x, y)
+    _check(model, x, y, factors=factors, first_rows=(1,))  # and a batch of one
 
 
 def test_tf_keras_simple_rnn_without_unroll():
