@@ -490,13 +490,6 @@ def _save(directory: str, model, ledger, result: dict) -> str:
     return directory
 
 
-def _keras_text(result: dict) -> str:
-    """The Keras and backend of a result, for people (``_models.keras_display``'s wording)."""
-    if result["keras"].startswith("tf_keras"):
-        return result["keras"]
-    return f"Keras {result['keras']} on {result['backend']}"
-
-
 def run(args) -> dict:
     """Trains; a failed ``--save`` still prints the result, then exits with code 1."""
     if args.json:
@@ -505,11 +498,13 @@ def run(args) -> dict:
         with contextlib.redirect_stdout(sys.stderr):
             result = train(args)
     else:
+        from keras_dpsgd.data import _models
+
         result = train(args)
         print(
             f"\n{result['dataset']}: test accuracy {result['test_accuracy']:.4f} at ε = {result['epsilon']:.4g} "
             f"(target {result['target_epsilon']:g}), δ = {result['delta']:.3g}, accountant {result['accountant']}, "
-            f"{_keras_text(result)}\n"
+            f"{_models.keras_display(_models.front_end())}\n"
             f"  {result['steps']} of {result['planned_steps']} planned steps, σ = {result['noise_multiplier']:.4g}, "
             f"{_clipping_text(result['l2_norm_clip'], result['stability'])}, lr = {result['learning_rate']:g}, {result['seconds']:.1f} s"
             + (f"\n  saved to {result['saved_to']}" if "saved_to" in result else "")

@@ -343,8 +343,7 @@ def tf_keras_preprocessing_layer() -> type:
     return import_tf_keras().layers.experimental.preprocessing.PreprocessingLayer
 
 
-# Reentrant: the first import of tf_keras (inside the lock) imports keras_dpsgd.tf_keras, which defines the layers.
-_DEFINE_LOCK = threading.RLock()
+_DEFINE_LOCK = threading.Lock()
 
 
 def tf_keras_layer(module_globals: dict, name: str, layers: dict[str, tuple[type, str]]) -> type:
