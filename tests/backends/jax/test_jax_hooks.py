@@ -105,16 +105,19 @@ class _Cell(keras.layers.Layer):
 
 
 class _Looped(keras.layers.Layer):
-    """A Dense applied three times in keras.ops.fori_loop."""
+    """A Dense applied three times in keras.ops.fori_loop, or in both branches of keras.ops.cond."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, kind, **kwargs):
         super().__init__(**kwargs)
+        self.kind = kind
         self.dense = keras.layers.Dense(4, activation="tanh")
 
     def build(self, input_shape):
         self.dense.build(input_shape)
 
     def call(self, h):
+        if self.kind == "cond":
+            return keras.ops.cond(keras.ops.sum(h) > 0, lambda: self.dense(h), lambda: self.dense(-h))
         return keras.ops.fori_loop(0, 3, lambda _, h: self.dense(h), h)
 
 
@@ -126,14 +129,15 @@ def _loop_model(kind):
         h = keras.layers.RNN(_Cell())(inputs)
     else:
         inputs, x = keras.Input((4,)), rng.normal(size=(5, 4)).astype("float32")
-        h = _Looped()(inputs)
+        h = _Looped(kind)(inputs)
     model = keras.Model(inputs, keras.layers.Dense(3)(h))
     return model, x, rng.integers(0, 3, size=len(x))
 
 
-@pytest.mark.parametrize("kind", ["rnn", "fori_loop"])
+@pytest.mark.parametrize("kind", ["rnn", "fori_loop", "cond"])
 def test_a_dense_called_inside_a_loop_takes_the_exact_path_announced(kind, caplog):
-    """Before: UnexpectedTracerError (the interception recorded the loop body's tracers). The looped Dense now
+    """Before: UnexpectedTracerError (the interception recorded the loop body's tracers; in cond's branches too,
+    an example's sign picking its branch). The looped Dense now
     takes jax.vmap, named in a warning; the Dense after the loop keeps its rule; the step equals the loop."""
     model, x, y = _loop_model(kind)
     k3.make_private(model)
