@@ -224,9 +224,10 @@ class Plan:
         if names and names not in _ANNOUNCED:
             _ANNOUNCED.add(names)
             _LOG.warning(
-                "keras_dpsgd (JAX): %d trainable variable(s) outside the layers with per-example norm rules "
-                "(Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization in float32) take exact "
-                "per-example gradients under jax.vmap, about B times their gradient's memory: %s",
+                "keras_dpsgd (JAX): %d trainable variable(s) without a per-example norm rule in this step (rules: "
+                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization in float32, called in the model's "
+                "own trace, their variables read only in their call) take exact per-example gradients under "
+                "jax.vmap, about B times their gradient's memory: %s",
                 len(names),
                 ", ".join(names),
             )
