@@ -77,3 +77,30 @@ def one_sgd_step(model, x, y, learning_rate, sample_weight=None):
     model.fit(x, y, sample_weight=sample_weight, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     return before, after
+
+
+PENALTY = 0.1  # λ of :func:`weight_reading_loss_case`
+
+
+def weight_reading_loss_case(keras):
+    """(model, x, y, loss, clip, the clipped mean of its step): a compiled loss that reads the first kernel k.
+
+    ``ℓ_i = ce_i + λ·Σ k²`` (issue 37): each example's gradient is ∇ce_i (the loop of :func:`example_grads`)
+    plus 2λk on k, clipped with it, as Keras 3 differentiates the loss on both backends. The penalty is part
+    of each example's loss: clipping can shrink it, unlike a weight regularizer. The clip bound is the median
+    norm: some examples are clipped, some not.
+    """
+    rng = np.random.default_rng(3)
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)])
+    kernel = model.layers[0].kernel
+    ce = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    x, y = rng.normal(size=(6, 5)).astype("float32"), rng.integers(0, 3, size=6)
+    k = np.asarray(kernel.numpy(), np.float64)
+    grads = [[g + 2 * PENALTY * k if j == 0 else g for j, g in enumerate(e)] for e in example_grads(model, x, y, ce)]
+    norms = [np.sqrt(sum(np.sum(g**2) for g in e)) for e in grads]
+    clip = float(np.median(norms))
+    total = [sum(e[j] * min(1.0, clip / n) for e, n in zip(grads, norms)) for j in range(len(grads[0]))]
+    loss = lambda yt, yp: ce(yt, yp) + PENALTY * keras.ops.sum(kernel**2)  # noqa: E731 (named "<lambda>")
+    return model, x, y, loss, clip, [t / len(x) for t in total]

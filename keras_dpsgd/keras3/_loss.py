@@ -25,7 +25,9 @@ class _FunctionLoss(keras.losses.Loss):
     """A loss function as a Keras Loss with reduction None (Keras applies weights and casts)."""
 
     def __init__(self, fn):
-        super().__init__(name=getattr(fn, "__name__", "loss"), reduction=None)
+        name = getattr(fn, "__name__", "loss")
+        # A lambda's "<lambda>" is no valid name scope on TensorFlow.
+        super().__init__(name=name if name.isidentifier() else "loss", reduction=None)
         self._fn = fn
 
     def call(self, y_true, y_pred):

@@ -50,12 +50,24 @@ __all__ = [
 _PRIVATE_ATTR = "_keras_dpsgd_private"
 _AUGMENTATION_ATTR = "_keras_dpsgd_augmentation"
 
+# The trainer hooks through which Keras's own train step on each backend computes the loss and its gradient
+# (keras/src/backend/<backend>/trainer.py). The private step computes each example's loss itself, from the
+# compiled loss, so it would never run an override of one: refused, on every backend alike.
+_LOSS_HOOKS = {
+    "tensorflow": ("train_step", "compute_loss", "_compute_loss"),
+    "jax": ("train_step", "compute_loss_and_updates", "stateless_compute_loss", "compute_loss", "_compute_loss"),
+}
+
 _OWN_STEP_MESSAGE = (
-    "make_private cannot make {cls} private: it overrides {method}, which the private train step "
-    "would ignore. In your own train_step, compute the per-example loss (shape [batch]) on a "
-    "tf.GradientTape and call keras_dpsgd.keras3.private_update(self.optimizer, loss, "
-    "self.trainable_variables, tape), which sanitizes and applies the gradients (or accumulates a lot); "
-    "or, for lots of one batch, grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, "
+    "make_private cannot make {cls} private: it overrides {method}, which Keras's train step on the {backend} "
+    "backend runs to compute the loss and its gradient; the private train step computes each example's loss "
+    "itself, from the compiled loss, and would silently skip the override. Put the loss in compile(loss=...): "
+    "a function loss(y_true, y_pred) returning one value per example (it may read the model's weights), and "
+    "weight penalties in kernel_regularizer=... (added un-clipped and un-noised). On the TensorFlow backend only "
+    "(a model's own step is not built on JAX), your own train_step may compute the per-example loss (shape "
+    "[batch]) on a tf.GradientTape and call keras_dpsgd.keras3.private_update(self.optimizer, loss, "
+    "self.trainable_variables, tape), which sanitizes and applies the gradients (or accumulates a lot); or, for "
+    "lots of one batch, grads = keras_dpsgd.keras3.sanitized_gradients(self.optimizer, loss, "
     "self.trainable_variables, tape), then self.optimizer.apply(grads, self.trainable_variables)."
 )
 
@@ -318,8 +330,11 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
 
     Raises:
       TypeError: `model` is not a Keras 3 model; `augmentation` is not callable.
-      ValueError: Keras 3 runs on a backend other than TensorFlow or JAX; the model overrides
-        ``train_step`` or ``compute_loss`` (use :func:`sanitized_gradients` in its own step);
+      ValueError: Keras 3 runs on a backend other than TensorFlow or JAX; the model overrides a hook
+        through which Keras's train step computes the loss: ``train_step``, ``compute_loss``,
+        ``_compute_loss``, and on JAX ``compute_loss_and_updates`` and ``stateless_compute_loss`` (the
+        way out: the compiled loss and weight regularizers; on TensorFlow, :func:`private_update` in the
+        model's own step);
         `augmentation_multiplicity` is not an integer in [1, 256]; augmentation on JAX.
         (A BatchNormalization layer in training mode, or an augmentation that mixes the examples
         such as MixUp, is refused at the first step: :func:`refuse_example_mixing`.)
@@ -334,11 +349,9 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
     backend = check_backend()
     if backends.is_jax(backend) and views.active:
         _refuse_jax("augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))")
-    for method in ("train_step", "compute_loss"):
+    for method in _LOSS_HOOKS[backend]:
         if _overridden(model, method):
-            if backends.is_jax(backend):
-                _refuse_jax(f"a model with its own {method} ({type(model).__name__})")
-            raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method))
+            raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method, backend=backend))
     if backends.is_jax(backend):
         from keras_dpsgd.backends.jax import private_train_step
 

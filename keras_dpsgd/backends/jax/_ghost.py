@@ -23,9 +23,13 @@ exact zeros first. Layers covered (exact type, float32, not quantized, no remate
 ``Dense`` (LoRA included), ``EinsumDense`` (LoRA included), ``Embedding`` (without LoRA),
 ``Conv1D``/``Conv2D``/``Conv3D``, ``LayerNormalization``. Every other trainable variable keeps the
 exact per-example gradient of ``_per_example`` (one warning names its layers). A covered variable
-read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel)
-would lose that use's gradient: every read is watched when the step is traced and such a layer is
-not covered.
+read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel, a
+compiled loss reading a kernel) would lose that use's gradient: every read in the model's call and the
+loss is watched when the step is traced and such a layer is not covered. A layer called inside a JAX
+loop or other traced function (an RNN cell's Dense, a Dense in ``keras.ops.fori_loop``/``scan``/
+``while_loop``/``cond``, a rematerialized block) runs once per iteration of a body traced once: its
+calls cannot be recorded, so it is not covered either (its variables take the exact ``jax.vmap`` path,
+named in the warning).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import keras
+from jax.extend.core import get_opaque_trace_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_dpsgd.backends.jax._rules import RULES, per_example_grads, rule_for, weighted_sums
@@ -48,18 +53,39 @@ _ANNOUNCED: set = set()
 
 # -------------------------------------------------------------------------------------- interception
 class _Taps:
-    """The covered calls of one trace: their order and shapes, the inputs recorded, the reads watched."""
+    """The covered calls of one trace: their order and shapes, the inputs recorded, the reads watched.
+
+    ``trace`` is JAX's trace state where the model's call (or the loss) started: a covered layer called
+    under another one runs inside a loop body or another traced function (``looped``).
+    """
 
     def __init__(self, layers, expected=None, zs=None):
         self.layers = list(layers)
         self.owner = {id(v): layer for layer in self.layers for v in layer.variables}
         self.expected, self.zs = expected, zs
-        self.calls, self.inputs, self.inside, self.violations = [], [], [], set()
-        self.watching = False
+        self.calls, self.inputs, self.inside, self.violations, self.looped = [], [], [], set(), set()
+        self.watching, self.trace = False, None
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Reads of the covered variables outside their layers' calls are recorded while this is open."""
+        self.watching, self.trace = True, get_opaque_trace_state()
+        try:
+            yield
+        finally:
+            self.watching, self.trace = False, None
 
 
 def _wrapped_call(layer, rule, taps):
     def call(inputs, *args, **kwargs):
+        if taps.trace is not None and get_opaque_trace_state() != taps.trace:  # inside a loop's body (or remat)
+            if taps.zs is not None:
+                raise RuntimeError(
+                    f"keras_dpsgd: layer {layer.name!r} was called inside a JAX loop or traced function, unlike "
+                    "when the step was planned; the per-example gradients cannot be proven exact"
+                )
+            taps.looped.add(layer)
+            return rule.post(layer, rule.pre(layer, inputs))
         taps.inside.append(layer)
         try:
             pre = rule.pre(layer, inputs)
@@ -94,11 +120,8 @@ def _intercepting(model, taps: _Taps):
     model_call = model.call
 
     def watched_call(*args, **kwargs):
-        taps.watching = True
-        try:
+        with taps.watch():
             return model_call(*args, **kwargs)
-        finally:
-            taps.watching = False
 
     patched = []  # (object, its own instance attribute "call" before, if any)
     try:
@@ -119,8 +142,13 @@ def _intercepting(model, taps: _Taps):
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def plan(model, trainable, non_trainable, x, kwargs) -> Plan | None:
-    """The covered layers of `model` for this trace (``None`` when none is), found by tracing one example."""
+def plan(model, trainable, non_trainable, x, kwargs, y=None, sample_weight=None) -> Plan | None:
+    """The covered layers of `model` for this trace (``None`` when none is), found by tracing one example.
+
+    With `y`, the compiled loss is traced too (its reads of the covered variables watched).
+    """
+    from keras_dpsgd.backends.jax._loss import per_example_loss_at
+
     candidates = [
         layer for layer in model._flatten_layers(include_self=False, recursive=True) if rule_for(layer) is not None
     ]
@@ -132,13 +160,16 @@ def plan(model, trainable, non_trainable, x, kwargs) -> Plan | None:
     if not candidates:
         return None
     taps = _Taps(candidates)
-    x_one = keras.tree.map_structure(lambda a: None if a is None else a[:1], x)
+    one = keras.tree.map_structure(lambda a: None if a is None else a[:1], (x, y, sample_weight))
 
-    def forward(params, values, xb):
+    def forward(params, values, xb, yb, wb):
         with _intercepting(model, taps):
-            return model.stateless_call(params, values, xb, **kwargs)[0]
+            y_pred, new_values = model.stateless_call(params, values, xb, **kwargs)
+            if y is not None:
+                with taps.watch():
+                    per_example_loss_at(model, params, new_values, yb, y_pred, wb)
 
-    jax.eval_shape(forward, list(trainable), list(non_trainable), x_one)
+    jax.eval_shape(forward, list(trainable), list(non_trainable), *one)
     called = {id(layer) for layer, _ in taps.calls}
     trainable_ids = {id(v) for v in model.trainable_variables}
     covered = [
@@ -146,11 +177,29 @@ def plan(model, trainable, non_trainable, x, kwargs) -> Plan | None:
         for layer in candidates
         if id(layer) in called
         and layer not in taps.violations
+        and layer not in taps.looped
         and all(id(v) in trainable_ids for v in layer.trainable_variables)
     ]
+    looped = sorted(layer.name for layer in taps.looped)
     if not covered:
+        _announce_looped(looped)
         return None
-    return Plan(model, covered, [(layer, shape) for layer, shape in taps.calls if layer in covered])
+    return Plan(model, covered, [(layer, shape) for layer, shape in taps.calls if layer in covered], looped)
+
+
+def _announce_looped(looped) -> None:
+    """Without any covered layer the whole step is the exact path: said once for the layers called in loops."""
+    key = ("looped",) + tuple(looped)
+    if looped and key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        _LOG.warning(_LOOPED, ", ".join(looped))
+
+
+_LOOPED = (
+    "keras_dpsgd (JAX): layer(s) %s are called inside a JAX loop or traced function (an RNN cell, "
+    "keras.ops.scan/fori_loop/while_loop/cond, rematerialization), where their calls cannot be recorded: their "
+    "variables take exact per-example gradients under jax.vmap, about B times their gradient's memory"
+)
 
 
 class Plan:
@@ -161,26 +210,28 @@ class Plan:
     :meth:`clipped_sum` on the gradients and the recorded inputs (:attr:`captured`).
     """
 
-    def __init__(self, model, covered, expected):
+    def __init__(self, model, covered, expected, looped=()):
         self.model, self.covered, self.expected = model, covered, expected
         covered_ids = {id(v) for layer in covered for v in layer.trainable_variables}
         variables = model.trainable_variables
         self.index = {id(v): j for j, v in enumerate(variables)}
         self.uncovered = [j for j, v in enumerate(variables) if id(v) not in covered_ids]
         self.captured = None
-        self._announce([v for j, v in enumerate(variables) if j in set(self.uncovered)])
+        self._announce([v for j, v in enumerate(variables) if j in set(self.uncovered)], looped)
 
-    def _announce(self, variables) -> None:
+    def _announce(self, variables, looped) -> None:
         names = tuple(v.path for v in variables)
         if names and names not in _ANNOUNCED:
             _ANNOUNCED.add(names)
             _LOG.warning(
-                "keras_dpsgd (JAX): %d trainable variable(s) outside the layers with per-example norm rules "
-                "(Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization in float32) take exact "
-                "per-example gradients under jax.vmap, about B times their gradient's memory: %s",
+                "keras_dpsgd (JAX): %d trainable variable(s) without a per-example norm rule in this step (rules: "
+                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization in float32, called in the model's "
+                "own trace, their variables read only in their call) take exact per-example gradients under "
+                "jax.vmap, about B times their gradient's memory: %s",
                 len(names),
                 ", ".join(names),
             )
+        _announce_looped(looped)
 
     def params(self, trainable):
         """(the uncovered variables' values, one zero perturbation per covered call): what jax.grad takes."""
@@ -189,14 +240,15 @@ class Plan:
 
     @contextlib.contextmanager
     def applied(self, params, trainable):
-        """(the model's trainable values with `params`' uncovered ones, the recorded inputs) for one example."""
+        """(the model's trainable values with `params`' uncovered ones, the recorded inputs, the watch of the
+        loss's reads: ``_Taps.watch``) for one example."""
         uncovered, zs = params
         full = list(jax.lax.stop_gradient(t) for t in trainable)
         for j, value in zip(self.uncovered, uncovered):
             full[j] = value
         taps = _Taps(self.covered, self.expected, zs)
         with _intercepting(self.model, taps):
-            yield full, taps.inputs
+            yield full, taps.inputs, taps.watch
         if taps.violations:
             names = sorted(layer.name for layer in taps.violations)
             raise RuntimeError(f"keras_dpsgd: the variables of layer(s) {names} were read outside their layer's call")

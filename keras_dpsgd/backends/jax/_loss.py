@@ -4,6 +4,11 @@ The outputs, their losses taken unreduced and their ``loss_weights`` are read by
 end (``keras3._loss._outputs``); here each output's values are averaged over the example's
 non-batch axes, over its unmasked elements only where the output carries a Keras mask
 (``Σ_t m_it ℓ_it / max(1, Σ_t m_it)``), and the weighted outputs added.
+
+The loss runs where the model's variables read the step's values (:func:`per_example_loss_at`, as Keras's
+``stateless_compute_loss`` does): a compiled loss may read the weights (``lambda yt, yp: ce(yt, yp) +
+0.1 * ops.sum(kernel**2)``), and that term is then part of each example's loss, differentiated and clipped
+with it, as on TensorFlow (where the tape sees the same read).
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from typing import Any
 
 import jax.numpy as jnp
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.common.stateless_scope import StatelessScope
 
-__all__ = ["per_example_loss"]
+__all__ = ["per_example_loss", "per_example_loss_at"]
 
 
 def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
@@ -46,3 +52,14 @@ def per_example_loss(model: Any, y: Any, y_pred: Any, sample_weight: Any = None)
         values = values if weight == 1.0 else values * weight
         total = values if total is None else total + values.astype(total.dtype)
     return total
+
+
+def per_example_loss_at(model: Any, trainable: Any, non_trainable: Any, y: Any, y_pred: Any, sample_weight: Any = None):
+    """[B] :func:`per_example_loss` with the model's variables reading `trainable` and `non_trainable`.
+
+    Under JAX's ``fit`` the variables hold no values (the step is stateless), so a loss that reads a
+    weight must run in the scope that maps them, and reads the traced values its gradient flows to.
+    """
+    mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
+    with StatelessScope(state_mapping=mapping):
+        return per_example_loss(model, y, y_pred, sample_weight)

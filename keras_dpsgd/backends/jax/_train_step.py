@@ -42,7 +42,7 @@ from keras.src import backend as keras_backend
 from keras_dpsgd import ledger
 from keras_dpsgd.backends.jax import _adaptive, _ghost, _noise
 from keras_dpsgd.backends.jax._distribute import check_replicated, clipped_sum_per_device, data_parallel_mesh
-from keras_dpsgd.backends.jax._loss import per_example_loss
+from keras_dpsgd.backends.jax._loss import per_example_loss_at
 from keras_dpsgd.backends.jax._metrics import real_mean, unweighted_metrics_on_real_rows
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
 
@@ -179,12 +179,14 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None,
             values[j] = seed
         if tap is None:
             y_pred, new_values, losses = model.stateless_call(params, values, xb, return_losses=True, **kwargs)
+            loss = per_example_loss_at(model, params, new_values, yb, y_pred, wb)[0]
             captured = []
         else:
-            with tap.applied(params, trainable) as (full, captured):
+            with tap.applied(params, trainable) as (full, captured, watch):
                 y_pred, new_values, losses = model.stateless_call(full, values, xb, return_losses=True, **kwargs)
+                with watch():  # a covered variable read by the loss would be read outside its layer's call
+                    loss = per_example_loss_at(model, full, new_values, yb, y_pred, wb)[0]
         data_losses.append(len(losses) - num_weight_terms)
-        loss = per_example_loss(model, yb, y_pred, wb)[0]
         new_seeds = [new_values[j] for j in seed_pos]
         return loss, (loss, y_pred, [new_values[j] for j in other_pos], new_seeds, captured)
 
@@ -345,7 +347,7 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     kwargs = {"training": True} if self._call_has_training_arg else {}
     batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
     auto = optimizer.per_example_backend == "auto" and where is None and batch > 0  # B = 0: the vmap path
-    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs) if auto else None
+    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs, y, sample_weight) if auto else None
     if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_distribute)
         summed, finite, losses, y_pred, non_trainable = clipped_sum_per_device(
             where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
