@@ -99,6 +99,8 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
     noised_steps,
     note_sampling_rate_change,
     recorded_sampling_rate,
+    recorded_releases,
+    refresh_ledger_offset,
     refuse_h5_weights,
     refuse_lost_history,
     saving_model,
