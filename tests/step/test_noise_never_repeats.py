@@ -11,7 +11,8 @@ negligible next to the noise (norm ~ σC·sqrt(512)), so two runs with the same 
 changes of correlation ~1, independent noises a correlation ~N(0, 1/512): |r| < 0.3 is a 6.8σ bound
 (false alarm < 1e-10). Every check runs on Keras 3 TF and tf_keras here, on Keras 3 JAX in
 tests/backends/jax/test_jax_noise_never_repeats.py. The repeat checks failed on the code before the
-fix (correlation 1.0 on all three; the same lots twice); the reproducibility control passes on both.
+fix (correlation 1.0 on all three; the same lots twice; the tf_keras SavedModel resume); the
+reproducibility control and the .keras resume guard pass on both.
 """
 
 import copy
@@ -117,3 +118,41 @@ def test_make_private_with_epsilon_twice_with_one_seed_draws_fresh_lots_and_nois
     assert draws[0] == _draws(PoissonLots(X, Y, expected_lot_size=N / 2, seed=7))  # a fresh model: the seed's lots
     assert draws[1] != draws[0], "the second call drew the first call's lots"
     assert abs(_corr(*deltas)) < BOUND, "the second call drew the first call's noise"
+
+
+def test_a_tf_keras_saved_model_resumed_with_a_new_counter_draws_fresh_noise(tmp_path):
+    """tf_keras restores no optimizer variable from a SavedModel: ``noised_steps`` restarts at 0 while the
+    model's ledger keeps the steps; the resumed run's keys continue after them (before: the same noise)."""
+    front = tf_keras_front()
+    model = _model(front)
+    model.compile(
+        optimizer=front.optimizer_cls(l2_norm_clip=1.0, noise_multiplier=1000.0, learning_rate=1e-3, seed=7),
+        loss=front.loss(),
+    )
+    before = _kernel(model)
+    model.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0, shuffle=False)
+    first = _kernel(model) - before
+    model.save(str(tmp_path / "saved"))
+    loaded = front.keras.models.load_model(str(tmp_path / "saved"))
+    assert int(loaded.optimizer.noised_steps.numpy()) == 0 and loaded.optimizer.seed == 7
+    before = _kernel(loaded)
+    loaded.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0, shuffle=False)
+    assert abs(_corr(first, _kernel(loaded) - before)) < BOUND, "the resumed run drew the first run's noise"
+
+
+def test_a_keras3_file_loaded_after_a_second_optimizer_continues_the_ledger_positions(front, tmp_path):
+    """A .keras file of the second optimizer's run: its counter (2) restored with the ledger (4 steps); the
+    resumed keys take positions 4 and 5, not the second run's 2 and 3 (an offset lost in the file would). A
+    guard of the new offset, not a bug of the code before (its second run repeated the first's positions 0, 1)."""
+    if front.name != "keras3":
+        pytest.skip("tf_keras: tests/step/test_noise_never_repeats.py's SavedModel test")
+    model = _model(front)
+    first, second = _fit_with(front, model, seed=7), _fit_with(front, model, seed=7)
+    path = str(tmp_path / "run.keras")
+    model.save(path)
+    loaded = front.private(front.keras.models.load_model(path))
+    assert int(loaded.optimizer.noised_steps.numpy()) == 2
+    before = _kernel(loaded)
+    loaded.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0, shuffle=False)
+    resumed = _kernel(loaded) - before
+    assert max(abs(_corr(first, resumed)), abs(_corr(second, resumed))) < BOUND, "the resumed run repeated noise"
