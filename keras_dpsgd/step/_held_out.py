@@ -4,8 +4,9 @@ A callback that decides on a ``val_`` quantity (EarlyStopping, ReduceLROnPlateau
 validation data without noise; that is outside ε only while no validation row is a training row
 (issue 37.5). Object identity is not enough: a copy of ``x_train``, or a slice of it, is the training
 data all the same. Each row (all of x's leaves, an example's inputs) is fingerprinted by a 128-bit
-BLAKE2b digest of its bytes after casting floats to float32 and integers to int64 (what the model sees
-of a copy in another dtype), and one shared digest refuses the fit.
+BLAKE2b digest of its bytes after casting numbers to float32 (what the model sees of a copy in another
+dtype; -0.0 as 0.0; integers beyond 2**24 may then share a fingerprint, which refuses: fail closed),
+and one shared digest refuses the fit.
 
 The training rows are fit's ``x`` when it holds arrays (after ``validation_split``: fit has split
 them), or the source arrays of a ``PoissonLots`` dataset; the validation rows are those of
@@ -46,15 +47,13 @@ def _as_rows(leaf: Any) -> Optional[np.ndarray]:
     a = np.asarray(leaf.numpy() if isinstance(leaf, tf.Tensor) else leaf)
     if a.ndim == 0:
         return None
-    if a.dtype.kind == "f":
-        return a.astype(np.float32)
-    if a.dtype.kind in "iub":
-        return a.astype(np.int64)
+    if a.dtype.kind in "fiub":
+        return a.astype(np.float32) + np.float32(0.0)  # -0.0 + 0.0 is 0.0
     return a
 
 
 def _row_bytes(a: np.ndarray) -> list:
-    if a.dtype.kind in "fi":
+    if a.dtype.kind == "f":
         flat = np.ascontiguousarray(a.reshape(len(a), -1))
         return [row.tobytes() for row in flat]
     return [repr(row.tolist()).encode("utf-8") for row in a]  # strings, objects

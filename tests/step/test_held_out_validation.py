@@ -103,3 +103,21 @@ def test_held_out_validation_data_still_trains(front):
     model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, verbose=0, validation_data=held, callbacks=deciders)
     assert int(model.optimizer.noised_steps.numpy()) == N // B + lots.steps_per_epoch
     assert not all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+
+
+def test_the_fingerprints_see_through_dtypes_and_read_finite_datasets_only():
+    from keras_dpsgd.step._held_out import validation_overlap
+
+    def overlap(validation, x=X, **kwargs):
+        return validation_overlap(dict(x=x, validation_data=validation, **kwargs))
+
+    ints = np.arange(12, dtype="int32").reshape(4, 3)
+    assert overlap((ints[1:2].astype("float64"), Y[:1]), x=ints).startswith("1 of the 1 validation rows")
+    zeros = np.zeros((2, 3), "float32")
+    assert overlap((-zeros, Y[:2]), x=zeros).startswith("2 of the 2")  # -0.0 is 0.0 to the model
+    assert overlap((X_HELD, Y_HELD)) is None and overlap(None) is None
+    assert overlap(({"a": X[:2]}, Y[:2]), x={"a": X}).startswith("2 of the 2")  # nested inputs
+    endless = tf.data.Dataset.from_tensor_slices((X, Y)).batch(B).repeat()
+    assert "unknown or infinite length" in overlap(endless)
+    assert overlap(endless, validation_steps=1).startswith("4 of the 4")  # one batch read
+    assert "cannot read" in overlap(iter([(X, Y)]))
