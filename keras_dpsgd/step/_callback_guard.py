@@ -140,6 +140,16 @@ def refuse_private_decisions(model: Any) -> None:
         )
 
 
+def _refuse_before_fit(model: Any) -> None:
+    """Every check of a DP fit's start: fit's callbacks, and releases of layers sharing a seed."""
+    refuse_private_decisions(model)
+    try:
+        ledger.refuse_shared_layer_seeds(model)
+    except ValueError:
+        model.train_function = None  # a fit after the fix traces afresh
+        raise
+
+
 class _CheckedMakeTrainFunction:
     """`model.make_train_function`, which every ``fit`` calls before its first step: checks fit's callbacks."""
 
@@ -147,7 +157,7 @@ class _CheckedMakeTrainFunction:
         self._model = model
 
     def __call__(self, *args, **kwargs):
-        refuse_private_decisions(self._model)
+        _refuse_before_fit(self._model)
         ledger.refresh_ledger_offset(self._model, getattr(self._model, "optimizer", None))
         return type(self._model).make_train_function(self._model, *args, **kwargs)
 
@@ -156,6 +166,6 @@ def watch_fits(model: Any) -> None:
     """Checks the running fit's callbacks now (the DP step is traced) and at every later fit of `model`."""
     if model is None:
         return
-    refuse_private_decisions(model)
+    _refuse_before_fit(model)
     if "make_train_function" not in vars(model):
         object.__setattr__(model, "make_train_function", _CheckedMakeTrainFunction(model))

@@ -156,3 +156,42 @@ def test_a_keras3_file_loaded_after_a_second_optimizer_continues_the_ledger_posi
     loaded.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0, shuffle=False)
     resumed = _kernel(loaded) - before
     assert max(abs(_corr(first, resumed)), abs(_corr(second, resumed))) < BOUND, "the resumed run repeated noise"
+
+
+def _dp_normalization(front):
+    if front.name == "keras3":
+        from keras_dpsgd.keras3 import DPNormalization
+    else:
+        from keras_dpsgd.tf_keras import DPNormalization
+    return DPNormalization
+
+
+def test_two_layers_adapted_with_one_seed_are_refused_before_any_step(front):
+    """Two DP layers with one seed draw the same noise for their first adapts (the k-th adapt's noise is a
+    function of (seed, k)): a model holding both is refused at fit and at every read of its ε."""
+    from keras_dpsgd import model_epsilon
+
+    layers = {}
+    for seeds in ((7, 7), (7, 8)):
+        norms = [_dp_normalization(front)(1.0, lower=-3.0, upper=3.0, seed=s) for s in seeds]
+        for layer in norms:
+            layer.adapt(X)
+        keras = front.keras
+        model = front.private(keras.Sequential([keras.Input((D,)), *norms, keras.layers.Dense(U)]))
+        model.compile(
+            optimizer=front.optimizer_cls(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=1e-3, seed=7),
+            loss=front.loss(),
+        )
+        layers[seeds] = norms, model
+    (same_a, same_b), shared = layers[(7, 7)]
+    assert np.array_equal(same_a.mean.numpy(), same_b.mean.numpy())  # the same noise on the same data
+    before = _kernel(shared)
+    with pytest.raises(ValueError, match=r"adapted with the same seed \(7\)"):
+        shared.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0)
+    assert np.array_equal(_kernel(shared), before) and int(shared.optimizer.noised_steps.numpy()) == 0
+    with pytest.raises(ValueError, match=r"adapted with the same seed \(7\)"):
+        model_epsilon(shared, target_delta=1e-5)
+    (own_a, own_b), control = layers[(7, 8)]  # control: a seed each
+    assert not np.array_equal(own_a.mean.numpy(), own_b.mean.numpy())
+    control.fit(X, Y, batch_size=N // 2, epochs=1, verbose=0)
+    assert int(control.optimizer.noised_steps.numpy()) == 2 and model_epsilon(control, target_delta=1e-5)[0] > 0

@@ -14,6 +14,7 @@ from tests.step.test_noise_never_repeats import (  # noqa: F401 (the checks of e
     test_a_keras3_file_loaded_after_a_second_optimizer_continues_the_ledger_positions,
     test_a_new_optimizer_with_the_same_seed_draws_fresh_noise,
     test_make_private_with_epsilon_twice_with_one_seed_draws_fresh_lots_and_noise,
+    test_two_layers_adapted_with_one_seed_are_refused_before_any_step,
 )
 
 
