@@ -39,8 +39,9 @@ The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` c
   The library's own Gaussian sampler (``keras_dpsgd.step._noise``: tails to 11.6 standard
   deviations, not a clamped or truncated library normal), a pure function of `key`.
 ``seeded_key(seed: int, step, index: int) -> key``
-  The key of the noise on tensor `index` of the `step`-th noised step of an optimizer with an
-  integer `seed`: reproducible and resumable. Without a seed, keys come from OS entropy and are
+  The key of the noise on tensor `index` of the release at position `step` of the model's ledger
+  (every optimizer's releases counted: ``DPSettingsMixin._ledger_position``) under an integer `seed`:
+  reproducible and resumable, never repeated within a model's ledger. Without a seed, keys come from OS entropy and are
   never saved; where that state lives is the backend's (TensorFlow: a ``tf.random.Generator`` of
   the optimizer, never checkpointed; a stateless backend: an optimizer variable it keeps out of
   every file).

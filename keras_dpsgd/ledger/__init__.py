@@ -99,6 +99,8 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
     noised_steps,
     note_sampling_rate_change,
     recorded_sampling_rate,
+    recorded_releases,
+    refresh_ledger_offset,
     refuse_h5_weights,
     refuse_lost_history,
     saving_model,
@@ -318,9 +320,9 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
     return [step_event(*segment) for segment in S.events(data, q)]
 
 
-def layer_events(model: Any) -> list:
-    """Events of every layer (recursively, the model included) with a `privacy_events` property."""
-    events, seen = [], set()
+def _releasing_layers(model: Any) -> list:
+    """(layer, its events) of every layer (recursively, the model included) with `privacy_events`."""
+    found, seen = [], set()
     layers = model._flatten_layers(include_self=True, recursive=True) if hasattr(model, "_flatten_layers") else [model]
     for layer in layers:
         if id(layer) in seen:
@@ -328,8 +330,43 @@ def layer_events(model: Any) -> list:
         seen.add(id(layer))
         declared = getattr(layer, "privacy_events", None)
         if declared:
-            events.extend(declared)
-    return events
+            found.append((layer, declared))
+    return found
+
+
+def refuse_shared_layer_seeds(model: Any) -> None:
+    """Refuses a model whose ledger holds releases of two layers adapted with one seed (issue 37.4).
+
+    A seeded DP preprocessing layer draws the noise of its k-th adapt from (seed, k)
+    (``keras_dpsgd.preprocessing._adapt``): two such layers with one seed drew the same noise for their
+    first adapts, which the ledger would count as independent releases.
+
+    Raises:
+      ValueError: naming both layers and the seed.
+    """
+    by_seed = {}
+    for layer, _ in _releasing_layers(model):
+        seed = getattr(layer, "seed", None)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            continue
+        if seed in by_seed:
+            raise ValueError(
+                f"layers {by_seed[seed].name!r} and {layer.name!r} of this model were adapted with the same seed "
+                f"({seed}): a seeded layer draws the noise of its k-th adapt from (seed, k), so both released the "
+                "same noise, which epsilon would count as independent releases. Give each DP layer its own seed "
+                "(or none: OS entropy) and adapt them again"
+            )
+        by_seed[seed] = layer
+
+
+def layer_events(model: Any) -> list:
+    """Events of every layer (recursively, the model included) with a `privacy_events` property.
+
+    Raises:
+      ValueError: two of these layers adapted with one seed (:func:`refuse_shared_layer_seeds`).
+    """
+    refuse_shared_layer_seeds(model)
+    return [event for _, declared in _releasing_layers(model) for event in declared]
 
 
 def model_privacy_ledger(

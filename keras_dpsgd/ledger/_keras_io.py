@@ -44,6 +44,7 @@ class LedgerState(tf.Module):
         self._refresh = None  # set by `attach`: syncs the state from the live counters
         self._trainer = None  # set by `attach` on the model's copy: returns its last DP optimizer
         self._model = None  # set by `attach` on the optimizer's copy: returns the model it trains
+        self._optimizer = None  # set on the optimizer's copy: returns the optimizer (a load sets its offset)
 
     def _trackable_children(self, *args, **kwargs):
         if self._refresh is not None:
@@ -106,8 +107,11 @@ def _holder_class(owner: Any) -> type:
             def load_own_variables(self, store):
                 if "segments" in store:  # files written before the ledger was saved on Keras 3 have none
                     raw = np.asarray(store["segments"], dtype=np.uint8).tobytes()
-                    S.loads(raw.decode("utf-8"))  # refuses what is not a ledger state
+                    state = S.loads(raw.decode("utf-8"))  # refuses what is not a ledger state
                     self.state.assign(raw)
+                    optimizer = self._optimizer() if self._optimizer is not None else None
+                    if optimizer is not None:  # the restored counter's position in the restored ledger
+                        write_ledger_offset(optimizer, S.earlier_steps(state))
 
         _KERAS3_HOLDER.append(Keras3LedgerState)
     return _KERAS3_HOLDER[0]
@@ -134,6 +138,8 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
                     # Loaded from a SavedModel as a plain object: keep its state in a LedgerState,
                     # which refreshes itself at the next save.
                     holder.state.assign(revived.state)
+                if is_dp_optimizer(owner):
+                    holder._optimizer = weakref.ref(owner)
                 _hold(owner, holder)  # also applies a pending (deferred) restore
             # tf_keras optimizers cache their checkpoint children on the first
             # save or restore; a holder attached after that must join the cache
@@ -443,6 +449,49 @@ def recorded_sampling_rate(optimizer: Any) -> Optional[float]:
     return None if sampling is None else sampling[2]
 
 
+def write_ledger_offset(optimizer: Any, earlier: int) -> None:
+    """Sets `optimizer`'s ledger offset: the releases its model's ledger recorded before its counter began.
+
+    A seeded noise key is a function of (seed, offset + ``noised_steps``), the release's position in the
+    model's ledger (``DPSettingsMixin._ledger_position``; the JAX step reads ``dp_ledger_offset``), so a
+    new optimizer with the same seed continues the sequence of keys instead of repeating it (issue 37.4).
+    Written at every sync of the ledger (each trace and fit of the DP step, every save and read) and when
+    a saved ledger is loaded; an optimizer without the variable (not a keras_dpsgd one) is left alone.
+    """
+    variable = getattr(getattr(optimizer, "_dp", None), "ledger_offset", None)
+    if variable is not None and int(variable.numpy()) != int(earlier):
+        variable.assign(int(earlier))
+
+
+def recorded_releases(model: Any) -> int:
+    """The DP-SGD steps the model's ledger records (every optimizer's), its last optimizer's counted first.
+
+    The position the next release of a new optimizer takes in the ledger: the one-call API derives the
+    lots' seed from it (``keras_dpsgd.step._one_call``), as the noise keys are (:func:`write_ledger_offset`).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if is_dp_optimizer(optimizer):
+        attach(model, optimizer)
+    holder = getattr(model, _STATE_ATTR, None)
+    if not isinstance(holder, LedgerState):
+        return 0
+    with tf.init_scope():
+        return S.recorded_steps(_read_state(holder))
+
+
+def refresh_ledger_offset(model: Any, optimizer: Any) -> None:
+    """Sets `optimizer`'s ledger offset from the ledger as it is now (no step counted): at each fit's start.
+
+    A checkpoint restored between two fits of one compiled model (``load_weights``, ``tf.train.Checkpoint``)
+    restores the counter and the ledger together, with no hook of ours: the offset is read again here.
+    """
+    holders = [getattr(o, _STATE_ATTR, None) for o in (optimizer, model)]
+    holders = [h for h in holders if isinstance(h, LedgerState)]
+    if holders and is_dp_optimizer(optimizer):
+        with tf.init_scope():
+            write_ledger_offset(optimizer, S.earlier_steps(S.merge(*[_read_state(h) for h in holders])))
+
+
 def step_noise_multipliers(optimizer: Any, noise_multiplier: Optional[float] = None) -> tuple:
     """The noise multipliers of the Gaussian releases of one of `optimizer`'s steps.
 
@@ -499,6 +548,7 @@ def sync_ledger_state(
         )
         if bounds is not None:
             _write_bounds(bound_variables, S.fold_bounds(data, bounds))
+        write_ledger_offset(optimizer, S.earlier_steps(data))
         encoded = S.dumps(data)
         for holder, old in zip(holders, raw):
             if old.decode("utf-8") != encoded:

@@ -246,7 +246,8 @@ DPPCA_DOC = """Projects inputs onto k differentially private principal direction
       seed: None (default) draws fresh OS entropy at each adapt. An integer
         makes adapt reproducible: the k-th adapt of any layer with this seed
         samples and draws the same noise, so never reuse a seed for releases
-        on overlapping data that are meant to compose independently, and keep
+        on overlapping data that are meant to compose independently (two
+        layers of one model adapted with one seed are refused), and keep
         it secret (whoever knows it knows the noise). For that reason the seed
         is not part of `get_config` and is never saved with a model: a
         reloaded layer adapts with OS entropy.

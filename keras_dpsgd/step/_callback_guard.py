@@ -14,11 +14,13 @@ them takes a decision on the private data that no noise covers and that ε does 
   ones): fail closed.
 
 A monitor is allowed when it names a quantity that is not a function of the training set
-without noise: ``val_*`` (computed by Keras on validation data, which is outside the training
-set: ``validation_data`` or ``validation_split``; refused when ``validation_data`` holds fit's ``x``
-itself) or what keras_dpsgd releases from its ledger or
+without noise: ``val_*`` when the validation data is proven held out (``validation_data`` or
+``validation_split``, no row of it a training row by content: :mod:`keras_dpsgd.step._held_out`,
+issue 37.5; fail closed where the rows cannot be read) or what keras_dpsgd releases from its ledger or
 with noise (``epsilon``, ``delta`` from ``PrivacyLogger``; ``clip_bound/*`` from
-``ClipBoundsLogger``). A callback of the user's own that reads ``logs`` is not recognized.
+``ClipBoundsLogger``). Callbacks are found inside containers too (a ``CallbackList``, nested lists,
+any callback holding a ``callbacks`` list). A callback of the user's own that reads ``logs`` is not
+recognized.
 
 tf_keras also refuses ``ModelCheckpoint(path.h5, save_weights_only=True)`` here: h5 weights
 cannot carry the ledger (:func:`keras_dpsgd.ledger.refuse_h5_weights`), and a refusal at the
@@ -39,11 +41,13 @@ import sys
 import keras
 
 from keras_dpsgd import ledger
+from keras_dpsgd.step._held_out import validation_overlap
 
 __all__ = ["refuse_private_decisions", "watch_fits"]
 
 RELEASED_MONITORS = ("epsilon", "delta")
-RELEASED_PREFIXES = ("val_", "clip_bound/")
+RELEASED_PREFIXES = ("clip_bound/",)
+VALIDATION_PREFIX = "val_"  # allowed on held-out validation data only
 
 
 def _both(name: str) -> tuple:
@@ -53,31 +57,17 @@ def _both(name: str) -> tuple:
     return (own, getattr(tf_keras.callbacks, name)) if tf_keras is not None else (own,)
 
 
-def is_released(monitor: str, validates_on_training_data: bool = False) -> bool:
-    """True if `monitor` names a quantity that is no un-noised function of the training set.
-
-    ``val_*`` is not when fit's validation data is its training data (the same object).
-    """
-    if validates_on_training_data and monitor.startswith("val_"):
-        return False
+def is_released(monitor: str) -> bool:
+    """True if `monitor` names a quantity keras_dpsgd releases with noise or from its ledger."""
     return monitor in RELEASED_MONITORS or monitor.startswith(RELEASED_PREFIXES)
 
 
-def _validates_on_training_data(fit_locals: dict) -> bool:
-    """True if fit's ``validation_data`` holds its training inputs ``x`` themselves."""
-    validation, x = fit_locals.get("validation_data"), fit_locals.get("x")
-    if validation is None or x is None:
-        return False
-    first = validation[0] if isinstance(validation, (tuple, list)) and validation else validation
-    return first is x
-
-
-def _decision(callback: Any, validates_on_training_data: bool) -> Optional[tuple]:
-    """(monitored quantity, what the callback does with it) if it acts on the training logs, else None."""
+def _decision(callback: Any) -> Optional[tuple]:
+    """(monitored quantity, what the callback does with it) if it acts on a logged quantity, else None."""
     if isinstance(callback, _both("TerminateOnNaN")):
         return "loss", "stops training when it is NaN or infinite"
     monitor = getattr(callback, "monitor", None)
-    if not isinstance(monitor, str) or is_released(monitor, validates_on_training_data):
+    if not isinstance(monitor, str) or is_released(monitor):
         return None
     if isinstance(callback, _both("ModelCheckpoint")):
         if not callback.save_best_only:
@@ -92,12 +82,20 @@ def _decision(callback: Any, validates_on_training_data: bool) -> Optional[tuple
     return monitor, "acts on it"
 
 
-def _listed(callbacks: Any) -> list:
-    """The callbacks of fit's local `callbacks` (a CallbackList, a list, or None)."""
-    if callbacks is None:
+def _listed(callbacks: Any, seen: Optional[set] = None) -> list:
+    """Every callback in fit's local `callbacks`, looking inside containers: a CallbackList (Keras 3's,
+    tf_keras's), lists and tuples, any callback that holds a ``callbacks`` list (the container itself too)."""
+    seen = set() if seen is None else seen
+    if callbacks is None or id(callbacks) in seen:
         return []
-    inner = getattr(callbacks, "callbacks", callbacks)
-    return list(inner) if isinstance(inner, (list, tuple)) else []
+    seen.add(id(callbacks))
+    if isinstance(callbacks, (list, tuple)):
+        return [c for inner in callbacks for c in _listed(inner, seen)]
+    inner = getattr(callbacks, "callbacks", None)
+    found = [callbacks]
+    if isinstance(inner, (list, tuple)):
+        found += _listed(inner, seen)
+    return found
 
 
 def refuse_private_decisions(model: Any) -> None:
@@ -109,8 +107,8 @@ def refuse_private_decisions(model: Any) -> None:
     frame = ledger.fit_frame(model)
     if frame is None:
         return
-    on_training_data = _validates_on_training_data(frame.f_locals)
     tf_keras_model = not ledger.is_keras3(model)
+    overlap = []  # computed once, for the first val_ decision
     for callback in _listed(frame.f_locals.get("callbacks")):
         if tf_keras_model and isinstance(callback, _both("ModelCheckpoint")) and callback.save_weights_only:
             if ledger.is_h5(str(callback.filepath), {}):
@@ -118,19 +116,38 @@ def refuse_private_decisions(model: Any) -> None:
                 ledger.refuse_h5_weights(
                     f"{type(callback).__name__}({str(callback.filepath)!r}, save_weights_only=True)"
                 )
-        decision = _decision(callback, on_training_data)
+        decision = _decision(callback)
         if decision is None:
             continue
         monitor, action = decision
-        where = "data (validation_data is fit's x)" if monitor.startswith("val_") else "lots"
+        if monitor.startswith(VALIDATION_PREFIX):
+            if not overlap:
+                overlap.append(validation_overlap(frame.f_locals))
+            if overlap[0] is None:
+                continue  # held-out validation data
         model.train_function = None  # a fit after the fix traces afresh (Keras 3 cannot retrace a failed trace)
+        if monitor.startswith(VALIDATION_PREFIX):
+            raise ValueError(
+                f"{type(callback).__name__}(monitor={monitor!r}) is refused in a DP fit: the callback {action}, a "
+                f"decision on the validation data without noise, and {overlap[0]}."
+            )
         raise ValueError(
             f"{type(callback).__name__}(monitor={monitor!r}) is refused in a DP fit: {monitor!r} is computed on "
-            f"the private training {where} without noise, and the callback {action}, a decision on the private "
+            f"the private training lots without noise, and the callback {action}, a decision on the private "
             "data that epsilon does not count. Monitor a 'val_' quantity computed on data outside the training "
             "set (validation_data=... or validation_split=...), or a quantity keras_dpsgd releases with noise "
             "('epsilon' from PrivacyLogger, 'clip_bound/...' from ClipBoundsLogger); or remove the callback."
         )
+
+
+def _refuse_before_fit(model: Any) -> None:
+    """Every check of a DP fit's start: fit's callbacks, and releases of layers sharing a seed."""
+    refuse_private_decisions(model)
+    try:
+        ledger.refuse_shared_layer_seeds(model)
+    except ValueError:
+        model.train_function = None  # a fit after the fix traces afresh
+        raise
 
 
 class _CheckedMakeTrainFunction:
@@ -140,7 +157,8 @@ class _CheckedMakeTrainFunction:
         self._model = model
 
     def __call__(self, *args, **kwargs):
-        refuse_private_decisions(self._model)
+        _refuse_before_fit(self._model)
+        ledger.refresh_ledger_offset(self._model, getattr(self._model, "optimizer", None))
         return type(self._model).make_train_function(self._model, *args, **kwargs)
 
 
@@ -148,6 +166,6 @@ def watch_fits(model: Any) -> None:
     """Checks the running fit's callbacks now (the DP step is traced) and at every later fit of `model`."""
     if model is None:
         return
-    refuse_private_decisions(model)
+    _refuse_before_fit(model)
     if "make_train_function" not in vars(model):
         object.__setattr__(model, "make_train_function", _CheckedMakeTrainFunction(model))

@@ -86,7 +86,7 @@ def noise_stddevs(sigmas: Sequence[float], bounds: tf.Tensor, groups: Sequence[i
 
 def noise_key(seed: int, noised_steps: tf.Tensor, index: int) -> tf.Tensor:
     """The [2] int64 key of the noise on tensor `index` of a seeded step: a function of
-    (seed, noised step, index), so reproducible and resumable."""
+    (seed, the release's position in the model's ledger, index), so reproducible and resumable."""
     step_seed = tf.stack([tf.constant(seed % (2**63), tf.int64), tf.cast(noised_steps, tf.int64)])
     return tf.random.experimental.stateless_fold_in(step_seed, index)
 

@@ -23,6 +23,27 @@ OPTIMIZER_NAMES = ("sgd", "adam")
 _FIXED_FIT_ARGS = ("x", "y", "batch_size", "epochs", "steps_per_epoch", "sample_weight", "shuffle")
 
 
+def _lot_seed(seed: Optional[int], model: Any) -> Optional[int]:
+    """The lots' seed: `seed` on a model whose ledger records no DP-SGD step, else one derived from
+    (seed, the steps it records), so that a second call with one seed never draws the first call's
+    lots (identical lots are no independent Poisson sampling: the accountant would under-count).
+
+    Raises:
+      ValueError: a seed below 0 (PoissonLots' range).
+    """
+    from keras_dpsgd.ledger import recorded_releases
+
+    if seed is None:
+        return None
+    seed = _validate.integer_at_least(0, seed=seed)
+    position = recorded_releases(model)
+    if position == 0:
+        return seed
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, position]).generate_state(1, np.uint64)[0] >> 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrivateTraining:
     """What :func:`make_private_with_epsilon` returns: the private model, its optimizer and the plan.
@@ -183,7 +204,9 @@ def make_private_with_epsilon(
       sample_weight: optional per-example weights (N,), >= 0.
       physical_batch_size: rows per physical batch (gradient accumulation); None: one per lot.
       accountant: "rdp" (default), "moments" or "pld".
-      seed: None (OS entropy) or an integer for reproducible lots and noise (keep it secret).
+      seed: None (OS entropy) or an integer >= 0 for reproducible lots and noise (keep it secret). The
+        noise keys and the lots' seed are functions of (seed, the position of the run's first step in the
+        model's ledger): a fresh model reproduces a run; a second call on one model draws fresh ones.
       verbose: 1 prints the plan and the notes, 0 prints nothing.
 
     Returns:
@@ -219,13 +242,14 @@ def make_private_with_epsilon(
             return _make_private(m) if weight_regularization_terms(m) else m
 
     optimizer_cls, optimizer_config = _optimizer_class_and_config(optimizer, keras, front)
+    lot_seed = _lot_seed(seed, model)
     lots = PoissonLots(
         x,
         y,
         expected_lot_size=expected_lot_size,
         sample_weight=sample_weight,
         physical_batch_size=physical_batch_size,
-        seed=seed,
+        seed=lot_seed,
     )
     n = lots.num_examples
     notes = []

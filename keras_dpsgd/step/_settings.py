@@ -119,6 +119,10 @@ class DPState:
     lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
     nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
     generator: Any = None  # tf.random.Generator from OS entropy (seed None), never checkpointed.
+    # int64 tf.Variable: the releases the model's ledger recorded before this optimizer's counter began
+    # (written by the ledger, ``keras_dpsgd.ledger.sync_ledger_state``; never saved). A seeded key is a
+    # function of (seed, ledger_offset + noised_steps): the release's position in the model's ledger.
+    ledger_offset: Any = None
     noise: Any = None  # The noise source: the backend module (keras_dpsgd.backends) that serves this Keras.
     sigmas: list = dataclasses.field(default_factory=list)
     local: threading.local = dataclasses.field(default_factory=threading.local)
@@ -222,6 +226,7 @@ class DPSettingsMixin:
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.SUM,
             )
+            state.ledger_offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="ledger_offset")
             if state.seed is None:
                 # Fresh OS entropy per process: restoring a checkpoint twice never replays noise.
                 state.generator = tf.random.Generator.from_non_deterministic_state()
@@ -390,11 +395,22 @@ class DPSettingsMixin:
         from the gradient's (indices 0..V-1)."""
         return self._dp.noise.standard_normal(shape, self._noise_key(index), dtype)
 
+    def _ledger_position(self) -> tf.Tensor:
+        """int64: this release's position among every release the model's ledger records.
+
+        ``noised_steps`` counts this optimizer's releases only; a model compiled again with a new
+        optimizer (or ``make_private_with_epsilon`` called again) starts a new counter at 0. The
+        ledger's offset (the releases recorded before this counter began) makes the position unique
+        in the model's ledger, so a seed passed again never draws a noise it drew before (issue 37.4).
+        """
+        steps = tf.cast(tf.convert_to_tensor(self.noised_steps), tf.int64)
+        return steps + tf.cast(tf.convert_to_tensor(self._dp.ledger_offset), tf.int64)
+
     def _noise_key(self, index: int) -> tf.Tensor:
         """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
         replica's own under a strategy (``_distribute.replica_key``)."""
         if self._dp.seed is None:
             key = self._dp.generator.make_seeds(1)[:, 0]  # Fresh Philox key per draw.
-        else:  # Reproducible and resumable: a function of (seed, noised step, tensor[, replica]).
-            key = self._dp.noise.seeded_key(self._dp.seed, tf.convert_to_tensor(self.noised_steps), index)
+        else:  # Reproducible and resumable: a function of (seed, position in the model's ledger, tensor[, replica]).
+            key = self._dp.noise.seeded_key(self._dp.seed, self._ledger_position(), index)
         return _distribute.replica_key(key)

@@ -404,7 +404,9 @@ class PoissonLots:
         _check_num_lots(num_lots)
         self._refuse_shards("dataset")
         data = self._dataset(num_lots)
-        setattr(data, _LOTS_ATTR, True)  # fit of a private Keras 3 model: shuffle=False (nothing to shuffle)
+        # Fit of a private Keras 3 model: shuffle=False (nothing to shuffle); the callback guard reads the
+        # lots' rows (validation data must not hold them: keras_dpsgd.step._held_out).
+        setattr(data, _LOTS_ATTR, self)
         return data
 
     def _refuse_shards(self, method: str) -> None:
@@ -577,6 +579,14 @@ def is_lots_dataset(data: Any) -> bool:
     """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
     (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
     return bool(getattr(data, _LOTS_ATTR, False)) or isinstance(data, PoissonLotsPyDataset)
+
+
+def lots_source(data: Any) -> Optional["PoissonLots"]:
+    """The PoissonLots that made `data` (:meth:`PoissonLots.dataset`, :meth:`PoissonLots.as_py_dataset`), or None."""
+    if isinstance(data, PoissonLotsPyDataset):
+        return data._lots
+    source = getattr(data, _LOTS_ATTR, None)
+    return source if isinstance(source, PoissonLots) else None
 
 
 def strategy_workers(strategy: Any) -> int:

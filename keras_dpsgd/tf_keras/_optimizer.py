@@ -67,11 +67,12 @@ _DP_DOC = """
         clipping); any other value is refused (no microbatch clipping).
       seed: None (noise from OS entropy; never checkpointed, so a restored
         checkpoint never replays noise) or an integer (noise is a function of
-        seed, noised step and variable: reproducible and resumable on the same
-        device and compilation mode, as XLA draws other numbers than the
-        non-XLA kernels; keep the seed secret, anyone who knows it can remove
-        the noise; a run resumed without its optimizer state, where
-        `noised_steps` restarts at 0, replays earlier noise).
+        seed, the release's position in the model's ledger and variable:
+        reproducible and resumable on the same device and compilation mode,
+        as XLA draws other numbers than the non-XLA kernels; a new optimizer
+        on the same model, or a run resumed without its optimizer state,
+        continues the ledger's positions instead of replaying noise; keep the
+        seed secret, anyone who knows it can remove the noise).
 
     Saving: `.keras`, h5 and `tf.train.Checkpoint` keep the optimizer state
     (`noised_steps`, `clip_bounds`, slots; accumulators, whose incomplete lot

@@ -4,7 +4,7 @@ EarlyStopping, ReduceLROnPlateau, ModelCheckpoint(save_best_only=True), Terminat
 callback with a `monitor` on a training quantity decide on the private data without noise. Each
 is refused before any weight changes, on both Kerases, at the first fit (the DP step's trace)
 and at a later fit (no new trace). A `val_` monitor is refused too when fit's validation_data
-holds its training inputs themselves. Controls: `val_` and ε monitors still train.
+holds its training inputs themselves (by content since issue 37.5: tests/step/test_held_out_validation.py). Controls: `val_` and ε monitors still train.
 
 Every refusal test here failed on the code before the fix (the fits trained).
 """
@@ -16,8 +16,9 @@ from _behaviour import keras3_front, tf_keras_front
 
 FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
 N, B = 16, 4
-X = np.random.default_rng(0).normal(size=(N, 3)).astype("float32")
+X = np.random.default_rng(0).normal(size=(N + 4, 3)).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
+X, Y, X_HELD, Y_HELD = X[:N], Y[:N], X[N:], Y[N:]  # held-out rows for the val_ controls
 
 
 def _model(front):
@@ -65,7 +66,9 @@ def test_callbacks_acting_on_the_training_logs_are_refused_before_any_step(keras
             _fit(model, [callback])
         assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model))), name
         assert int(model.optimizer.noised_steps.numpy()) == 0, name
-    with pytest.raises(ValueError, match=r"EarlyStopping\(monitor='val_loss'\).*validation_data is fit's x"):
+    with pytest.raises(
+        ValueError, match=r"EarlyStopping\(monitor='val_loss'\).*16 of the 16 validation rows are training"
+    ):
         _fit(model, [front.keras.callbacks.EarlyStopping(monitor="val_loss")], validation_data=(X, Y))
     _fit(model, [])  # the callback removed, the same model trains
     assert int(model.optimizer.noised_steps.numpy()) == 2 * N // B
@@ -83,7 +86,7 @@ def test_validation_monitors_train_and_a_later_fit_is_checked_too(keras_name, tm
         cb.EarlyStopping(monitor="epsilon", mode="max", patience=5),  # no un-noised function of the data
     ]
     before = _weights(model)
-    _fit(model, controls, validation_data=(X[:4], Y[:4]))
+    _fit(model, controls, validation_data=(X_HELD, Y_HELD))
     assert int(model.optimizer.noised_steps.numpy()) == 2 * N // B
     assert not all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
     # The step is traced already: the next fit is checked before its first step all the same.

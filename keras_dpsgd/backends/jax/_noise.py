@@ -18,7 +18,8 @@ noise of a step is a large part of a small model's step (795k coordinates: ~8 ms
   halves (XLA's fused concatenation evaluates both halves for every element).
 
 Keys (:func:`seeded_key`, :func:`entropy_key`): a seeded optimizer's noise is a function of
-(seed, noised step, tensor index), so reproducible and resumable; without a seed the key is drawn
+(seed, the release's position in the model's ledger, tensor index), so reproducible, resumable and never
+repeated within a model's ledger; without a seed the key is drawn
 from OS entropy (``os.urandom``) and never saved (``keras_dpsgd.backends.jax._state``).
 """
 
@@ -95,7 +96,7 @@ def key_data(words) -> jax.Array:
 
 
 def seeded_key(seed: int, noised_steps, index: int) -> jax.Array:
-    """The key of tensor `index` of noised step `noised_steps` under `seed` (int64): reproducible, resumable."""
+    """The key of tensor `index` of the release at ledger position `noised_steps` under `seed` (int64)."""
     seed = int(seed) % 2**64
     key = key_data(np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32))
     key = jax.random.fold_in(key, jnp.asarray(noised_steps).astype(jnp.uint32))

@@ -1,7 +1,7 @@
 """The JAX backend's optimizer state: what TensorFlow keeps in local ``tf.Variable``s, as optimizer variables.
 
 JAX's train step is stateless (``train_step(state, data)``): whatever the step changes must be one of
-the optimizer's variables, which Keras threads through the step. Three are added when a DP optimizer
+the optimizer's variables, which Keras threads through the step. Four are added when a DP optimizer
 is built on JAX (:func:`add_variables`):
 
 * ``dp_noise_key`` (uint32 [2]): the noise key of an optimizer without a seed, drawn from OS entropy
@@ -9,6 +9,10 @@ is built on JAX (:func:`add_variables`):
   load, so restoring a file twice never replays noise (as the TF generator, never checkpointed).
 * ``dp_nonfinite_examples``: the examples zeroed for a non-finite gradient, an un-noised count over
   the private data kept in this process only: never saved (a file holds 0), reset on load.
+* ``dp_ledger_offset``: the releases the model's ledger recorded before this optimizer's counter began,
+  which the ledger writes before every fit (``DPState.ledger_offset`` is this variable on JAX); a seeded
+  key is a function of (seed, ``dp_ledger_offset + noised_steps``), the release's position in the model's
+  ledger. Saved with ``noised_steps``, so that a restored counter and its offset belong together.
 * ``dp_expected_lot_size``: the traced mirror of ``expected_lot_size`` (0 = unset), which the
   optimizer's setter writes (``DPState.lot`` is this variable on JAX).
 """
@@ -39,7 +43,8 @@ def add_variables(optimizer: Any) -> None:
     )
     optimizer._jax_key = optimizer.add_variable((2,), initializer="zeros", dtype="uint32", name="dp_noise_key")
     optimizer._jax_key.assign(entropy_key())
-    dp.lot, dp.nonfinite = optimizer._jax_lot, optimizer._jax_nonfinite
+    optimizer._jax_offset = optimizer.add_variable((), initializer="zeros", dtype="int32", name="dp_ledger_offset")
+    dp.lot, dp.nonfinite, dp.ledger_offset = optimizer._jax_lot, optimizer._jax_nonfinite, optimizer._jax_offset
 
 
 def _unsaved(optimizer: Any) -> set:

@@ -304,13 +304,14 @@ def _release(optimizer, opt, summed, num_examples, reg_grads, trainable):
     bounds = opt[optimizer.clip_bounds]
     bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
     steps = opt[optimizer.noised_steps]
+    position = steps + opt[optimizer._jax_offset]  # the release's position in the model's ledger (issue 37.4)
     if dp.seed is None:
         base = _noise.key_data(opt[optimizer._jax_key])
         carry, draw = jax.random.split(base)
         opt[optimizer._jax_key] = jax.random.key_data(carry)
 
     def key_for(index):
-        return _noise.seeded_key(dp.seed, steps, index) if dp.seed is not None else jax.random.fold_in(draw, index)
+        return _noise.seeded_key(dp.seed, position, index) if dp.seed is not None else jax.random.fold_in(draw, index)
 
     noised = []
     for v, s in enumerate(summed):
