@@ -1,0 +1,99 @@
+"""Certified float32 upper bounds of per-example squared norms: the rounding margins, written once.
+
+The fast rules compute an example's squared gradient norm without its gradient (Goodfellow 2015; Li et al.
+2022, ghost norm): ``N² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)``. Where the rows cancel (``N ≪ S = Σ_t ‖a_t‖‖δ_t‖``) the
+float32 rounding of that sum (about ``u·S²``) swamps ``N²``: the computed norm can be 0 or negative and the
+example would be released unclipped. Every rule therefore returns an *upper bound* of the true squared norm,
+from the standard error analysis of floating-point sums and dot products (Higham 2002, "Accuracy and Stability
+of Numerical Algorithms", §3.1 and Lemma 3.1, ``γ_n = n·u / (1 - n·u)``; any order of summation, so the bounds
+hold whatever order a BLAS or XLA picks):
+
+* a dot product of n terms: ``|fl(x·y) - x·y| <= γ_n Σ_k |x_k y_k| <= γ_n ‖x‖ ‖y‖``;
+* a sum of n nonnegative terms: ``fl(Σ x_k) >= (1 - γ_n) Σ x_k``.
+
+Forms and their bounds (``u`` the unit roundoff of the products: ``2⁻²⁴`` in float32, ``2⁻¹¹`` under TF32):
+
+* :func:`gram_upper` (ghost norm over T rows of widths D and U, and the Embedding's Gram with id equality,
+  D = 0): ``N² <= max(N̂², 0) + γ_{D+U+1} S² + γ_{T²} P`` with ``P = Σ_{t,s} |p̂_ts|`` the computed terms'
+  absolute sum (a posteriori: for rows that do not cancel ``P ≈ S²/T``, so long sequences do not pay ``T²·u``).
+* :func:`positive_upper` (a sum of squares of materialized entries, Goodfellow's ``‖a‖²‖δ‖²``): relative,
+  ``N² <= N̂² / (1 - γ_n)``. Enough where the release sums the *same* materialized per-example gradients.
+* :func:`linear_upper` (a materialized sum over T rows whose release is computed apart, e.g. an embedding's
+  rows or a bias on a sequence): ``N <= sqrt(N̂² / (1 - γ_n)) + γ_T L`` with ``L = Σ_t ‖a_t‖‖δ_t‖``.
+
+Every bound ends with the factor ``1 + 16u``, which covers the float32 rounding of computing the bound itself
+(its constants, products and sums, at most a few ``u`` relative; all its terms are nonnegative) and of the
+clip factor ``C / N`` that reads it. The functions use Python operators only (``+ * ** abs``), so they run on
+TensorFlow tensors and JAX arrays alike; a length ``n`` may be a Python number or a float32 scalar tensor
+(a sequence length known only at run time). Where the margin dominates (rows that cancel) the bound is about
+``sqrt(γ) S``: the example is clipped a little more, never less. The release's own rounding (one matmul over
+all rows) is then absorbed too: with ``‖ĝ_i‖ <= N + e S``, ``‖ĝ_i‖ / upper <= sqrt(1 + e² / γ)`` (Cauchy-Schwarz),
+``1 + O(u)`` for a release in the same precision as the norm.
+"""
+
+from __future__ import annotations
+
+__all__ = ["U32", "U_TF32", "gamma", "gram_upper", "positive_upper", "linear_upper", "relu"]
+
+U32 = 2.0**-24  # float32 unit roundoff (round to nearest)
+U_TF32 = 2.0**-11  # TensorFloat-32 products (10 explicit mantissa bits), NVIDIA Ampere and later
+_GUARD = 16  # u's of slack for computing the bound and the clip factor in float32
+
+
+def gamma(n, u: float = U32):
+    """Higham's ``γ_n = n·u / (1 - n·u)`` (``n`` a number or a float32 scalar tensor; needs ``n·u < 1``)."""
+    return n * u / (1.0 - n * u)
+
+
+def relu(x):
+    """``max(x, 0)`` with Python operators (exact in floating point; NaN stays NaN)."""
+    return (x + abs(x)) * 0.5
+
+
+def _guarded(x, u: float):
+    return x * (1.0 + _GUARD * u)
+
+
+def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32):
+    """Upper bound of ``N² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)`` from its float32 value ``gram`` [B].
+
+    Args:
+      gram: the computed ``Σ_{t,s} p̂_ts`` with ``p̂_ts = fl(fl(a_t·a_s) fl(δ_t·δ_s))``, any sign.
+      abs_terms: the computed ``Σ_{t,s} |p̂_ts|`` (>= 0).
+      s: the computed ``S = Σ_t ‖a_t‖ ‖δ_t‖`` (each norm from its own sum of squares).
+      width: D + U, the lengths of the two dot products (D = 0 where ``a_t·a_s`` is exact, e.g. 0 or 1).
+      rows: T (a number or a float32 scalar tensor).
+      u: the unit roundoff of the products.
+
+    Returns:
+      ``max(gram, 0) + γ_{D+U+1} S² + γ_{T²} P``, guarded: >= the exact ``N²`` of the float32 rows.
+    """
+    # Ŝ itself is low by at most γ_{D+U+T+3} (sums of squares, a product, a square root, T positive terms).
+    s_low = 1.0 - gamma(width + rows + 3, u)
+    pairs = rows * rows
+    margin = gamma(width + 1, u) / (s_low * s_low) * (s * s) + gamma(pairs, u) / (1.0 - gamma(pairs, u)) * abs_terms
+    return _guarded(relu(gram) + margin, u)
+
+
+def positive_upper(sq, terms, u: float = U32):
+    """Upper bound of a sum of ``terms`` nonnegative products computed as ``sq`` (relative: ``sq / (1 - γ_n)``)."""
+    return _guarded(sq / (1.0 - gamma(terms, u)), u)
+
+
+def linear_upper(sq, terms, lengths, rows, u: float = U32):
+    """Upper bound of ``‖r‖²`` where ``r = Σ_t r_t`` (T rows) was computed as ``r̂`` with ``sq = fl(‖r̂‖²)``.
+
+    Args:
+      sq: the computed squared norm of ``r̂`` (a sum of ``terms`` squares).
+      terms: how many squares ``sq`` sums.
+      lengths: the computed ``L = Σ_t ‖r_t‖`` (an outer product's ``Σ_t ‖a_t‖ ‖δ_t‖``).
+      rows: T, the number of rows summed into each entry of ``r̂`` (each entry's error is at most
+        ``γ_T Σ_t |r_t|``, whose norm is at most ``γ_T L``).
+      u: the unit roundoff.
+
+    Returns:
+      ``(sqrt(sq / (1 - γ_terms)) + γ_{T+1} L)²``, guarded (``L`` itself is low by at most ``γ_{terms+T+3}``).
+    """
+    hat = (positive_upper(sq, terms, u)) ** 0.5
+    slack = gamma(rows + 1, u) / (1.0 - gamma(terms + rows + 3, u)) * lengths
+    return _guarded((hat + slack) * (hat + slack), u)
