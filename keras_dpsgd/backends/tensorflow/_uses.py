@@ -34,6 +34,7 @@ import dataclasses
 
 import tensorflow as tf
 
+from keras_dpsgd.backends.tensorflow import _checks
 from keras_dpsgd.step import _rounding
 
 
@@ -131,14 +132,16 @@ def staged_sq_norms(t: tf.Tensor) -> tuple[tf.Tensor, int]:
     """(``‖t_i‖²`` per row i of ``t`` [B, ...], how many terms each rounded sum adds at most).
 
     Summed over the last axis, then over the rest (two kernels): a rounding bound of ``γ_{last + rest}``
-    rather than ``γ_{last · rest}`` (``_rounding.positive_upper``).
+    rather than ``γ_{last · rest}`` (``_rounding.positive_upper``). Under XLA (``jit_compile=True``), which may
+    merge the two reductions into one, the bound counts every term.
     """
     shape = t.shape.as_list()[1:]
     if len(shape) < 2 or None in shape:
         return row_sq_norms(t), (None if None in shape else max(1, _prod(shape)))
     last, rest = shape[-1], _prod(shape[:-1])
     rows = tf.reduce_sum(tf.square(tf.reshape(t, [-1, rest, last])), axis=2)
-    return tf.reduce_sum(rows, axis=1), last + rest
+    merged = not tf.executing_eagerly() and _checks.under_xla(t.graph)
+    return tf.reduce_sum(rows, axis=1), (last * rest if merged else last + rest)
 
 
 def _prod(dims) -> int:
