@@ -11,7 +11,9 @@ hold whatever order a BLAS or XLA picks):
 * a dot product of n terms: ``|fl(x·y) - x·y| <= γ_n Σ_k |x_k y_k| <= γ_n ‖x‖ ‖y‖``;
 * a sum of n nonnegative terms: ``fl(Σ x_k) >= (1 - γ_n) Σ x_k``.
 
-Forms and their bounds (``u`` the unit roundoff of the products: ``2⁻²⁴`` in float32, ``2⁻¹¹`` under TF32):
+Forms and their bounds (``u`` the unit roundoff of float32, ``2⁻²⁴``; where a GPU runs float32 matmuls in
+TensorFloat-32 their inputs are first rounded to 10 mantissa bits, ``u_in = 2⁻¹⁰`` (truncation or rounding),
+while products and sums stay float32: every γ below is then :func:`error` ``(1 + u_in)⁴ (1 + γ_n) - 1``):
 
 * :func:`gram_upper` (ghost norm over T rows of widths D and U, and the Embedding's Gram with id equality,
   D = 0): ``N² <= max(N̂², 0) + γ_{D+U+1} S² + γ_{T²} P`` with ``P = Σ_{t,s} |p̂_ts|`` the computed terms'
@@ -33,16 +35,24 @@ all rows) is then absorbed too: with ``‖ĝ_i‖ <= N + e S``, ``‖ĝ_i‖ / u
 
 from __future__ import annotations
 
-__all__ = ["U32", "U_TF32", "gamma", "gram_upper", "positive_upper", "linear_upper", "relu"]
+__all__ = ["U32", "U_TF32", "gamma", "error", "gram_upper", "positive_upper", "linear_upper", "relu"]
 
 U32 = 2.0**-24  # float32 unit roundoff (round to nearest)
-U_TF32 = 2.0**-11  # TensorFloat-32 products (10 explicit mantissa bits), NVIDIA Ampere and later
+U_TF32 = 2.0**-10  # TensorFloat-32 inputs (10 explicit mantissa bits, truncated or rounded), NVIDIA Ampere and later
 _GUARD = 16  # u's of slack for computing the bound and the clip factor in float32
 
 
 def gamma(n, u: float = U32):
-    """Higham's ``γ_n = n·u / (1 - n·u)`` (``n`` a number or a float32 scalar tensor; needs ``n·u < 1``)."""
-    return n * u / (1.0 - n * u)
+    """Higham's ``γ_n = n·u / (1 - n·u)`` (``n`` a number or a float32 scalar tensor); ∞ where ``n·u >= 1``."""
+    if isinstance(n, (int, float)):
+        return float("inf") if n * u >= 1.0 else n * u / (1.0 - n * u)
+    return n * u / relu(1.0 - n * u)  # a tensor: 1/0 = ∞ where n·u >= 1
+
+
+def error(n, u: float = U32, u_in: float = 0.0):
+    """The relative error bound of n rounded operations on inputs first rounded by ``u_in`` (TF32; 0 otherwise):
+    ``(1 + u_in)⁴ (1 + γ_n) - 1`` (four inputs: the two dot products of a Gram term)."""
+    return (1.0 + u_in) ** 4 * (1.0 + gamma(n, u)) - 1.0
 
 
 def relu(x):
@@ -54,7 +64,7 @@ def _guarded(x, u: float):
     return x * (1.0 + _GUARD * u)
 
 
-def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32):
+def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32, u_in: float = 0.0):
     """Upper bound of ``N² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)`` from its float32 value ``gram`` [B].
 
     Args:
@@ -63,7 +73,8 @@ def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32):
       s: the computed ``S = Σ_t ‖a_t‖ ‖δ_t‖`` (each norm from its own sum of squares).
       width: D + U, the lengths of the two dot products (D = 0 where ``a_t·a_s`` is exact, e.g. 0 or 1).
       rows: T (a number or a float32 scalar tensor).
-      u: the unit roundoff of the products.
+      u: the unit roundoff of the products and sums.
+      u_in: the rounding of the matmuls' inputs (TF32), 0 where there is none.
 
     Returns:
       ``max(gram, 0) + γ_{D+U+1} S² + γ_{T²} P``, guarded: >= the exact ``N²`` of the float32 rows.
@@ -71,16 +82,17 @@ def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32):
     # Ŝ itself is low by at most γ_{D+U+T+3} (sums of squares, a product, a square root, T positive terms).
     s_low = 1.0 - gamma(width + rows + 3, u)
     pairs = rows * rows
-    margin = gamma(width + 1, u) / (s_low * s_low) * (s * s) + gamma(pairs, u) / (1.0 - gamma(pairs, u)) * abs_terms
+    sum_error = error(pairs, u, u_in)
+    margin = error(width + 1, u, u_in) / (s_low * s_low) * (s * s) + sum_error / (1.0 - sum_error) * abs_terms
     return _guarded(relu(gram) + margin, u)
 
 
-def positive_upper(sq, terms, u: float = U32):
+def positive_upper(sq, terms, u: float = U32, u_in: float = 0.0):
     """Upper bound of a sum of ``terms`` nonnegative products computed as ``sq`` (relative: ``sq / (1 - γ_n)``)."""
-    return _guarded(sq / (1.0 - gamma(terms, u)), u)
+    return _guarded(sq / (1.0 - error(terms, u, u_in)), u)
 
 
-def linear_upper(sq, terms, lengths, rows, u: float = U32):
+def linear_upper(sq, terms, lengths, rows, u: float = U32, u_in: float = 0.0):
     """Upper bound of ``‖r‖²`` where ``r = Σ_t r_t`` (T rows) was computed as ``r̂`` with ``sq = fl(‖r̂‖²)``.
 
     Args:
@@ -90,10 +102,11 @@ def linear_upper(sq, terms, lengths, rows, u: float = U32):
       rows: T, the number of rows summed into each entry of ``r̂`` (each entry's error is at most
         ``γ_T Σ_t |r_t|``, whose norm is at most ``γ_T L``).
       u: the unit roundoff.
+      u_in: the rounding of the matmuls' inputs (TF32), 0 where there is none.
 
     Returns:
       ``(sqrt(sq / (1 - γ_terms)) + γ_{T+1} L)²``, guarded (``L`` itself is low by at most ``γ_{terms+T+3}``).
     """
-    hat = (positive_upper(sq, terms, u)) ** 0.5
-    slack = gamma(rows + 1, u) / (1.0 - gamma(terms + rows + 3, u)) * lengths
+    hat = (positive_upper(sq, terms, u, u_in)) ** 0.5
+    slack = error(rows + 1, u, u_in) / (1.0 - gamma(terms + rows + 3, u)) * lengths
     return _guarded((hat + slack) * (hat + slack), u)

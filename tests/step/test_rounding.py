@@ -76,3 +76,24 @@ def test_gamma_and_relu():
     x = np.array([-2.0, 0.0, 3.0, np.nan], np.float32)
     np.testing.assert_array_equal(R.relu(x)[:3], [0.0, 0.0, 3.0])
     assert np.isnan(R.relu(x)[3])
+
+
+def _tf32(x):
+    """x with its 13 low mantissa bits cleared: TensorFloat-32's input rounding (truncation, the worse case)."""
+    return (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_the_gram_bound_with_tf32_inputs_is_above_the_true_norm():
+    """A GPU's TF32 matmuls round their inputs to 10 mantissa bits (u_in = 2⁻¹⁰), then multiply and add in float32:
+    the bound with ``u_in`` still holds for the exact norm of the float32 rows."""
+    rng = np.random.default_rng(3)
+    a = _rows(rng, 64, 4, 16, 1e3, cancel=True)
+    d = np.repeat(_rows(rng, 64, 1, 8, 1.0, cancel=False), 4, axis=1)
+    at, dt = _tf32(a), _tf32(d)
+    aa, dd = at @ at.transpose(0, 2, 1), dt @ dt.transpose(0, 2, 1)
+    terms = _tf32(aa) * _tf32(dd)
+    s = np.sum(np.sqrt(np.sum(a * a, 2) * np.sum(d * d, 2)), 1)
+    upper = R.gram_upper(terms.sum((1, 2)), np.abs(terms).sum((1, 2)), s, width=24, rows=4, u_in=R.U_TF32)
+    a64, d64 = a.astype(np.float64), d.astype(np.float64)
+    truth = np.sum(np.einsum("bti,btj->bij", a64, d64) ** 2, axis=(1, 2))
+    assert (np.asarray(upper, np.float64) >= truth).all()

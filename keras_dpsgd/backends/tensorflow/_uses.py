@@ -31,6 +31,7 @@ holds the margins, shared with the JAX backend; :func:`unit_roundoff` their unit
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import tensorflow as tf
 
@@ -120,12 +121,24 @@ def row_sq_norms(t: tf.Tensor) -> tf.Tensor:
     return row_dots(t, t)
 
 
-def unit_roundoff() -> float:
-    """The unit roundoff of float32 matmuls here: TF32's ``2⁻¹¹`` when a GPU may run them in TensorFloat-32
-    (``tf.config.experimental.tensor_float_32_execution_enabled()``, TensorFlow's default), else ``2⁻²⁴``."""
+def unit_roundoff() -> dict:
+    """The rounding of float32 matmuls here, as ``_rounding``'s keywords: TensorFlow runs them in TensorFloat-32
+    on a GPU while ``tf.config.experimental.tensor_float_32_execution_enabled()`` (its default): inputs rounded to
+    10 mantissa bits (``u_in``), products and sums in float32. Announced once: the margins are then far wider."""
     if tf.config.experimental.tensor_float_32_execution_enabled() and tf.config.list_physical_devices("GPU"):
-        return _rounding.U_TF32
-    return _rounding.U32
+        if not _TF32_ANNOUNCED:
+            _TF32_ANNOUNCED.append(True)
+            logging.getLogger("keras_dpsgd").warning(_TF32_WARNING)
+        return {"u": _rounding.U32, "u_in": _rounding.U_TF32}
+    return {"u": _rounding.U32}
+
+
+_TF32_ANNOUNCED: list = []
+_TF32_WARNING = (
+    "keras_dpsgd: TensorFloat-32 matmuls are enabled on this GPU: the per-example norms' rounding margins use "
+    "TF32's precision (2^-10 on the inputs), so norms are bounded far above their float32 values and examples "
+    "clipped harder; call tf.config.experimental.enable_tensor_float_32_execution(False) for float32 margins"
+)
 
 
 def staged_sq_norms(t: tf.Tensor) -> tuple[tf.Tensor, int]:
@@ -156,7 +169,7 @@ def certified_sq_norms(t: tf.Tensor) -> tf.Tensor:
     sq, terms = staged_sq_norms(t)
     if terms is None:
         terms = tf.cast(tf.reduce_prod(tf.shape(t)[1:]), tf.float32)
-    return _rounding.positive_upper(sq, terms, unit_roundoff())
+    return _rounding.positive_upper(sq, terms, **unit_roundoff())
 
 
 def row_lengths(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
@@ -190,7 +203,7 @@ class OuterGroup:
         a, g = self.a, self.g
         t, d, u = a.shape[1], int(a.shape[2]), int(g.shape[2])
         if t == 1:  # Goodfellow: rank-one per-example gradients, ‖a‖²‖g‖² (no cancellation).
-            return _rounding.positive_upper(row_sq_norms(a) * row_sq_norms(g), d + u + 1, unit_roundoff())
+            return _rounding.positive_upper(row_sq_norms(a) * row_sq_norms(g), d + u + 1, **unit_roundoff())
         if t is not None:
             if ghost_preferred(t, d, u):
                 return _ghost_sq_norms(a, g, t)
@@ -230,7 +243,7 @@ def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
         row_lengths(a, g),
         width=width,
         rows=rows,
-        u=unit_roundoff(),
+        **unit_roundoff(),
     )
 
 
@@ -238,7 +251,7 @@ def _direct_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
     """‖A_iᵀ G_i‖² from the product itself, when the release does not sum it (a sequence length known
     only at run time): the product's rounding is bounded linearly (``_rounding.linear_upper``)."""
     sq, terms = staged_sq_norms(tf.einsum("btd,btu->bdu", a, g))
-    return _rounding.linear_upper(sq, terms, row_lengths(a, g), rows, unit_roundoff())
+    return _rounding.linear_upper(sq, terms, row_lengths(a, g), rows, **unit_roundoff())
 
 
 class IndexGroup:
@@ -267,7 +280,7 @@ class IndexGroup:
         # The released sum adds the rows apart (one segment sum over the batch): bound the true norm.
         lookups = tf.cast(tf.shape(self.ids)[1], tf.float32)
         lengths = tf.reduce_sum(tf.norm(self.g, axis=2), axis=1)
-        return _rounding.linear_upper(sq, d + lookups, lengths, lookups, unit_roundoff())
+        return _rounding.linear_upper(sq, d + lookups, lengths, lookups, **unit_roundoff())
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
         d = int(self.g.shape[2])
@@ -291,7 +304,7 @@ class DenseGroup:
         staged = [staged_sq_norms(q) for q in self.parts]
         terms = [n if n is not None else tf.reduce_prod(tf.shape(q)[1:]) for (_, n), q in zip(staged, self.parts)]
         most = tf.cast(tf.reduce_max(tf.stack(terms)), tf.float32) + len(self.parts)
-        return _rounding.positive_upper(tf.add_n([sq for sq, _ in staged]), most, unit_roundoff())
+        return _rounding.positive_upper(tf.add_n([sq for sq, _ in staged]), most, **unit_roundoff())
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
         if len(self.parts) == 1:  # A piece may hold the whole variable in another shape.
