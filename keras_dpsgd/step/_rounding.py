@@ -16,8 +16,10 @@ TensorFloat-32 their inputs are first rounded to 10 mantissa bits, ``u_in = 2⁻
 while products and sums stay float32: every γ below is then :func:`error` ``(1 + u_in)⁴ (1 + γ_n) - 1``):
 
 * :func:`gram_upper` (ghost norm over T rows of widths D and U, and the Embedding's Gram with id equality,
-  D = 0): ``N² <= max(N̂², 0) + γ_{D+U+1} S² + γ_{T²} P`` with ``P = Σ_{t,s} |p̂_ts|`` the computed terms'
-  absolute sum (a posteriori: for rows that do not cancel ``P ≈ S²/T``, so long sequences do not pay ``T²·u``).
+  D = 0): ``N² <= max(N̂², 0) + γ_D Σ α|ŷ| + γ_U Σ β|x̂| + 3γ_Dγ_U S² + γ_{T²+1} P`` with the computed Gram
+  entries ``x̂, ŷ``, ``α_ts = ‖a_t‖‖a_s‖``, ``β_ts = ‖δ_t‖‖δ_s‖`` and ``P = Σ|x̂ŷ|``: a posteriori, so where
+  nothing cancels the margin is about ``(γ_D + γ_U)·N²``, while it grows to about ``(γ_D + γ_U) S²`` where rows
+  cancel (``N ≪ S``).
 * :func:`positive_upper` (a sum of squares of materialized entries, Goodfellow's ``‖a‖²‖δ‖²``): relative,
   ``N² <= N̂² / (1 - γ_n)``. Enough where the release sums the *same* materialized per-example gradients.
 * :func:`linear_upper` (a materialized sum over T rows whose release is computed apart, e.g. an embedding's
@@ -64,26 +66,35 @@ def _guarded(x, u: float):
     return x * (1.0 + _GUARD * u)
 
 
-def gram_upper(gram, abs_terms, s, *, width: int, rows, u: float = U32, u_in: float = 0.0):
-    """Upper bound of ``N² = Σ_{t,s} (a_t·a_s)(δ_t·δ_s)`` from its float32 value ``gram`` [B].
+def gram_upper(gram, abs_terms, s, weighted_a, weighted_g, *, widths, rows, u: float = U32, u_in: float = 0.0):
+    """Upper bound of ``N² = Σ_{t,s} x_ts y_ts`` (``x_ts = a_t·a_s``, ``y_ts = δ_t·δ_s``) from its float32 value.
+
+    With ``α_ts = ‖a_t‖‖a_s‖``, ``β_ts = ‖δ_t‖‖δ_s‖``, the computed Gram entries are ``x̂ = x + e``, ``|e| <= γ_D α``,
+    ``ŷ = y + f``, ``|f| <= γ_U β``, so ``|Σ x̂ŷ - Σ xy| <= γ_D Σ α|ŷ| + γ_U Σ β|x̂| + 3 γ_D γ_U S²``: the a-posteriori
+    weighted sums ``Σ α|ŷ|``, ``Σ β|x̂|`` are about ``N²`` where nothing cancels (at most ``S²`` always), so wide
+    layers do not pay ``(D + U)·u·S²``. The products and the sum of the T² terms add ``γ_{T²+1} Σ|x̂ŷ|``.
 
     Args:
-      gram: the computed ``Σ_{t,s} p̂_ts`` with ``p̂_ts = fl(fl(a_t·a_s) fl(δ_t·δ_s))``, any sign.
-      abs_terms: the computed ``Σ_{t,s} |p̂_ts|`` (>= 0).
+      gram: the computed ``Σ_{t,s} x̂_ts ŷ_ts``, any sign.
+      abs_terms: the computed ``P = Σ_{t,s} |x̂_ts ŷ_ts|``.
       s: the computed ``S = Σ_t ‖a_t‖ ‖δ_t‖`` (each norm from its own sum of squares).
-      width: D + U, the lengths of the two dot products (D = 0 where ``a_t·a_s`` is exact, e.g. 0 or 1).
+      weighted_a: the computed ``Σ_{t,s} ‖a_t‖‖a_s‖ |ŷ_ts|`` (0 where ``D = 0``).
+      weighted_g: the computed ``Σ_{t,s} ‖δ_t‖‖δ_s‖ |x̂_ts|``.
+      widths: (D, U), the lengths of the two dot products (D = 0 where ``x_ts`` is exact, e.g. 0 or 1).
       rows: T (a number or a float32 scalar tensor).
       u: the unit roundoff of the products and sums.
       u_in: the rounding of the matmuls' inputs (TF32), 0 where there is none.
 
     Returns:
-      ``max(gram, 0) + γ_{D+U+1} S² + γ_{T²} P``, guarded: >= the exact ``N²`` of the float32 rows.
+      ``max(gram, 0) + margin``, guarded: >= the exact ``N²`` of the float32 rows.
     """
-    # Ŝ itself is low by at most γ_{D+U+T+3} (sums of squares, a product, a square root, T positive terms).
-    s_low = 1.0 - gamma(width + rows + 3, u)
-    pairs = rows * rows
-    sum_error = error(pairs, u, u_in)
-    margin = error(width + 1, u, u_in) / (s_low * s_low) * (s * s) + sum_error / (1.0 - sum_error) * abs_terms
+    d, w = widths
+    # The computed nonnegative sums (S, the weighted sums, P) are low by at most this fraction: sums of squares
+    # (D or U terms), square roots, products, T² terms, and a matmul's inputs.
+    low = 1.0 - error(d + w + rows * rows + 8, u, u_in)
+    e_a, e_g = error(d, u, u_in), error(w, u, u_in)
+    pairs = error(rows * rows + 1, u, u_in)
+    margin = (e_a * weighted_a + e_g * weighted_g + 3.0 * e_a * e_g * (s * s) + pairs * abs_terms) / (low * low)
     return _guarded(relu(gram) + margin, u)
 
 

@@ -39,6 +39,11 @@ def _row_norms(x):
     return jnp.sqrt(jnp.sum(jnp.square(x), axis=2))
 
 
+def _weighted(norms, gram):
+    """``Σ_{t,s} n_t n_s |gram_ts|`` per example (norms [B, T], gram [B, T, T]): ``_rounding.gram_upper``'s."""
+    return jnp.sum(norms * jnp.einsum("bts,bs->bt", jnp.abs(gram), norms, precision=_HIGHEST), axis=1)
+
+
 def _outer_sq_norms(a, d):
     """Upper bounds of (||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a
     Dense kernel and bias (``_rounding``: certified, whatever the rows' cancellation).
@@ -52,11 +57,15 @@ def _outer_sq_norms(a, d):
     if rows == 1:
         sq = jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2))
         return _rounding.positive_upper(sq, d_in + d_out + 1), bias
-    lengths = jnp.sum(_row_norms(a) * d_norms, axis=1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
+    a_norms = _row_norms(a)
+    lengths = jnp.sum(a_norms * d_norms, axis=1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
     if rows * (d_in + d_out) < d_in * d_out:
-        terms = _gram(a) * _gram(d)
+        aa, dd = _gram(a), _gram(d)
+        terms = aa * dd
         gram, absolute = jnp.sum(terms, (1, 2)), jnp.sum(jnp.abs(terms), (1, 2))
-        return _rounding.gram_upper(gram, absolute, lengths, width=d_in + d_out, rows=rows), bias
+        weighted = _weighted(a_norms, dd), _weighted(d_norms, aa)
+        upper = _rounding.gram_upper(gram, absolute, lengths, *weighted, widths=(d_in, d_out), rows=rows)
+        return upper, bias
     sq, count = staged_sq_norms(jnp.einsum("bti,btj->bij", a, d, precision=_HIGHEST))
     return _rounding.linear_upper(sq, count, lengths, rows), bias
 
@@ -176,10 +185,14 @@ class _Embedding(Rule):
         if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
             return None
         d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
-        terms = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32) * _gram(d)
+        same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)  # the one-hot rows' Gram: exact
+        terms = same * _gram(d)
         gram, absolute = jnp.sum(terms, axis=(1, 2)), jnp.sum(jnp.abs(terms), axis=(1, 2))
-        lengths = jnp.sum(_row_norms(d), axis=1)  # S = Σ_t ‖δ_t‖ (a one-hot row has norm 1; its products are exact)
-        upper = _rounding.gram_upper(gram, absolute, lengths, width=d.shape[2], rows=ids.shape[1])
+        norms = _row_norms(d)
+        lengths = jnp.sum(norms, axis=1)  # S = Σ_t ‖δ_t‖ (a one-hot row has norm 1)
+        weighted = _weighted(norms, same)  # Σ β|x̂|; the exact x̂ needs no α term
+        widths, rows = (0, d.shape[2]), ids.shape[1]
+        upper = _rounding.gram_upper(gram, absolute, lengths, 0.0, weighted, widths=widths, rows=rows)
         return {id(layer.embeddings): upper}
 
 

@@ -234,14 +234,16 @@ def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
 
     The release is one matmul over all rows, not these products: the bound is of the exact norm.
     """
-    aa = tf.matmul(a, a, transpose_b=True)
-    gg = tf.matmul(g, g, transpose_b=True)
-    width = int(a.shape[2]) + int(g.shape[2])
+    aa, gg = tf.matmul(a, a, transpose_b=True), tf.matmul(g, g, transpose_b=True)
+    abs_aa, abs_gg = tf.abs(aa), tf.abs(gg)
+    na, ng = tf.norm(a, axis=2), tf.norm(g, axis=2)  # [B, T]
     return _rounding.gram_upper(
         row_dots(aa, gg),
-        row_dots(tf.abs(aa), tf.abs(gg)),
-        row_lengths(a, g),
-        width=width,
+        row_dots(abs_aa, abs_gg),
+        tf.reduce_sum(na * ng, axis=1),
+        tf.reduce_sum(na * tf.linalg.matvec(abs_gg, na), axis=1),
+        tf.reduce_sum(ng * tf.linalg.matvec(abs_aa, ng), axis=1),
+        widths=(int(a.shape[2]), int(g.shape[2])),
         rows=rows,
         **unit_roundoff(),
     )
