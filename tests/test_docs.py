@@ -96,4 +96,4 @@ def test_the_nav_holds_every_page_and_the_readme_links_every_guide():
     }
     assert sorted(nav) == sorted(on_disk)
     linked = {t.removeprefix("docs/").partition("#")[0] for t in _LINK.findall(_read("README.md"))}
-    assert set(nav) - linked <= {"design/changes-0.2.0.md"}, set(nav) - linked
+    assert set(nav) - linked <= {"design/changes-0.2.0.md", "design/certified-norms.md"}, set(nav) - linked

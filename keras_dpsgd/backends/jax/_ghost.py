@@ -277,7 +277,7 @@ class Plan:
         uncovered_grads = list(grads[0])
         values = self._values(trainable, non_trainable)
         calls = self._calls(grads)
-        columns = [None] * len(trainable)
+        columns, materialized = [None] * len(trainable), {}
         if uncovered_grads:
             uncovered_sq = sq_norms(uncovered_grads)
             for c, j in enumerate(self.uncovered):
@@ -287,10 +287,10 @@ class Plan:
             closed = rule.sq_norms(layer, calls[id(layer)], train) or {}
             missing = [v for v in train if id(v) not in closed]
             if missing:
+                # Norms of the materialized gradients, which the release then sums too (self-consistent).
                 direct = per_example_grads(layer, rule, calls[id(layer)], values, missing)
-                closed.update(
-                    {id(v): jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), 1) for v, g in zip(missing, direct)}
-                )
+                materialized.update({id(v): g for v, g in zip(missing, direct)})
+                closed.update({id(v): column for v, column in zip(missing, sq_norms(direct).T)})
             for v in train:
                 columns[self.index[id(v)]] = closed[id(v)].astype(jnp.float32)
         sq = jnp.stack(columns, axis=1)
@@ -306,4 +306,7 @@ class Plan:
                 layer, rule, calls[id(layer)], values, factors, finite, self.index, groups
             ).items():
                 summed[self.index[v]] = s
+        for v, g in materialized.items():
+            f = factors[:, self.index[v]].reshape((-1,) + (1,) * (g.ndim - 1))
+            summed[self.index[v]] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
         return summed, finite

@@ -19,7 +19,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-__all__ = ["finite_rows", "clip_factors", "clipped_sum", "sq_norms"]
+from keras_dpsgd.step import _rounding
+
+__all__ = ["finite_rows", "clip_factors", "clipped_sum", "sq_norms", "staged_sq_norms"]
 
 
 def finite_rows(sq_norms: jax.Array) -> jax.Array:
@@ -52,14 +54,27 @@ def clip_factors(sq_norms, bounds, groups: Sequence[int], finite=None, stability
     return jnp.where(finite, factors, 0.0)
 
 
+def staged_sq_norms(g: jax.Array) -> tuple[jax.Array, int]:
+    """(``||g_i||²`` per row i of g [B, ...] in float32, how many terms each rounded sum adds at most).
+
+    Summed over the last axis, then over the rest, with an optimization barrier between (XLA would merge two
+    reductions into one): a rounding bound of ``γ_{last + rest}`` rather than ``γ_{last · rest}``.
+    """
+    g = g.astype(jnp.float32)
+    shape = g.shape[1:]
+    if len(shape) < 2:
+        return jnp.sum(jnp.square(g).reshape(g.shape[0], -1), axis=1), max(1, math.prod(shape))
+    last, rest = shape[-1], math.prod(shape[:-1])
+    rows = jax.lax.optimization_barrier(jnp.sum(jnp.square(g).reshape(g.shape[0], rest, last), axis=2))
+    return jnp.sum(rows, axis=1), last + rest
+
+
 def sq_norms(grads: Sequence[jax.Array]) -> jax.Array:
-    """float32 [B, V]: ``||g_i[v]||²`` of per-example gradients (each [B, *shape])."""
+    """float32 [B, V]: upper bounds of ``||g_i[v]||²`` of per-example gradients (each [B, *shape]) that the
+    release sums themselves (a relative rounding margin, ``_rounding.positive_upper``)."""
     if not grads:
         raise ValueError("no trainable variables: nothing to clip")
-    return jnp.stack(
-        [jnp.sum(jnp.square(g.astype(jnp.float32)).reshape(g.shape[0], math.prod(g.shape[1:])), axis=1) for g in grads],
-        axis=1,
-    )
+    return jnp.stack([_rounding.positive_upper(*staged_sq_norms(g)) for g in grads], axis=1)
 
 
 def clipped_sum(

@@ -7,6 +7,11 @@ this layer's gradient of one example (``jax.vmap`` of a vector-Jacobian product)
 the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``).
 ``Rule.sq_norms`` may replace the former by closed forms (Dense: ``||a||²·||δ||²`` or the Gram form on
 sequences; Embedding: the Gram form with id equality). ``RULES`` maps an exact layer type to its rule.
+
+A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
+apart (one product over all rows), so rows that cancel must not round the norm to 0
+(``keras_dpsgd.step._rounding``, shared with the TensorFlow backend). The norms' products run at full float32
+precision (``Precision.HIGHEST``: on GPUs and TPUs JAX's default is a reduced one).
 """
 
 from __future__ import annotations
@@ -16,28 +21,53 @@ import jax.numpy as jnp
 import keras
 from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_dpsgd.backends.jax._per_example import staged_sq_norms
+from keras_dpsgd.step import _rounding
+
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 
 
-def _nonnegative(gram):
-    """A Gram form's ||g||², which rounding can leave slightly below 0 where g ≈ 0: clamped at 0 (NaN kept)."""
-    return jnp.where(gram < 0, 0.0, gram)
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _gram(x):
+    """[B, T, T]: the rows' dot products ``x_t·x_s`` of x [B, T, k], at full float32 precision."""
+    return jnp.einsum("bti,bsi->bts", x, x, precision=_HIGHEST)
+
+
+def _row_norms(x):
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=2))
+
+
+def _weighted(norms, gram):
+    """``Σ_{t,s} n_t n_s |gram_ts|`` per example (norms [B, T], gram [B, T, T]): ``_rounding.gram_upper``'s."""
+    return jnp.sum(norms * jnp.einsum("bts,bs->bt", jnp.abs(gram), norms, precision=_HIGHEST), axis=1)
 
 
 def _outer_sq_norms(a, d):
-    """(||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a Dense kernel and bias.
+    """Upper bounds of (||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a
+    Dense kernel and bias (``_rounding``: certified, whatever the rows' cancellation).
 
     ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j)) or the
     direct product (B·T·i·j), whichever is cheaper.
     """
     rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
-    bias = jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1)
+    d_norms = _row_norms(d)
+    bias = _rounding.linear_upper(jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1), d_out, jnp.sum(d_norms, 1), rows)
     if rows == 1:
-        return jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2)), bias
+        sq = jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2))
+        return _rounding.positive_upper(sq, d_in + d_out + 1), bias
+    a_norms = _row_norms(a)
+    lengths = jnp.sum(a_norms * d_norms, axis=1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
     if rows * (d_in + d_out) < d_in * d_out:
-        gram = jnp.sum(jnp.einsum("bti,bsi->bts", a, a) * jnp.einsum("btj,bsj->bts", d, d), (1, 2))
-        return _nonnegative(gram), bias
-    return jnp.sum(jnp.square(jnp.einsum("bti,btj->bij", a, d)), axis=(1, 2)), bias
+        aa, dd = _gram(a), _gram(d)
+        terms = aa * dd
+        gram, absolute = jnp.sum(terms, (1, 2)), jnp.sum(jnp.abs(terms), (1, 2))
+        weighted = _weighted(a_norms, dd), _weighted(d_norms, aa)
+        upper = _rounding.gram_upper(gram, absolute, lengths, *weighted, widths=(d_in, d_out), rows=rows)
+        return upper, bias
+    sq, count = staged_sq_norms(jnp.einsum("bti,btj->bij", a, d, precision=_HIGHEST))
+    return _rounding.linear_upper(sq, count, lengths, rows), bias
 
 
 class Rule:
@@ -134,6 +164,7 @@ class _Conv(Rule):
                 padding=layer.padding.upper(),
                 rhs_dilation=tuple(layer.dilation_rate),
                 dimension_numbers=spec,
+                precision=_HIGHEST,  # exact copies of the input (a reduced precision would round them)
             )  # [B, *positions, C·prod(kernel_size)] in some order of the patch's entries: norms do not care
             rows.append(patches.reshape(batch, -1, patches.shape[-1]))
             grads.append(d.reshape(batch, -1, d.shape[-1]))
@@ -154,8 +185,15 @@ class _Embedding(Rule):
         if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
             return None
         d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
-        same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)
-        return {id(layer.embeddings): _nonnegative(jnp.sum(same * jnp.einsum("btj,bsj->bts", d, d), axis=(1, 2)))}
+        same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)  # the one-hot rows' Gram: exact
+        terms = same * _gram(d)
+        gram, absolute = jnp.sum(terms, axis=(1, 2)), jnp.sum(jnp.abs(terms), axis=(1, 2))
+        norms = _row_norms(d)
+        lengths = jnp.sum(norms, axis=1)  # S = Σ_t ‖δ_t‖ (a one-hot row has norm 1)
+        weighted = _weighted(norms, same)  # Σ β|x̂|; the exact x̂ needs no α term
+        widths, rows = (0, d.shape[2]), ids.shape[1]
+        upper = _rounding.gram_upper(gram, absolute, lengths, 0.0, weighted, widths=widths, rows=rows)
+        return {id(layer.embeddings): upper}
 
 
 class _LayerNorm(Rule):

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _graph, _report
+from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _uses
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -109,9 +109,9 @@ def _users(loss: tf.Tensor, var, ancestors: set) -> str:
 
 
 def _sq_norm_per_example(jac: tf.Tensor) -> tf.Tensor:
-    """||g_i||² for each row i of a [B, ...] Jacobian block."""
-    flat = tf.reshape(jac, [tf.shape(jac)[0], -1])
-    return tf.reduce_sum(tf.square(flat), axis=1)
+    """An upper bound of ||g_i||² for each row i of a [B, ...] Jacobian block (the release sums the same rows:
+    a relative rounding margin, ``_uses.certified_sq_norms``)."""
+    return _uses.certified_sq_norms(tf.cast(jac, tf.float32))
 
 
 _CHOSEN = "per_example_backend='reference' computes per-example jacobians of every variable"

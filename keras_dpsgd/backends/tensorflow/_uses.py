@@ -22,13 +22,21 @@ the per-example squared norms and, once the clip factors ``c`` are known, the cl
   ``T (D + U) <= D U`` (Bu et al. 2023, "mixed ghost norm", choose per layer by shape).
 * Bu et al. (2023), "Differentially private optimization on large model at small cost"
   (book-keeping): ``Σ_i c_i A_iᵀ G_i = (diag(c) A)ᵀ G`` in one matmul.
+
+Every ``sq_norms`` is a certified upper bound of the example's squared norm, not its float32 value: rows
+that cancel would otherwise round it to 0 and release the example unclipped (``keras_dpsgd.step._rounding``
+holds the margins, shared with the JAX backend; :func:`unit_roundoff` their unit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import tensorflow as tf
+
+from keras_dpsgd.backends.tensorflow import _checks
+from keras_dpsgd.step import _rounding
 
 
 @dataclasses.dataclass
@@ -109,8 +117,64 @@ def row_dots(t: tf.Tensor, u: tf.Tensor) -> tf.Tensor:
 
 
 def row_sq_norms(t: tf.Tensor) -> tf.Tensor:
-    """``‖t_i‖²`` per row i of ``t`` [B, ...]."""
+    """``‖t_i‖²`` per row i of ``t`` [B, ...] (its float32 value)."""
     return row_dots(t, t)
+
+
+def unit_roundoff() -> dict:
+    """The rounding of float32 matmuls here, as ``_rounding``'s keywords: TensorFlow runs them in TensorFloat-32
+    on a GPU while ``tf.config.experimental.tensor_float_32_execution_enabled()`` (its default): inputs rounded to
+    10 mantissa bits (``u_in``), products and sums in float32. Announced once: the margins are then far wider."""
+    if tf.config.experimental.tensor_float_32_execution_enabled() and tf.config.list_physical_devices("GPU"):
+        if not _TF32_ANNOUNCED:
+            _TF32_ANNOUNCED.append(True)
+            logging.getLogger("keras_dpsgd").warning(_TF32_WARNING)
+        return {"u": _rounding.U32, "u_in": _rounding.U_TF32}
+    return {"u": _rounding.U32}
+
+
+_TF32_ANNOUNCED: list = []
+_TF32_WARNING = (
+    "keras_dpsgd: TensorFloat-32 matmuls are enabled on this GPU: the per-example norms' rounding margins use "
+    "TF32's precision (2^-10 on the inputs), so norms are bounded far above their float32 values and examples "
+    "clipped harder; call tf.config.experimental.enable_tensor_float_32_execution(False) for float32 margins"
+)
+
+
+def staged_sq_norms(t: tf.Tensor) -> tuple[tf.Tensor, int]:
+    """(``‖t_i‖²`` per row i of ``t`` [B, ...], how many terms each rounded sum adds at most).
+
+    Summed over the last axis, then over the rest (two kernels): a rounding bound of ``γ_{last + rest}``
+    rather than ``γ_{last · rest}`` (``_rounding.positive_upper``). Under XLA (``jit_compile=True``), which may
+    merge the two reductions into one, the bound counts every term.
+    """
+    shape = t.shape.as_list()[1:]
+    if len(shape) < 2 or None in shape:
+        return row_sq_norms(t), (None if None in shape else max(1, _prod(shape)))
+    last, rest = shape[-1], _prod(shape[:-1])
+    rows = tf.reduce_sum(tf.square(tf.reshape(t, [-1, rest, last])), axis=2)
+    merged = not tf.executing_eagerly() and _checks.under_xla(t.graph)
+    return tf.reduce_sum(rows, axis=1), (last * rest if merged else last + rest)
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= int(d)
+    return out
+
+
+def certified_sq_norms(t: tf.Tensor) -> tf.Tensor:
+    """An upper bound of ``‖t_i‖²`` per row i of the materialized ``t`` [B, ...] (relative margin)."""
+    sq, terms = staged_sq_norms(t)
+    if terms is None:
+        terms = tf.cast(tf.reduce_prod(tf.shape(t)[1:]), tf.float32)
+    return _rounding.positive_upper(sq, terms, **unit_roundoff())
+
+
+def row_lengths(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """``S_i = Σ_t ‖a_it‖ ‖g_it‖`` for ``a`` [B, T, D] and ``g`` [B, T, U]: [B]."""
+    return tf.reduce_sum(tf.sqrt(tf.reduce_sum(tf.square(a), 2) * tf.reduce_sum(tf.square(g), 2)), axis=1)
 
 
 def weighted_row_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
@@ -135,20 +199,21 @@ class OuterGroup:
         self._materialized = None
 
     def sq_norms(self) -> tf.Tensor:
+        """Certified upper bounds of the per-example squared norms (``_rounding``)."""
         a, g = self.a, self.g
         t, d, u = a.shape[1], int(a.shape[2]), int(g.shape[2])
-        if t == 1:  # Goodfellow: rank-one per-example gradients.
-            return row_sq_norms(a) * row_sq_norms(g)
+        if t == 1:  # Goodfellow: rank-one per-example gradients, ‖a‖²‖g‖² (no cancellation).
+            return _rounding.positive_upper(row_sq_norms(a) * row_sq_norms(g), d + u + 1, **unit_roundoff())
         if t is not None:
             if ghost_preferred(t, d, u):
-                return _ghost_sq_norms(a, g)
-            self._materialized = tf.einsum("btd,btu->bdu", a, g)
-            return row_sq_norms(self._materialized)
+                return _ghost_sq_norms(a, g, t)
+            self._materialized = tf.einsum("btd,btu->bdu", a, g)  # the release sums these same tensors
+            return certified_sq_norms(self._materialized)
         dyn_t = tf.shape(a)[1]
         return tf.cond(
             dyn_t * (d + u) <= d * u,
-            lambda: _ghost_sq_norms(a, g),
-            lambda: row_sq_norms(tf.einsum("btd,btu->bdu", a, g)),
+            lambda: _ghost_sq_norms(a, g, tf.cast(dyn_t, tf.float32)),
+            lambda: _direct_sq_norms(a, g, tf.cast(dyn_t, tf.float32)),
         )
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
@@ -164,11 +229,31 @@ class OuterGroup:
         return tf.reshape(p, tf.concat([tf.shape(p)[:1], self.shape], axis=0))
 
 
-def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """Li et al. (2022): ‖A_iᵀ G_i‖²_F = Σ_{t,s} (a_t·a_s)(g_t·g_s)."""
-    aa = tf.matmul(a, a, transpose_b=True)
-    gg = tf.matmul(g, g, transpose_b=True)
-    return row_dots(aa, gg)
+def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
+    """Li et al. (2022): ‖A_iᵀ G_i‖²_F = Σ_{t,s} (a_t·a_s)(g_t·g_s), certified (``_rounding.gram_upper``).
+
+    The release is one matmul over all rows, not these products: the bound is of the exact norm.
+    """
+    aa, gg = tf.matmul(a, a, transpose_b=True), tf.matmul(g, g, transpose_b=True)
+    abs_aa, abs_gg = tf.abs(aa), tf.abs(gg)
+    na, ng = tf.norm(a, axis=2), tf.norm(g, axis=2)  # [B, T]
+    return _rounding.gram_upper(
+        row_dots(aa, gg),
+        row_dots(abs_aa, abs_gg),
+        tf.reduce_sum(na * ng, axis=1),
+        tf.reduce_sum(na * tf.linalg.matvec(abs_gg, na), axis=1),
+        tf.reduce_sum(ng * tf.linalg.matvec(abs_aa, ng), axis=1),
+        widths=(int(a.shape[2]), int(g.shape[2])),
+        rows=rows,
+        **unit_roundoff(),
+    )
+
+
+def _direct_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
+    """‖A_iᵀ G_i‖² from the product itself, when the release does not sum it (a sequence length known
+    only at run time): the product's rounding is bounded linearly (``_rounding.linear_upper``)."""
+    sq, terms = staged_sq_norms(tf.einsum("btd,btu->bdu", a, g))
+    return _rounding.linear_upper(sq, terms, row_lengths(a, g), rows, **unit_roundoff())
 
 
 class IndexGroup:
@@ -193,7 +278,11 @@ class IndexGroup:
         d = int(self.g.shape[2])
         rows = tf.math.unsorted_segment_sum(tf.reshape(self.g, [-1, d]), idx, tf.shape(unique_keys)[0])
         row_sq = tf.reduce_sum(tf.square(rows), axis=1)
-        return tf.math.unsorted_segment_sum(row_sq, unique_keys // self.vocab, b)
+        sq = tf.math.unsorted_segment_sum(row_sq, unique_keys // self.vocab, b)
+        # The released sum adds the rows apart (one segment sum over the batch): bound the true norm.
+        lookups = tf.cast(tf.shape(self.ids)[1], tf.float32)
+        lengths = tf.reduce_sum(tf.norm(self.g, axis=2), axis=1)
+        return _rounding.linear_upper(sq, d + lookups, lengths, lookups, **unit_roundoff())
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
         d = int(self.g.shape[2])
@@ -213,7 +302,11 @@ class DenseGroup:
         self.shape = shape if shape is not None else p.shape[1:]
 
     def sq_norms(self) -> tf.Tensor:
-        return tf.add_n([row_sq_norms(q) for q in self.parts])
+        """Upper bounds from the materialized gradients that the release sums (a relative margin)."""
+        staged = [staged_sq_norms(q) for q in self.parts]
+        terms = [n if n is not None else tf.reduce_prod(tf.shape(q)[1:]) for (_, n), q in zip(staged, self.parts)]
+        most = tf.cast(tf.reduce_max(tf.stack(terms)), tf.float32) + len(self.parts)
+        return _rounding.positive_upper(tf.add_n([sq for sq, _ in staged]), most, **unit_roundoff())
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
         if len(self.parts) == 1:  # A piece may hold the whole variable in another shape.

@@ -104,7 +104,7 @@ def test_clipped_sum_zeroes_nonfinite_rows_exactly():
 
     g = jnp.asarray([[1.0, 0.0], [jnp.nan, jnp.inf], [0.0, 3.0]])
     summed, norms = clipped_sum([g], lambda sq: clip_factors(sq, jnp.asarray([1.0]), [0]))
-    np.testing.assert_allclose(np.asarray(summed[0]), [1.0, 1.0])
+    np.testing.assert_allclose(np.asarray(summed[0]), [1.0, 1.0], rtol=2e-6)  # the norms' certified margin
     assert not np.isfinite(np.asarray(norms)[1, 0])
 
 
