@@ -71,6 +71,7 @@ import tensorflow as tf
 from scipy import stats
 
 from keras_dpsgd import _validate, ledger
+from keras_dpsgd.accounting.planning import lots_per_epoch
 
 __all__ = ["PoissonLots"]
 
@@ -285,8 +286,8 @@ class PoissonLots:
 
     @property
     def lots_per_epoch(self) -> int:
-        """ceil(1/q): lots per "epoch" (N/L examples on average)."""
-        return max(1, math.ceil(1.0 / self._q - 1e-9))
+        """ceil(N/L) = ceil(1/q): lots per epoch (:func:`keras_dpsgd.accounting.lots_per_epoch`, the one definition)."""
+        return lots_per_epoch(self._n, self.expected_lot_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -404,7 +405,9 @@ class PoissonLots:
         _check_num_lots(num_lots)
         self._refuse_shards("dataset")
         data = self._dataset(num_lots)
-        setattr(data, _LOTS_ATTR, True)  # fit of a private Keras 3 model: shuffle=False (nothing to shuffle)
+        # The dataset names its lots: fit of a private Keras 3 model takes shuffle=False (nothing to
+        # shuffle), and every DP fit records the rate of these lots (keras_dpsgd.step._fed_data).
+        setattr(data, _LOTS_ATTR, self)
         return data
 
     def _refuse_shards(self, method: str) -> None:
@@ -485,7 +488,9 @@ class PoissonLots:
                 batches = batches.apply(tf.data.experimental.assert_cardinality(int(num_lots) * self._accum * local))
             return batches.prefetch(tf.data.AUTOTUNE)
 
-        return strategy.distribute_datasets_from_function(per_worker)
+        distributed = strategy.distribute_datasets_from_function(per_worker)
+        setattr(distributed, _LOTS_ATTR, self)  # the rate fit records (keras_dpsgd.step._fed_data)
+        return distributed
 
     def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":
         """The lots as a Keras 3 ``keras.utils.PyDataset``: endless, or `num_lots` lots per epoch.
@@ -573,10 +578,20 @@ class PoissonLots:
 _LOTS_ATTR = "_keras_dpsgd_poisson_lots"
 
 
+def lots_of(data: Any) -> Optional[PoissonLots]:
+    """The :class:`PoissonLots` whose :meth:`~PoissonLots.dataset`, :meth:`~PoissonLots.as_py_dataset` or
+    :meth:`~PoissonLots.distribute` made `data` (that object itself, not one derived from it by
+    ``map``, ``batch``...), else None."""
+    if isinstance(data, PoissonLotsPyDataset):
+        return data._lots
+    lots = getattr(data, _LOTS_ATTR, None)
+    return lots if isinstance(lots, PoissonLots) else None
+
+
 def is_lots_dataset(data: Any) -> bool:
     """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
     (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
-    return bool(getattr(data, _LOTS_ATTR, False)) or isinstance(data, PoissonLotsPyDataset)
+    return lots_of(data) is not None
 
 
 def strategy_workers(strategy: Any) -> int:
