@@ -70,10 +70,12 @@ recorded with the worst case of both (larger q, smaller σ), which never
 under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
 
 Sampling. The accountant assumes Poisson sampling (:mod:`keras_dpsgd.step.lots`
-explains the difference from shuffled fixed-size batches). When the optimizer
-does not know its sampling rate (it was not configured by
-``PoissonLots.configure``), q = batch_size · gradient_accumulation_steps / N is
-used and a warning says, once, that this ε assumes Poisson sampling.
+explains the difference from shuffled fixed-size batches). The rate recorded is
+that of the lots ``fit`` is fed (:mod:`keras_dpsgd.step._fed_data`: a fit on
+``PoissonLots.dataset()`` sets the optimizer's rate to those lots'; other data
+while the optimizer holds a rate are refused). When the optimizer knows no
+sampling rate, q = batch_size · gradient_accumulation_steps / N is used and a
+warning says, once, that this ε assumes Poisson sampling.
 """
 
 from __future__ import annotations

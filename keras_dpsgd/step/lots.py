@@ -13,8 +13,10 @@ fixed. That is a different mechanism, and the Poisson ε reported for it is not
 a proven bound (Chua et al. 2024, "How private are DP-SGD implementations?",
 show real gaps). TF Privacy reports the Poisson ε for shuffled batches anyway;
 here the honest path is the easy one: :class:`PoissonLots` draws real Poisson
-lots, and the ledger (:mod:`keras_dpsgd.ledger`) warns when it has to assume
-Poisson sampling for data it did not sample.
+lots, a ``fit`` on them records their rate, a ``fit`` on other data while the
+optimizer holds a Poisson rate is refused (:mod:`keras_dpsgd.step._fed_data`),
+and the ledger (:mod:`keras_dpsgd.ledger`) warns when, with no rate known, it has
+to assume Poisson sampling for data it did not sample.
 
 Fixed shapes
 ------------
