@@ -122,6 +122,8 @@ from keras_dpsgd.accounting import (
 __all__ = [
     "LedgerState",
     "accumulation_steps",
+    "assume_poisson",
+    "assumes_poisson",
     "attach",
     "fit_frame",
     "fit_training_size",
@@ -194,6 +196,39 @@ def _warn_poisson_assumed(q: float, how: str) -> None:
         how,
         q,
     )
+
+
+_ASSUMED_ATTR = "_dpsgd_assume_poisson"
+
+
+def assume_poisson(optimizer: Any) -> Any:
+    """States, unchecked, that the data `optimizer`'s fits are fed are Poisson lots at its ``sampling_rate``.
+
+    An opt-in, for data keras_dpsgd did not sample (a sampler of your own; arrays fed in fixed-size
+    batches, which are *not* Poisson lots): without it, a fit of an optimizer that holds a sampling
+    rate on anything but :class:`keras_dpsgd.PoissonLots` is refused (:mod:`keras_dpsgd.step._fed_data`).
+    With it, ε is computed at q as if the batches were Poisson lots, which is no proven bound for
+    shuffled fixed-size batches (Chua et al. 2024); a warning says so. The statement is not saved: a
+    loaded optimizer is refused again until it is made again.
+
+    Returns:
+      `optimizer`.
+    """
+    if not is_dp_optimizer(optimizer):
+        raise TypeError(f"optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+    setattr(optimizer, _ASSUMED_ATTR, True)
+    _LOG.warning(
+        "keras_dpsgd: assume_poisson(%s): the data its fits are fed are taken, unchecked, for Poisson lots at its "
+        "sampling_rate; epsilon then ASSUMES POISSON SAMPLING and is no proven bound for shuffled fixed-size "
+        "batches. Train on keras_dpsgd.PoissonLots for an honest one.",
+        type(optimizer).__name__,
+    )
+    return optimizer
+
+
+def assumes_poisson(optimizer: Any) -> bool:
+    """True after :func:`assume_poisson` (`optimizer`)."""
+    return bool(getattr(optimizer, _ASSUMED_ATTR, False))
 
 
 def note_fit_sampling(model: Any, optimizer: Any) -> None:

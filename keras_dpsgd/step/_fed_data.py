@@ -17,7 +17,9 @@ on Keras 3 with TensorFlow or JAX and on tf_keras):
 * anything else (arrays in fixed-size batches, a ``tf.data`` pipeline, a dataset derived from
   ``lots.dataset()`` by ``map`` or ``batch``, a generator, a ``PyDataset``) while the optimizer holds
   a Poisson rate: refused. Shuffled fixed-size batches are not the Poisson mechanism, and the
-  Poisson ε at the claimed q is no proven bound for them (Chua et al. 2024).
+  Poisson ε at the claimed q is no proven bound for them (Chua et al. 2024). The one way past it
+  is the explicit, warned statement :func:`keras_dpsgd.ledger.assume_poisson` (a sampler of the
+  user's own), never saved with the model.
 * anything else with no rate known (the optimizer was never configured): the documented fallback,
   q = B·k/N with a warning that this ε assumes Poisson sampling
   (:func:`keras_dpsgd.ledger.note_fit_sampling`).
@@ -115,7 +117,7 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
     frame = ledger.fit_frame(model)
     q = getattr(optimizer, "sampling_rate", None)
     if frame is None:
-        if outside_fit and q is not None:
+        if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
             _refuse(
                 model,
                 f"{outside_fit} of a DP model whose optimizer holds a Poisson sampling rate q = {q:.6g} is refused: "
@@ -127,12 +129,14 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
     if lots is not None:
         _adopt(model, optimizer, lots)
         return
-    if q is not None:
+    if q is not None and not ledger.assumes_poisson(optimizer):
         _refuse(
             model,
             f"fit of a DP model on {_describe(frame)} is refused: the optimizer holds the Poisson sampling rate "
             f"q = {q:.6g} (set by PoissonLots.configure, make_private_with_epsilon, its sampling_rate argument or "
             "a saved model), and these batches are not Poisson lots drawn at that rate: epsilon at q would be no "
-            f"proven bound for them (shuffled fixed-size batches are a different mechanism). {_WAY_OUT}.",
+            f"proven bound for them (shuffled fixed-size batches are a different mechanism). {_WAY_OUT}. (For a "
+            "sampler of your own, keras_dpsgd.ledger.assume_poisson(optimizer) states, unchecked, that its batches "
+            "are Poisson lots at q.)",
         )
     ledger.note_fit_sampling(model, optimizer)  # no rate known: q = B·k/N, with its warning
