@@ -112,6 +112,7 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
         lots have another ``gradient_accumulation_steps`` than the optimizer, or (`outside_fit`) the step
         runs outside fit with a Poisson rate.
     """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # tf_keras's LossScaleOptimizer wraps it
     if model is None or not ledger.is_dp_optimizer(optimizer):
         return
     frame = ledger.fit_frame(model)
