@@ -235,8 +235,9 @@ def note_fit_sampling(model: Any, optimizer: Any) -> None:
     """Records q = B · k / N of a running ``fit(x, y, batch_size=B)`` on arrays, where the optimizer
     does not know its sampling rate (no ``PoissonLots.configure``).
 
-    Called when the DP step is traced, at every epoch start of fit and by the privacy callbacks'
-    ``on_train_begin``, before the fit's first step. The ledger then records the fit's steps at
+    Called by :func:`keras_dpsgd.step._fed_data.check_fed_data` (when the DP step is traced, at every
+    fit's ``make_train_function``, at every epoch start of fit and by the privacy callbacks'
+    ``on_train_begin``, before the fit's first step) for data other than Poisson lots. The ledger then records the fit's steps at
     that q (a new fit with another q starts a new segment; a fit whose data have no known size
     records its steps at the reader's q, as before), and ``model_epsilon(model)`` needs neither
     ``num_examples`` nor ``batch_size``. A warning says, once, that this ε assumes Poisson sampling.

@@ -73,8 +73,8 @@ def _refuse(model: Any, message: str) -> None:
 def _adopt(model: Any, optimizer: Any, lots: PoissonLots) -> None:
     """The optimizer takes the rate and lot size of the lots fit is fed (the steps before keep theirs)."""
     told_q, told_lot = getattr(optimizer, "sampling_rate", None), getattr(optimizer, "expected_lot_size", None)
-    if told_q == lots.sampling_rate and told_lot == lots.expected_lot_size:
-        return
+    if told_q == lots.sampling_rate:
+        return  # the rate is right (a normalizer set apart from it is post-processing: kept)
     if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
         _refuse(
             model,

@@ -61,6 +61,19 @@ def test_fit_records_the_rate_of_the_lots_it_is_fed(front):
     assert model_epsilon(model, target_delta=DELTA)[0] == pytest.approx(_eps((8 / N, 2)), rel=1e-9)
 
 
+def test_a_second_fit_on_other_lots_keeps_each_fits_rate(front, caplog):
+    """1 lot at q = 2/N, then 2 lots at q = 8/N: the ledger holds both segments (the accountant's ε), and a
+    warning names the change."""
+    x, y = _data()
+    model = _model(front)
+    first = PoissonLots(x, y, expected_lot_size=2, seed=0)
+    first.configure(model.optimizer)
+    model.fit(first.dataset(1), epochs=1, verbose=0)
+    model.fit(PoissonLots(x, y, expected_lot_size=8, seed=1).dataset(2), epochs=1, verbose=0)
+    assert model_epsilon(model, target_delta=DELTA)[0] == pytest.approx(_eps((2 / N, 1), (8 / N, 2)), rel=1e-9)
+    assert "the optimizer was told q = 0.125" in caplog.text
+
+
 def test_a_loaded_model_fed_other_lots_is_charged_their_rate(front, tmp_path):
     """Saved after a step at q = 2/N, loaded, fed lots of q = 8/N: never less than the steps that ran."""
     x, y = _data()
