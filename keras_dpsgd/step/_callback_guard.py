@@ -141,9 +141,9 @@ class _CheckedMakeTrainFunction:
 
     def __call__(self, *args, **kwargs):
         refuse_private_decisions(self._model)
-        from keras_dpsgd.step._fed_data import check_fed_data  # imports the ledger, which imports this module
+        from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data  # imports the ledger: late
 
-        check_fed_data(self._model, self._model.optimizer, outside_fit="train_on_batch (the train step outside fit)")
+        check_fed_data(self._model, self._model.optimizer, outside_fit=OUTSIDE_FIT)
         return type(self._model).make_train_function(self._model, *args, **kwargs)
 
 

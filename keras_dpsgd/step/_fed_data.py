@@ -38,9 +38,12 @@ import tensorflow as tf
 from keras_dpsgd import ledger
 from keras_dpsgd.step.lots import PoissonLots, lots_of
 
-__all__ = ["check_fed_data"]
+__all__ = ["OUTSIDE_FIT", "check_fed_data"]
 
 _LOG = logging.getLogger("keras_dpsgd")
+
+# The call named by the refusal where the train step runs with no fit (the callers' `outside_fit`).
+OUTSIDE_FIT = "train_on_batch (the train step called outside fit)"
 
 _WAY_OUT = (
     "Feed fit the lots themselves: model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, "

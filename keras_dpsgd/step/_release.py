@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from keras_dpsgd import ledger
 from keras_dpsgd.step import _distribute, _math as _step
-from keras_dpsgd.step._fed_data import check_fed_data
+from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data
 from keras_dpsgd.step._settings import DPSettingsMixin
 
 _LOG = logging.getLogger("keras_dpsgd")
@@ -212,7 +212,7 @@ class LotReleaseMixin(DPSettingsMixin):
         if model is None:
             return
         if check_data:
-            check_fed_data(model, self, outside_fit="train_on_batch (the train step called outside fit)")
+            check_fed_data(model, self, outside_fit=OUTSIDE_FIT)
         if "reset_metrics" not in vars(model):
             object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
         if self._dp.accumulation == 1:
