@@ -23,8 +23,9 @@ on Keras 3 with TensorFlow or JAX and on tf_keras):
 * anything else with no rate known (the optimizer was never configured): the documented fallback,
   q = B·k/N with a warning that this ε assumes Poisson sampling
   (:func:`keras_dpsgd.ledger.note_fit_sampling`).
-* a call of the train step outside ``fit`` (``train_on_batch``) with a rate known: refused, since
-  nothing shows which data reach the step.
+* a call of the train step outside ``fit`` (``train_on_batch``, a custom training loop) with a rate
+  known: refused, since nothing shows which data reach the step (a loop over ``lots.dataset()``
+  says so with :func:`keras_dpsgd.ledger.assume_poisson`).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
     """Checks the data `model`'s running fit feeds `optimizer`'s step (module docstring), before its first step.
 
     Args:
-      model: the model whose step `optimizer` runs (None: a custom loop, nothing to check).
+      model: the model whose step `optimizer` runs (None: a custom loop, refused like `outside_fit`).
       optimizer: its optimizer (nothing is checked unless it is a DP optimizer).
       outside_fit: where there is no running fit, the name of the call (e.g. "train_on_batch") that is
         refused when the optimizer holds a Poisson rate; "" to check nothing there.
@@ -116,10 +117,21 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
         runs outside fit with a Poisson rate.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # tf_keras's LossScaleOptimizer wraps it
-    if model is None or not ledger.is_dp_optimizer(optimizer):
+    if not ledger.is_dp_optimizer(optimizer):
+        return
+    q = getattr(optimizer, "sampling_rate", None)
+    if model is None:
+        if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
+            _refuse(
+                None,
+                f"a custom training loop of a DP optimizer that holds a Poisson sampling rate q = {q:.6g} is "
+                "refused: keras_dpsgd cannot see which data reach the step, so the ledger could not record the rate "
+                "of the lots that ran. Train with model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch); "
+                "or, if the loop feeds lots.dataset() (or a Poisson sampler of your own) at that rate, say so with "
+                "keras_dpsgd.ledger.assume_poisson(optimizer).",
+            )
         return
     frame = ledger.fit_frame(model)
-    q = getattr(optimizer, "sampling_rate", None)
     if frame is None:
         if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
             _refuse(

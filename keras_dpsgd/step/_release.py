@@ -230,8 +230,9 @@ class LotReleaseMixin(DPSettingsMixin):
     def _clipped_sum(self, loss: tf.Tensor, tf_vars: list, tape: Any, model: Any) -> tuple[list, tf.Tensor]:
         """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and the lot's realized size.
 
-        Checks at trace time that the step writes no value of the batch outside the optimizer
-        (``_refuse_batch_writes``); counts the examples zeroed for a non-finite gradient; calls
+        Checks at trace time what data reach the step (``_fed_data.check_fed_data``: the rate of the
+        fed lots, or a refusal; a custom loop with a Poisson rate is refused) and that the step writes no
+        value of the batch outside the optimizer (``_refuse_batch_writes``); counts the examples zeroed for a non-finite gradient; calls
         the hook ``on_per_example_sq_norms``.
         """
         finite = []  # The non-finite mask, computed once from the backend's sq_norms.
@@ -240,6 +241,7 @@ class LotReleaseMixin(DPSettingsMixin):
             finite.append(_step.finite_rows(sq_norms))
             return self._clip_factors(sq_norms, finite[-1])
 
+        check_fed_data(model, self, outside_fit=OUTSIDE_FIT)  # At trace time: a custom loop too (model None).
         summed, sq_norms = self._backend.clipped_sum(loss, tf_vars, tape, factors)
         self._refuse_batch_writes(loss, model)  # At trace time.
         nonfinite = tf.logical_not(finite[-1][:, 0])

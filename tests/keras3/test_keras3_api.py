@@ -81,6 +81,35 @@ def test_sanitized_gradients_refuses_a_reduced_loss():
         k3.sanitized_gradients(opt, loss, model.trainable_variables, tape)
 
 
+def test_a_custom_loop_with_a_poisson_rate_is_refused_unless_stated():
+    """Issue 37.2: sanitized_gradients in a loop of one's own, with a known q: refused before any weight
+    changes (the data are unseen); assume_poisson (the loop feeds lots at q) lets it run."""
+    import tensorflow as tf
+
+    model = _mlp()
+    opt = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.25, seed=1)
+    x, y = _data()
+    opt.build(model.trainable_variables)
+
+    def step():  # a fresh tf.function: one whose trace raised is not traced again
+        @tf.function
+        def run(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2, axis=1)
+            grads = k3.sanitized_gradients(opt, loss, model.trainable_variables, tape)
+            opt.apply(grads, model.trainable_variables)
+
+        return run
+
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="custom training loop .* is refused"):
+        step()(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assume_poisson(opt)
+    step()(x, y)
+    assert int(opt.noised_steps.numpy()) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
