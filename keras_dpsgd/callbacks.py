@@ -35,13 +35,13 @@ from keras_dpsgd.ledger import (
     fit_training_size,
     is_dp_optimizer,
     model_epsilon,
-    note_fit_sampling,
     recorded_sampling_rate,
     resolve_num_examples,
     resolve_sampling_rate,
     steps_remaining,
     sync_ledger_state,
 )
+from keras_dpsgd.step._fed_data import check_fed_data
 
 __all__ = ["PrivacyLogger", "WithinLimit"]
 
@@ -117,7 +117,7 @@ class _PrivacyCallback(keras.callbacks.Callback):
         """
         optimizer = self._optimizer()
         _check_training_size(self.model, optimizer, self.num_examples)
-        note_fit_sampling(self.model, optimizer)
+        check_fed_data(self.model, optimizer)  # the rate of the lots fit is fed, or a refusal
         attach(self.model, optimizer)
         # Before the first step: q must resolve (never an error after training).
         resolve_sampling_rate(optimizer, num_examples=self.num_examples, batch_size=self.batch_size)

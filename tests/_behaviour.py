@@ -28,12 +28,17 @@ class Front:
     def loss(self):
         return self.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def compiled(self, model, optimizer_cls=None, **dp_kwargs):
+    def compiled(self, model, optimizer_cls=None, assume_poisson=False, **dp_kwargs):
         """`model` compiled with this front's DP SGD, or `optimizer_cls` (σ, C, lr from `dp_kwargs`), and its
-        private step."""
+        private step. `assume_poisson`: the test feeds fixed batches to an optimizer with a sampling rate and
+        states that they stand for Poisson lots (``keras_dpsgd.ledger.assume_poisson``)."""
+        from keras_dpsgd.ledger import assume_poisson as assume
+
         dp_kwargs.setdefault("noise_multiplier", 0.0)
         dp_kwargs.setdefault("seed", 1)
         opt = (optimizer_cls or self.optimizer_cls)(**dp_kwargs)
+        if assume_poisson:
+            assume(opt)
         self.private(model)
         model.compile(optimizer=opt, loss=self.loss())
         return model

@@ -114,6 +114,10 @@ def zero_gradient_keras3(strategy, width: int, **optimizer_args):
             )
         )
         optimizer = k3.DPSGDOptimizer(learning_rate=1.0, **optimizer_args)
+        if optimizer.sampling_rate is not None:  # the zero batches stand for Poisson lots at q
+            from keras_dpsgd.ledger import assume_poisson
+
+            assume_poisson(optimizer)
         model.compile(optimizer=optimizer, loss="mse")
     return model, optimizer
 

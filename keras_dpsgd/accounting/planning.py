@@ -28,6 +28,7 @@ __all__ = [
     "compute_noise_multiplier",
     "default_delta",
     "effective_noise_multiplier",
+    "lots_per_epoch",
     "max_epochs_from_steps",
     "max_epochs_within_budget",
     "max_steps_within_budget",
@@ -244,10 +245,10 @@ def max_epochs_within_budget(
     noise_multiplier: float,
     accountant: Accountant = "rdp",
 ) -> float:
-    """Largest number of epochs E (a multiple of B/N) whose ceil(E·N/B) steps fit in (ε, δ).
+    """Largest number of epochs E (a multiple of 1/P) whose :func:`steps_for_epochs` fit in (ε, δ).
 
-    E = k·B/N with k = :func:`max_steps_within_budget` at q = B/N, so that
-    ceil(E·N/B) = k steps (0.0 if not even one step fits).
+    E = k/P with k = :func:`max_steps_within_budget` at q = B/N and P = :func:`lots_per_epoch`, so
+    that ``steps_for_epochs(N, B, E)`` = k steps (0.0 if not even one step fits).
     """
     n, b = _examples_and_batch(num_examples, batch_size)
     k = max_steps_within_budget(
@@ -261,21 +262,44 @@ def max_epochs_within_budget(
 
 
 def max_epochs_from_steps(num_examples: int, batch_size: int, steps: int) -> float:
-    """Largest float E with ceil(E·N/B) <= steps (E = steps·B/N, stepped down if rounding went up)."""
+    """Largest float E with ``steps_for_epochs(N, B, E)`` <= steps (E = steps/P, stepped down if rounding went up)."""
     n = V.integer_at_least(1, num_examples=num_examples)
     b = V.integer_at_least(1, batch_size=batch_size)
     k = V.integer_at_least(0, steps=steps)
-    epochs = float(Fraction(k * b, n))
+    epochs = float(Fraction(k, lots_per_epoch(n, b)))
     while epochs > 0 and steps_for_epochs(n, b, epochs) > k:  # float rounded up: step down
         epochs = float(np.nextafter(epochs, 0.0))
     return epochs
 
 
+def lots_per_epoch(num_examples: int, expected_lot_size: float) -> int:
+    """P = ceil(N / L): the steps (lots) of one epoch, the one definition of an epoch in keras_dpsgd.
+
+    An epoch is P lots, P·L >= N examples on average (Abadi et al. 2016, Section 3.1: "an epoch" is
+    N/L lots; rounded up to whole steps, as a ``DataLoader`` of N examples in batches of L has
+    ceil(N/L) of them). Planning (:func:`steps_for_epochs`, the CLI's ``noise`` and ``epsilon``),
+    :func:`keras_dpsgd.make_private_with_epsilon` and :attr:`keras_dpsgd.PoissonLots.lots_per_epoch`
+    (the lots ``fit`` runs per epoch) all read it here, so a plan of E epochs is the steps training
+    runs and ``WithinLimit`` stops after them, not before.
+
+    Args:
+      num_examples: N >= 1.
+      expected_lot_size: L in (0, N] (qN: may be fractional when q is given; a relative rounding of
+        1e-9 in qN is ignored, so q = L/N gives ceil(N/L) exactly).
+    """
+    n = V.integer_at_least(1, num_examples=num_examples)
+    lot = V.in_range(0, n, "(]", expected_lot_size=expected_lot_size)
+    return max(1, math.ceil(n / lot - 1e-9))
+
+
 def steps_for_epochs(num_examples: int, batch_size: int, epochs: float) -> int:
-    """ceil(epochs · N / B), exact for decimal `epochs` (no float round-up surprises)."""
+    """ceil(E · P) steps for E epochs of P = :func:`lots_per_epoch` lots (E · P exactly when E is whole).
+
+    Exact for decimal `epochs` (no float round-up surprises).
+    """
     n, b = _examples_and_batch(num_examples, batch_size)
     e = V.positive(epochs=epochs)
-    return math.ceil(Fraction(repr(e)) * n / b)
+    return math.ceil(Fraction(repr(e)) * lots_per_epoch(n, b))
 
 
 def _examples_and_batch(num_examples: int, batch_size: int) -> tuple[int, int]:
@@ -298,7 +322,7 @@ def batch_table(
 ) -> list[dict]:
     """Noise per example versus lot size (Three Tools paper's table).
 
-    For each lot size L: q = L / N, steps = ceil(E·N / L), σ = the smallest
+    For each lot size L: q = L / N, steps = :func:`steps_for_epochs` (E · ceil(N / L)), σ = the smallest
     noise multiplier spending (ε, δ) in those steps, and noise_per_example =
     σ / L (the standard deviation of the noise on the averaged gradient, in
     units of the clip norm).

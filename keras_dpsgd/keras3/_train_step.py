@@ -223,6 +223,15 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
     return type(self).fit(self, x, *args, **kwargs)
 
 
+def _train_on_batch(self: keras.Model, *args, **kwargs):
+    """Keras's ``train_on_batch``, refused while the optimizer holds a Poisson rate (``_fed_data``): on JAX
+    the stateless step never reaches the checks of the TensorFlow step, so the refusal comes first here."""
+    from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data
+
+    check_fed_data(self, self.optimizer, outside_fit=OUTSIDE_FIT)
+    return type(self).train_on_batch(self, *args, **kwargs)
+
+
 def _is_multi_worker(model: keras.Model) -> bool:
     return isinstance(getattr(model, "_distribute_strategy", None), tf.distribute.MultiWorkerMirroredStrategy)
 
@@ -361,6 +370,7 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         _reduce_first_batch_per_leaf(model)
         _no_automatic_xla(model)
     model.fit = types.MethodType(_fit, model)
+    model.train_on_batch = types.MethodType(_train_on_batch, model)
     setattr(model, _PRIVATE_ATTR, True)
     object.__setattr__(model, _AUGMENTATION_ATTR, views if views.active else None)  # untracked by Keras
     model.train_function = None  # Rebuilt on the next fit with the private step.

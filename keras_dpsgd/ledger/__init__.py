@@ -70,10 +70,12 @@ recorded with the worst case of both (larger q, smaller σ), which never
 under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ).
 
 Sampling. The accountant assumes Poisson sampling (:mod:`keras_dpsgd.step.lots`
-explains the difference from shuffled fixed-size batches). When the optimizer
-does not know its sampling rate (it was not configured by
-``PoissonLots.configure``), q = batch_size · gradient_accumulation_steps / N is
-used and a warning says, once, that this ε assumes Poisson sampling.
+explains the difference from shuffled fixed-size batches). The rate recorded is
+that of the lots ``fit`` is fed (:mod:`keras_dpsgd.step._fed_data`: a fit on
+``PoissonLots.dataset()`` sets the optimizer's rate to those lots'; other data
+while the optimizer holds a rate are refused). When the optimizer knows no
+sampling rate, q = batch_size · gradient_accumulation_steps / N is used and a
+warning says, once, that this ε assumes Poisson sampling.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ from keras_dpsgd.accounting import (
 __all__ = [
     "LedgerState",
     "accumulation_steps",
+    "assume_poisson",
+    "assumes_poisson",
     "attach",
     "fit_frame",
     "fit_training_size",
@@ -196,12 +200,46 @@ def _warn_poisson_assumed(q: float, how: str) -> None:
     )
 
 
+_ASSUMED_ATTR = "_dpsgd_assume_poisson"
+
+
+def assume_poisson(optimizer: Any) -> Any:
+    """States, unchecked, that the data `optimizer`'s fits are fed are Poisson lots at its ``sampling_rate``.
+
+    An opt-in, for data keras_dpsgd did not sample (a sampler of your own; arrays fed in fixed-size
+    batches, which are *not* Poisson lots): without it, a fit of an optimizer that holds a sampling
+    rate on anything but :class:`keras_dpsgd.PoissonLots` is refused (:mod:`keras_dpsgd.step._fed_data`).
+    With it, ε is computed at q as if the batches were Poisson lots, which is no proven bound for
+    shuffled fixed-size batches (Chua et al. 2024); a warning says so. The statement is not saved: a
+    loaded optimizer is refused again until it is made again.
+
+    Returns:
+      `optimizer`.
+    """
+    if not is_dp_optimizer(optimizer):
+        raise TypeError(f"optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+    setattr(optimizer, _ASSUMED_ATTR, True)
+    _LOG.warning(
+        "keras_dpsgd: assume_poisson(%s): the data its fits are fed are taken, unchecked, for Poisson lots at its "
+        "sampling_rate; epsilon then ASSUMES POISSON SAMPLING and is no proven bound for shuffled fixed-size "
+        "batches. Train on keras_dpsgd.PoissonLots for an honest one.",
+        type(optimizer).__name__,
+    )
+    return optimizer
+
+
+def assumes_poisson(optimizer: Any) -> bool:
+    """True after :func:`assume_poisson` (`optimizer`)."""
+    return bool(getattr(optimizer, _ASSUMED_ATTR, False))
+
+
 def note_fit_sampling(model: Any, optimizer: Any) -> None:
     """Records q = B · k / N of a running ``fit(x, y, batch_size=B)`` on arrays, where the optimizer
     does not know its sampling rate (no ``PoissonLots.configure``).
 
-    Called when the DP step is traced, at every epoch start of fit and by the privacy callbacks'
-    ``on_train_begin``, before the fit's first step. The ledger then records the fit's steps at
+    Called by :func:`keras_dpsgd.step._fed_data.check_fed_data` (when the DP step is traced, at every
+    fit's ``make_train_function``, at every epoch start of fit and by the privacy callbacks'
+    ``on_train_begin``, before the fit's first step) for data other than Poisson lots. The ledger then records the fit's steps at
     that q (a new fit with another q starts a new segment; a fit whose data have no known size
     records its steps at the reader's q, as before), and ``model_epsilon(model)`` needs neither
     ``num_examples`` nor ``batch_size``. A warning says, once, that this ε assumes Poisson sampling.

@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.step.lots import PoissonLotsPyDataset, is_lots_dataset, lots_source
+from keras_dpsgd.step.lots import PoissonLotsPyDataset, is_lots_dataset, lots_of
 
 __all__ = ["validation_overlap"]
 
@@ -75,7 +75,7 @@ def fingerprints(leaves: list) -> Union[list, str]:
 
 
 def _training_rows(x: Any) -> Union[list, str]:
-    lots = lots_source(x)
+    lots = lots_of(x)
     if lots is not None:
         return fingerprints(_leaves(lots._x))
     if x is None or isinstance(x, (tf.data.Dataset, PoissonLotsPyDataset)) or not _leaves(x):

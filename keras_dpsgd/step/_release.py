@@ -42,6 +42,7 @@ import tensorflow as tf
 
 from keras_dpsgd import ledger
 from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data
 from keras_dpsgd.step._settings import DPSettingsMixin
 
 _LOG = logging.getLogger("keras_dpsgd")
@@ -191,7 +192,7 @@ class LotReleaseMixin(DPSettingsMixin):
 
     def _on_fit_epoch_begin(self, model: Any) -> None:
         """Called by fit at the start of every epoch (see `_watch_lot_boundaries`)."""
-        ledger.note_fit_sampling(model, self)  # a later fit may have another q = B·k/N
+        check_fed_data(model, self)  # a later fit may feed other lots (or another q = B·k/N)
         self._check_lot_alignment(model)
         if self._first_epoch_of_fit(model):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
@@ -204,12 +205,14 @@ class LotReleaseMixin(DPSettingsMixin):
                 f"gradient_accumulation_steps = {self._dp.accumulation} batches"
             )
 
-    def _watch_lot_boundaries(self, model: Any) -> None:
-        """At trace time: fit's q where the optimizer does not know it (``ledger.note_fit_sampling``,
-        again at every epoch start), and lots of `model`'s fit never cross an epoch or a fit."""
+    def _watch_lot_boundaries(self, model: Any, check_data: bool = True) -> None:
+        """At trace time: the data fit feeds the step (``_fed_data.check_fed_data``, again at every
+        epoch start; `check_data` False before fit runs, where there is no fit to read), and lots of
+        `model`'s fit never cross an epoch or a fit."""
         if model is None:
             return
-        ledger.note_fit_sampling(model, self)
+        if check_data:
+            check_fed_data(model, self, outside_fit=OUTSIDE_FIT)
         if "reset_metrics" not in vars(model):
             object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
         if self._dp.accumulation == 1:
@@ -227,8 +230,9 @@ class LotReleaseMixin(DPSettingsMixin):
     def _clipped_sum(self, loss: tf.Tensor, tf_vars: list, tape: Any, model: Any) -> tuple[list, tf.Tensor]:
         """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and the lot's realized size.
 
-        Checks at trace time that the step writes no value of the batch outside the optimizer
-        (``_refuse_batch_writes``); counts the examples zeroed for a non-finite gradient; calls
+        Checks at trace time what data reach the step (``_fed_data.check_fed_data``: the rate of the
+        fed lots, or a refusal; a custom loop with a Poisson rate is refused) and that the step writes no
+        value of the batch outside the optimizer (``_refuse_batch_writes``); counts the examples zeroed for a non-finite gradient; calls
         the hook ``on_per_example_sq_norms``.
         """
         finite = []  # The non-finite mask, computed once from the backend's sq_norms.
@@ -237,6 +241,7 @@ class LotReleaseMixin(DPSettingsMixin):
             finite.append(_step.finite_rows(sq_norms))
             return self._clip_factors(sq_norms, finite[-1])
 
+        check_fed_data(model, self, outside_fit=OUTSIDE_FIT)  # At trace time: a custom loop too (model None).
         summed, sq_norms = self._backend.clipped_sum(loss, tf_vars, tape, factors)
         self._refuse_batch_writes(loss, model)  # At trace time.
         nonfinite = tf.logical_not(finite[-1][:, 0])

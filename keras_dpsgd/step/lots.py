@@ -13,8 +13,10 @@ fixed. That is a different mechanism, and the Poisson ε reported for it is not
 a proven bound (Chua et al. 2024, "How private are DP-SGD implementations?",
 show real gaps). TF Privacy reports the Poisson ε for shuffled batches anyway;
 here the honest path is the easy one: :class:`PoissonLots` draws real Poisson
-lots, and the ledger (:mod:`keras_dpsgd.ledger`) warns when it has to assume
-Poisson sampling for data it did not sample.
+lots, a ``fit`` on them records their rate, a ``fit`` on other data while the
+optimizer holds a Poisson rate is refused (:mod:`keras_dpsgd.step._fed_data`),
+and the ledger (:mod:`keras_dpsgd.ledger`) warns when, with no rate known, it has
+to assume Poisson sampling for data it did not sample.
 
 Fixed shapes
 ------------
@@ -71,6 +73,7 @@ import tensorflow as tf
 from scipy import stats
 
 from keras_dpsgd import _validate, ledger
+from keras_dpsgd.accounting.planning import lots_per_epoch
 
 __all__ = ["PoissonLots"]
 
@@ -285,8 +288,8 @@ class PoissonLots:
 
     @property
     def lots_per_epoch(self) -> int:
-        """ceil(1/q): lots per "epoch" (N/L examples on average)."""
-        return max(1, math.ceil(1.0 / self._q - 1e-9))
+        """ceil(N/L) = ceil(1/q): lots per epoch (:func:`keras_dpsgd.accounting.lots_per_epoch`, the one definition)."""
+        return lots_per_epoch(self._n, self.expected_lot_size)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -404,8 +407,9 @@ class PoissonLots:
         _check_num_lots(num_lots)
         self._refuse_shards("dataset")
         data = self._dataset(num_lots)
-        # Fit of a private Keras 3 model: shuffle=False (nothing to shuffle); the callback guard reads the
-        # lots' rows (validation data must not hold them: keras_dpsgd.step._held_out).
+        # The dataset names its lots: fit of a private Keras 3 model takes shuffle=False (nothing to
+        # shuffle), every DP fit records the rate of these lots (keras_dpsgd.step._fed_data), and the
+        # callback guard reads their rows (validation data must not hold them: keras_dpsgd.step._held_out).
         setattr(data, _LOTS_ATTR, self)
         return data
 
@@ -487,7 +491,9 @@ class PoissonLots:
                 batches = batches.apply(tf.data.experimental.assert_cardinality(int(num_lots) * self._accum * local))
             return batches.prefetch(tf.data.AUTOTUNE)
 
-        return strategy.distribute_datasets_from_function(per_worker)
+        distributed = strategy.distribute_datasets_from_function(per_worker)
+        setattr(distributed, _LOTS_ATTR, self)  # the rate fit records (keras_dpsgd.step._fed_data)
+        return distributed
 
     def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":
         """The lots as a Keras 3 ``keras.utils.PyDataset``: endless, or `num_lots` lots per epoch.
@@ -575,18 +581,20 @@ class PoissonLots:
 _LOTS_ATTR = "_keras_dpsgd_poisson_lots"
 
 
+def lots_of(data: Any) -> Optional[PoissonLots]:
+    """The :class:`PoissonLots` whose :meth:`~PoissonLots.dataset`, :meth:`~PoissonLots.as_py_dataset` or
+    :meth:`~PoissonLots.distribute` made `data` (that object itself, not one derived from it by
+    ``map``, ``batch``...), else None."""
+    if isinstance(data, PoissonLotsPyDataset):
+        return data._lots
+    lots = getattr(data, _LOTS_ATTR, None)
+    return lots if isinstance(lots, PoissonLots) else None
+
+
 def is_lots_dataset(data: Any) -> bool:
     """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
     (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
-    return bool(getattr(data, _LOTS_ATTR, False)) or isinstance(data, PoissonLotsPyDataset)
-
-
-def lots_source(data: Any) -> Optional["PoissonLots"]:
-    """The PoissonLots that made `data` (:meth:`PoissonLots.dataset`, :meth:`PoissonLots.as_py_dataset`), or None."""
-    if isinstance(data, PoissonLotsPyDataset):
-        return data._lots
-    source = getattr(data, _LOTS_ATTR, None)
-    return source if isinstance(source, PoissonLots) else None
+    return lots_of(data) is not None
 
 
 def strategy_workers(strategy: Any) -> int:

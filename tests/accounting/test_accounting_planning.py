@@ -139,7 +139,7 @@ def test_batch_table_values_equal_the_accountants():
     for r in rows:
         lot = r["lot_size"]
         assert r["sampling_rate"] == lot / 10000
-        assert r["steps"] == math.ceil(5 * 10000 / lot)
+        assert r["steps"] == 5 * math.ceil(10000 / lot)
         assert r["noise_multiplier"] == compute_noise_multiplier(
             target_epsilon=2.0, target_delta=1e-5, sampling_rate=lot / 10000, steps=r["steps"]
         )
@@ -149,10 +149,13 @@ def test_batch_table_values_equal_the_accountants():
     assert rows[0]["noise_per_example"] > rows[2]["noise_per_example"]
 
 
-def test_steps_for_epochs_is_exact_ceil():
-    assert steps_for_epochs(60000, 256, 60) == 14063
+def test_steps_for_epochs_is_epochs_of_whole_lots():
+    """E epochs of ceil(N/L) lots (the lots fit runs per epoch), exact for decimal E."""
+    assert steps_for_epochs(60000, 256, 60) == 60 * 235 == 14100  # not TF Privacy's ceil(E·N/B) = 14063
     assert steps_for_epochs(60000, 150, 15) == 6000
-    assert steps_for_epochs(100, 30, 0.3) == 1  # 0.3 * 100 / 30 is 1.0000000000000002 in floats
+    assert steps_for_epochs(1347, 128, 5) == 5 * 11 == 55  # issue 37.3: 53 planned, 55 trained before
+    assert steps_for_epochs(100, 30, 0.25) == 1  # 0.25 * 4 lots
+    assert steps_for_epochs(100, 10, 0.3) == 3  # 0.3 * 10 is 3.0000000000000004 in floats
     assert steps_for_epochs(100, 30, 1) == 4
 
 
@@ -234,4 +237,4 @@ def test_max_epochs_within_budget(n, b, target):
     )
     k = max_steps_within_budget(target_epsilon=target, target_delta=1e-5, sampling_rate=b / n, noise_multiplier=1.1)
     assert epochs > 0 and steps_for_epochs(n, b, epochs) == k
-    assert epochs == pytest.approx(k * b / n, rel=1e-12)
+    assert epochs == pytest.approx(k / math.ceil(n / b), rel=1e-12)

@@ -158,8 +158,8 @@ def test_rdp_epsilon_is_valid_for_the_gaussian_mechanism(sigma, count, conversio
 
 def test_anchor_tf_privacy_test_case_tight_conversion():
     # TF Privacy's test case: N=60000, B=150, σ=1.3, 15 epochs, δ=1e-5 -> ε = 0.72422 (order 19).
-    steps = steps_for_epochs(60000, 150, 15)
-    assert steps == 6000
+    steps = 6000  # TF Privacy's ceil(E·N/B); also keras_dpsgd's E·ceil(N/B) here (N/B = 400)
+    assert steps_for_epochs(60000, 150, 15) == steps
     event = PoissonSampledGaussianEvent(150 / 60000, 1.3, steps)
     for orders in (DEFAULT_ORDERS, TF_PRIVACY_LEGACY_ORDERS):
         eps, order = RdpAccountant(orders).compose(event).get_epsilon_and_order(1e-5)
@@ -174,8 +174,7 @@ def test_anchor_tf_privacy_tutorial_classic_conversion():
     # TF Privacy tutorial: N=60000, B=256, σ=1.1, 60 epochs, δ=1e-5 -> "ε = 3.01". Reproduced by the
     # classic conversion (Abadi Thm 2.2 / Mironov Prop 3) on TF Privacy's old grid (1.1..10.9, 12..63),
     # which gives 3.0084, and by the moments accountant (integer λ <= 32), 3.0092.
-    steps = steps_for_epochs(60000, 256, 60)
-    assert steps == 14063
+    steps = 14063  # TF Privacy's ceil(E·N/B); keras_dpsgd's epoch is ceil(N/B) = 235 lots: 14100 steps
     event = PoissonSampledGaussianEvent(256 / 60000, 1.1, steps)
     legacy = RdpAccountant(TF_PRIVACY_LEGACY_ORDERS, conversion="classic").compose(event).get_epsilon(1e-5)
     moments = MomentsAccountant().compose(event).get_epsilon(1e-5)

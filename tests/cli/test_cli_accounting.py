@@ -55,8 +55,11 @@ def test_epsilon_moments_and_default_delta(capsys):
             "moments",
         ],
     )
-    assert result["accountant"] == "moments" and result["steps"] == 14063
-    assert round(result["epsilon"], 2) == 3.01
+    assert result["accountant"] == "moments" and result["steps"] == 60 * 235  # 60 epochs of ceil(N/L) lots
+    moments = compute_epsilon_and_order(
+        PoissonSampledGaussianEvent(256 / 60000, 1.1, 14100), 1e-5, accountant="moments"
+    )
+    assert result["epsilon"] == moments[0]
     result = _json(capsys, EPS_ARGS)
     assert result["delta"] == default_delta(60000)
     event = PoissonSampledGaussianEvent(150 / 60000, 1.3, 6000)
@@ -85,7 +88,7 @@ def test_noise_json(capsys):
     ]
     result = _json(capsys, argv)
     assert {"noise_multiplier", "epsilon", "delta", "steps", "sampling_rate", "order", "accountant"} <= set(result)
-    steps = math.ceil(10 * 60000 / 256)
+    steps = 10 * math.ceil(60000 / 256)  # 10 epochs of ceil(N/L) lots
     assert result["steps"] == steps
     assert result["noise_multiplier"] == compute_noise_multiplier(
         target_epsilon=2.0, target_delta=1e-5, sampling_rate=256 / 60000, steps=steps
@@ -218,3 +221,24 @@ def test_epsilon_with_budget_reports_max_steps_and_epochs(capsys):
     assert steps_for_epochs(60000, 150, result["max_epochs"]) == k
     assert compute_epsilon(PoissonSampledGaussianEvent(150 / 60000, 1.3, k), 1e-5) <= 1.0
     assert main(EPS_ARGS + ["--target-epsilon", "0"]) == 2
+
+
+def test_noise_plans_the_steps_that_training_runs(capsys):
+    """Issue 37.3: N = 1347, L = 128, 5 epochs is 5 · 11 = 55 lots in training (PoissonLots); the plan said 53,
+    so WithinLimit at the planned σ stopped 2 lots early. σ now spends the target in exactly those 55."""
+    import numpy as np
+
+    from keras_dpsgd import PoissonLots
+    from keras_dpsgd.accounting import max_steps_within_budget
+
+    args = ["noise", "--num-examples", "1347", "--lot-size", "128", "--epochs", "5", "--target-epsilon", "1"]
+    result = _json(capsys, args)
+    lots = PoissonLots(np.zeros((1347, 1)), np.zeros(1347), expected_lot_size=128)
+    assert result["steps"] == 5 * lots.lots_per_epoch == 55
+    budget = max_steps_within_budget(
+        target_epsilon=1.0,
+        target_delta=result["delta"],
+        sampling_rate=lots.sampling_rate,
+        noise_multiplier=result["noise_multiplier"],
+    )
+    assert budget >= 55

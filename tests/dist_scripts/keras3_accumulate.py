@@ -15,6 +15,7 @@ from _keras3_helpers import loop_clipped_mean
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd import model_epsilon, model_privacy_ledger
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import assume_poisson
 
 strategy = None  # set by run()
 K, LR, CLIP = 2, 0.5, 0.3
@@ -67,6 +68,8 @@ def _private(noise_multiplier=0.0, reg=None, constraint=None, **kwargs):
             gradient_accumulation_steps=K,
             **kwargs,
         )
+        if opt.sampling_rate is not None:  # the fixed global batches stand for Poisson lots at q
+            assume_poisson(opt)
         model.compile(optimizer=opt, loss="mse")
     return model, opt
 
@@ -105,8 +108,10 @@ def two_lots_equal_one_device():
     model.fit(_global_batches(X, Y, 4), epochs=1, steps_per_epoch=2 * K, verbose=0)
     single = k3.make_private(_model(constraint=Shrink()))
     single.compile(
-        optimizer=k3.DPSGDOptimizer(
-            l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=LR, gradient_accumulation_steps=K, **kwargs
+        optimizer=assume_poisson(
+            k3.DPSGDOptimizer(
+                l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=LR, gradient_accumulation_steps=K, **kwargs
+            )
         ),
         loss="mse",
     )

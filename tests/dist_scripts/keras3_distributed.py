@@ -19,6 +19,7 @@ import keras_dpsgd.keras3 as k3
 from _keras3_helpers import loop_clipped_mean
 from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import assume_poisson
 
 LR, CLIP, B = 0.5, 0.3, 8
 rng = np.random.default_rng(0)
@@ -244,6 +245,7 @@ def adaptive():
             expected_lot_size=B,
             sampling_rate=q,
         )
+        assume_poisson(opt)  # the fixed global batches stand for Poisson lots at q
         model.compile(optimizer=opt, loss="mse")
         return model, opt
 

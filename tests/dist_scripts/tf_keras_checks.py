@@ -175,6 +175,7 @@ def _backup_fit(strategy: tf.distribute.Strategy, directory: str, callbacks: lis
             expected_lot_size=float(GLOBAL_BATCH),
             sampling_rate=GLOBAL_BATCH / BACKUP_N,
         )
+        ledger.assume_poisson(opt)  # the fixed batches stand for Poisson lots at q
         model.compile(optimizer=opt, loss=_loss())
     x, y = data(BACKUP_STEPS * GLOBAL_BATCH)
     callbacks = [keras.callbacks.BackupAndRestore(directory), *callbacks]

@@ -11,7 +11,7 @@ from scipy import stats
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd import accounting
-from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
+from keras_dpsgd.ledger import assume_poisson, model_epsilon, model_privacy_ledger
 from keras_dpsgd.tools import adaptive_clipping as ac
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
@@ -93,6 +93,7 @@ def trained():
     opt = k3.AdaptiveDPSGDOptimizer(
         [1.0] * 4, SIGMA, SIGMA_L2, alpha=1.1, learning_rate=0.1, sampling_rate=Q, expected_lot_size=4.0
     )
+    assume_poisson(opt)  # fixed batches that stand for Poisson lots at q
     model = _private(opt)
     model.fit(x, y, batch_size=4, epochs=2, verbose=0)
     return model, opt

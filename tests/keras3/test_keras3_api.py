@@ -9,6 +9,7 @@ import keras_dpsgd
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.tf_keras import _optimizer as tf_keras_optimizers
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import assume_poisson
 
 
 def _mlp(**layer_kwargs):
@@ -80,6 +81,35 @@ def test_sanitized_gradients_refuses_a_reduced_loss():
         k3.sanitized_gradients(opt, loss, model.trainable_variables, tape)
 
 
+def test_a_custom_loop_with_a_poisson_rate_is_refused_unless_stated():
+    """Issue 37.2: sanitized_gradients in a loop of one's own, with a known q: refused before any weight
+    changes (the data are unseen); assume_poisson (the loop feeds lots at q) lets it run."""
+    import tensorflow as tf
+
+    model = _mlp()
+    opt = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.25, seed=1)
+    x, y = _data()
+    opt.build(model.trainable_variables)
+
+    def step():  # a fresh tf.function: one whose trace raised is not traced again
+        @tf.function
+        def run(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2, axis=1)
+            grads = k3.sanitized_gradients(opt, loss, model.trainable_variables, tape)
+            opt.apply(grads, model.trainable_variables)
+
+        return run
+
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="custom training loop .* is refused"):
+        step()(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assume_poisson(opt)
+    step()(x, y)
+    assert int(opt.noised_steps.numpy()) == 1
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -139,7 +169,10 @@ def test_config_round_trip_and_registration():
 
 def test_keras_file_keeps_noised_steps_and_loaded_model_must_be_made_private_again(tmp_path):
     model = k3.make_private(_mlp())
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5), loss="mse")
+    model.compile(
+        optimizer=assume_poisson(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5)),
+        loss="mse",
+    )
     model.fit(*_data(), batch_size=4, verbose=0)
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -148,14 +181,19 @@ def test_keras_file_keeps_noised_steps_and_loaded_model_must_be_made_private_aga
     assert int(loaded.optimizer.noised_steps.numpy()) == 2
     with pytest.raises(ValueError, match="make_private"):
         loaded.fit(*_data(), batch_size=4, verbose=0)
-    k3.make_private(loaded).fit(*_data(), batch_size=4, verbose=0)
+    with pytest.raises(ValueError, match="is refused: the optimizer holds the Poisson sampling rate"):
+        k3.make_private(loaded).fit(*_data(), batch_size=4, verbose=0)  # the statement is not saved
+    assume_poisson(loaded.optimizer)
+    loaded.fit(*_data(), batch_size=4, verbose=0)
     assert int(loaded.optimizer.noised_steps.numpy()) == 4
 
 
 def test_model_epsilon_equals_the_accountant():
     q, sigma, steps = 0.25, 1.1, 6
     model = k3.make_private(_mlp())
-    opt = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q, expected_lot_size=2)
+    opt = assume_poisson(
+        k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, sampling_rate=q, expected_lot_size=2)
+    )
     model.compile(optimizer=opt, loss="mse")
     model.fit(*_data(), batch_size=2, epochs=steps // 4, verbose=0)
     model.fit(*_data(), batch_size=4, epochs=1, verbose=0)
@@ -212,7 +250,7 @@ def test_changing_sampling_rate_never_lowers_epsilon():
     from keras_dpsgd.accounting import PrivacyLedger
 
     model = k3.make_private(_mlp())
-    opt = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5)
+    opt = assume_poisson(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, sampling_rate=0.5))
     model.compile(optimizer=opt, loss="mse")
     model.fit(*_data(), batch_size=4, verbose=0)
     opt.sampling_rate = 0.05
@@ -232,9 +270,15 @@ def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(t
         PoissonSampledGaussianEvent(0.5, 2.0, 2, "dp-sgd"),
     )
     model = k3.make_private(_mlp())
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, sampling_rate=0.25), loss="mse")
+    model.compile(
+        optimizer=assume_poisson(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, sampling_rate=0.25)),
+        loss="mse",
+    )
     model.fit(*_data(), batch_size=2, epochs=1, verbose=0)  # 4 steps, no callback, no ledger read
-    model.compile(optimizer=k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5), loss="mse")
+    model.compile(
+        optimizer=assume_poisson(k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=2.0, sampling_rate=0.5)),
+        loss="mse",
+    )
     model.save(tmp_path / "recompiled.keras")  # before the new optimizer's first step
     model.fit(*_data(), batch_size=4, epochs=1, verbose=0)  # 2 more steps
     eps, _ = keras_dpsgd.model_epsilon(model, target_delta=1e-5)
@@ -248,7 +292,8 @@ def test_recompiling_with_a_new_dp_optimizer_keeps_the_first_fit_in_the_ledger(t
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert keras_dpsgd.model_privacy_ledger(loaded).events == (first, second)
     assert keras_dpsgd.model_epsilon(loaded, target_delta=1e-5)[0] == pytest.approx(eps, rel=1e-12)
-    k3.make_private(loaded).fit(*_data(), batch_size=4, epochs=1, verbose=0)  # resumed: 2 more steps
+    assume_poisson(k3.make_private(loaded).optimizer)  # the statement is not saved
+    loaded.fit(*_data(), batch_size=4, epochs=1, verbose=0)  # resumed: 2 more steps
     assert keras_dpsgd.model_privacy_ledger(loaded).events == (
         first,
         PoissonSampledGaussianEvent(0.5, 2.0, 4, "dp-sgd"),

@@ -10,6 +10,7 @@ import tf_keras
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import assume_poisson
 from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
 
 N, Q, SIGMA, DELTA, BATCH = 200, 0.05, 1.5, 1e-5, 10
@@ -31,6 +32,8 @@ def _model(steps_per_execution=1, sampling_rate=Q):
         expected_lot_size=None if sampling_rate is None else sampling_rate * N,
         seed=0,
     )
+    if sampling_rate is not None:  # fixed batches that stand for Poisson lots at q
+        assume_poisson(optimizer)
     model.compile(optimizer=optimizer, loss="mse", steps_per_execution=steps_per_execution)
     return model
 

@@ -186,6 +186,7 @@ def test_backup_and_restore_with_one_worker_is_keras_own(tmp_path):
     import keras_dpsgd.keras3 as k3
     from keras_dpsgd import model_epsilon
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+    from keras_dpsgd.ledger import assume_poisson
 
     x = np.random.default_rng(0).normal(size=(32, 3)).astype("float32")
     y = x[:, :1]
@@ -197,6 +198,7 @@ def test_backup_and_restore_with_one_worker_is_keras_own(tmp_path):
         optimizer = k3.DPSGDOptimizer(
             l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=0.1, expected_lot_size=8, sampling_rate=0.25
         )
+        assume_poisson(optimizer)  # the fixed batches stand for Poisson lots at q
         model.compile(optimizer=optimizer, loss="mse")
         history = model.fit(
             x, y, batch_size=8, epochs=2, verbose=0, callbacks=[k3.BackupAndRestore(backup), *callbacks]

@@ -99,7 +99,9 @@ def test_keras3_kill_and_resume_counts_every_step_once(resumed, saver):
         PoissonSampledGaussianEvent(0.125, SIGMA, 3, "dp-sgd"),
         # q changed before the next ledger read (the save at the end of epoch 1): worst case of both.
         PoissonSampledGaussianEvent(0.25, SIGMA, 3, CHANGED_LABEL),
-        PoissonSampledGaussianEvent(0.25, SIGMA, 6, "dp-sgd"),
+        # The resumed fit's optimizer is told q = 0.25 but fed the lots of q = 0.125: the ledger records the
+        # rate of the lots that ran (issue 37.2; it recorded 0.25 before).
+        PoissonSampledGaussianEvent(0.125, SIGMA, 6, "dp-sgd"),
     ]
     assert result["ledger"]["events"] == [e.to_dict() for e in expected]  # not the worst case of lost segments
     assert PrivacyLedger.from_dict(result["ledger"]) == PrivacyLedger(expected)

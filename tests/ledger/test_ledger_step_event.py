@@ -20,7 +20,7 @@ from keras_dpsgd.accounting import (
     composed_noise_multiplier,
 )
 from keras_dpsgd import keras3 as k3
-from keras_dpsgd.ledger import model_privacy_ledger, step_noise_multipliers
+from keras_dpsgd.ledger import assume_poisson, model_privacy_ledger, step_noise_multipliers
 from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
 from keras_dpsgd.tools import adaptive_clipping
 from keras_dpsgd.tf_keras._adaptive import AdaptiveDPSGDOptimizer
@@ -39,6 +39,7 @@ def _train(optimizer):
     x = np.random.default_rng(0).normal(size=(LOT * STEPS, 3)).astype(np.float32)
     y = (x[:, :1] > 0).astype(np.float32)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, activation="tanh"), keras.layers.Dense(1)])
+    assume_poisson(optimizer)  # the fixed batches stand for Poisson lots at q
     model.compile(optimizer=optimizer, loss=keras.losses.BinaryCrossentropy(from_logits=True, reduction="none"))
     model.fit(x, y, batch_size=LOT, epochs=1, verbose=0)
     return model

@@ -23,7 +23,7 @@ def test_dppca_then_dense_trains_with_dpsgd_on_digits():
     model = keras.Sequential([keras.Input((8, 8)), pca, keras.layers.Dense(10, activation="softmax")])
     batch_size, epochs, clip, sigma = 50, 8, 1.0, 0.8
     model.compile(
-        optimizer=DPSGDOptimizer(clip, sigma, learning_rate=1.5, sampling_rate=batch_size / len(x_train), seed=1),
+        optimizer=DPSGDOptimizer(clip, sigma, learning_rate=1.5, seed=1),  # q = B/N from fit (a Poisson assumption)
         loss=keras.losses.SparseCategoricalCrossentropy(reduction="none"),
         metrics=["accuracy"],
     )

@@ -163,7 +163,7 @@ def test_ledger_is_that_of_the_step_without_augmentation(front):
     for kwargs in ({}, dict(augmentation=Views((5,), 4), augmentation_multiplicity=4)):
         model, x, y = built(front, "dense")
         _private(front, model, **kwargs)
-        _compile(front, model, 1.0, sigma=1.1, sampling_rate=0.5)
+        _compile(front, model, 1.0, sigma=1.1)  # q = B/N = 3/6 from fit
         model.fit(x[:6], y[:6], batch_size=3, epochs=2, shuffle=False, verbose=0)
         assert int(model.optimizer.noised_steps.numpy()) == 4
         eps.append(model_epsilon(model, target_delta=1e-5)[0])

@@ -10,6 +10,7 @@ import pytest
 
 from keras_dpsgd import model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from keras_dpsgd.ledger import assume_poisson
 from tests._behaviour import built, keras3_front, tf_keras_front
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
 
@@ -76,6 +77,7 @@ def test_ledger_epsilon_equals_the_accountant(front):
     q, sigma, delta, steps = 0.25, 1.1, 1e-3, 3
     model, x, y = built(front, "dense")
     _normalized(front, model, noise_multiplier=sigma, sampling_rate=q)
+    assume_poisson(model.optimizer)  # the fixed batches stand for Poisson lots at q
     assert model.optimizer.effective_noise_multiplier == sigma
     model.fit(np.concatenate([x] * 2)[:6], np.concatenate([y] * 2)[:6], batch_size=2, epochs=1, verbose=0)
     eps, _ = model_epsilon(model, target_delta=delta)

@@ -269,3 +269,30 @@ def test_adam_is_post_processing():
     adam = keras.optimizers.Adam(learning_rate=0.01)
     adam.apply_gradients(zip([tf.constant(g) for g in sanitized], reference.trainable_variables))
     _assert_close([w.numpy() for w in model.trainable_variables], [w.numpy() for w in reference.trainable_variables])
+
+
+def test_a_custom_loop_with_a_poisson_rate_is_refused_unless_stated():
+    """Issue 37.2: a custom loop's data are unseen: with a known q the step is refused before any weight
+    changes; assume_poisson (the loop feeds lots at q) lets it run."""
+    from keras_dpsgd.ledger import assume_poisson
+
+    model = _model("dense")
+    opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=LR, sampling_rate=0.25, seed=1)
+    x, y = np.ones((4, 4), "float32"), np.arange(4) % 3
+
+    def step():  # a fresh tf.function: one whose trace raised is not traced again
+        @tf.function
+        def run(x, y):
+            with tf.GradientTape() as tape:
+                loss = _loss()(y, model(x, training=True))
+            opt.minimize(loss, model.trainable_variables, tape=tape)
+
+        return run
+
+    before = [w.copy() for w in model.get_weights()]
+    with pytest.raises(ValueError, match="custom training loop .* is refused"):
+        step()(x, y)
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assume_poisson(opt)
+    step()(x, y)
+    assert int(opt.noised_steps.numpy()) == 1

@@ -17,6 +17,7 @@ from scipy import stats
 from keras_dpsgd import model_epsilon
 from keras_dpsgd.accounting import compute_epsilon
 from keras_dpsgd.tools import adaptive_clipping as ac
+from keras_dpsgd.ledger import assume_poisson
 from tests._behaviour import built, keras3_front, tf_keras_front
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
 
@@ -174,6 +175,7 @@ def test_ledger_epsilon_is_the_gradient_and_query_composed(front, rule):
     q, sigma, sigma_q, delta = 0.25, 1.1, 4.0, 1e-3
     model, x, y = built(front, "dense")
     opt = _compiled(front, model, 1.0, sigma, sigma_q, rule=rule, sampling_rate=q, learning_rate=0.1)
+    assume_poisson(opt)  # the fixed batches stand for Poisson lots at q
     assert opt.effective_noise_multiplier == pytest.approx((1 / sigma**2 + 1 / sigma_q**2) ** -0.5, rel=1e-12)
     model.fit(np.concatenate([x] * 2)[:6], np.concatenate([y] * 2)[:6], batch_size=2, epochs=1, verbose=0)
     event = ac.adaptive_clipping_event(

@@ -101,7 +101,7 @@ def prepare_fit(model: keras.Model) -> None:
     _check_model(model)
     refuse_adapted_preprocessing(model)
     ledger.attach(model, optimizer)
-    optimizer._watch_lot_boundaries(model)
+    optimizer._watch_lot_boundaries(model, check_data=False)  # no fit frame yet: checked at the epoch start
 
 
 @contextlib.contextmanager

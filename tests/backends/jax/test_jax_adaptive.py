@@ -132,6 +132,7 @@ def test_norm_query_noise_is_gaussian_with_scale_sigma_beta_c_and_charged_by_the
         sampling_rate=q,
         expected_lot_size=float(len(x)),
         seed=None,
+        assume_poisson=True,
     ).optimizer
     norms = _group_norms(example_grads(model, x, y, FRONT.loss()), True)
     zs, prev = [], np.ones(4)

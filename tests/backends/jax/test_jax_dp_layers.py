@@ -10,7 +10,7 @@ import pytest
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.accounting import DEFAULT_ORDERS, PoissonSampledGaussianEvent, compute_epsilon
-from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
+from keras_dpsgd.ledger import assume_poisson, model_epsilon, model_privacy_ledger
 from keras_dpsgd.preprocessing._seam import outward
 
 RNG = np.random.default_rng(0)
@@ -53,7 +53,7 @@ def _trained(layer):
     optimizer = k3.DPSGDOptimizer(
         l2_norm_clip=1.0, noise_multiplier=STEP_SIGMA, learning_rate=0.1, sampling_rate=STEP_Q, seed=1
     )
-    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    model.compile(optimizer=assume_poisson(optimizer), loss="sparse_categorical_crossentropy")
     model.fit(X[: 2 * STEPS], Y[: 2 * STEPS], batch_size=2, epochs=1, verbose=0)
     assert int(model.optimizer.noised_steps.numpy()) == STEPS
     return model

@@ -47,6 +47,7 @@ def _run(callbacks=(), moved=False):
         sampling_rate=Q,
         expected_lot_size=2.0,
         seed=5,
+        assume_poisson=True,
     )
     model.fit(x[:4], y[:4], batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=list(callbacks))
     return model

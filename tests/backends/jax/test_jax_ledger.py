@@ -22,7 +22,15 @@ def _eps(steps, q=Q, sigma=SIGMA):
 
 def _trained(steps=3, **dp_kwargs):
     model, x, y = built(FRONT, "dense")
-    FRONT.compiled(model, l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1, sampling_rate=Q, **dp_kwargs)
+    FRONT.compiled(
+        model,
+        l2_norm_clip=1.0,
+        noise_multiplier=SIGMA,
+        learning_rate=0.1,
+        sampling_rate=Q,
+        assume_poisson=True,
+        **dp_kwargs,
+    )
     x, y = np.concatenate([x] * 2)[: 2 * steps], np.concatenate([y] * 2)[: 2 * steps]
     model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     return model, x, y
@@ -45,7 +53,7 @@ def test_keras_file_holds_no_noise_key(tmp_path):
 
 def test_privacy_logger_and_within_limit():
     model, x, y = built(FRONT, "dense")
-    FRONT.compiled(model, l2_norm_clip=1.0, noise_multiplier=SIGMA, sampling_rate=Q)
+    FRONT.compiled(model, l2_norm_clip=1.0, noise_multiplier=SIGMA, sampling_rate=Q, assume_poisson=True)
     target = (_eps(5) + _eps(6)) / 2  # 5 steps fit, the 6th would not
     x, y = np.concatenate([x] * 2)[:8], np.concatenate([y] * 2)[:8]
     callback = WithinLimit(target, DELTA, verbose=0)

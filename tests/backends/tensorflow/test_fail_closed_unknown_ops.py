@@ -123,7 +123,7 @@ def test_fit_refuses_a_layer_calling_a_mixing_function(front):
     model = K.Sequential([K.Input((4,)), K.layers.Dense(3), Centered(), K.layers.Dense(2)])
     if front == "keras3":
         kd.make_private(model)
-    optimizer = kd.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1, sampling_rate=0.5)
+    optimizer = kd.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1)
     model.compile(optimizer, K.losses.SparseCategoricalCrossentropy(from_logits=True, **loss))
     with pytest.raises(ValueError, match="mixes the examples"):
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
