@@ -255,8 +255,13 @@ def default_lot_size(num_examples: int) -> int:
 def _plan(
     args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float, prior_events=()
 ) -> tuple[int, float, bool]:
-    """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization)."""
+    """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization).
+
+    A calibrated σ that makes no sense (the noise against one example's or the lot's bound,
+    ``accounting._budget``) is warned about on stderr with its numbers.
+    """
     from keras_dpsgd.accounting import compute_noise_multiplier
+    from keras_dpsgd.accounting._budget import budget_warnings
 
     steps = args.epochs * lots_per_epoch
     if args.noise_multiplier is not None:
@@ -269,6 +274,11 @@ def _plan(
         accountant=args.accountant,
         prior_events=prior_events,
     )
+    clip = 1.0 if args.l2_norm_clip is None else args.l2_norm_clip  # normalize: sensitivity 1
+    for warning in budget_warnings(
+        target_epsilon=args.target_epsilon, noise_multiplier=sigma, expected_lot_size=args.lot_size, l2_norm_clip=clip
+    ):
+        print(f"keras-dpsgd {getattr(args, 'command', 'train')}: warning: {warning}", file=sys.stderr)
     return steps, float(sigma), True
 
 
