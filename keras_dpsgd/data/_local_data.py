@@ -308,12 +308,18 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
         raise ValueError(f"{path!r}: the rows have {table.shape[1]} cells but the header names {len(header)} columns")
     check_finite(table, repr(path), header)
     drop = [j]
-    if j != 0 and header[0] == "" and np.array_equal(table[:, 0], np.arange(len(table))):
-        drop.append(0)
-        notes.append(
-            "the first column has no name and holds the row numbers 0..N-1 (the index pandas writes without "
-            "to_csv(index=False)): not used as a feature"
-        )
+    if j != 0 and header[0] == "":
+        first = table[:, 0]
+        if np.all(first == np.round(first)) and np.all(np.diff(first) > 0):
+            drop.append(0)
+            notes.append(
+                "the first column has no name and holds increasing row numbers (the index pandas writes "
+                "without to_csv(index=False)): not used as a feature"
+            )
+        else:
+            notes.append(
+                "the first column has no name: it is used as a feature (name it, or drop it if it is an index)"
+            )
     names = [h for i, h in enumerate(header) if i not in drop]
     if not names:
         raise ValueError(f"{path!r} has no feature columns besides the label column {label_column!r}")

@@ -386,7 +386,17 @@ def test_pandas_index_column_is_not_a_feature_and_is_said(tmp_path):
     data = load_local(str(path), label_column="diagnosis", test_fraction=0.25)
     train, _ = held_out_split(len(y), 0.25)
     np.testing.assert_allclose(data.x_train, x[train])  # the row numbers are dropped
-    assert any("row numbers 0..N-1" in note and "index=False" in note for note in data.notes)
+    assert any("increasing row numbers" in note and "index=False" in note for note in data.notes)
+    # The index of a filtered frame (0, 2, 5, ...) is an index too; an unnamed column of values is a feature.
+    lines = path.read_text().splitlines()
+    filtered = [lines[0]] + [f"{3 * i + 1}," + line.split(",", 1)[1] for i, line in enumerate(lines[1:])]
+    path.write_text("\n".join(filtered) + "\n")
+    np.testing.assert_allclose(load_local(str(path), label_column="diagnosis", test_fraction=0.25).x_train, x[train])
+    values = [lines[0]] + [f"{(-1) ** i}," + line.split(",", 1)[1] for i, line in enumerate(lines[1:])]
+    path.write_text("\n".join(values) + "\n")
+    data = load_local(str(path), label_column="diagnosis", test_fraction=0.25)
+    assert data.x_train.shape == (len(train), 4)
+    assert any("the first column has no name: it is used as a feature" in note for note in data.notes)
 
 
 def test_saved_files_have_the_mode_of_a_new_file_and_the_report_states_the_mapping(capsys, tmp_path):
@@ -403,4 +413,4 @@ def test_saved_files_have_the_mode_of_a_new_file_and_the_report_states_the_mappi
         assert stat.S_IMODE(os.stat(save / name).st_mode) == 0o666 & ~mask, name
     report = json.loads((save / "privacy_report.json").read_text())
     notes = " | ".join(report["settings"]["data_notes"])
-    assert "'benign' → 0, 'malignant' → 1" in notes and "row numbers 0..N-1" in notes
+    assert "'benign' → 0, 'malignant' → 1" in notes and "increasing row numbers" in notes
