@@ -104,7 +104,10 @@ class _PrivacyCallback(keras.callbacks.Callback):
         if not is_dp_optimizer(optimizer):
             raise ValueError(
                 f"{type(self).__name__} needs a keras_dpsgd DP optimizer (one with noised_steps), got "
-                f"{type(optimizer).__name__}"
+                f"{type(optimizer).__name__}: the model was compiled with a plain optimizer. After "
+                "run = make_private_with_epsilon(...), compile with run.optimizer "
+                "(run.model.compile(optimizer=run.optimizer, ...)); else make the optimizer private "
+                "(keras_dpsgd.keras3.DPSGDOptimizer, keras_dpsgd.tf_keras.DPSGDOptimizer)"
             )
         return optimizer
 

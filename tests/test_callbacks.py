@@ -75,8 +75,10 @@ def test_logger_default_delta_and_refusal(caplog):
 def test_logger_needs_a_dp_optimizer():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="DP optimizer"):
+    with pytest.raises(ValueError, match="DP optimizer") as err:
         _fit(model, [PrivacyLogger(DELTA)], epochs=1)
+    # Issue 40.9: the way out of the one-call API's usual slip (compiling with a plain optimizer) is named.
+    assert "got SGD" in str(err.value) and "compile with run.optimizer" in str(err.value)
 
 
 def _check_stopped_at_the_boundary(model, target, prior=()):

@@ -13,7 +13,10 @@ without noise (ε = ∞). Two modes, each training ONE model with canaries:
 
 ε_emp > ε is a bug.
 
-The audit run is a training run on the data: the ε it prints is its own.
+The audit run is a training run on the data: the ε it prints is its own. It trains on the data that
+``train`` would (``--data PATH`` with its flags, else ``--dataset``); features without a public range are
+mapped by ``asinh`` (fixed, no privacy cost) and not centred (``--dp-normalize`` is refused: the audit
+measures the DP-SGD steps alone). ``--json`` adds ``dataset``, ``num_examples`` and ``data_notes``.
 
 It trains on Keras 3 (``keras_dpsgd.keras3``) unless ``TF_USE_LEGACY_KERAS=1`` selects tf_keras,
 as ``tf.keras`` does; the output says which, on which backend (``--json`` keys ``keras`` and
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 
@@ -109,6 +113,8 @@ def _check(args) -> None:
         raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
     if args.clipping != "clip":
         raise ValueError(f"--clipping {args.clipping} is not supported by audit (it audits clipping at C)")
+    if args.dp_normalize is not None or args.dp_normalize_bounds is not None:
+        raise ValueError("--dp-normalize is not supported by audit (it audits the DP-SGD steps alone)")
     if args.mode == "one-run":
         if args.canaries is not None:  # None: the mode's default, _ONE_RUN_CANARIES
             _validate.integer_at_least(2, canaries=args.canaries)
@@ -171,17 +177,36 @@ def _audit(args, data, noise_multiplier):
 
 def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
-    from keras_dpsgd.data import _datasets, _models
+    from keras_dpsgd.cli import _dp_normalize
+    from keras_dpsgd.cli import train as train_cli
+    from keras_dpsgd.data import _models
 
     _check(args)
     given = args.noise_multiplier
-    data = _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
+    data = train_cli._load_data(args)  # --data PATH (the user's own) or --dataset, as train reads them
+    notes = list(data.notes)
+    if not data.known_range:  # train's default scaling without its DP centring (a release of its own)
+        data = dataclasses.replace(
+            data,
+            x_train=_dp_normalize.public_transform(data.x_train),
+            x_test=_dp_normalize.public_transform(data.x_test),
+        )
+        notes.append("features mapped by asinh (fixed, no privacy cost); the audit does not centre them")
+    for note in notes:
+        print(f"data: {note}")
     if args.lot_size is None:  # train's default from N (the audit's result records the lot size)
         from keras_dpsgd.cli.train import default_lot_size
 
         args.lot_size = default_lot_size(data.num_examples)
     result = _audit(args, data, given)
-    out = {**result.to_dict(), "mode": args.mode, "backend": _models.backend_label(_models.front_end())}
+    out = {
+        **result.to_dict(),
+        "mode": args.mode,
+        "backend": _models.backend_label(_models.front_end()),
+        "dataset": data.name,
+        "num_examples": data.num_examples,
+        "data_notes": notes,
+    }
     if args.plot:
         points = [(result.noise_multiplier, result.epsilon, result.epsilon_lower_bound)]
         base = result.noise_multiplier if result.noise_multiplier > 0 else 1.0
@@ -293,6 +318,9 @@ def _select(out: dict) -> dict:
         "steps",
         "keras",
         "backend",
+        "dataset",
+        "num_examples",
+        "data_notes",
         "plot",
         "plot_points",
     )

@@ -157,7 +157,12 @@ def _register_local_data(p) -> None:
         help="your own data: a .npz (x_train, y_train[, x_test, y_test]), a .csv with a header row "
         "(needs --label-column), or a directory of IDX files (train-images-idx3-ubyte ..., plain or .gz)",
     )
-    p.add_argument("--label-column", default=None, metavar="NAME", help="the CSV column holding integer labels")
+    p.add_argument(
+        "--label-column",
+        default=None,
+        metavar="NAME",
+        help="the CSV column holding the labels (integers, or text mapped to 0..K-1 in sorted order)",
+    )
     p.add_argument(
         "--feature-range",
         action="append",
@@ -255,8 +260,13 @@ def default_lot_size(num_examples: int) -> int:
 def _plan(
     args, num_examples: int, delta: float, lots_per_epoch: int, sampling_rate: float, prior_events=()
 ) -> tuple[int, float, bool]:
-    """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization)."""
+    """(planned steps, σ, calibrated?); σ calibrated on top of `prior_events` (e.g. a DP normalization).
+
+    A calibrated σ that makes no sense (the noise against one example's or the lot's bound,
+    ``accounting._budget``) is warned about on stderr with its numbers.
+    """
     from keras_dpsgd.accounting import compute_noise_multiplier
+    from keras_dpsgd.accounting._budget import budget_warnings
 
     steps = args.epochs * lots_per_epoch
     if args.noise_multiplier is not None:
@@ -269,6 +279,11 @@ def _plan(
         accountant=args.accountant,
         prior_events=prior_events,
     )
+    clip = 1.0 if args.l2_norm_clip is None else args.l2_norm_clip  # normalize: sensitivity 1
+    for warning in budget_warnings(
+        target_epsilon=args.target_epsilon, noise_multiplier=sigma, expected_lot_size=args.lot_size, l2_norm_clip=clip
+    ):
+        print(f"keras-dpsgd {getattr(args, 'command', 'train')}: warning: {warning}", file=sys.stderr)
     return steps, float(sigma), True
 
 
@@ -451,13 +466,20 @@ def check_save_destination(directory: str) -> None:
         raise ValueError(f"--save {directory!r} is not writable: {err.strerror or err}") from None
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: set it back at once
+    os.umask(mask)
+    return mask
+
+
 def _save(directory: str, model, ledger, result: dict) -> str:
     """Writes DIR/model.keras and DIR/privacy_report.json atomically (both or neither).
 
     Each file is written under a temporary name in DIR, then renamed over its
     final name (os.replace, atomic on one file system); on an error the
     temporary files are removed and earlier files of those names stay as they
-    were.
+    were. The files get the mode a new file gets (0666 less the umask), not
+    the temporary files' 0600.
 
     Raises:
       OSError: if a file cannot be written (full disk, permissions).
@@ -481,7 +503,9 @@ def _save(directory: str, model, ledger, result: dict) -> str:
         model.save(temporary["model.keras"])
         with open(temporary["privacy_report.json"], "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2, sort_keys=True)
+        mode = 0o666 & ~_umask()  # what open() gives a new file (mkstemp's are 0600)
         for name in SAVED_FILES:
+            os.chmod(temporary[name], mode)
             os.replace(temporary.pop(name), os.path.join(directory, name))
     finally:
         for leftover in temporary.values():

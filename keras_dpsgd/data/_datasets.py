@@ -185,7 +185,8 @@ def load_local(
 
     Args:
       path: the file or directory.
-      label_column: the CSV column holding the integer labels (CSV only).
+      label_column: the CSV column holding the labels (CSV only): integers, or text mapped to
+        0..K-1 in sorted order (stated in a note).
       feature_range: public ranges, ``["LO,HI"]`` for every feature and/or
         ``["NAME=LO,HI", ...]`` per feature (CSV column names, or indices of
         2-D arrays); features are clipped to them and mapped to [0, 1]. Default:
@@ -209,7 +210,7 @@ def load_local(
         raise ValueError(f"data file or directory {path!r} does not exist")
     if label_column is not None and not path.lower().endswith(".csv"):
         raise ValueError(f"label_column is for CSV files only, got {path!r}")
-    names = None
+    names, notes = None, []
     if os.path.isdir(path):
         files = _local_data.idx_files(path)
         if files is None:
@@ -222,15 +223,15 @@ def load_local(
     elif path.lower().endswith(".npz"):
         x, y, x_te, y_te = _local_data.read_npz(path)
     elif path.lower().endswith(".csv"):
-        x, y, names = _local_data.read_csv(path, label_column)
+        x, y, names, notes = _local_data.read_csv(path, label_column)
         x_te = y_te = None
     else:
         raise ValueError(f"data must be a .npz file, a .csv file or a directory of IDX files, got {path!r}")
-    return _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes)
+    return _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes, notes)
 
 
-def _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes) -> Dataset:
-    notes = []
+def _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes, notes) -> Dataset:
+    notes = list(notes)
     x = _local_data.check_features(x, "x_train")
     y = _local_data.check_labels(y, "y_train")
     if len(x) != len(y):

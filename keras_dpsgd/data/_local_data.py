@@ -3,8 +3,8 @@
 Three formats, read with numpy only:
 
 * ``.npz``: arrays ``x_train``, ``y_train`` and optionally ``x_test``, ``y_test``.
-* ``.csv``: a header row, one numeric column per feature and an integer label
-  column named by ``label_column``.
+* ``.csv``: a header row, one numeric column per feature and a label column
+  named by ``label_column`` (integers, or text mapped to 0..K-1 in sorted order).
 * A directory of LeCun's IDX files (MNIST, Fashion-MNIST, EMNIST):
   ``train-images-idx3-ubyte`` and ``train-labels-idx1-ubyte`` (also spelled
   ``train-images.idx3-ubyte``), optionally ``t10k-images-idx3-ubyte`` and
@@ -27,6 +27,7 @@ features are used as given.
 from __future__ import annotations
 
 import csv
+import difflib
 import gzip
 import math
 import os
@@ -221,12 +222,58 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], O
     return arrays["x_train"], arrays["y_train"], arrays.get("x_test"), arrays.get("y_test")
 
 
-def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(features float64 (N, F), labels float64 (N,), feature names) from a CSV with a header row.
+def _suggest(name: str, choices: Sequence[str]) -> str:
+    """ " (did you mean 'x'?)" for the column that matches `name` up to case, else the closest one; or ""."""
+    same = [c for c in choices if c.lower() == name.lower()]
+    close = same or difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _load_columns(path: str, columns: Sequence[int], dtype) -> np.ndarray:
+    with warnings.catch_warnings():  # a header without rows: our one-line error below, not numpy's warning
+        warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
+        return np.loadtxt(
+            path,
+            delimiter=",",
+            skiprows=1,
+            dtype=dtype,
+            ndmin=2,
+            quotechar='"',
+            encoding="utf-8",
+            usecols=columns,
+        )
+
+
+def _text_labels(labels: np.ndarray, label_column: str) -> tuple[np.ndarray, str]:
+    """Class names mapped to 0..K-1 in sorted order, and the note that states the mapping."""
+    names, y = np.unique(np.char.strip(labels.astype(str)), return_inverse=True)
+    mapping = ", ".join(f"{str(n)!r} → {i}" for i, n in enumerate(names[:20]))
+    more = f", ... ({len(names)} in all)" if len(names) > 20 else ""
+    note = (
+        f"text labels of column {label_column!r} mapped to classes in sorted order: {mapping}{more} (the class "
+        f"names are read from the data, as K is; encode them as 0..K-1 yourself if the list is not public)"
+    )
+    return y.astype(np.float64), note
+
+
+def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.ndarray, list[str], list[str]]:
+    """(features float64 (N, F), labels float64 (N,), feature names, notes) from a CSV with a header row.
+
+    Labels that are not numbers (``malignant``, ``benign``) are mapped to 0..K-1 in sorted order, stated in
+    a note. A first column without a name that holds the row numbers 0..N-1 (the index pandas'
+    ``DataFrame.to_csv`` writes without ``index=False``) is not used as a feature, also stated in a note.
 
     Raises:
-      ValueError: no label column named, the column missing, a ragged row, an
-        empty or non-numeric cell (its row and column are named), no rows.
+      ValueError: no label column named, the column missing (with the closest name), a ragged row, an
+        empty or non-numeric feature cell (its row and column are named), no rows.
     """
     with open(path, newline="", encoding="utf-8") as f:
         header = next(csv.reader(f), None)
@@ -236,32 +283,54 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
     if label_column is None:
         raise ValueError(f"a CSV needs --label-column NAME (label_column), one of {_preview(header)}")
     if label_column not in header:
-        raise ValueError(f"label_column {label_column!r} is not a column of {path!r}; columns: {_preview(header)}")
+        raise ValueError(
+            f"label_column {label_column!r} is not a column of {path!r}{_suggest(label_column, header)}; "
+            f"columns: {_preview(header)}"
+        )
     if len(set(header)) != len(header):
         raise ValueError(f"{path!r} repeats a column name in its header")
+    j = header.index(label_column)
+    notes = []
     try:
-        with warnings.catch_warnings():  # a header without rows: our one-line error below, not numpy's warning
-            warnings.filterwarnings("ignore", message="loadtxt: input contained no data", category=UserWarning)
-            table = np.loadtxt(
-                path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2, quotechar='"', encoding="utf-8"
-            )
+        table = _load_columns(path, None, np.float64)
     except ValueError:
-        _raise_bad_cell(path, header)
-        raise
+        _raise_bad_cell(path, header, skip=j)  # returns only if every bad cell is a label: text labels
+        labels = _load_columns(path, [j], str)[:, 0]
+        if all(_is_number(label) for label in labels):
+            raise
+        y, note = _text_labels(labels, label_column)
+        notes.append(note)
+        features = _load_columns(path, [i for i in range(len(header)) if i != j], np.float64)
+        table = np.insert(features, j, y, axis=1)
     if table.shape[0] == 0:
         raise ValueError(f"{path!r} has a header but no rows")
     if table.shape[1] != len(header):
         raise ValueError(f"{path!r}: the rows have {table.shape[1]} cells but the header names {len(header)} columns")
     check_finite(table, repr(path), header)
-    j = header.index(label_column)
-    names = header[:j] + header[j + 1 :]
+    drop = [j]
+    if j != 0 and header[0] == "":
+        first = table[:, 0]
+        if np.all(first == np.round(first)) and np.all(np.diff(first) > 0):
+            drop.append(0)
+            notes.append(
+                "the first column has no name and holds increasing row numbers (the index pandas writes "
+                "without to_csv(index=False)): not used as a feature"
+            )
+        else:
+            notes.append(
+                "the first column has no name: it is used as a feature (name it, or drop it if it is an index)"
+            )
+    names = [h for i, h in enumerate(header) if i not in drop]
     if not names:
         raise ValueError(f"{path!r} has no feature columns besides the label column {label_column!r}")
-    return np.delete(table, j, axis=1), table[:, j], names
+    return np.delete(table, drop, axis=1), table[:, j], names, notes
 
 
-def _raise_bad_cell(path: str, header: list[str]) -> None:
-    """Finds the first ragged row or non-numeric cell (np.loadtxt's message does not name the column)."""
+def _raise_bad_cell(path: str, header: list[str], skip: Optional[int] = None) -> None:
+    """Finds the first ragged row or non-numeric cell (np.loadtxt's message does not name the column).
+
+    Cells of column `skip` (the label column, which may hold text) are not checked.
+    """
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         next(reader)
@@ -270,13 +339,17 @@ def _raise_bad_cell(path: str, header: list[str]) -> None:
                 continue
             if len(row) != len(header):
                 raise ValueError(f"{path!r} line {line} has {len(row)} cells, the header has {len(header)}")
-            for name, cell in zip(header, row):
+            for i, (name, cell) in enumerate(zip(header, row)):
+                if i == skip:
+                    if not cell.strip():
+                        raise ValueError(f"{path!r} line {line}, column {name!r}: the label is empty")
+                    continue
                 try:
                     float(cell)
                 except ValueError:
                     raise ValueError(
                         f"{path!r} line {line}, column {name!r}: {cell.strip()[:40]!r} is not a "
-                        f"number (all cells must be numeric; encode categories as numbers)"
+                        f"number (all feature cells must be numeric; encode categories as numbers)"
                     ) from None
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -47,7 +48,10 @@ PUBLIC_ATTR = "_keras_dpsgd_fitted_on_public_data"
 # sensitivity, moves by at most 1 in ℓ2 norm, so the whole vector by sqrt(3).
 _NUM_BLOCKS = 3
 
-_EPSILON = 1e-7  # the floor of the std in call (Keras's backend.epsilon(), the same in both Kerases)
+_EPSILON = 1e-7  # min_std=None: the floor of the std in call (Keras's backend.epsilon(), the same in both Kerases)
+# min_std="auto" (the default): the floor is this fraction of each feature's public range (upper - lower), or of
+# 2C/√d in ℓ2-norm mode (the range a feature has when the norm bound C is shared evenly by the d features).
+MIN_STD_FRACTION = 0.05
 
 Bound = Union[float, Sequence[float]]
 
@@ -278,11 +282,11 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         l2_norm_clip: Optional[float] = None,
         sampling_rate: float = 1.0,
         seed: Optional[int] = None,
-        min_std: Optional[float] = None,
+        min_std: Union[float, str, None] = "auto",
         **kwargs,
     ):
         lower, upper, l2_norm_clip = _check_clipping(lower, upper, l2_norm_clip)
-        if min_std is not None:
+        if min_std is not None and not (isinstance(min_std, str) and min_std == "auto"):
             min_std = _validate.positive(min_std=min_std)
         super().__init__(**kwargs)
         self.lower, self.upper, self.l2_norm_clip = lower, upper, l2_norm_clip
@@ -319,6 +323,42 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         """Noise standard deviation on each coordinate of each block: σ·√3·Δ."""
         scale = self.noise_multiplier * math.sqrt(_NUM_BLOCKS)
         return {block: scale * s for block, s in self.sensitivities.items()}
+
+    def std_floor(self) -> np.ndarray:
+        """(d,) the floor of the standard deviation `call` divides by (`min_std`, per feature)."""
+        if self.input_dim is None:
+            raise ValueError("the floor depends on d: build or adapt the layer first")
+        if self.min_std is None:
+            return np.full(self.input_dim, _EPSILON)
+        if self.min_std != "auto":
+            return np.full(self.input_dim, float(self.min_std))
+        if self.l2_norm_clip is not None:
+            return np.full(self.input_dim, MIN_STD_FRACTION * 2.0 * self.l2_norm_clip / math.sqrt(self.input_dim))
+        return MIN_STD_FRACTION * 2.0 * self._radius()
+
+    def _warn_floored(self, variance: np.ndarray) -> None:
+        """Warns, naming them, about the features whose released std is below a floor the user did not choose."""
+        if self.min_std is not None and self.min_std != "auto":
+            return
+        floor = self.std_floor()
+        hit = np.flatnonzero(np.sqrt(variance.reshape(-1)) < floor)
+        if hit.size == 0:
+            return
+        names = ", ".join(str(int(j)) for j in hit[:10]) + (f", ... ({hit.size} in all)" if hit.size > 10 else "")
+        if self.min_std is None:
+            effect = f"divided by {_EPSILON:g} (min_std=None): multiplied by up to {1 / _EPSILON:g}"
+        else:
+            of = "2C/√d" if self.l2_norm_clip is not None else "each feature's public range"
+            effect = (
+                f"divided by the default floor min_std='auto' ({MIN_STD_FRACTION:.0%} of {of}: "
+                f"{float(floor[hit].min()):.4g} to {float(floor[hit].max()):.4g}) instead"
+            )
+        warnings.warn(
+            f"DPNormalization {self.name!r}: {hit.size} of {floor.size} features have a released standard "
+            f"deviation below the floor and are {effect}; features (flattened indices) [{names}]",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def _limit(self) -> np.ndarray:
         """The bound on |y_j| per feature: r, or C in norm mode."""
@@ -387,6 +427,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
 
     def _store(self, released: tuple) -> None:
         mean, variance = released
+        self._warn_floored(variance)
         self.mean.assign(mean.reshape(self.mean.shape).astype(np.float32))
         self.variance.assign(variance.reshape(self.variance.shape).astype(np.float32))
 
@@ -421,7 +462,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         ops = self._ops  # TensorFlow ops on tf_keras, keras.ops on Keras 3 (any backend)
         x = self._check_adapted(ops.cast(ops.convert_to_tensor(inputs), self.compute_dtype))
         mean = ops.cast(self.mean, x.dtype)
-        floor = _EPSILON if self.min_std is None else self.min_std
+        floor = ops.cast(self.std_floor().reshape(tuple(self.mean.shape)), x.dtype)
         std = ops.maximum(ops.sqrt(ops.cast(self.variance, x.dtype)), floor)
         return (x - mean) / std
 
@@ -485,11 +526,16 @@ DP_NORMALIZATION_DOC = """Normalizes features with a differentially private mean
       sampling_rate: q in (0, 1], the Poisson sampling probability of adapt.
       seed: None (default: OS entropy at each adapt) or an integer for
         reproducible adapts (kept secret, never saved, as for ``DPPCA``).
-      min_std: None (default: Keras's epsilon, 1e-7) or a public floor > 0
-        of the standard deviation `call` divides by. The noisy variance of
-        a feature that barely varies (a border pixel) can come out near 0;
-        a floor of a few percent of the feature range keeps such features
-        from exploding (post-processing: no privacy cost).
+      min_std: the public floor of the standard deviation `call` divides
+        by (post-processing: no privacy cost). The noisy variance of a
+        feature that barely varies (a border pixel), or whose variance the
+        noise hides, can come out near 0. "auto" (default): 5% of each
+        feature's range, upper − lower (in ℓ2-norm mode 5% of 2C/√d), so
+        that no feature is scaled up by more than 20/range; `adapt` warns,
+        naming them, about the features whose std falls below it. A number
+        > 0: that floor for every feature (no warning). None: Keras's
+        epsilon, 1e-7 (the default of 0.2.0, which can scale a feature up
+        by 1e7; it warns too).
       **kwargs: Keras layer arguments (`name`, `dtype`, ...).
 
     Raises:

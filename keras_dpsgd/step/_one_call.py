@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from typing import Any, Optional
 
 from keras_dpsgd import _validate
@@ -216,9 +217,14 @@ def make_private_with_epsilon(
       TypeError: a model or optimizer of no known Keras, or a DP optimizer.
       ValueError: an argument out of range (the message names it), or a target ε that the
         model's recorded events already spend.
+
+    Warns:
+      UserWarning: a target ε whose σ makes no sense, with the numbers: σ < 0.5 (one example's clipped
+        gradient stands out of a step's noise) or σ >= L (the noise exceeds the whole lot's bound L·C).
     """
     from keras_dpsgd.accounting import check_delta, compute_epsilon, compute_noise_multiplier, default_delta
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent, accountant_names
+    from keras_dpsgd.accounting._budget import budget_warnings
     from keras_dpsgd.ledger import model_privacy_ledger
     from keras_dpsgd.step.lots import PoissonLots
 
@@ -278,6 +284,13 @@ def make_private_with_epsilon(
             prior_events=prior,
         )
     )
+    for warning in budget_warnings(
+        target_epsilon=target_epsilon,
+        noise_multiplier=sigma,
+        expected_lot_size=lots.expected_lot_size,
+        l2_norm_clip=l2_norm_clip,
+    ):
+        warnings.warn(f"make_private_with_epsilon: {warning}", UserWarning, stacklevel=2)
     events = list(prior) + [PoissonSampledGaussianEvent(lots.sampling_rate, sigma, planned_steps)]
     epsilon = float(compute_epsilon(events, delta, accountant=accountant))
     private_optimizer = make_dp_optimizer(optimizer_cls)(

@@ -1,10 +1,12 @@
 """``keras-dpsgd audit``: one JSON object with the documented keys, honest ε, the verdict, the plot, errors,
 exit codes (0 consistent, 1 a leak found, 2 bad input), both modes (step by default, one-run by name)."""
 
+import argparse
 import json
 import math
 import os
 
+import numpy as np
 import pytest
 
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon, default_delta
@@ -146,3 +148,51 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, fragment):
     assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("keras-dpsgd audit: error:") and fragment in last
+
+
+def _tiny_csv(path, n=100, features=4, classes=3, label="label"):
+    rng = np.random.default_rng(0)
+    y = np.arange(n) % classes
+    x = rng.normal(10.0 * y[:, None], 1.0, (n, features))
+    header = ",".join([f"f{i}" for i in range(features)] + [label])
+    np.savetxt(path, np.column_stack([x, y]), delimiter=",", header=header, comments="", fmt="%.6g")
+    return str(path)
+
+
+def test_audit_trains_on_the_data_given(capsys, tmp_path):
+    """--data PATH is the data audited (it was ignored for digits): N, δ, q and the model's shape are the CSV's."""
+    path = _tiny_csv(tmp_path / "table.csv")
+    argv = ["--data", path, "--label-column", "label", "--epochs", "1", "--lot-size", "16", "--width", "16"]
+    result = _run_json(capsys, *argv, "--seed", "3", "--noise-multiplier", "1")
+    n = 80  # 100 rows, 20% held out
+    assert result["dataset"] == path and result["num_examples"] == n
+    assert result["delta"] == pytest.approx(default_delta(n), rel=1e-12)
+    assert result["sampling_rate"] == pytest.approx(16 / n) and result["steps"] == math.ceil(n / 16)
+    assert result["canaries"] == 4 * 16 + 16 + 16 * 3 + 3  # one per coordinate of the MLP on 4 features, 3 classes
+    assert result["epsilon"] == pytest.approx(
+        compute_epsilon(PoissonSampledGaussianEvent(16 / n, 1.0, math.ceil(n / 16)), default_delta(n)), rel=1e-9
+    )
+    assert any("asinh" in note for note in result["data_notes"])
+
+
+def _commands_with_data_flag():
+    from keras_dpsgd.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sorted(name for name, p in sub.choices.items() if "--data" in p._option_string_actions)
+
+
+@pytest.mark.parametrize("command", _commands_with_data_flag())
+def test_every_command_with_data_refuses_a_missing_path(capsys, tmp_path, command):
+    missing = str(tmp_path / "nope.csv")
+    code = main([command, "--data", missing, "--label-column", "label", "--epochs", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"keras-dpsgd {command}: error:") and "does not exist" in err[0] and missing in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_audit_refuses_dp_normalize(capsys):
+    assert main(["audit", *BASE, "--dp-normalize", "2"]) == 2
+    assert "--dp-normalize is not supported by audit" in capsys.readouterr().err

@@ -201,3 +201,13 @@ def test_default_settings_are_the_documented_ones():
     assert args.learning_rate is None and args.l2_norm_clip is None and args.clipping == "clip"
     assert math.isclose(DEFAULTS["l2_norm_clip"], 1.0)
     assert DEFAULTS["learning_rate"] == {"mlp": 0.5, "cnn": 2.0}
+
+
+def test_a_budget_that_makes_no_sense_warns_with_the_numbers(capsys):
+    """Issue 40.8: target ε = 0.001 on digits (σ in the tens of thousands) trained without a word."""
+    code = main(["train", "--json", "--epochs", "1", "--width", "16", "--seed", "1", "--target-epsilon", "0.001"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    sigma = json.loads(out)["noise_multiplier"]
+    (line,) = [line for line in err.splitlines() if line.startswith("keras-dpsgd train: warning:")]
+    assert sigma > 256 and f"σ = {sigma:.4g}" in line and "L·C = 256" in line and "learns nothing" in line

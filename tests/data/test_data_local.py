@@ -335,3 +335,82 @@ def test_mnist_example_reads_idx_data_dir(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "DP-SGD steps" in proc.stdout and "test accuracy" in proc.stdout
+
+
+# ------------------------------------------------------------------------------- issue 40.9: first-week slips
+
+
+def _diagnosis_csv(path, n=120, index=False):
+    """Two classes named by text ("benign", "malignant"), quoted or not; optionally pandas' unnamed index first."""
+    x, y = _blobs(n, 3)
+    names = np.array(["benign", "malignant"])[y]
+    lines = [("," if index else "") + "f0,diagnosis,f1,f2"]
+    for i, (row, name) in enumerate(zip(x, names)):
+        label = f'"{name}"' if i % 2 else name
+        cells = [repr(float(v)) for v in row]
+        lines.append((f"{i}," if index else "") + ",".join([cells[0], label, *cells[1:]]))
+    path.write_text("\n".join(lines) + "\n")
+    return path, x, y
+
+
+def test_text_labels_are_mapped_to_classes_with_the_mapping_stated(tmp_path):
+    path, x, y = _diagnosis_csv(tmp_path / "bc.csv")
+    data = load_local(str(path), label_column="diagnosis", test_fraction=0.25)
+    train, test = held_out_split(len(y), 0.25)
+    np.testing.assert_array_equal(data.y_train, y[train])  # benign → 0, malignant → 1 (sorted)
+    np.testing.assert_array_equal(data.y_test, y[test])
+    np.testing.assert_allclose(data.x_train, x[train])  # the label column is not a feature
+    assert data.num_classes == 2
+    assert any("'benign' → 0, 'malignant' → 1" in note for note in data.notes)
+
+
+def test_a_text_label_next_to_a_text_feature_still_names_the_feature(tmp_path):
+    path, _, _ = _diagnosis_csv(tmp_path / "bc.csv")
+    lines = path.read_text().splitlines()
+    lines[4] = "abc," + lines[4].split(",", 1)[1]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="line 5, column 'f0': 'abc' is not a number"):
+        load_local(str(path), label_column="diagnosis")
+
+
+@pytest.mark.parametrize("given", ["Diagnosis", "DIAGNOSIS", "diagnosys"])
+def test_a_label_column_spelled_differently_suggests_the_column(capsys, tmp_path, given):
+    path, _, _ = _diagnosis_csv(tmp_path / "bc.csv")
+    assert main(["train", "--data", str(path), "--label-column", given]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"label_column {given!r} is not a column" in line and "(did you mean 'diagnosis'?)" in line
+
+
+def test_pandas_index_column_is_not_a_feature_and_is_said(tmp_path):
+    path, x, y = _diagnosis_csv(tmp_path / "bc.csv", index=True)
+    data = load_local(str(path), label_column="diagnosis", test_fraction=0.25)
+    train, _ = held_out_split(len(y), 0.25)
+    np.testing.assert_allclose(data.x_train, x[train])  # the row numbers are dropped
+    assert any("increasing row numbers" in note and "index=False" in note for note in data.notes)
+    # The index of a filtered frame (0, 2, 5, ...) is an index too; an unnamed column of values is a feature.
+    lines = path.read_text().splitlines()
+    filtered = [lines[0]] + [f"{3 * i + 1}," + line.split(",", 1)[1] for i, line in enumerate(lines[1:])]
+    path.write_text("\n".join(filtered) + "\n")
+    np.testing.assert_allclose(load_local(str(path), label_column="diagnosis", test_fraction=0.25).x_train, x[train])
+    values = [lines[0]] + [f"{(-1) ** i}," + line.split(",", 1)[1] for i, line in enumerate(lines[1:])]
+    path.write_text("\n".join(values) + "\n")
+    data = load_local(str(path), label_column="diagnosis", test_fraction=0.25)
+    assert data.x_train.shape == (len(train), 4)
+    assert any("the first column has no name: it is used as a feature" in note for note in data.notes)
+
+
+def test_saved_files_have_the_mode_of_a_new_file_and_the_report_states_the_mapping(capsys, tmp_path):
+    import os
+    import stat
+
+    path, _, _ = _diagnosis_csv(tmp_path / "bc.csv", n=100, index=True)
+    save = tmp_path / "run"
+    result, _ = _train_json(capsys, "--data", str(path), "--label-column", "diagnosis", "--save", str(save))
+    assert result["saved_to"] == str(save)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in ("model.keras", "privacy_report.json"):  # mkstemp's 0600 was kept
+        assert stat.S_IMODE(os.stat(save / name).st_mode) == 0o666 & ~mask, name
+    report = json.loads((save / "privacy_report.json").read_text())
+    notes = " | ".join(report["settings"]["data_notes"])
+    assert "'benign' → 0, 'malignant' → 1" in notes and "increasing row numbers" in notes

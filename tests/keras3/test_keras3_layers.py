@@ -12,6 +12,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -165,8 +166,9 @@ def test_same_validation_as_the_tf_keras_layers():
 @pytest.mark.parametrize("cls", [k3.DPNormalization, tf_keras_normalization.DPNormalization])
 def test_min_std_floors_the_std_of_a_constant_feature(cls):
     x = np.concatenate([FLAT[:, :1], np.zeros((len(FLAT), 1), np.float32)], axis=1)  # feature 1 is constant
-    exact = cls(0.0, lower=-4.0, upper=4.0)
-    exact.adapt(x)
+    exact = cls(0.0, lower=-4.0, upper=4.0, min_std=None)  # Keras's epsilon (the default of 0.2.0)
+    with pytest.warns(UserWarning, match="multiplied by up to 1e"):
+        exact.adapt(x)
     assert exact.variance.numpy()[1] == 0.0
     floored = cls(0.0, lower=-4.0, upper=4.0, min_std=0.5)
     floored.adapt(x)
@@ -317,3 +319,28 @@ def test_adapted_keras_normalization_is_refused_and_the_dp_layers_pass():
     pca = k3.DPPCA(2, 1.0)
     pca.adapt(FLAT)
     k3.refuse_adapted_preprocessing(keras.Sequential([keras.Input((6,)), norm, pca]))  # accounted: passes
+
+
+@pytest.mark.parametrize("cls", [k3.DPNormalization, tf_keras_normalization.DPNormalization])
+def test_the_default_floor_is_tied_to_the_range_and_warns_naming_the_features(cls):
+    """Issue 40.4: the default floor was 1e-7, so a feature the noise (or the data) flattens was scaled up by 1e7."""
+    x = np.concatenate([FLAT[:, :1], np.full((len(FLAT), 2), 3.0, np.float32)], axis=1)  # 1 and 2 are constant
+    layer = cls(0.0, lower=[-4.0, 0.0, 0.0], upper=[4.0, 100.0, 10.0])
+    with pytest.warns(UserWarning, match=r"2 of 3 features .* below the floor .* \[1, 2\]"):
+        layer.adapt(x)
+    assert layer.get_config()["min_std"] == "auto" and cls.from_config(layer.get_config()).min_std == "auto"
+    np.testing.assert_allclose(layer.std_floor(), [0.4, 5.0, 0.5])  # 5% of each range
+    shifted = np.array([[0.0, 4.0, 4.0]], np.float32)
+    np.testing.assert_allclose(layer(shifted).numpy()[0, 1:], [1.0 / 5.0, 1.0 / 0.5], rtol=1e-6)  # not 1e7
+    # In ℓ2-norm mode: 5% of 2C/√d.
+    norm = cls(0.0, l2_norm_clip=6.0)
+    with pytest.warns(UserWarning, match=r"\[1, 2\]"):
+        norm.adapt(x)
+    np.testing.assert_allclose(norm.std_floor(), 0.05 * 2 * 6.0 / np.sqrt(3))
+    # None keeps the floor of 0.2.0 (saved models load unchanged) and says what it does; a number is a choice.
+    with pytest.warns(UserWarning, match="multiplied by up to 1e"):
+        cls(0.0, lower=-4.0, upper=4.0, min_std=None).adapt(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cls(0.0, lower=-4.0, upper=4.0, min_std=0.5).adapt(x)
+        cls(0.0, lower=-4.0, upper=4.0).adapt(FLAT[:, :3])  # nothing below the floor: silent

@@ -123,3 +123,17 @@ def test_fit_refuses_arguments_the_plan_fixes():
     run = _call()
     with pytest.raises(ValueError, match=r"fit arguments \['epochs'\] are fixed by the plan"):
         run.fit(epochs=5)
+
+
+@pytest.mark.parametrize("target, fragment", [(1000.0, "protects little"), (0.001, "learns nothing")])
+def test_a_budget_that_makes_no_sense_warns_with_the_numbers(target, fragment):
+    """Issue 40.8: a target ε whose σ is below 0.5 or above L passed without a word."""
+    x, y = _blobs()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    with pytest.warns(UserWarning, match="make_private_with_epsilon: target ε") as caught:
+        run = keras_dpsgd.make_private_with_epsilon(
+            model, x, y, target_epsilon=target, epochs=3, expected_lot_size=50, l2_norm_clip=1.0, verbose=0
+        )
+    (text,) = [str(w.message) for w in caught if "make_private_with_epsilon" in str(w.message)]
+    assert fragment in text and f"σ = {run.noise_multiplier:.4g}" in text and "L·C = 50" in text
+    assert not (0.5 <= run.noise_multiplier < 50)  # what the warning says is true

@@ -124,7 +124,7 @@ def test_outputs_are_numpy_from_the_stored_weights(pca_model, norm_model):
     unit_rows = np.divide(rows, norms, out=np.zeros(rows.shape), where=norms > 0)
     np.testing.assert_allclose(unit(rows.reshape(-1, 3, 2)), unit_rows @ pca.projection.numpy(), atol=1e-6)
     norm = norm_model.layers[0]
-    std = np.maximum(np.sqrt(norm.variance.numpy()), 1e-7)
+    std = np.maximum(np.sqrt(norm.variance.numpy()), norm.std_floor().reshape(norm.mean.shape))  # min_std="auto"
     np.testing.assert_allclose(norm(X[:5]), (X[:5] - norm.mean.numpy()) / std, rtol=1e-5, atol=1e-5)
     # Inside the jitted step (predict's): the same.
     dense = pca_model.layers[2]
