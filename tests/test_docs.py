@@ -71,6 +71,8 @@ def test_the_api_reference_documents_every_public_name(site, module):
     assert names
     assert not set(names) - everywhere, sorted(set(names) - everywhere)
     assert len(set(names) & _documented(page)) >= len(names) / 2, "most of the module's names are on its page"
+    roles = re.findall(r":(?:class|func|meth|mod|attr|data):(?:`|<code>)", page.read_text(encoding="utf-8"))
+    assert roles == [], "a Sphinx role shown as written (docs/_ext/sphinx_roles.py rewrites them)"
 
 
 def test_the_api_reference_documents_every_top_level_name(site):
