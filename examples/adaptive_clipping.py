@@ -12,12 +12,13 @@ Figure 4 of the paper (norms differ across layers and drift over time).
     python examples/adaptive_clipping.py                  # offline: scikit-learn digits, ~1-2 min
     python examples/adaptive_clipping.py --smoke          # < 30 s
     python examples/adaptive_clipping.py --dataset cifar10 --epochs 60 --alpha 1.1   # paper scale (tfds)
+    python examples/adaptive_clipping.py --plot bounds.png   # the bounds' plot: pip install "keras-dpsgd[plot]"
 """
 
 import argparse
 import json
 
-from keras_dpsgd.cli import add_option, import_tensorflow_quietly
+from keras_dpsgd.cli import add_option, exit_unless_installed, import_tensorflow_quietly
 
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
@@ -55,6 +56,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.plot:
+        exit_unless_installed("matplotlib", "plot", needed_by="--plot")
 
     import numpy as np
 

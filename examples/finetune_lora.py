@@ -20,12 +20,15 @@ a pretrained model on disk:
         # its tokenizer and pretrained backbone (keras_hub.models.Backbone.from_preset)
 
 The held-out split (20%) is not trained on; its accuracy is printed with ε.
+
+Needs keras_hub, the ``hub`` extra: ``pip install "keras-dpsgd[hub]"`` (without it the script says so and
+exits with code 2).
 """
 
 import argparse
 import zlib
 
-from keras_dpsgd.cli import add_option, import_tensorflow_quietly
+from keras_dpsgd.cli import add_option, exit_unless_installed, import_tensorflow_quietly
 
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
@@ -142,6 +145,7 @@ def main(argv=None):
             p.error(f"--{flag.replace('_', '-')} must be >= 1 (vocabulary, examples: >= 2), got {getattr(args, flag)}")
     if args.epochs is not None and args.epochs < 1:
         p.error(f"--epochs must be >= 1, got {args.epochs}")
+    exit_unless_installed("keras_hub", "hub", needed_by="examples/finetune_lora.py")
 
     import keras
     import numpy as np

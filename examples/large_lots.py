@@ -17,7 +17,7 @@ the target ε, but they all touch the same data: together they cost more
     python examples/large_lots.py                # offline: scikit-learn digits, a few minutes on 2 cores
     python examples/large_lots.py --smoke        # < 30 s
     python examples/large_lots.py --dataset cifar10   # paper scale: 60 epochs, ε = 20, lots 128/512/1024
-    python examples/large_lots.py --plot lots.png     # the noise-per-example plot
+    python examples/large_lots.py --plot lots.png     # the noise-per-example plot: pip install "keras-dpsgd[plot]"
     TF_USE_LEGACY_KERAS=1 python examples/large_lots.py   # on tf_keras
 
 Keras 3 by default, tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule
@@ -29,7 +29,7 @@ accumulated and noised once per lot.
 import argparse
 import json
 
-from keras_dpsgd.cli import add_option, import_tensorflow_quietly
+from keras_dpsgd.cli import add_option, exit_unless_installed, import_tensorflow_quietly
 
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
@@ -55,6 +55,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.plot:
+        exit_unless_installed("matplotlib", "plot", needed_by="--plot")
 
     import numpy as np
 

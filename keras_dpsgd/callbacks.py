@@ -240,7 +240,10 @@ class WithinLimit(_PrivacyCallback):
     Args:
       target_epsilon: the budget ε > 0.
       target_delta: δ; default 1/N^1.1, announced once. δ >= 1/N is refused.
-      num_examples, batch_size, extra_events, accountant: as for :class:`PrivacyLogger`.
+      num_examples: as for :class:`PrivacyLogger`.
+      batch_size: as for :class:`PrivacyLogger`.
+      extra_events: as for :class:`PrivacyLogger`.
+      accountant: as for :class:`PrivacyLogger`.
       verbose: print a line when training is stopped.
 
     Attributes:

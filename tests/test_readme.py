@@ -185,3 +185,11 @@ def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
         if marker:
             continue
         exec(compiled, namespace)  # noqa: S102
+
+
+def test_readme_links_work_on_the_package_page():
+    """The package index renders README.md away from the tree: every link is absolute (the docs site, the
+    repository); tests/test_docs.py checks that each names a page or file that exists."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", _readme())
+    assert targets
+    assert [t for t in targets if not t.startswith("https://")] == []

@@ -195,10 +195,11 @@ def step_audit(
 ) -> StepAuditResult:
     """Trains one model with gradient canaries and audits the noised release of every step.
 
+    `build_model`, `train`, `num_classes`, `noise_multiplier`, `l2_norm_clip`, `lot_size`, `epochs`,
+    `learning_rate`, `momentum`, `delta`, `accountant`, `optimizer_cls`, `seed` and `verbose` are as for
+    :func:`~keras_dpsgd.audit.canary_audit`.
+
     Args:
-      build_model, train, num_classes, noise_multiplier, l2_norm_clip, lot_size, epochs,
-        learning_rate, momentum, delta, accountant, optimizer_cls, seed, verbose: as for
-        :func:`~keras_dpsgd.audit.canary_audit`.
       canaries: m >= 1 Dirac canaries, all included; default one on every trainable coordinate
         (more canary joins: a tighter bound on the shift).
       confidence: 1 − β; a correct optimizer is flagged with probability at most β.

@@ -35,7 +35,9 @@ __all__ = [
     "add_json_flag",
     "add_option",
     "build_parser",
+    "exit_unless_installed",
     "import_tensorflow_quietly",
+    "install_line",
     "main",
     "model_choice",
     "positive_float",
@@ -147,6 +149,27 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def install_line(extra: str) -> str:
+    """The command that installs an extra of setup.cfg, quoted for every shell: ``pip install "keras-dpsgd[hub]"``."""
+    return f'pip install "keras-dpsgd[{extra}]"'
+
+
+def exit_unless_installed(module: str, extra: str, *, needed_by: str) -> None:
+    """Before any work (a script's, as the examples'): exits with code 2 and one line naming the install.
+
+    Args:
+      module: the optional package to import (``"keras_hub"``).
+      extra: the extra of setup.cfg that installs it (``"hub"``).
+      needed_by: what needs it, as the user spells it (``"examples/finetune_lora.py"``, ``"--plot"``).
+
+    Raises:
+      SystemExit: code 2 (as the CLI's bad input) after ``needed_by needs module: pip install ...`` on stderr.
+    """
+    if not _importable(module):
+        print(f"{needed_by} needs {module}: {install_line(extra)}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def require_extras(args: argparse.Namespace) -> None:
     """Before any work: every optional package that the parsed options need is importable.
 
@@ -158,7 +181,7 @@ def require_extras(args: argparse.Namespace) -> None:
         if not given or (value is not None and given != value):
             continue
         if not _importable(module):
-            raise ImportError(f"{option} needs {module}: pip install keras-dpsgd[{extra}]")
+            raise ImportError(f"{option} needs {module}: {install_line(extra)}")
     if getattr(args, "uses_tensorflow", False) and active_front_end() == TF_KERAS and not _importable("tf_keras"):
         raise ImportError(
             f"{ENV_VAR}={os.environ.get(ENV_VAR)} trains with tf_keras, which is not installed: {TF_KERAS_EXTRA} "

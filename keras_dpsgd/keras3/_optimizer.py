@@ -225,8 +225,9 @@ class DPKeras3Mixin(LotReleaseMixin):
         counts it. An incomplete lot is discarded, never released nor carried over, at every
         epoch start and at the end of `model`'s ``fit``, and on load (``discard_partial_lot``).
 
+        `per_example_loss`, `variables`, `tape` and `regularization_grads` are as for :meth:`sanitize`.
+
         Args:
-          per_example_loss, variables, tape, regularization_grads: as for :meth:`sanitize`.
           model: the model being trained (its ``fit`` marks the lot boundaries); None in a
             custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
         """

@@ -495,9 +495,11 @@ def steps_remaining(
         PrivacyLedger (then `sampling_rate` and `noise_multiplier` are required).
       target_epsilon: the budget ε.
       target_delta: δ; default 1/N^1.1 (N from num_examples or the configured optimizer).
-      sampling_rate, noise_multiplier: q and σ of the future steps (override the optimizer's).
-      num_examples, batch_size, extra_events: as for :func:`model_privacy_ledger` (extra_events
-        are added to a given PrivacyLedger too).
+      sampling_rate: q of the future steps (overrides the optimizer's).
+      noise_multiplier: σ of the future steps (overrides the optimizer's).
+      num_examples: as for :func:`model_privacy_ledger`.
+      batch_size: as for :func:`model_privacy_ledger`.
+      extra_events: as for :func:`model_privacy_ledger` (added to a given PrivacyLedger too).
       accountant: "rdp", "moments" or "pld".
 
     Returns:

@@ -194,7 +194,8 @@ def make_private_with_epsilon(
 
     Args:
       model: a Keras 3 or tf_keras model; its Keras picks the front end.
-      x, y: the training data, arrays (or nested structures of arrays) sharing the first dimension N.
+      x: the training inputs, an array (or a nested structure of arrays) of first dimension N.
+      y: the training targets, of the same first dimension N.
       target_epsilon: ε > 0 of the whole run.
       epochs: planned epochs of ceil(N/L) lots each, >= 1.
       expected_lot_size: L in (0, N].

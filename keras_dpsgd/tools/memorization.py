@@ -505,9 +505,8 @@ def real_task_test(
     from the optimizer's own step count; the non-private run has ε = ∞. See
     the module docstring on the privacy cost of hyperparameter probes.
 
-    Args: as :func:`memorization_test` (`build_model`, `num_classes` and the
-      :class:`RunOptions`), plus `train` and `test` as (x, y) numpy pairs with
-      integer labels.
+    The arguments are as for :func:`memorization_test` (`build_model`, `num_classes` and the
+    :class:`RunOptions`), plus `train` and `test` as (x, y) numpy pairs with integer labels.
 
     Returns:
       A :class:`MemorizationReport` (mode "real").

@@ -145,7 +145,7 @@ def test_plot_without_matplotlib_is_a_clear_error(capsys, monkeypatch, tmp_path)
     ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "pip install keras-dpsgd[plot]" in err
+    assert len(err.splitlines()) == 1 and 'pip install "keras-dpsgd[plot]"' in err
 
 
 def test_pld_without_dp_accounting_is_a_clear_error(capsys, monkeypatch):

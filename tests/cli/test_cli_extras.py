@@ -1,5 +1,5 @@
 """Every CLI option that needs an optional package is checked before any work: one line naming the
-extra (``pip install keras-dpsgd[plot]``), exit code 2 (issue 27, item 5)."""
+extra (``pip install "keras-dpsgd[plot]"``), exit code 2 (issue 27, item 5)."""
 
 import sys
 
@@ -25,7 +25,7 @@ def test_missing_optional_package_is_refused_before_any_work(argv, module, extra
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    assert module in err and f"pip install {extra}" in err, err
+    assert module in err and f'pip install "{extra}"' in err, err
 
 
 def test_the_description_names_both_kerases():
