@@ -339,7 +339,13 @@ def train(args) -> dict:
         mapped = np.asarray(feature_map(x_train)) if args.dp_normalize is not None or auto_scaling else None
         notes.append(
             "the model takes the rows as read: its first layer (PublicFeatureMap: "
-            + ("asinh" if feature_map.asinh else "the public ranges" if feature_map.lower else "the channel axis")
+            + (
+                "asinh"
+                if feature_map.asinh
+                else "the public range scaling"
+                if feature_map.lower
+                else "the channel axis"
+            )
             + ", fixed, no privacy cost) maps them, so a saved model predicts from raw rows"
         )
         print(f"data: {notes[-1]}")
