@@ -88,7 +88,7 @@ def adapted_layer(args, x_train: Any, keras: Any, seed: Optional[int] = None, *,
     """The DPNormalization of `keras`'s front end, adapted on `x_train` (one release), or None.
 
     With ``--dp-normalize`` the flag's σ and range; else, if `auto` (features without a public range), the
-    default private scaling of the module docstring (`x_train` already mapped by :func:`public_transform`).
+    default private scaling of the module docstring (`x_train` already mapped by asinh: the model's PublicFeatureMap).
     """
     if args.dp_normalize is None and not auto:
         return None
@@ -133,12 +133,20 @@ def describe(layer: Any) -> str:
     return f"features {how}: its release is in the ledger and in ε"
 
 
-def prepend(keras: Any, layer: Optional[Any], model: Any) -> Any:
-    """`model` behind `layer` (the layer's release then belongs to the model's ledger); `model` if None."""
-    if layer is None:
+def prepend(
+    keras: Any, layer: Optional[Any], model: Any, feature_map: Optional[Any] = None, input_shape: Any = None
+) -> Any:
+    """`model` behind `layer` (the layer's release then belongs to the model's ledger), itself behind `feature_map`.
+
+    `feature_map` (a PublicFeatureMap, no release) takes rows of `input_shape`; `model` itself if both are None.
+    """
+    if layer is None and feature_map is None:
         return model
-    inputs = keras.Input(shape=model.input_shape[1:])
-    return keras.Model(inputs, model(layer(inputs)), name=f"{model.name}_dp_normalized")
+    inputs = keras.Input(shape=tuple(input_shape) if feature_map is not None else model.input_shape[1:])
+    x = inputs if feature_map is None else feature_map(inputs)
+    x = x if layer is None else layer(x)
+    suffix = "_dp_normalized" if layer is not None else "_raw_input"
+    return keras.Model(inputs, model(x), name=f"{model.name}{suffix}")
 
 
 def summary(layer: Optional[Any]) -> Optional[dict]:

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from keras_dpsgd import _validate
 from keras_dpsgd.step._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
@@ -327,10 +329,26 @@ def train(args) -> dict:
     delta = default_delta(n) if args.delta is None else check_delta(args.delta, n)
     for note in notes:  # after every check: a refused run prints one line
         print(f"data: {note}")
-    x_train, x_test = data.x_train, data.x_test
     auto_scaling = not data.known_range and args.dp_normalize is None
-    if auto_scaling:
-        x_train, x_test = _dp_normalize.public_transform(x_train), _dp_normalize.public_transform(x_test)
+    feature_map = _raw_feature_map(keras, args, data, auto_scaling)
+    if feature_map is None:
+        x_train, x_test, mapped = data.x_train, data.x_test, data.x_train
+    else:  # the model takes the rows as read (issue 40.2): its first layer maps them
+        x_train, x_test = (np.asarray(x, np.float32) for x in data.raw)
+        # the DP centring is adapted on the rows as the model's next layer sees them
+        mapped = np.asarray(feature_map(x_train)) if args.dp_normalize is not None or auto_scaling else None
+        notes.append(
+            "the model takes the rows as read: its first layer (PublicFeatureMap: "
+            + (
+                "asinh"
+                if feature_map.asinh
+                else "the public range scaling"
+                if feature_map.lower
+                else "the channel axis"
+            )
+            + ", fixed, no privacy cost) maps them, so a saved model predicts from raw rows"
+        )
+        print(f"data: {notes[-1]}")
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)
     lots = PoissonLots(
@@ -340,7 +358,7 @@ def train(args) -> dict:
         physical_batch_size=args.physical_batch_size,
         seed=args.seed,
     )
-    scaling = _dp_normalize.adapted_layer(args, x_train, keras, seed=args.seed, auto=auto_scaling)
+    scaling = _dp_normalize.adapted_layer(args, mapped, keras, seed=args.seed, auto=auto_scaling)
     prior = scaling.privacy_events if scaling is not None else ()
     planned, sigma, calibrated = _plan(args, n, delta, lots.lots_per_epoch, lots.sampling_rate, prior)
     optimizer = _models.dp_sgd(
@@ -354,7 +372,8 @@ def train(args) -> dict:
         seed=args.seed,
     )
     model = _models.build_model(args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras)
-    model = _dp_normalize.prepend(keras, scaling, model)  # its release is in the model's ledger
+    # the DP layer's release is in the model's ledger; the feature map releases nothing
+    model = _dp_normalize.prepend(keras, scaling, model, feature_map, x_train.shape[1:])
     # weighted: padding rows (sample_weight 0) do not count in the accuracy
     model = _models.compile_private(model, optimizer, front, weighted_metrics=["accuracy"])
     logger = PrivacyLogger(delta, accountant=args.accountant)
@@ -415,6 +434,27 @@ def train(args) -> dict:
         except OSError as err:  # after training: report the run anyway (see run)
             result["save_error"] = f"cannot save to {args.save!r}: {err.strerror or err}; nothing was written"
     return result
+
+
+def _raw_feature_map(keras, args, data, auto_scaling: bool):
+    """The PublicFeatureMap that maps ``--data``'s rows as read to the model's features, or None.
+
+    Its constants are public (the given ``--feature-range``, the uint8 range, ``asinh``), never fitted on the
+    data. None for the bundled and tfds data sets (the model takes their arrays as loaded) and for ``--data``
+    used as given (a float npz or CSV with ``--dp-normalize``: the DPNormalization is the first layer).
+    """
+    from keras_dpsgd.preprocessing.feature_map import feature_map_layer
+
+    if args.data is None or data.raw is None:
+        return None
+    raw_shape = data.raw[0].shape[1:]
+    reshape = tuple(data.input_shape) if tuple(data.input_shape) != raw_shape else None
+    if data.feature_range is not None:
+        lower, upper = data.feature_range
+        return feature_map_layer(keras, lower=lower, upper=upper, target_shape=reshape, name="public_feature_map")
+    if auto_scaling or reshape is not None:
+        return feature_map_layer(keras, asinh=auto_scaling, target_shape=reshape, name="public_feature_map")
+    return None
 
 
 def _clipping_kwargs(args) -> dict:

@@ -49,6 +49,10 @@ class Dataset:
       known_range: False when the features have no public range (a CSV or a float
         npz without ``feature_range``): they are as given, and ``keras-dpsgd train``
         scales them privately (DP normalization, in ε).
+      raw: (x_train, x_test) as read, before the public scaling and the channel axis (``--data`` only),
+        or None: the rows a model saved by ``keras-dpsgd train --data`` takes.
+      feature_range: the public (lower, upper) of each flattened feature used to scale ``raw`` to
+        ``x_train``/``x_test``, or None where the features were not scaled.
     """
 
     name: str
@@ -59,6 +63,8 @@ class Dataset:
     num_classes: int
     notes: tuple = ()
     known_range: bool = True
+    raw: Optional[tuple] = None
+    feature_range: Optional[tuple] = None
 
     @property
     def num_examples(self) -> int:
@@ -252,11 +258,12 @@ def _assemble(path, x, y, x_te, y_te, names, ranges, test_fraction, num_classes,
                 f"x_test {x_te.shape} / y_test {y_te.shape} do not match x_train's feature shape {x.shape[1:]}"
             )
     known_range = bool(ranges) or x.dtype == np.uint8
-    x, x_te = _scale(x, x_te, names, ranges, notes)
+    raw = (x, x_te)
+    x, x_te, bounds = _scale(x, x_te, names, ranges, notes)
     if x.ndim == 3:  # (N, H, W) images: a channel axis, as the tfds data sets have
         x, x_te = x[..., None], x_te[..., None]
     k = _num_classes(y, y_te, num_classes, notes)
-    return Dataset(path, x, y, x_te, y_te, k, tuple(notes), known_range)
+    return Dataset(path, x, y, x_te, y_te, k, tuple(notes), known_range, raw, bounds)
 
 
 def _scale(x, x_te, names, ranges, notes):
@@ -270,14 +277,14 @@ def _scale(x, x_te, names, ranges, notes):
             "features have no public range and are not scaled here: fitting a scaler on the private data "
             "would be a release outside ε; give public ranges with --feature-range LO,HI or NAME=LO,HI"
         )
-        return x.astype(np.float32), x_te.astype(np.float32)
+        return x.astype(np.float32), x_te.astype(np.float32), None
     width = int(np.prod(x.shape[1:]))
     if names is None:
         names = [str(i) for i in range(width)]
     if ranges.per_feature and x.ndim != 2:
         raise ValueError(f"per-feature ranges need 2-D features (N, F), got shape {x.shape}")
     lo, hi = ranges.bounds(names)
-    return _local_data.scale_to_unit(x, lo, hi), _local_data.scale_to_unit(x_te, lo, hi)
+    return _local_data.scale_to_unit(x, lo, hi), _local_data.scale_to_unit(x_te, lo, hi), (lo, hi)
 
 
 def _num_classes(y, y_te, num_classes, notes) -> int:

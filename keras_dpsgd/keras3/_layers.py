@@ -28,9 +28,10 @@ from keras_dpsgd.preprocessing import normalization as _normalization
 from keras_dpsgd.preprocessing import pca as _pca
 from keras_dpsgd.preprocessing._adapt import stream_batches
 from keras_dpsgd.preprocessing._seam import TfOps
+from keras_dpsgd.preprocessing.feature_map import PublicFeatureMapMixin
 from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes
 
-__all__ = ["DPNormalization", "DPPCA"]
+__all__ = ["DPNormalization", "DPPCA", "PublicFeatureMap"]
 
 # The layers' call: keras.ops (the names of TfOps), and whether a tensor is floating.
 _OPS = types.SimpleNamespace(
@@ -83,6 +84,12 @@ class DPPCA(_Keras3AdaptGlue, _pca.PCAMechanism, keras.layers.Layer):
 @keras.saving.register_keras_serializable(package="keras_dpsgd", name="DPNormalization")
 class DPNormalization(_Keras3AdaptGlue, _normalization.MomentsMechanism, keras.layers.Layer):
     __doc__ = _keras3_doc(_normalization.DP_NORMALIZATION_DOC)
+
+
+@keras.saving.register_keras_serializable(package="keras_dpsgd", name="PublicFeatureMap")
+class PublicFeatureMap(PublicFeatureMapMixin, keras.layers.Layer):
+    __doc__ = _keras3_doc(PublicFeatureMapMixin.__doc__)
+    _ops = keras.ops
 
 
 # Registered for loading; made by keras_dpsgd.DPVocabulary.apply_to, not public names.

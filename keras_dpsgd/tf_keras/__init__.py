@@ -24,7 +24,9 @@ from keras_dpsgd.tf_keras._adaptive import (  # noqa: E402
 )
 from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes as _accounted_layer_classes  # noqa: E402
 
-# Registered for loading; made by DPVocabulary.apply_to, not public names.
+from keras_dpsgd.preprocessing.feature_map import PublicFeatureMap as _PublicFeatureMap  # noqa: E402, F401
+
+# Registered for loading; made by DPVocabulary.apply_to (and the CLI's train --data), not public names.
 _DPStringLookup, _DPTextVectorization = _accounted_layer_classes(_tf_keras)
 
 __all__ = [
