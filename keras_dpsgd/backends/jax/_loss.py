@@ -23,15 +23,17 @@ __all__ = ["per_example_loss", "per_example_loss_at"]
 
 
 def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
-    from keras_dpsgd.keras3._loss import _unreduced
+    from keras_dpsgd.keras3._loss import _unreduced, per_example_weight
 
     mask = get_keras_mask(y_pred)
     if mask is not None:
         y_pred = y_pred * 1  # the same values without the mask: applied once, below
     loss_fn = _unreduced(identifier)
-    values = jnp.asarray(loss_fn(y, y_pred, sample_weight))
+    values = jnp.asarray(loss_fn(y, y_pred))
     if values.ndim == 0:
         raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+    if sample_weight is not None:
+        values = values * per_example_weight(jnp.asarray(sample_weight).astype(values.dtype), values.ndim)
     if values.ndim == 1:
         return values
     axes = tuple(range(1, values.ndim))
