@@ -42,12 +42,37 @@ def token_level():
     return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y
 
 
+def _soft_plus(t):
+    """softplus with the gradient written by hand, reading back a forward intermediate (``e``)."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def fn(x):
+        e = tf.exp(x)
+
+        def grad(dy):
+            return dy * e / (1.0 + e)
+
+        return tf.math.log1p(e), grad
+
+    return fn(t)
+
+
+def custom_gradient():
+    """A layer of the user's own ``tf.custom_gradient`` (TensorFlow only)."""
+    gen = np.random.default_rng(3)
+    x, y = gen.normal(size=(N, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), L.Dense(8), L.Lambda(_soft_plus), L.Dense(2)])
+    return model, keras.losses.MeanSquaredError(), x, y
+
+
 MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level}
+TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
 
 
 def check_one_private_step(name):
     """One private step of the model `name` moves the weights by the loop's clipped mean (learning rate 1)."""
-    model, loss, x, y = MODELS[name]()
+    model, loss, x, y = TF_MODELS[name]()
     expected = loop_clipped_mean(model, x, y, loss, CLIP)
     before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     lots = keras_dpsgd.PoissonLots(x, y, sampling_rate=1.0, seed=0)

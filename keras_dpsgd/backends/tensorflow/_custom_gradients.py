@@ -7,11 +7,12 @@ the input's. Backward, the gradient reaching the arguments is whatever that func
 the results' gradients, so the per-example gradients the backends read (row ``i`` of
 ``∂(Σ_j ℓ_j)/∂x`` is ``∂ℓ_i/∂x_i``) need it to keep the examples apart too. :func:`rows_rule` traces
 the gradient function once in a scratch graph and analyzes it with the same rules, each result's
-gradient having the rows of that result and each forward tensor it reads the rows of that tensor:
-the gradient of every data argument must have the argument's rows. A gradient that mixes the
-examples (a sum over the batch of a data argument's gradient) makes the outputs mixed; one the rules
-cannot see through (a forward tensor read that is not an input of the op, a gradient function that
-fails to trace) makes them opaque. Gradients of non-data arguments (silu's ``beta``) are not read.
+gradient having the rows of that result and each forward tensor it reads the rows of that tensor
+(an intermediate of the forward analyzed from the op's inputs): the gradient of every data argument
+must have the argument's rows. A gradient that mixes the examples (a sum over the batch of a data
+argument's gradient, a batch mean read back) makes the outputs mixed; one the rules cannot see
+through (a gradient function that fails to trace, a data read of its own) makes them opaque.
+Gradients of non-data arguments (silu's ``beta``) are not read.
 """
 
 from __future__ import annotations
@@ -41,6 +42,31 @@ def _backward(op, name: str) -> Optional[tuple]:
     return graph, dys, grads
 
 
+def _forward_rows(op, inputs: dict, externals: list, body_rows: Callable):
+    """The rows of the forward tensors the gradient function reads (``externals``) that are not inputs of
+    ``op`` (an intermediate of the forward, ``e = exp(x)`` read back as ``dy * e``): the rules over the ops
+    between ``op``'s inputs (their rows known) and them, in ``op.graph``; None where that cannot be done
+    (a tensor of another graph that is no constant, a data read of its own on the way)."""
+    ops, stack = set(), []
+    for t in externals:
+        if t.ref() in inputs or t.dtype == tf.resource:
+            continue
+        if t.graph is not op.graph:
+            if tf.get_static_value(t) is None:
+                return None
+            continue
+        stack.append(t.op)
+    while stack:
+        o = stack.pop()
+        if o in ops:
+            continue
+        ops.add(o)
+        stack.extend(t.op for t in o.inputs if t.ref() not in inputs)
+    seeds = {ref: r for ref, r in inputs.items() if r is not None}
+    args = set(inputs) | {t.ref() for t in getattr(op.graph, "internal_captures", ())}
+    return body_rows(sorted(ops, key=lambda o: o._id), seeds, args)  # pylint: disable=protected-access
+
+
 def rows_rule(op, ins: list, body_rows: Callable, mixed: Callable, opaque) -> list:
     """Rows of the outputs of the ``IdentityN`` ``op`` (output ``i`` has the rows of input ``i``) if
     its gradient keeps the examples apart; else all mixed or all opaque.
@@ -63,12 +89,13 @@ def rows_rule(op, ins: list, body_rows: Callable, mixed: Callable, opaque) -> li
     graph, dys, grads = found
     seeds = {dy.ref(): r for dy, r in zip(dys, ins) if r is not None}
     inputs = {t.ref(): r for t, r in zip(op.inputs, ins)}
+    forward = _forward_rows(op, inputs, [e for e, _ in graph.captures], body_rows)
+    if forward is None:
+        return [opaque] * n
     for external, internal in graph.captures:
-        if external.ref() in inputs:
-            if inputs[external.ref()] is not None:
-                seeds[internal.ref()] = inputs[external.ref()]
-        elif external.dtype != tf.resource and tf.get_static_value(external) is None:
-            return [opaque] * n  # A forward tensor we have no rows for: nothing proven.
+        r = inputs.get(external.ref()) if external.ref() in inputs else forward.rows.get(external.ref())
+        if r is not None:
+            seeds[internal.ref()] = r
     args = {t.ref() for t in dys} | {internal.ref() for _, internal in graph.captures}
     inner = body_rows(graph.get_operations(), seeds, args)
     if inner is None:

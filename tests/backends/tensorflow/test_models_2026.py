@@ -11,10 +11,10 @@ import pytest
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _graph
-from tests._models_2026 import MODELS, check_one_private_step
+from tests._models_2026 import TF_MODELS, check_one_private_step
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(TF_MODELS))
 def test_one_private_step_equals_the_loop(name):
     opt = check_one_private_step(name)
     assert "fast rules" in str(opt.per_example_report)  # no variable fell back to jacobians
@@ -44,6 +44,22 @@ def test_a_custom_gradient_that_mixes_the_examples_is_refused():
         return tf.identity(x), grad
 
     message = _refusal(lambda x: tf.reduce_sum(batch_summed_gradient(x), axis=[1, 2]))
+    assert "custom gradient that mixes the examples" in message and "reduces over the batch axis" in message
+
+
+def test_a_custom_gradient_that_reads_a_batch_statistic_is_refused():
+    """The forward is per example; the gradient reads back a mean over the batch."""
+
+    @tf.custom_gradient
+    def batch_scaled_gradient(x):
+        m = tf.reduce_mean(x, axis=0)
+
+        def grad(dy):
+            return dy * m
+
+        return tf.identity(x), grad
+
+    message = _refusal(lambda x: tf.reduce_sum(batch_scaled_gradient(x), axis=[1, 2]))
     assert "custom gradient that mixes the examples" in message and "reduces over the batch axis" in message
 
 
