@@ -9,6 +9,8 @@ advice for an op that is not batch norm).
 
 import pytest
 import tensorflow as tf
+import tf_keras
+from _fast_helpers import check, data, flat_factors
 
 from keras_dpsgd.backends.tensorflow import _graph
 from tests._models_2026 import TF_MODELS, check_one_private_step
@@ -18,6 +20,13 @@ from tests._models_2026 import TF_MODELS, check_one_private_step
 def test_one_private_step_equals_the_loop(name):
     opt = check_one_private_step(name)
     assert "fast rules" in str(opt.per_example_report)  # no variable fell back to jacobians
+
+
+def test_tf_keras_swish_equals_the_loop_and_the_reference_path():
+    """tf_keras runs the same tf.nn.silu: the fast backend == the loop == per-example jacobians."""
+    x, y = data((5, 4), (5, 2), seed=5)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(8, activation="swish"), tf_keras.layers.Dense(2)])
+    check(model, x, y, factors=flat_factors(0.1), first_rows=(1,))
 
 
 def _refusal(fn, shape=(None, 3, 4)):
