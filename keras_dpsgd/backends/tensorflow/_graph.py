@@ -73,7 +73,7 @@ _OTHER_FIX = (
 
 def mixing_message(reason: str) -> str:
     """The refusal of a loss that mixes the examples: the advice fits what was found (batch norm or not)."""
-    batch_norm = "batch statistics" in reason or "batch_norm" in reason.lower() or "batchnorm" in reason.lower()
+    batch_norm = any(word in reason.lower() for word in ("batch statistics", "batch_norm", "batchnorm", "moments"))
     fix = _BATCH_NORM_FIX if batch_norm else _OTHER_FIX
     return f"The per-example loss mixes the examples of the batch: {reason}. " + _MIXING_HINT.format(fix=fix)
 

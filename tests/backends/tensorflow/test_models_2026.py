@@ -84,3 +84,25 @@ def test_a_batch_sized_vector_on_a_token_axis_is_refused():
     """[B, T] values times a [B] vector of data broadcast along the token axis pair example j with token j."""
     message = _refusal(lambda x: tf.reduce_sum(x * tf.reduce_sum(x, axis=[1, 2]), axis=[1, 2]), shape=(None, 3, 3))
     assert "broadcasts input" in message and "non-batch axes" in message
+
+
+def test_batch_normalization_keeps_its_advice():
+    """Batch statistics (a BatchNormalization layer named "bn", in a custom loop) still get the freeze advice."""
+    import keras
+
+    from keras_dpsgd.keras3 import DPSGDOptimizer
+
+    layers = keras.layers
+    model = keras.Sequential(
+        [keras.Input((5,)), layers.Dense(4), layers.BatchNormalization(name="bn"), layers.Dense(3)]
+    )
+    opt = DPSGDOptimizer(1.0, 0.0)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2, axis=1)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+
+    with pytest.raises(ValueError, match=r"reduces over the batch axis.*layer.trainable = False"):
+        step(tf.zeros((4, 5)), tf.zeros((4, 3)))
