@@ -128,9 +128,11 @@ def _per_example_values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any
     if mask is not None:
         y_pred = tf.identity(y_pred)  # The same values without the mask: it is applied once, below.
     loss_fn = _unreduced(identifier)
-    values = tf.convert_to_tensor(loss_fn(y, y_pred, sample_weight))
+    values = tf.convert_to_tensor(loss_fn(y, y_pred))
     if values.shape.rank == 0:
         raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+    if sample_weight is not None:
+        values = values * per_example_weight(tf.cast(sample_weight, values.dtype), values.shape.rank)
     if values.shape.rank == 1:
         return values
     axes = list(range(1, values.shape.rank))
@@ -141,6 +143,20 @@ def _per_example_values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any
         mask = mask[..., None]
     mask = tf.broadcast_to(mask, tf.shape(values))
     return tf.reduce_sum(values * mask, axis=axes) / tf.maximum(tf.reduce_sum(mask, axis=axes), 1.0)
+
+
+def per_example_weight(weight: Any, rank: int) -> Any:
+    """A sample weight shaped to multiply loss values of rank `rank` example by example.
+
+    A weight of one value per example (``[B]``, as ``PoissonLots`` gives) against token-level values
+    (``[B, T]``: a causal LM, seq2seq, tagging) takes trailing axes of size 1 (``[B, 1]``), so it scales
+    the example's own tokens; broadcast as is, it would pair example ``j``'s weight with token ``j`` of
+    every example. A weight of the values' rank (per token) is used as is. Written over ``.shape`` and
+    indexing only, so it serves TensorFlow tensors and JAX arrays alike.
+    """
+    for _ in range(len(weight.shape), rank):
+        weight = weight[..., None]
+    return weight
 
 
 def per_example_loss(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any = None) -> tf.Tensor:

@@ -218,6 +218,10 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
         from keras_dpsgd.backends.jax import prepare_fit, values_kept_on_refusal
 
         prepare_fit(self)  # JAX traces the step with the variables purged: host-side work first
+        if is_lots_dataset(x):
+            from keras_dpsgd.backends.jax._loss import build_compiled_loss
+
+            build_compiled_loss(self, x)  # Keras's own build would pair a [B] weight with a [B, T] loss's tokens
         with values_kept_on_refusal(self):
             return type(self).fit(self, x, *args, **kwargs)
     return type(self).fit(self, x, *args, **kwargs)

@@ -23,15 +23,17 @@ __all__ = ["per_example_loss", "per_example_loss_at"]
 
 
 def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
-    from keras_dpsgd.keras3._loss import _unreduced
+    from keras_dpsgd.keras3._loss import _unreduced, per_example_weight
 
     mask = get_keras_mask(y_pred)
     if mask is not None:
         y_pred = y_pred * 1  # the same values without the mask: applied once, below
     loss_fn = _unreduced(identifier)
-    values = jnp.asarray(loss_fn(y, y_pred, sample_weight))
+    values = jnp.asarray(loss_fn(y, y_pred))
     if values.ndim == 0:
         raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+    if sample_weight is not None:
+        values = values * per_example_weight(jnp.asarray(sample_weight).astype(values.dtype), values.ndim)
     if values.ndim == 1:
         return values
     axes = tuple(range(1, values.ndim))
@@ -63,3 +65,27 @@ def per_example_loss_at(model: Any, trainable: Any, non_trainable: Any, y: Any, 
     mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
     with StatelessScope(state_mapping=mapping):
         return per_example_loss(model, y, y_pred, sample_weight)
+
+
+def build_compiled_loss(model: Any, lots: Any) -> None:
+    """Builds Keras's compiled loss from the spec of a lots dataset, without its sample weight.
+
+    Keras's JAX ``fit`` builds the compiled loss symbolically on the first batch, sample weight included, and
+    Keras broadcasts a ``[B]`` weight against a token-level ``[B, T]`` loss along the token axis (it fails). The
+    private step never reads that loss (:func:`per_example_loss` applies the weight example by example), so it is
+    built here, before ``fit``, on the lots' ``x`` and ``y`` alone.
+    """
+    import keras
+    from keras.src.backend import compute_output_spec
+
+    compile_loss = getattr(model, "_compile_loss", None)
+    spec = getattr(lots, "element_spec", None)
+    if compile_loss is None or compile_loss.built or not isinstance(spec, tuple) or len(spec) != 3:
+        return
+
+    def symbolic(s):
+        return keras.KerasTensor(tuple(s.shape), keras.backend.standardize_dtype(s.dtype.name))
+
+    x, y = keras.tree.map_structure(symbolic, spec[:2])
+    y_pred = compute_output_spec(model, x, training=False)
+    compute_output_spec(model._compute_loss, x, y, y_pred, sample_weight=None, training=False)

@@ -58,11 +58,24 @@ def ancestors(loss: tf.Tensor) -> set:
 
 _MIXING_HINT = (
     "DP-SGD clips each example's gradient, which bounds nothing when one example changes the "
-    "loss of the others. Make the loss per example: compute statistics per example "
-    "(keras.layers.LayerNormalization or GroupNormalization instead of BatchNormalization, or freeze a "
-    "pretrained BatchNormalization: `layer.trainable = False` runs it in inference mode), "
-    "and return one loss value per example of the batch."
+    "loss of the others. Make the loss per example: {fix}, and return one loss value per example of the batch."
 )
+_BATCH_NORM_FIX = (
+    "compute statistics per example (keras.layers.LayerNormalization or GroupNormalization instead of "
+    "BatchNormalization, or freeze a pretrained BatchNormalization: `layer.trainable = False` runs it in "
+    "inference mode)"
+)
+_OTHER_FIX = (
+    "reduce, sort, tile or normalize over the non-batch axes only (an axis of each example's own values), "
+    "never along the batch axis"
+)
+
+
+def mixing_message(reason: str) -> str:
+    """The refusal of a loss that mixes the examples: the advice fits what was found (batch norm or not)."""
+    batch_norm = any(word in reason.lower() for word in ("batch statistics", "batch_norm", "batchnorm", "moments"))
+    fix = _BATCH_NORM_FIX if batch_norm else _OTHER_FIX
+    return f"The per-example loss mixes the examples of the batch: {reason}. " + _MIXING_HINT.format(fix=fix)
 
 
 _NO_INPUT_MESSAGE = (
@@ -121,7 +134,7 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
     if status is None:
         raise ValueError(_NO_INPUT_MESSAGE.format(loss=loss.name))
     if status.kind == "mixed":
-        raise ValueError(f"The per-example loss mixes the examples of the batch: {status.reason}. {_MIXING_HINT}")
+        raise ValueError(mixing_message(status.reason))
     if status.kind == "opaque":
         raise ValueError(_UNKNOWN_OP_MESSAGE.format(ops=", ".join(unknown_ops(loss, analysis)) or "unknown ops"))
     if status.kind == "rows" and status.k not in (None, 1):

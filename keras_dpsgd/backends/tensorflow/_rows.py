@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _calls, _grouped, _loops, _recurrent
+from keras_dpsgd.backends.tensorflow import _calls, _custom_gradients, _grouped, _loops, _recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,12 +441,27 @@ def _split(op, ins):
     return _along_axis(op, ins, _static(op.inputs[axis]), op.inputs[value].shape.rank, [(value, r)])
 
 
+def _entry(t, index: int):
+    """The static value of ``t[index]`` for a rank-1 ``t`` (None if unknown): ``t`` static, or a
+    ``Pack`` of scalars (``tf.repeat``'s multiples ``[1, ..., repeats, ...]``) whose entry is."""
+    value = _static(t)
+    if value is not None:
+        return value[index]
+    if t.op.type == "Pack" and t.op.get_attr("axis") == 0 and index < len(t.op.inputs):
+        entry = _static(t.op.inputs[index])
+        return None if entry is None or entry.shape != () else entry
+    return None
+
+
 def _tile(op, ins):
+    """``tf.tile`` (and ``tf.repeat``, ``keras.ops.repeat``): rows kept when the batch axis is tiled
+    by a static 1 (the other axes may be tiled by anything, e.g. K/V heads repeated for grouped-query
+    attention); a batch axis tiled by more is reordered, by an unknown multiple mixed."""
     r = ins[0]
-    multiples = _static(op.inputs[1])
-    if multiples is None:
-        return mixed(op, "tiles by multiples unknown at trace time")
-    return r if int(multiples[r.axis]) == 1 else _reordered(r, op)
+    multiple = _entry(op.inputs[1], r.axis)
+    if multiple is None:
+        return mixed(op, "tiles the batch axis by a multiple unknown at trace time")
+    return r if int(multiple) == 1 else _reordered(r, op)
 
 
 def _pad(op, ins):
@@ -655,21 +670,32 @@ def _call_body(op, ins) -> list:
     if found is None:
         return [OPAQUE] * n
     body, outputs = found
-    inner = Analysis({}, [], [])
-    for arg, r in zip(body.inputs, ins):
-        if r is not None:
-            inner.rows[arg.ref()] = r
-    args = {t.ref() for t in body.inputs}
-    for body_op in body.get_operations():
+    seeds = {arg.ref(): r for arg, r in zip(body.inputs, ins) if r is not None}
+    inner = _body_rows(body.get_operations(), seeds, {t.ref() for t in body.inputs})
+    if inner is None:
+        return [OPAQUE] * n
+    return [_inside(inner.rows.get(t.ref()), op) for t in outputs]
+
+
+def _body_rows(ops: list, seeds: dict, args: set) -> Optional["Analysis"]:
+    """The rows of a graph's ``ops`` whose arguments (``args``, placeholders) have the rows of
+    ``seeds``; None where the rules cannot see through it (a data read of its own, a reshape
+    checked only at run time). A loop inside makes its outputs opaque."""
+    inner = Analysis(dict(seeds), [], [])
+    for body_op in ops:
         if body_op.type in _loops.WHILE_OPS:
             if any(inner.rows.get(t.ref()) is not None for t in body_op.inputs):
                 for t in body_op.outputs:
                     inner.rows[t.ref()] = OPAQUE
             continue
         _visit(body_op, inner, args)
-    if inner.sources or inner.reshapes:
-        return [OPAQUE] * n
-    return [_inside(inner.rows.get(t.ref()), op) for t in outputs]
+    return None if inner.sources or inner.reshapes else inner
+
+
+def _identity_n(op, ins):
+    """``tf.identity_n``, and the ``IdentityN`` of a ``tf.custom_gradient`` (silu/swish): its
+    custom backward proven too (``_custom_gradients``)."""
+    return _custom_gradients.rows_rule(op, ins, _body_rows, mixed, OPAQUE)
 
 
 def _inside(r: Optional[Rows], call) -> Optional[Rows]:
@@ -828,6 +854,7 @@ _RULES = {
     "ImageProjectiveTransformV3": _image_transform,
     "PartitionedCall": _call,
     "StatefulPartitionedCall": _call,
+    "IdentityN": _identity_n,
     **{name: _string_elementwise for name in _STRING_ELEMENTWISE},
 }
 # Ops whose data inputs are paired row by row: rows of two different orders must not meet.
@@ -1050,6 +1077,8 @@ def _visit(op, analysis: Analysis, captured: set) -> None:
                 rows[original.ref()] = rows[copy.ref()]
         return
     for t, r in zip(op.outputs, _propagate(op, ins)):
+        if r is None:
+            continue  # Not data (an IdentityN output of a non-data input).
         rows[t.ref()] = r
         if op.type == "Reshape" and r.kind == "rows" and r.k is None and r.depth == 0:
             analysis.reshapes.append((t, r.axis))

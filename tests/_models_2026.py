@@ -1,0 +1,85 @@
+"""The models of 2026 (issue 41), tiny, for both Keras 3 backends: silu/swish, grouped-query attention's repeated
+K/V heads (``keras.ops.repeat``) and a token-level ``[B, T]`` loss, each trained one private step on the
+documented path (``make_private`` + ``PoissonLots(...).dataset()``, σ = 0, every example in the lot) and
+compared with the clipped mean of a one-example-at-a-time loop (``tests/_keras3_helpers.loop_clipped_mean``).
+"""
+
+import keras
+import numpy as np
+
+import keras_dpsgd
+from keras_dpsgd import keras3 as k3
+from tests._keras3_helpers import loop_clipped_mean
+
+L = keras.layers
+N, CLIP = 6, 0.05
+
+
+def silu():
+    gen = np.random.default_rng(0)
+    x, y = gen.normal(size=(N, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), L.Dense(8, activation="silu"), L.Dense(2, activation="swish")])
+    return model, keras.losses.MeanSquaredError(), x, y
+
+
+def grouped_query():
+    """K/V heads repeated along the heads axis, as Llama and Mistral do."""
+    gen = np.random.default_rng(1)
+    x, y = gen.normal(size=(N, 3, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    inp = keras.Input((3, 4))
+    kv = L.Reshape((3, 2, 2))(L.Dense(4)(inp))  # 2 K/V heads of width 2
+    heads = L.Lambda(lambda t: keras.ops.repeat(t, 2, axis=2))(kv)  # 4 query heads
+    return keras.Model(inp, L.Dense(2)(L.Flatten()(heads))), keras.losses.MeanSquaredError(), x, y
+
+
+def token_level():
+    """A causal-LM-like [B, T] loss: each example's loss is the mean over its own tokens."""
+    gen = np.random.default_rng(2)
+    x, y = gen.integers(0, 5, size=(N, 3)), gen.integers(0, 5, size=(N, 3))
+    model = keras.Sequential(
+        [keras.Input((3,), dtype="int32"), L.Embedding(5, 4), L.Dense(8, activation="silu"), L.Dense(5)]
+    )
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y
+
+
+def _soft_plus(t):
+    """softplus with the gradient written by hand, reading back a forward intermediate (``e``)."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def fn(x):
+        e = tf.exp(x)
+
+        def grad(dy):
+            return dy * e / (1.0 + e)
+
+        return tf.math.log1p(e), grad
+
+    return fn(t)
+
+
+def custom_gradient():
+    """A layer of the user's own ``tf.custom_gradient`` (TensorFlow only)."""
+    gen = np.random.default_rng(3)
+    x, y = gen.normal(size=(N, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    model = keras.Sequential([keras.Input((4,)), L.Dense(8), L.Lambda(_soft_plus), L.Dense(2)])
+    return model, keras.losses.MeanSquaredError(), x, y
+
+
+MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level}
+TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
+
+
+def check_one_private_step(name):
+    """One private step of the model `name` moves the weights by the loop's clipped mean (learning rate 1)."""
+    model, loss, x, y = TF_MODELS[name]()
+    expected = loop_clipped_mean(model, x, y, loss, CLIP)
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    lots = keras_dpsgd.PoissonLots(x, y, sampling_rate=1.0, seed=0)
+    opt = lots.configure(k3.DPSGDOptimizer(l2_norm_clip=CLIP, noise_multiplier=0.0, learning_rate=1.0))
+    private = k3.make_private(model)
+    private.compile(optimizer=opt, loss=loss)
+    private.fit(lots.dataset(), steps_per_epoch=1, epochs=1, verbose=0)
+    for b, v, g in zip(before, model.trainable_variables, expected):
+        np.testing.assert_allclose(b - v.numpy().astype(np.float64), g, rtol=2e-4, atol=1e-6)
+    return opt
