@@ -24,29 +24,44 @@ SHARED_LAUNCH = frozenset(
     }
 )
 DISTRIBUTION = "distribution"
-# Longest first (2-core CI, seconds of their slowest parts): the distribution launch, then the
-# modules whose fixtures run subprocesses or train for long.
+# Longest first: a worker takes the longest unit left whenever it is free, so that the two finish together
+# (a long module started last leaves the other worker idle). Ranked by the seconds of their slowest tests in
+# one `pytest -q -n 2 --durations=80` of the suite (2026-12-06, 1023 s at load 2-4.4 on the 2 cores): the JAX
+# suite's one subprocess (204 s), the distribution launch (143 s before its tests), then the modules whose
+# subprocesses or trainings take 20-60 s, then the earlier list's modules whose tests are many but short.
 LONGEST_FIRST = (
-    "test_backend_jax.py",  # the whole JAX suite in one subprocess (~5 min)
-    DISTRIBUTION,
+    "test_backend_jax.py",  # the whole JAX suite in one subprocess (~3.5 min)
+    DISTRIBUTION,  # the one launch of tf.distribute processes (~2.5 min) and the four modules' tests
+    "test_ledger_resume.py",  # kill-and-resume subprocesses (~55 s)
+    "test_examples_frozen_backbone.py",  # example smokes in subprocesses (~55 s)
+    "test_fail_closed_resume.py",  # ~45 s
+    "test_keras_switch.py",  # subprocesses per environment (~40 s)
     "test_examples_main.py",
-    "test_examples_tools.py",
-    "test_fast_recurrent.py",
-    "test_fail_closed_graph.py",
-    "test_fast_keras3.py",
-    "test_keras3_resume.py",
-    "test_fail_closed_resume.py",
-    "test_ledger_resume.py",
-    "test_keras_switch.py",
-    "test_keras3_cli.py",
     "test_audit_cli.py",
-    "test_audit_canaries.py",
+    "test_cancelling_rows.py",  # 32 small trainings on two Kerases
+    "test_vocabulary_saving.py",
+    "test_keras3_cli.py",
+    "test_fast_transformers.py",
+    "test_examples_tools.py",
+    "test_tools_memorization.py",
+    "test_clip_no_tuning.py",
+    "test_behaviour.py",
+    "test_keras3_without_tf_keras.py",
+    "test_fast_keras3.py",
     "test_data_local.py",
+    "test_keras3_step.py",
+    "test_keras3_audit.py",
     "test_cli_train.py",
+    "test_reference_guard.py",
+    "test_audit_canaries.py",
+    "test_tf_keras_extra.py",
+    "test_fast_recurrent.py",
+    "test_keras3_resume.py",
+    "test_public_api.py",
+    "test_fail_closed_graph.py",
     "test_cli_tabular.py",
     "test_ledger_keras_format.py",
     "test_readme.py",
-    "test_public_api.py",
     "test_keras3_memorization.py",
     "test_pca_training.py",
 )
