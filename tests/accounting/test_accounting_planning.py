@@ -238,3 +238,37 @@ def test_max_epochs_within_budget(n, b, target):
     k = max_steps_within_budget(target_epsilon=target, target_delta=1e-5, sampling_rate=b / n, noise_multiplier=1.1)
     assert epochs > 0 and steps_for_epochs(n, b, epochs) == k
     assert epochs == pytest.approx(k / math.ceil(n / b), rel=1e-12)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "moments"])
+def test_compute_epsilon_takes_the_keywords_of_compute_noise_multiplier(accountant):
+    prior = PoissonSampledGaussianEvent(0.02, 1.5, 50)
+    kw = dict(target_delta=1e-5, sampling_rate=0.01, steps=1000, accountant=accountant, prior_events=prior)
+    sigma = compute_noise_multiplier(target_epsilon=1.0, **kw)
+    eps = compute_epsilon(noise_multiplier=sigma, **kw)
+    assert 1.0 - 1e-4 < eps <= 1.0
+    events = [prior, PoissonSampledGaussianEvent(0.01, sigma, 1000)]
+    assert eps == compute_epsilon(events, 1e-5, accountant=accountant)
+
+
+def test_compute_epsilon_old_keyword_is_a_deprecated_alias():
+    event = PoissonSampledGaussianEvent(0.01, 1.1, 100)
+    with pytest.warns(DeprecationWarning, match="target_delta"):
+        old = compute_epsilon(event, delta=1e-5)
+    assert old == compute_epsilon(event, target_delta=1e-5) == compute_epsilon(events=event, target_delta=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target_delta=1e-5), "missing"),
+        (dict(target_delta=1e-5, noise_multiplier=1.0, sampling_rate=0.1), r"missing \['steps'\]"),
+        (dict(events=PoissonSampledGaussianEvent(0.1, 1.0, 1), target_delta=1e-5, steps=3), "not both"),
+        (dict(noise_multiplier=1.0, sampling_rate=0.1, steps=3), "target_delta"),
+        (dict(target_delta=1e-5, delta=1e-5, noise_multiplier=1.0, sampling_rate=0.1, steps=3), "both"),
+        (dict(target_delta=1e-5, noise_multiplier=1.0, sampling_rate=1.5, steps=3), "sampling_rate"),
+    ],
+)
+def test_compute_epsilon_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compute_epsilon(**kwargs)
