@@ -58,7 +58,7 @@ DEFAULTS = {
 _NUMBER_OPTIONS = (
     ("--width", positive_int, None, "MLP hidden units (default %(default)s)"),
     ("--target-epsilon", positive_float, "X", "privacy budget ε (default %(default)s)"),
-    ("--delta", float, "D", "δ < 1/N (default 1/N^1.1)"),
+    ("--delta", float, "D", "δ < 1/N (default min(1/N^1.1, 1/(10·N)))"),
     (
         "--lot-size",
         positive_int,

@@ -160,8 +160,11 @@ def test_steps_for_epochs_is_epochs_of_whole_lots():
 
 
 def test_delta_helpers():
-    assert default_delta(60000) == 1 / 60000**1.1
-    assert default_delta(60000) < 1 / 60000
+    assert default_delta(60000) == 1 / 600000
+    assert default_delta(455) == 1 / 4550  # 1/N^1.1 gave δ·N = 0.54 here (issue 40.9)
+    assert default_delta(10**11) == 1 / (10**11) ** 1.1
+    for n in (1, 2, 455, 60000, 10**7, 10**12):
+        assert default_delta(n) * n <= 0.1 and default_delta(n) <= n**-1.1
     assert check_delta(1e-5, 60000) == 1e-5
     with pytest.raises(ValueError, match=r"delta must be < 1/num_examples"):
         check_delta(1e-3, 60000)
