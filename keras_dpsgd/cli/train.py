@@ -38,7 +38,7 @@ import numpy as np
 
 from keras_dpsgd import _validate
 from keras_dpsgd.step._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
-from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
+from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, fit_verbosity, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
 
@@ -393,7 +393,7 @@ def train(args) -> dict:
         callbacks=[logger, limit],
         validation_data=(x_test, data.y_test),
         validation_batch_size=1024,
-        verbose=2 if args.json else 1,
+        verbose=fit_verbosity(args.json),
         shuffle=False,  # lots are random already
     )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)
