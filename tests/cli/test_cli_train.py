@@ -249,3 +249,37 @@ def test_fit_verbosity_keeps_the_bar_on_a_terminal(monkeypatch):
     assert (fit_verbosity(False), fit_verbosity(True)) == (1, 2)
     monkeypatch.setattr("sys.stdout", io.StringIO())
     assert fit_verbosity(False) == 2
+
+
+_WITHOUT_TFDS = """
+import json, sys
+sys.modules["tensorflow_datasets"] = None  # not installed: any import of it raises ImportError
+from keras_dpsgd.cli import main
+
+csv = main(["train", "--json", "--data", sys.argv[1], "--label-column", "label", "--epochs", "1", "--seed", "0"])
+mnist = main(["train", "--dataset", "mnist", "--epochs", "1"])
+print("RESULT " + json.dumps({"csv": csv, "mnist": mnist}))
+"""
+
+
+def test_csv_training_needs_no_tensorflow_datasets(tmp_path):
+    """Issue 40.9: tensorflow-datasets is the optional extra `tfds`; a CSV run works without it, and a tfds
+    data set names the install line (exit code 2, before any training)."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    path = tmp_path / "table.csv"
+    np.savetxt(path, np.column_stack([x, x[:, 0] > 0]), delimiter=",", header="a,b,c,label", comments="", fmt="%.6g")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "KERAS_BACKEND")}
+    env.update(PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TFDS, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert result == {"csv": 0, "mnist": 2}, proc.stderr[-2000:]
+    assert 'needs tensorflow-datasets: pip install "keras-dpsgd[tfds]"' in proc.stderr
