@@ -24,6 +24,9 @@ seen the private training set.
     python examples/cifar10_alexnet.py --smoke                   # offline: tfds mock data, tiny, < 60 s
     TF_USE_LEGACY_KERAS=1 python examples/cifar10_alexnet.py     # on tf_keras
 
+The data sets (and --smoke's mock data) come through tensorflow-datasets, an optional extra:
+pip install "keras-dpsgd[tfds]" (--data-dir with local files needs none of it).
+
 Keras 3 by default (a model made private with ``keras_dpsgd.keras3.make_private``),
 tf_keras where ``TF_USE_LEGACY_KERAS=1`` (TensorFlow's rule for ``tf.keras``);
 the first line printed says which. On both, each lot is split into physical
@@ -34,7 +37,7 @@ import argparse
 import math
 import sys
 
-from keras_dpsgd.cli import import_tensorflow_quietly
+from keras_dpsgd.cli import exit_unless_installed, import_tensorflow_quietly
 
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
     from keras_dpsgd.data._datasets import load_local, load_tfds
 
     if args.smoke:
+        exit_unless_installed("tensorflow_datasets", "tfds", needed_by="--smoke")
         import tensorflow_datasets as tfds
 
         with tfds.testing.mock_data(num_examples=64):

@@ -45,6 +45,9 @@ makes it tf_keras (``keras_dpsgd.tf_keras.DPPCA``, ``DPSGDOptimizer``).
     python examples/mnist_dpsgd.py --preset medium --paper --data-dir DIR   # the paper's hyperparameters
     python examples/mnist_dpsgd.py --preset medium       # without --data-dir: tfds downloads MNIST once
     python examples/mnist_dpsgd.py --smoke               # offline: tfds mock data, tiny, < 60 s
+
+The data sets (and --smoke's mock data) come through tensorflow-datasets, an optional extra:
+pip install "keras-dpsgd[tfds]" (--data-dir with local files needs none of it).
 """
 
 import argparse
@@ -52,7 +55,7 @@ import math
 import sys
 from typing import NamedTuple
 
-from keras_dpsgd.cli import import_tensorflow_quietly
+from keras_dpsgd.cli import exit_unless_installed, import_tensorflow_quietly
 
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
@@ -229,6 +232,7 @@ def main(argv=None) -> int:
     from keras_dpsgd.data._datasets import load_dataset, load_local, load_tfds
 
     if args.smoke:
+        exit_unless_installed("tensorflow_datasets", "tfds", needed_by="--smoke")
         import tensorflow_datasets as tfds
 
         with tfds.testing.mock_data(num_examples=256):

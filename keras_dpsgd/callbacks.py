@@ -160,7 +160,7 @@ class PrivacyLogger(_PrivacyCallback):
     such as DP-PCA) for δ = `target_delta`.
 
     Args:
-      target_delta: δ; default 1/N^1.1 (Three Tools paper), announced once.
+      target_delta: δ; default min(1/N^1.1, 1/(10·N)) , announced once.
         δ >= 1/N is refused.
       num_examples: N; needed when the optimizer is not configured by
         ``PoissonLots.configure`` (which tells N through q and L).
@@ -239,7 +239,7 @@ class WithinLimit(_PrivacyCallback):
 
     Args:
       target_epsilon: the budget ε > 0.
-      target_delta: δ; default 1/N^1.1, announced once. δ >= 1/N is refused.
+      target_delta: δ; default min(1/N^1.1, 1/(10·N)), announced once. δ >= 1/N is refused.
       num_examples: as for :class:`PrivacyLogger`.
       batch_size: as for :class:`PrivacyLogger`.
       extra_events: as for :class:`PrivacyLogger`.

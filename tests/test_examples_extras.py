@@ -16,6 +16,8 @@ _CASES = [
     ("finetune_lora.py", ["--smoke"], "keras_hub", "hub", ("generated_texts",)),
     ("adaptive_clipping.py", ["--smoke", "--plot", "bounds.png"], "matplotlib", "plot", ("tools.load_digits",)),
     ("large_lots.py", ["--smoke", "--plot", "lots.png"], "matplotlib", "plot", ("tools.load_digits",)),
+    ("mnist_dpsgd.py", ["--smoke"], "tensorflow_datasets", "tfds", ()),
+    ("cifar10_alexnet.py", ["--smoke"], "tensorflow_datasets", "tfds", ()),
 ]
 
 
@@ -49,8 +51,9 @@ def test_an_example_without_its_extra_names_the_install(name, argv, module, extr
 
 
 def test_every_example_that_imports_an_optional_package_is_checked():
-    """keras_hub, matplotlib, dp_accounting, tensorboard: an example importing one is in the table above."""
-    optional = ("keras_hub", "matplotlib", "dp_accounting", "tensorboard")
+    """keras_hub, matplotlib, dp_accounting, tensorboard, tensorflow_datasets: an example importing one is in the
+    table above."""
+    optional = ("keras_hub", "matplotlib", "dp_accounting", "tensorboard", "tensorflow_datasets")
     importing = {
         path.name
         for path in EXAMPLES.glob("*.py")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from fractions import Fraction
 from typing import Callable, Sequence, Union
 
@@ -61,9 +62,65 @@ def compute_epsilon_and_order(events, delta: float, *, accountant: Accountant = 
     return A.make_accountant(accountant).compose(events).get_epsilon_and_order(delta)
 
 
-def compute_epsilon(events, delta: float, *, accountant: Accountant = "rdp") -> float:
-    """ε at δ of every event in `events` (see :func:`compute_epsilon_and_order`)."""
-    return compute_epsilon_and_order(events, delta, accountant=accountant)[0]
+def compute_epsilon(
+    events=None,
+    target_delta: float | None = None,
+    *,
+    noise_multiplier: float | None = None,
+    sampling_rate: float | None = None,
+    steps: int | None = None,
+    accountant: Accountant = "rdp",
+    prior_events=(),
+    delta: float | None = None,
+) -> float:
+    """ε at δ of a run, with the keywords of :func:`compute_noise_multiplier`.
+
+    The run is given either as `events` (a ledger, one event or an iterable of
+    events) or as `noise_multiplier`, `sampling_rate` and `steps` (that many
+    DP-SGD steps), plus `prior_events` already spent. The keywords are those of
+    :func:`compute_noise_multiplier`, so one dict serves both:
+    ``compute_epsilon(noise_multiplier=compute_noise_multiplier(target_epsilon=e, **kw), **kw) <= e``.
+
+    Args:
+      events: a PrivacyLedger, one event, or an iterable of events (or None with the three below).
+      target_delta: δ in (0, 1) (positional second argument, as before).
+      noise_multiplier: σ >= 0 of each step (with `sampling_rate` and `steps`, instead of `events`).
+      sampling_rate: q in (0, 1] (Poisson sampling of each step).
+      steps: number of noised steps, >= 1.
+      accountant: a registered name ("rdp", "moments", "pld", ...) or an accountant object.
+      prior_events: events already spent (ledger, event or iterable).
+      delta: deprecated spelling of `target_delta` (a DeprecationWarning).
+
+    Returns:
+      ε (see :func:`compute_epsilon_and_order`).
+
+    Raises:
+      ValueError: δ missing or outside (0, 1), δ given twice, or the run given both ways or neither.
+    """
+    if delta is not None:
+        if target_delta is not None:
+            raise ValueError(f"give target_delta only (delta is its deprecated spelling), got both: {delta!r}")
+        warnings.warn(
+            "compute_epsilon(delta=...) is deprecated: use target_delta=, as compute_noise_multiplier does",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        target_delta = delta
+    target_delta = V.in_range(0, 1, "()", target_delta=target_delta)
+    step_args = {"noise_multiplier": noise_multiplier, "sampling_rate": sampling_rate, "steps": steps}
+    given = [name for name, value in step_args.items() if value is not None]
+    if events is not None and given:
+        raise ValueError(f"give either events or noise_multiplier, sampling_rate and steps, not both (got {given})")
+    if events is None:
+        if len(given) != 3:
+            missing = sorted(set(step_args) - set(given))
+            raise ValueError(f"give events, or all of noise_multiplier, sampling_rate and steps (missing {missing})")
+        events = PoissonSampledGaussianEvent(
+            V.in_range(0, 1, "(]", sampling_rate=sampling_rate),
+            V.nonnegative(noise_multiplier=noise_multiplier),
+            V.integer_at_least(1, steps=steps),
+        )
+    return A.make_accountant(accountant).compose(prior_events).compose(events).get_epsilon(target_delta)
 
 
 def _epsilon_after(base: A.PrivacyAccountant, delta: float) -> Callable[[object], float]:
@@ -361,10 +418,20 @@ def batch_table(
     return rows
 
 
+DEFAULT_DELTA_RULE = "min(1/N^1.1, 1/(10·N))"
+
+
 def default_delta(num_examples: int) -> float:
-    """δ = 1 / N^1.1, below 1/N as the Three Tools paper recommends."""
+    """δ = min(1/N^1.1, 1/(10·N)): well below 1/N for every N (δ·N <= 0.1).
+
+    δ must be much smaller than 1/N (Dwork & Roth 2014, §2.3: δ near 1/N allows
+    publishing one example in the clear). 1/N^1.1 (van der Veen et al. 2018)
+    alone gives δ·N = N^-0.1, 0.54 at N = 455, not much smaller than 1 for the
+    sizes of small tables; the 1/(10·N) cap keeps δ·N <= 0.1 (1/N^1.1 is the
+    smaller one only beyond N = 10^10).
+    """
     n = V.integer_at_least(1, num_examples=num_examples)
-    return 1.0 / n**1.1
+    return min(1.0 / n**1.1, 1.0 / (10 * n))
 
 
 def check_delta(delta: float, num_examples: int) -> float:

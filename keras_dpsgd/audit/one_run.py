@@ -122,7 +122,7 @@ def canary_audit(
       optimizer_cls: a keras_dpsgd DP optimizer class of the model's Keras taking
         (l2_norm_clip, noise_multiplier, learning_rate=, momentum=, seed=; tf_keras also
         gradient_accumulation_steps=); default that Keras's DPSGDOptimizer.
-      delta: δ; default 1/N^1.1 with N the public size of the training set
+      delta: δ; default min(1/N^1.1, 1/(10·N)) with N the public size of the training set
         (plus m/2 with input canaries: q, the normalizer and δ never depend
         on the coins).
       seed: reproducible coins, lots, noise and initialization (tests); None:

@@ -36,6 +36,7 @@ __all__ = [
     "add_option",
     "build_parser",
     "exit_unless_installed",
+    "fit_verbosity",
     "import_tensorflow_quietly",
     "install_line",
     "main",
@@ -133,6 +134,16 @@ def model_choice(prog: str):
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def fit_verbosity(json_output: bool) -> int:
+    """Keras's `fit(verbose=...)` for a command that trains: the progress bar (1) only on a terminal.
+
+    Keras 3's progress bar writes ANSI colour codes and backspaces whatever stdout is, so output
+    redirected to a file (or read by a program, or under ``--json``) gets one plain line per epoch (2).
+    """
+    isatty = getattr(sys.stdout, "isatty", None)
+    return 1 if not json_output and callable(isatty) and isatty() else 2
 
 
 # Options that need an optional package: (option's dest, value that needs it or None for any

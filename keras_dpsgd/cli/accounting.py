@@ -1,7 +1,7 @@
 """Accounting and planning subcommands: ``epsilon``, ``noise``, ``batch-table``.
 
 Steps = ceil(E·N/L) and sampling rate q = L/N (Poisson sampling of lots of
-expected size L, as in Abadi et al. 2016). δ defaults to 1/N^1.1; a δ >= 1/N
+expected size L, as in Abadi et al. 2016). δ defaults to min(1/N^1.1, 1/(10·N)); a δ >= 1/N
 is refused (exit 2: such a guarantee allows publishing an example in the
 clear), and so is σ = ∞. A missing optional extra (``--accountant pld``
 without dp_accounting) is an ImportError, which :func:`keras_dpsgd.cli.main`
@@ -122,13 +122,15 @@ def _add_data_args(parser: argparse.ArgumentParser, *, batch: bool) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--delta", type=float, default=None, metavar="D", help="δ in (0, 1/N) (default 1/N^1.1)")
+    parser.add_argument(
+        "--delta", type=float, default=None, metavar="D", help="δ in (0, 1/N) (default min(1/N^1.1, 1/(10·N)))"
+    )
     parser.add_argument("--accountant", choices=accountant_names(), default="rdp", help=_ACCOUNTANT_HELP)
     add_json_flag(parser)
 
 
 def _delta(args) -> float:
-    """δ, default 1/N^1.1; δ >= 1/N is refused (it allows publishing an example in the clear)."""
+    """δ, default min(1/N^1.1, 1/(10·N)); δ >= 1/N is refused (it allows publishing an example in the clear)."""
     if args.delta is None:
         return planning.default_delta(args.num_examples)
     return planning.check_delta(args.delta, args.num_examples)

@@ -32,7 +32,7 @@ import math
 import sys
 
 from keras_dpsgd import _validate
-from keras_dpsgd.cli import positive_int
+from keras_dpsgd.cli import fit_verbosity, positive_int
 
 __all__ = ["audit", "register", "run"]
 
@@ -157,7 +157,7 @@ def _audit(args, data, noise_multiplier):
         confidence=args.confidence,
         accountant=args.accountant,
         seed=args.seed,
-        verbose=2 if args.json else 1,
+        verbose=fit_verbosity(args.json),
     )
     build = lambda: _models.build_model(  # noqa: E731
         args.model, data.input_shape, data.num_classes, width=args.width, keras_module=keras_module

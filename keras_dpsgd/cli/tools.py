@@ -78,7 +78,7 @@ def _register_memorization(subparsers) -> None:
     p.add_argument("--nonprivate-learning-rate", type=positive_float, default=0.003, help="Adam, non-private run")
     p.add_argument("--nonprivate-batch-size", type=positive_int, default=32)
     p.add_argument("--confidence", type=float, default=0.95)
-    p.add_argument("--delta", type=float, default=None, help="default 1/N^1.1")
+    p.add_argument("--delta", type=float, default=None, help="default min(1/N^1.1, 1/(10·N))")
     p.add_argument("--seed", type=int, default=None, help="for reproducible runs only (default: OS entropy)")
     add_json_flag(p)
     p.set_defaults(func=_memorization, uses_tensorflow=True)

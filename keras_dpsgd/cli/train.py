@@ -38,7 +38,7 @@ import numpy as np
 
 from keras_dpsgd import _validate
 from keras_dpsgd.step._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
-from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, positive_float, positive_int
+from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, fit_verbosity, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
 
@@ -58,7 +58,7 @@ DEFAULTS = {
 _NUMBER_OPTIONS = (
     ("--width", positive_int, None, "MLP hidden units (default %(default)s)"),
     ("--target-epsilon", positive_float, "X", "privacy budget ε (default %(default)s)"),
-    ("--delta", float, "D", "δ < 1/N (default 1/N^1.1)"),
+    ("--delta", float, "D", "δ < 1/N (default min(1/N^1.1, 1/(10·N)))"),
     (
         "--lot-size",
         positive_int,
@@ -393,7 +393,7 @@ def train(args) -> dict:
         callbacks=[logger, limit],
         validation_data=(x_test, data.y_test),
         validation_batch_size=1024,
-        verbose=2 if args.json else 1,
+        verbose=fit_verbosity(args.json),
         shuffle=False,  # lots are random already
     )
     epsilon, delta = model_epsilon(model, target_delta=delta, accountant=args.accountant)

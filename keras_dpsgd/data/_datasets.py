@@ -130,6 +130,11 @@ def _check_can_download(tfds, name: str, data_dir: Optional[str]) -> None:
             raise OSError(f"no network: cannot resolve {host} ({err})") from None
 
 
+# The extra of setup.cfg that installs tensorflow-datasets (keras_dpsgd.cli.install_line("tfds"), written here
+# because the data sets do not import the CLI).
+TFDS_INSTALL_LINE = 'pip install "keras-dpsgd[tfds]"'
+
+
 def load_tfds(name: str, *, data_dir: Optional[str] = None) -> Dataset:
     """Loads `name` ("mnist", "fashion_mnist", "cifar10") through tensorflow-datasets.
 
@@ -141,7 +146,12 @@ def load_tfds(name: str, *, data_dir: Optional[str] = None) -> Dataset:
         raise ValueError(f"dataset must be one of {list(DATASETS)}, got {name!r}")
     try:
         import tensorflow_datasets as tfds
-
+    except ImportError:  # an optional extra: --data, --dataset digits and IDX files need none of it
+        raise ValueError(
+            f"dataset {name!r} needs tensorflow-datasets: {TFDS_INSTALL_LINE} (or --data table.csv, or the bundled "
+            "default --dataset digits)"
+        ) from None
+    try:
         _check_can_download(tfds, name, data_dir)
         train, test = tfds.load(name, split=["train", "test"], as_supervised=True, data_dir=data_dir)
         x_tr, y_tr = _split_to_numpy(tfds, train)

@@ -120,6 +120,7 @@ from keras_dpsgd.accounting import (
     default_delta,
     max_steps_within_budget,
 )
+from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
 
 __all__ = [
     "LedgerState",
@@ -436,7 +437,7 @@ def model_privacy_ledger(
 
 
 def resolve_delta(delta: Optional[float], num_examples: Optional[int]) -> float:
-    """δ, or the default 1/N^1.1 (announced once); refuses δ >= 1/N when N is known.
+    """δ, or the default min(1/N^1.1, 1/(10·N)) (announced once); refuses δ >= 1/N when N is known.
 
     Raises:
       ValueError: if δ is None and N unknown, or δ >= 1/N.
@@ -445,10 +446,12 @@ def resolve_delta(delta: Optional[float], num_examples: Optional[int]) -> float:
         if num_examples is None:
             raise ValueError(
                 "target_delta is None and num_examples is unknown: give target_delta or num_examples "
-                "(the default delta is 1/num_examples**1.1)"
+                "(the default delta is min(1/N^1.1, 1/(10·N)))"
             )
         delta = default_delta(num_examples)
-        _warn_once(("delta", num_examples), "keras_dpsgd: delta = 1/N^1.1 = %.3g (N = %d).", delta, num_examples)
+        _warn_once(
+            ("delta", num_examples), "keras_dpsgd: delta = %s = %.3g (N = %d).", DEFAULT_DELTA_RULE, delta, num_examples
+        )
         return delta
     if num_examples is not None:
         return check_delta(delta, num_examples)
@@ -494,7 +497,7 @@ def steps_remaining(
       model_or_ledger: a model (its ledger, q and σ_eff come from it and its optimizer) or a
         PrivacyLedger (then `sampling_rate` and `noise_multiplier` are required).
       target_epsilon: the budget ε.
-      target_delta: δ; default 1/N^1.1 (N from num_examples or the configured optimizer).
+      target_delta: δ; default min(1/N^1.1, 1/(10·N)) (N from num_examples or the configured optimizer).
       sampling_rate: q of the future steps (overrides the optimizer's).
       noise_multiplier: σ of the future steps (overrides the optimizer's).
       num_examples: as for :func:`model_privacy_ledger`.

@@ -56,7 +56,7 @@ class PrivateTraining:
       noise_multiplier: σ, calibrated so that `epochs` epochs spend at most `target_epsilon`.
       epsilon: the ε (at `delta`) of the model's ledger after the planned steps (<= `target_epsilon`).
       target_epsilon: the budget.
-      delta: δ (the given one, or the default 1/N^1.1).
+      delta: δ (the given one, or the default min(1/N^1.1, 1/(10·N))).
       epochs: the planned epochs.
       steps_per_epoch: physical batches per epoch (``fit(steps_per_epoch=...)``).
       planned_steps: the DP-SGD steps (lots) of the plan.
@@ -202,7 +202,7 @@ def make_private_with_epsilon(
       l2_norm_clip: C > 0, the per-example gradient norm bound.
       optimizer: "sgd" or "adam" (Keras defaults), or a non-private optimizer class or instance of
         the model's Keras (its arguments are kept), made private here.
-      target_delta: δ in (0, 1/N); default 1/N^1.1 (as the CLI), announced in `notes`.
+      target_delta: δ in (0, 1/N); default min(1/N^1.1, 1/(10·N)) (as the CLI), announced in `notes`.
       sample_weight: optional per-example weights (N,), >= 0.
       physical_batch_size: rows per physical batch (gradient accumulation); None: one per lot.
       accountant: "rdp" (default), "moments" or "pld".
@@ -224,6 +224,7 @@ def make_private_with_epsilon(
         gradient stands out of a step's noise) or σ >= L (the noise exceeds the whole lot's bound L·C).
     """
     from keras_dpsgd.accounting import check_delta, compute_epsilon, compute_noise_multiplier, default_delta
+    from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent, accountant_names
     from keras_dpsgd.accounting._budget import budget_warnings
     from keras_dpsgd.ledger import model_privacy_ledger
@@ -262,7 +263,7 @@ def make_private_with_epsilon(
     notes = []
     if target_delta is None:
         delta = default_delta(n)
-        notes.append(f"δ = 1/N^1.1 = {delta:.3g} (N = {n}; the default: give target_delta to choose it)")
+        notes.append(f"δ = {DEFAULT_DELTA_RULE} = {delta:.3g} (N = {n}; the default: give target_delta to choose it)")
     else:
         delta = check_delta(target_delta, n)
     prior = model_privacy_ledger(model).events  # e.g. a DPNormalization's release: counted in the budget

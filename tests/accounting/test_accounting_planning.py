@@ -160,8 +160,11 @@ def test_steps_for_epochs_is_epochs_of_whole_lots():
 
 
 def test_delta_helpers():
-    assert default_delta(60000) == 1 / 60000**1.1
-    assert default_delta(60000) < 1 / 60000
+    assert default_delta(60000) == 1 / 600000
+    assert default_delta(455) == 1 / 4550  # 1/N^1.1 gave δ·N = 0.54 here (issue 40.9)
+    assert default_delta(10**11) == 1 / (10**11) ** 1.1
+    for n in (1, 2, 455, 60000, 10**7, 10**12):
+        assert default_delta(n) * n <= 0.1 and default_delta(n) <= n**-1.1
     assert check_delta(1e-5, 60000) == 1e-5
     with pytest.raises(ValueError, match=r"delta must be < 1/num_examples"):
         check_delta(1e-3, 60000)
@@ -238,3 +241,37 @@ def test_max_epochs_within_budget(n, b, target):
     k = max_steps_within_budget(target_epsilon=target, target_delta=1e-5, sampling_rate=b / n, noise_multiplier=1.1)
     assert epochs > 0 and steps_for_epochs(n, b, epochs) == k
     assert epochs == pytest.approx(k / math.ceil(n / b), rel=1e-12)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "moments"])
+def test_compute_epsilon_takes_the_keywords_of_compute_noise_multiplier(accountant):
+    prior = PoissonSampledGaussianEvent(0.02, 1.5, 50)
+    kw = dict(target_delta=1e-5, sampling_rate=0.01, steps=1000, accountant=accountant, prior_events=prior)
+    sigma = compute_noise_multiplier(target_epsilon=1.0, **kw)
+    eps = compute_epsilon(noise_multiplier=sigma, **kw)
+    assert 1.0 - 1e-4 < eps <= 1.0
+    events = [prior, PoissonSampledGaussianEvent(0.01, sigma, 1000)]
+    assert eps == compute_epsilon(events, 1e-5, accountant=accountant)
+
+
+def test_compute_epsilon_old_keyword_is_a_deprecated_alias():
+    event = PoissonSampledGaussianEvent(0.01, 1.1, 100)
+    with pytest.warns(DeprecationWarning, match="target_delta"):
+        old = compute_epsilon(event, delta=1e-5)
+    assert old == compute_epsilon(event, target_delta=1e-5) == compute_epsilon(events=event, target_delta=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(target_delta=1e-5), "missing"),
+        (dict(target_delta=1e-5, noise_multiplier=1.0, sampling_rate=0.1), r"missing \['steps'\]"),
+        (dict(events=PoissonSampledGaussianEvent(0.1, 1.0, 1), target_delta=1e-5, steps=3), "not both"),
+        (dict(noise_multiplier=1.0, sampling_rate=0.1, steps=3), "target_delta"),
+        (dict(target_delta=1e-5, delta=1e-5, noise_multiplier=1.0, sampling_rate=0.1, steps=3), "both"),
+        (dict(target_delta=1e-5, noise_multiplier=1.0, sampling_rate=1.5, steps=3), "sampling_rate"),
+    ],
+)
+def test_compute_epsilon_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compute_epsilon(**kwargs)

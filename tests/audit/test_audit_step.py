@@ -1,8 +1,8 @@
 """The white-box step audit (issue 30): its statistics in closed form, the hook's record, soundness on a
 correct optimizer, detection of a noise scaled by 0.8, 0.5 and 0 (tf_keras; Keras 3 in test_keras3_audit.py).
 
-The setting is the issue's: digits, a 64-unit MLP, lots of 64, two epochs, C = 10, σ = 1, the CLI's
-default δ = 1/N^1.1 (claimed ε = 2.07 by the RDP accountant).
+The setting is the issue's: digits, a 64-unit MLP, lots of 64, two epochs, C = 10, σ = 1, δ = 1/N^1.1
+(the CLI's default then; claimed ε = 2.07 by the RDP accountant).
 """
 
 import math

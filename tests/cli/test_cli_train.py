@@ -211,3 +211,75 @@ def test_a_budget_that_makes_no_sense_warns_with_the_numbers(capsys):
     sigma = json.loads(out)["noise_multiplier"]
     (line,) = [line for line in err.splitlines() if line.startswith("keras-dpsgd train: warning:")]
     assert sigma > 256 and f"σ = {sigma:.4g}" in line and "L·C = 256" in line and "learns nothing" in line
+
+
+def test_output_redirected_to_a_file_has_no_ansi_codes(tmp_path):
+    """Issue 40.9: Keras 3's progress bar writes colour codes and backspaces whatever stdout is; the CLI asks
+    Keras for one plain line per epoch when stdout is not a terminal."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "KERAS_BACKEND")}
+    env.update(PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    out_path, err_path = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        argv = ["train", "--epochs", "1", "--seed", "0", "--model", "mlp", "--width", "16"]
+        proc = subprocess.run(
+            [sys.executable, "-m", "keras_dpsgd.cli", *argv], stdout=out, stderr=err, env=env, timeout=300
+        )
+    text = out_path.read_text()
+    assert proc.returncode == 0, err_path.read_text()[-2000:]
+    assert "epsilon" in text  # the epoch line, with ε, is there
+    assert "\x1b" not in text and "\b" not in text, text[:500]
+    assert "\x1b" not in err_path.read_text()
+
+
+def test_fit_verbosity_keeps_the_bar_on_a_terminal(monkeypatch):
+    import io
+
+    from keras_dpsgd.cli import fit_verbosity
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdout", Terminal())
+    assert (fit_verbosity(False), fit_verbosity(True)) == (1, 2)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert fit_verbosity(False) == 2
+
+
+_WITHOUT_TFDS = """
+import json, sys
+sys.modules["tensorflow_datasets"] = None  # not installed: any import of it raises ImportError
+from keras_dpsgd.cli import main
+
+csv = main(["train", "--json", "--data", sys.argv[1], "--label-column", "label", "--epochs", "1", "--seed", "0"])
+mnist = main(["train", "--dataset", "mnist", "--epochs", "1"])
+print("RESULT " + json.dumps({"csv": csv, "mnist": mnist}))
+"""
+
+
+def test_csv_training_needs_no_tensorflow_datasets(tmp_path):
+    """Issue 40.9: tensorflow-datasets is the optional extra `tfds`; a CSV run works without it, and a tfds
+    data set names the install line (exit code 2, before any training)."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 3))
+    path = tmp_path / "table.csv"
+    np.savetxt(path, np.column_stack([x, x[:, 0] > 0]), delimiter=",", header="a,b,c,label", comments="", fmt="%.6g")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_USE_LEGACY_KERAS", "KERAS_BACKEND")}
+    env.update(PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TFDS, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT ") :])
+    assert result == {"csv": 0, "mnist": 2}, proc.stderr[-2000:]
+    assert 'needs tensorflow-datasets: pip install "keras-dpsgd[tfds]"' in proc.stderr

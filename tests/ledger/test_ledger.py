@@ -102,8 +102,8 @@ def test_default_delta_is_announced_and_large_delta_refused(caplog):
     _train(model, 1)
     with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
         _, delta = L.model_epsilon(model)
-    assert delta == pytest.approx(500**-1.1)
-    assert any("delta = 1/N^1.1" in r.getMessage() for r in caplog.records)
+    assert delta == pytest.approx(1 / 5000)  # min(1/N^1.1, 1/(10·N))
+    assert any("delta = min(1/N^1.1, 1/(10·N))" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="delta must be <"):
         L.model_epsilon(model, target_delta=1 / 500)
     with pytest.raises(ValueError, match="num_examples"):

@@ -44,7 +44,7 @@ def test_one_call_trains_within_the_target_epsilon(kmod):
         seed=1,
         verbose=0,
     )
-    assert run.delta == pytest.approx(1 / 400**1.1) and "1/N^1.1" in run.notes[0]  # the default δ, announced
+    assert run.delta == pytest.approx(1 / 4000) and "min(1/N^1.1, 1/(10·N))" in run.notes[0]  # the default δ, announced
     reduction = {} if kmod is keras else {"reduction": "none"}
     loss = kmod.losses.SparseCategoricalCrossentropy(from_logits=True, **reduction)
     run.model.compile(optimizer=run.optimizer, loss=loss, weighted_metrics=["accuracy"])
