@@ -19,7 +19,7 @@ so it mixes no examples; keras_dpsgd proves that from the traced step and trains
 weights must not have seen the private training set.
 
     python examples/frozen_backbone.py                         # pretrain on 0-4, DP head on 5-9
-    python examples/frozen_backbone.py --weights mobilenet_v2_no_top.h5 --image-size 96
+    python examples/frozen_backbone.py --weights mobilenet_v2_no_top.h5 --alpha 1.0 --image-size 96
     python examples/frozen_backbone.py --smoke                 # tiny
     TF_USE_LEGACY_KERAS=1 python examples/frozen_backbone.py   # on tf_keras
 
@@ -69,7 +69,7 @@ def frozen_backbone_model(image_size: int, num_classes: int, alpha: float = 1.0,
     return with_head(backbone, num_classes, training=False)
 
 
-def pretrain_on_public(backbone: keras.Model, x: np.ndarray, y: np.ndarray, epochs: int, seed) -> float:
+def pretrain_on_public(backbone: keras.Model, x: np.ndarray, y: np.ndarray, epochs: int) -> float:
     """Trains `backbone` (and a throw-away head) without privacy on public data; returns its accuracy there.
 
     Then BatchNormalization's moving statistics are set to those of the public data (one pass over it in
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     backbone = mobilenet_backbone(args.image_size, args.alpha, args.weights)
     source = f"weights from {args.weights}" if args.weights else "random weights"
     if args.pretrain_epochs:
-        public_accuracy = pretrain_on_public(backbone, x_pub, y_pub, args.pretrain_epochs, args.seed)
+        public_accuracy = pretrain_on_public(backbone, x_pub, y_pub, args.pretrain_epochs)
         source += f", pretrained without privacy for {args.pretrain_epochs} epochs"
         print(
             f"public data (outside the ledger): {len(y_pub)} digits {PUBLIC_CLASSES[0]}-{PUBLIC_CLASSES[-1]}; "
