@@ -33,7 +33,7 @@ LONGEST_FIRST = (
     "test_backend_jax.py",  # the whole JAX suite in one subprocess (~3.5 min)
     DISTRIBUTION,  # the one launch of tf.distribute processes (~2.5 min) and the four modules' tests
     "test_ledger_resume.py",  # kill-and-resume subprocesses (~55 s)
-    "test_examples_frozen_backbone.py",  # example smokes in subprocesses (~55 s)
+    "test_examples_frozen_backbone.py",  # example smokes in subprocesses (~75 s)
     "test_fail_closed_resume.py",  # ~45 s
     "test_keras_switch.py",  # subprocesses per environment (~40 s)
     "test_examples_main.py",
