@@ -230,9 +230,9 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
 def _train_on_batch(self: keras.Model, *args, **kwargs):
     """Keras's ``train_on_batch``, refused while the optimizer holds a Poisson rate (``_fed_data``): on JAX
     the stateless step never reaches the checks of the TensorFlow step, so the refusal comes first here."""
-    from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data
+    from keras_dpsgd.step._fed_data import check_fed_data
 
-    check_fed_data(self, self.optimizer, outside_fit=OUTSIDE_FIT)
+    check_fed_data(self, self.optimizer, outside_fit=True)
     return type(self).train_on_batch(self, *args, **kwargs)
 
 

@@ -39,12 +39,12 @@ import tensorflow as tf
 from keras_dpsgd import ledger
 from keras_dpsgd.step.lots import PoissonLots, lots_of
 
-__all__ = ["OUTSIDE_FIT", "check_fed_data"]
+__all__ = ["check_fed_data"]
 
 _LOG = logging.getLogger("keras_dpsgd")
 
-# The call named by the refusal where the train step runs with no fit (the callers' `outside_fit`).
-OUTSIDE_FIT = "train_on_batch (the train step called outside fit)"
+# The call named by the refusal where a model's train step runs with no fit (`check_fed_data(outside_fit=True)`).
+_OUTSIDE_FIT = "train_on_batch (the train step called outside fit)"
 
 _WAY_OUT = (
     "Feed fit the lots themselves: model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, "
@@ -102,14 +102,29 @@ def _adopt(model: Any, optimizer: Any, lots: PoissonLots) -> None:
         )
 
 
-def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None:
+def _unseen_data(model: Any, q: float) -> str:
+    """The refusal of a step that runs outside fit (a custom loop where `model` is None) with a Poisson rate q."""
+    subject = (
+        "a custom training loop of a DP optimizer that"
+        if model is None
+        else f"{_OUTSIDE_FIT} of a DP model whose optimizer"
+    )
+    return (
+        f"{subject} holds a Poisson sampling rate q = {q:.6g} is refused: keras_dpsgd cannot see which data reach "
+        "the step outside fit, so the ledger could not record the rate of the lots that ran. "
+        f"{_WAY_OUT}; or, if the steps are fed lots.dataset() (or a Poisson sampler of your own) at that rate, say "
+        "so with keras_dpsgd.ledger.assume_poisson(optimizer)."
+    )
+
+
+def check_fed_data(model: Any, optimizer: Any, *, outside_fit: bool = False) -> None:
     """Checks the data `model`'s running fit feeds `optimizer`'s step (module docstring), before its first step.
 
     Args:
-      model: the model whose step `optimizer` runs (None: a custom loop, refused like `outside_fit`).
+      model: the model whose step `optimizer` runs (None: a custom loop).
       optimizer: its optimizer (nothing is checked unless it is a DP optimizer).
-      outside_fit: where there is no running fit, the name of the call (e.g. "train_on_batch") that is
-        refused when the optimizer holds a Poisson rate; "" to check nothing there.
+      outside_fit: True where the caller may run the step with no fit running (``train_on_batch``, the
+        trace of a custom loop's step): the step is then refused while the optimizer holds a Poisson rate.
 
     Raises:
       ValueError: fit is fed data other than Poisson lots while the optimizer holds a Poisson rate, the
@@ -120,26 +135,10 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: str = "") -> None
     if not ledger.is_dp_optimizer(optimizer):
         return
     q = getattr(optimizer, "sampling_rate", None)
-    if model is None:
-        if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
-            _refuse(
-                None,
-                f"a custom training loop of a DP optimizer that holds a Poisson sampling rate q = {q:.6g} is "
-                "refused: keras_dpsgd cannot see which data reach the step, so the ledger could not record the rate "
-                "of the lots that ran. Train with model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch); "
-                "or, if the loop feeds lots.dataset() (or a Poisson sampler of your own) at that rate, say so with "
-                "keras_dpsgd.ledger.assume_poisson(optimizer).",
-            )
-        return
-    frame = ledger.fit_frame(model)
+    frame = None if model is None else ledger.fit_frame(model)
     if frame is None:
         if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
-            _refuse(
-                model,
-                f"{outside_fit} of a DP model whose optimizer holds a Poisson sampling rate q = {q:.6g} is refused: "
-                "keras_dpsgd cannot see which data reach the step outside fit, so the ledger could not record the "
-                f"rate of the lots that ran. {_WAY_OUT}.",
-            )
+            _refuse(model, _unseen_data(model, q))
         return
     lots = lots_of(frame.f_locals.get("x"))
     if lots is not None:

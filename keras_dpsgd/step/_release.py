@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from keras_dpsgd import ledger
 from keras_dpsgd.step import _distribute, _math as _step
-from keras_dpsgd.step._fed_data import OUTSIDE_FIT, check_fed_data
+from keras_dpsgd.step._fed_data import check_fed_data
 from keras_dpsgd.step._settings import DPSettingsMixin
 
 _LOG = logging.getLogger("keras_dpsgd")
@@ -212,7 +212,7 @@ class LotReleaseMixin(DPSettingsMixin):
         if model is None:
             return
         if check_data:
-            check_fed_data(model, self, outside_fit=OUTSIDE_FIT)
+            check_fed_data(model, self, outside_fit=True)
         if "reset_metrics" not in vars(model):
             object.__setattr__(model, "reset_metrics", _EpochBoundary(model))
         if self._dp.accumulation == 1:
@@ -241,7 +241,7 @@ class LotReleaseMixin(DPSettingsMixin):
             finite.append(_step.finite_rows(sq_norms))
             return self._clip_factors(sq_norms, finite[-1])
 
-        check_fed_data(model, self, outside_fit=OUTSIDE_FIT)  # At trace time: a custom loop too (model None).
+        check_fed_data(model, self, outside_fit=True)  # At trace time: a custom loop too (model None).
         summed, sq_norms = self._backend.clipped_sum(loss, tf_vars, tape, factors)
         self._refuse_batch_writes(loss, model)  # At trace time.
         nonfinite = tf.logical_not(finite[-1][:, 0])

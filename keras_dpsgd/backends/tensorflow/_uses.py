@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import tensorflow as tf
 
@@ -150,18 +151,11 @@ def staged_sq_norms(t: tf.Tensor) -> tuple[tf.Tensor, int]:
     """
     shape = t.shape.as_list()[1:]
     if len(shape) < 2 or None in shape:
-        return row_sq_norms(t), (None if None in shape else max(1, _prod(shape)))
-    last, rest = shape[-1], _prod(shape[:-1])
+        return row_sq_norms(t), (None if None in shape else max(1, math.prod(shape)))
+    last, rest = shape[-1], math.prod(shape[:-1])
     rows = tf.reduce_sum(tf.square(tf.reshape(t, [-1, rest, last])), axis=2)
     merged = not tf.executing_eagerly() and _checks.under_xla(t.graph)
     return tf.reduce_sum(rows, axis=1), (last * rest if merged else last + rest)
-
-
-def _prod(dims) -> int:
-    out = 1
-    for d in dims:
-        out *= int(d)
-    return out
 
 
 def certified_sq_norms(t: tf.Tensor) -> tf.Tensor:
