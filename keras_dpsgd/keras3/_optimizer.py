@@ -340,11 +340,13 @@ class DPKeras3Mixin(LotReleaseMixin):
     # ------------------------------------------------------- fit's lot boundaries
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
-        super().load_own_variables(store)
         if _on_jax():
             from keras_dpsgd.backends.jax import _state
 
+            super().load_own_variables(_state.saved_store(self, store))
             _state.after_load(self)
+        else:
+            super().load_own_variables(store)
         self.discard_partial_lot("saved in the loaded file")
 
     def _fit_locals(self, model: Any) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 
 from keras_dpsgd.backends.jax._noise import entropy_key
 
-__all__ = ["add_variables", "save_variables", "after_load", "UNSAVED"]
+__all__ = ["add_variables", "save_variables", "saved_store", "after_load", "UNSAVED"]
 
 UNSAVED = ("dp_noise_key", "dp_nonfinite_examples")
 
@@ -57,6 +57,19 @@ def save_variables(optimizer: Any, store: Any) -> None:
     for i, variable in enumerate(optimizer.variables):
         value = variable.numpy()
         store[str(i)] = np.zeros_like(value) if id(variable) in unsaved else value
+
+
+def saved_store(optimizer: Any, store: Any) -> Any:
+    """The store Keras's ``Optimizer.load_own_variables`` reads: a file of 0.2.0 holds every variable but
+    ``dp_ledger_offset`` (the last one, added since), which Keras would answer by skipping every variable
+    (``noised_steps``, the slots) with a warning. Such a store gets the offset 0 appended: the ledger writes the
+    offset before every fit (``keras_dpsgd.ledger``), so 0 here is never used for a key."""
+    offset = getattr(optimizer, "_jax_offset", None)
+    if offset is None or len(store.keys()) != len(optimizer.variables) - 1 or optimizer.variables[-1] is not offset:
+        return store
+    values = {key: store[key] for key in store.keys()}
+    values[str(len(values))] = np.zeros((), np.int32)
+    return values
 
 
 def after_load(optimizer: Any) -> None:
