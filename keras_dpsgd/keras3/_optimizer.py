@@ -41,7 +41,14 @@ from keras_dpsgd.step._classes import make_dp_class
 from keras_dpsgd.step._settings import DPState
 from keras_dpsgd.step._release import LotReleaseMixin
 
-__all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
+__all__ = [
+    "DPKeras3Mixin",
+    "DPSGDOptimizer",
+    "DPAdamOptimizer",
+    "check_dp_optimizer",
+    "make_dp_optimizer",
+    "NOT_PRIVATE_MESSAGE",
+]
 
 # Hook implementations whose own release is split across replicas like the gradient's noise, by
 # hook name (adaptive clipping's norm queries: keras_dpsgd.keras3._adaptive registers them).
@@ -435,3 +442,23 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
 
 DPSGDOptimizer = make_dp_optimizer(keras.optimizers.SGD, name="DPSGDOptimizer")
 DPAdamOptimizer = make_dp_optimizer(keras.optimizers.Adam, name="DPAdamOptimizer")
+
+
+def check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
+    """`optimizer` if it is a Keras 3 DP optimizer; else a ValueError saying why the step would not be private."""
+    if isinstance(optimizer, DPKeras3Mixin):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, DPKeras3Mixin):
+        raise ValueError(
+            "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
+            "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
+            "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
+            "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
+            "gradient overflows is zeroed and counted in nonfinite_examples)"
+        )
+    raise ValueError(
+        "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
+        f"keras_dpsgd.keras3.DPSGDOptimizer), got {type(optimizer).__name__}: training on would not be "
+        "private. Compile with a DP optimizer."
+    )
