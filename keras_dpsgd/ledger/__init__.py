@@ -56,7 +56,7 @@ weights). What each way of saving keeps:
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
-see :mod:`keras_dpsgd.step._sanitizer`).
+see :mod:`keras_dpsgd.tf_keras._sanitizer`).
 
 A checkpoint restored before the state is attached is applied when it is
 attached (deferred restoration). Steps taken after the last checkpoint of a

@@ -467,7 +467,7 @@ def recorded_releases(model: Any) -> int:
     """The DP-SGD steps the model's ledger records (every optimizer's), its last optimizer's counted first.
 
     The position the next release of a new optimizer takes in the ledger: the one-call API derives the
-    lots' seed from it (``keras_dpsgd.step._one_call``), as the noise keys are (:func:`write_ledger_offset`).
+    lots' seed from it (``keras_dpsgd._one_call``), as the noise keys are (:func:`write_ledger_offset`).
     """
     optimizer = getattr(model, "optimizer", None)
     if is_dp_optimizer(optimizer):

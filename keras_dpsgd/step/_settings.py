@@ -2,7 +2,7 @@
 
 :func:`check_settings` validates the DP arguments of every private optimizer (tf_keras and Keras 3,
 ``keras_dpsgd.step._classes.init_private`` calls it before the Keras ``__init__`` runs), and
-:class:`DPSettingsMixin` holds what the two sanitizer mixins (``keras_dpsgd.step._sanitizer`` and
+:class:`DPSettingsMixin` holds what the two sanitizer mixins (``keras_dpsgd.tf_keras._sanitizer`` and
 ``keras_dpsgd.keras3._optimizer``) share: the settings' properties, their ``get_config`` entries
 and the state kept out of every save (the traced mirror of ``expected_lot_size``, the
 ``nonfinite_examples`` count, the noise generator). The variables that ARE saved (``noised_steps``,

@@ -20,7 +20,7 @@ OPTIONAL_HOOKS = {"_count_replica_lot", "on_per_example_sq_norms", "on_noised_st
 
 def _front_end_mixin(front):
     if front == "tf_keras":
-        from keras_dpsgd.step._sanitizer import DPSanitizerMixin
+        from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
 
         return DPSanitizerMixin
     from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
