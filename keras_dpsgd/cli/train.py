@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -436,6 +437,17 @@ def train(args) -> dict:
     return result
 
 
+def feature_map_layer(keras: Any, **kwargs: Any) -> Any:
+    """A PublicFeatureMap of `keras`'s front end (the ``keras`` or ``tf_keras`` module) with `kwargs`."""
+    if keras.__name__.startswith("tf_keras"):
+        from keras_dpsgd.preprocessing import feature_map
+
+        return feature_map.PublicFeatureMap(**kwargs)  # tf_keras's, defined and registered at first access
+    import keras_dpsgd.keras3  # noqa: F401 (registers the Keras 3 class, keras_dpsgd.keras3._layers.PublicFeatureMap)
+
+    return keras.saving.get_registered_object("keras_dpsgd>PublicFeatureMap")(**kwargs)
+
+
 def _raw_feature_map(keras, args, data, auto_scaling: bool):
     """The PublicFeatureMap that maps ``--data``'s rows as read to the model's features, or None.
 
@@ -443,8 +455,6 @@ def _raw_feature_map(keras, args, data, auto_scaling: bool):
     data. None for the bundled and tfds data sets (the model takes their arrays as loaded) and for ``--data``
     used as given (a float npz or CSV with ``--dp-normalize``: the DPNormalization is the first layer).
     """
-    from keras_dpsgd.preprocessing.feature_map import feature_map_layer
-
     if args.data is None or data.raw is None:
         return None
     raw_shape = data.raw[0].shape[1:]

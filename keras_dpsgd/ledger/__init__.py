@@ -99,6 +99,7 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
     is_keras3,
     ledger_state_holders,
     noised_steps,
+    on_attach,
     note_sampling_rate_change,
     recorded_sampling_rate,
     recorded_releases,

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow._graph import internal_handles
+from keras_dpsgd.backends.tensorflow._state import internal_handles
 
 # Ops on a variable's handle that only read it.
 _READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape"})

@@ -19,11 +19,15 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.step._clipping import DEFAULT_STABILITY, check_clipping
-from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd.step import _callback_guard, _distribute, _math as _step
 from keras_dpsgd import backends, ledger
 from keras_dpsgd.backends.tensorflow import _state
 from keras_dpsgd.backends.tensorflow._report import FALLBACK_CHOICES, PerExampleReport
 from keras_dpsgd.accounting.events import composed_noise_multiplier
+
+# A model given a DP optimizer's ledger has its fits' callbacks checked (the ledger is below the step and calls
+# back; every DP optimizer's class imports this module, so the check is registered before any ledger is attached).
+ledger.on_attach(_callback_guard.watch_fits)
 
 
 def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, float]:

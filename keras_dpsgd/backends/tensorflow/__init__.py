@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
+from keras_dpsgd.backends.tensorflow._per_example import PER_EXAMPLE_CHOICES, resolve_backend
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend
 from keras_dpsgd.step._math import noise_key as seeded_key
 from keras_dpsgd.step._noise import add_gaussian, standard_normal
@@ -33,12 +34,7 @@ __all__ = [
     "standard_normal",
 ]
 
-# "auto" and "fast": FastBackend; "reference": ReferenceBackend.
-PER_EXAMPLE_CHOICES = ("auto", "reference", "fast")
-
 
 def per_example(name: str, jacobian_fallback: str) -> Any:
-    """The per-example computation `name` (``_per_example.resolve_backend``; it imports this package)."""
-    from keras_dpsgd.backends.tensorflow._per_example import resolve_backend
-
+    """The per-example computation `name` (``_per_example.resolve_backend``)."""
     return resolve_backend(name, jacobian_fallback)

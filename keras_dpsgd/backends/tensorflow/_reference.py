@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _uses
+from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _state, _uses
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -99,7 +99,7 @@ def _disagreement(jac: tf.Tensor, sq_norms: tf.Tensor, want: tf.Tensor, weights:
 def _users(loss: tf.Tensor, var, ancestors: set) -> str:
     """The ops upstream of ``loss`` that read ``var`` (at most three, for messages)."""
     found = []
-    for handle in _graph.internal_handles(loss.graph, var):
+    for handle in _state.internal_handles(loss.graph, var):
         for read in handle.consumers():
             for t in read.outputs if read.type == "ReadVariableOp" else ():
                 found += [f"op {c.name!r} ({c.type})" for c in t.consumers() if c in ancestors]
