@@ -213,7 +213,8 @@ class MembershipInferenceCallbackCore:
     developer's eyes (like the loss in the progress bar); publish ε, not them.
 
     Args:
-      members, non_members: as for :func:`membership_inference`.
+      members: as for :func:`membership_inference`.
+      non_members: as for :func:`membership_inference`.
       every: k >= 1, run after epochs k, 2k, ...
       verbose: print one line per run.
       **kwargs: passed to :func:`membership_inference`.
