@@ -40,7 +40,7 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import _adaptive, _ghost, _noise, unsupported
+from keras_dpsgd.backends.jax import _adaptive, ghost as _ghost, _noise, unsupported
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
 from keras_dpsgd.keras3._jax_distribute import (
     DataParallelMesh,

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_dpsgd import _validate
-from keras_dpsgd.step._loss import regularization_sum
+from keras_dpsgd.step.loss import regularization_sum
 
 __all__ = ["per_example_loss", "weight_regularization"]
 

@@ -8,7 +8,7 @@ came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but withou
 step is refused at its first step.
 
 Under ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy`` with R replicas
-(``keras_dpsgd.step._distribute``): each replica clips its share of the lot, adds its own noise
+(``keras_dpsgd.step.distribute``): each replica clips its share of the lot, adds its own noise
 N(0, σ²C²/R) under a key of its own and divides by the global L; Keras's ``apply`` then SUMs the
 R gradients across replicas (``TFOptimizer._all_reduce_sum_gradients``) before one descent step
 on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device release. The counters
@@ -35,11 +35,11 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd.step import _distribute
+from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd import backends, ledger
-from keras_dpsgd.step._classes import make_dp_class
-from keras_dpsgd.step._settings import DPState
-from keras_dpsgd.step._release import LotReleaseMixin
+from keras_dpsgd.step.classes import make_dp_class
+from keras_dpsgd.step.settings import DPState
+from keras_dpsgd.step.release import LotReleaseMixin
 
 __all__ = [
     "DPKeras3Mixin",
@@ -67,9 +67,9 @@ NOT_PRIVATE_MESSAGE = (
 class DPKeras3Mixin(LotReleaseMixin):
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
-    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step._classes``) checks the
+    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step.classes``) checks the
     DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings and the
-    lot/release state machine are shared with tf_keras (``keras_dpsgd.step._release.LotReleaseMixin``);
+    lot/release state machine are shared with tf_keras (``keras_dpsgd.step.release.LotReleaseMixin``);
     this class supplies Keras 3's hooks: its variables, ``apply`` (with Keras's own accumulation
     kept off), the cross-replica update of a lot and its fit's locals.
     """
@@ -105,7 +105,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         """
         ledger.attach(ledger.saving_model(self, max_depth=64), self)
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             return _state.save_variables(self, store)  # the noise key and the non-finite count unsaved
         return super().save_own_variables(store)
@@ -162,7 +162,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
         self._build_lot(variables, [getattr(v, "path", v.name) for v in variables])
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             _state.add_variables(self)
 
@@ -348,7 +348,7 @@ class DPKeras3Mixin(LotReleaseMixin):
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             super().load_own_variables(_state.saved_store(self, store))
             _state.after_load(self)

@@ -28,11 +28,11 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd.step import _display
-from keras_dpsgd.step._augment import Augmentation, check_augmentation
+from keras_dpsgd.step import display as _display
+from keras_dpsgd.step.augment import Augmentation, check_augmentation
 from keras_dpsgd import backends, ledger
-from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.step._loss import per_example_values, refuse_data_losses, regularization_gradients
+from keras_dpsgd.backends.tensorflow.graph import refuse_grouped_convolution_layers
+from keras_dpsgd.step.loss import per_example_values, refuse_data_losses, regularization_gradients
 from keras_dpsgd.keras3._loss import per_example_loss, weight_regularization
 from keras_dpsgd.keras3._optimizer import check_dp_optimizer
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
@@ -147,7 +147,7 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     views = getattr(self, _AUGMENTATION_ATTR, None)
-    if views is not None:  # K views of each example, rows i·K .. i·K+K-1 (keras_dpsgd.step._augment)
+    if views is not None:  # K views of each example, rows i·K .. i·K+K-1 (keras_dpsgd.step.augment)
         x, y, sample_weight = views.views(x), views.repeat(y), views.repeat(sample_weight)
     optimizer = check_dp_optimizer(self.optimizer)
     refuse_adapted_preprocessing(self)
@@ -211,7 +211,7 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
 def _train_on_batch(self: keras.Model, *args, **kwargs):
     """Keras's ``train_on_batch``, refused while the optimizer holds a Poisson rate (``_fed_data``): on JAX
     the stateless step never reaches the checks of the TensorFlow step, so the refusal comes first here."""
-    from keras_dpsgd.step._fed_data import check_fed_data
+    from keras_dpsgd.step.fed_data import check_fed_data
 
     check_fed_data(self, self.optimizer, outside_fit=True)
     return type(self).train_on_batch(self, *args, **kwargs)
@@ -320,7 +320,7 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         mean of its K views' losses, so its gradient (the mean of the views' gradients) is clipped
         once: one example still contributes one clipped vector, and the privacy ledger is that of
         the step without augmentation. Metrics and the logged loss are means over the views.
-        (``keras_dpsgd.step._augment``.) Not built on JAX (refused there).
+        (``keras_dpsgd.step.augment``.) Not built on JAX (refused there).
 
     Raises:
       TypeError: `model` is not a Keras 3 model; `augmentation` is not callable.

@@ -41,7 +41,7 @@ import sys
 import keras
 
 from keras_dpsgd import ledger
-from keras_dpsgd.step._fed_data import check_fed_data
+from keras_dpsgd.step.fed_data import check_fed_data
 from keras_dpsgd.step._held_out import validation_overlap
 
 __all__ = ["refuse_private_decisions", "watch_fits"]

@@ -23,8 +23,8 @@ from typing import Any
 import tf_keras as keras
 
 from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
-from keras_dpsgd.step._classes import init_private, make_dp_class
-from keras_dpsgd.step._clipping import DEFAULT_STABILITY
+from keras_dpsgd.step.classes import init_private, make_dp_class
+from keras_dpsgd.step.clipping import DEFAULT_STABILITY
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 

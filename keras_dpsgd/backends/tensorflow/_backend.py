@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _state, _uses
+from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend, per_example_jacobians, refuse_eager
 
 

@@ -32,9 +32,9 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _state, _uses
-from keras_dpsgd.backends.tensorflow._handlers import Site, _f32, _to_var_shape, rule_for, walk_sites
-from keras_dpsgd.backends.tensorflow._handlers import _batch_major as batch_major
+from keras_dpsgd.backends.tensorflow import state as _state, uses as _uses
+from keras_dpsgd.backends.tensorflow.handlers import Site, _f32, _to_var_shape, rule_for, walk_sites
+from keras_dpsgd.backends.tensorflow.handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
 _PULLED = frozenset(

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, _uses
+from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, uses as _uses
 
 MakeUse = Callable[..., object]
 

@@ -41,9 +41,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import ledger
-from keras_dpsgd.step import _distribute, _math as _step
-from keras_dpsgd.step._fed_data import check_fed_data
-from keras_dpsgd.step._settings import DPSettingsMixin
+from keras_dpsgd.step import distribute as _distribute, _math as _step
+from keras_dpsgd.step.fed_data import check_fed_data
+from keras_dpsgd.step.settings import DPSettingsMixin
 
 _LOG = logging.getLogger("keras_dpsgd")
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, _state, _uses
-from keras_dpsgd.backends.tensorflow._handlers import rule_for, set_walker
+from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
+from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
