@@ -36,7 +36,7 @@ def add_common_arguments(p: argparse.ArgumentParser, *, epsilon: float = 2.0) ->
 def load(data_dir: str, limit: int | None, *, signed_pixels: bool = False):
     """MNIST from its IDX files (the first `limit` training images); `signed_pixels`: [0, 1] -> [-1, 1]
     as [N, 28, 28, 1] float32 (public constants, no statistic of the data)."""
-    from keras_dpsgd.data._datasets import load_dataset
+    from keras_dpsgd.data.datasets import load_dataset
 
     data = load_dataset("mnist", data_dir=data_dir)
     if signed_pixels:

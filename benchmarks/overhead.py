@@ -21,7 +21,7 @@ What is measured:
   ``--keras 3``: the same models built with Keras 3 (``import keras``), made private with
   ``keras_dpsgd.keras3.make_private`` and compiled with ``keras_dpsgd.keras3.DPSGDOptimizer``,
   against a non-private Keras 3 ``fit``. ``--backend jax`` (with ``--keras 3``): Keras 3 on JAX
-  (``KERAS_BACKEND=jax``, set before keras is imported), the DP step of ``keras_dpsgd/backends/jax``:
+  (``KERAS_BACKEND=jax``, set before keras is imported), the DP step of ``keras_dpsgd/keras3/_jax_train_step.py`` over ``keras_dpsgd/backends/jax``:
   mode "fast" is ``per_example_backend="auto"`` (norm rules for Dense, EinsumDense, Embedding, Conv,
   LayerNormalization, the rest under ``jax.vmap``), "reference" is ``jax.vmap`` for every variable, and
   "jax-privacy" is JAX Privacy's Keras API (``jax_privacy.keras_api.make_private``, σ = 1.1, C = 1, run

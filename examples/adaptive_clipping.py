@@ -72,7 +72,7 @@ def main(argv=None):
         load_tfds,
         mlp_builder,
     )
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     # Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
     front = _front.active()
@@ -82,7 +82,7 @@ def main(argv=None):
     else:
         from keras_dpsgd.tf_keras import AdaptiveDPSGDOptimizer, ClipBoundsLogger, DPSGDOptimizer
 
-    from keras_dpsgd.data._datasets import load_local_arrays as load_arrays
+    from keras_dpsgd.data.datasets import load_local_arrays as load_arrays
 
     if args.data or args.dataset == "cifar10":
         (xtr, ytr), (xte, yte) = load_arrays(args.data) if args.data else load_tfds("cifar10", data_dir=args.data_dir)

@@ -43,7 +43,7 @@ import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up lo
 
 import tensorflow as tf  # noqa: E402
 
-from keras_dpsgd.data import _models  # noqa: E402
+from keras_dpsgd.data import models as _models  # noqa: E402
 
 FRONT_END = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
 keras = _models.keras_module(FRONT_END)
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
-    from keras_dpsgd.data._datasets import load_local, load_tfds
+    from keras_dpsgd.data.datasets import load_local, load_tfds
 
     if args.smoke:
         exit_unless_installed("tensorflow_datasets", "tfds", needed_by="--smoke")

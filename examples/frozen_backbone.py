@@ -40,7 +40,7 @@ import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up lo
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_dpsgd.data import _models  # noqa: E402
+from keras_dpsgd.data import models as _models  # noqa: E402
 
 FRONT_END = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
 keras = _models.keras_module(FRONT_END)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         args.pretrain_epochs, args.epochs = min(args.pretrain_epochs, 3), 5
 
     from keras_dpsgd import PrivacyLogger, make_private_with_epsilon, model_epsilon
-    from keras_dpsgd.data._datasets import load_digits
+    from keras_dpsgd.data.datasets import load_digits
 
     if args.seed is not None:
         keras.utils.set_random_seed(args.seed)

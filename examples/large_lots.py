@@ -61,12 +61,12 @@ def main(argv=None):
     import numpy as np
 
     from keras_dpsgd import PoissonLots
-    from keras_dpsgd.data import _models
+    from keras_dpsgd.data import models as _models
     from keras_dpsgd.accounting import compute_epsilon, default_delta
     from keras_dpsgd.ledger import model_privacy_ledger
     from keras_dpsgd.tools import large_lot_table, load_digits, load_tfds, plot_noise_per_example
 
-    from keras_dpsgd.data._datasets import load_local_arrays as load_arrays
+    from keras_dpsgd.data.datasets import load_local_arrays as load_arrays
 
     front = _models.front_end()  # "keras3", or "tf_keras" with TF_USE_LEGACY_KERAS=1
 

@@ -46,7 +46,7 @@ def main(argv=None):
         mlp_builder,
         real_task_test,
     )
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     # The builders train on Keras 3 unless TF_USE_LEGACY_KERAS=1 (the rule of tf.keras).
     front = _front.active()

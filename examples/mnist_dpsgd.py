@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     keras, DPPCA, DPSGDOptimizer, make_private = front_end()
 
     from keras_dpsgd import PoissonLots, PrivacyLogger, WithinLimit, model_epsilon
-    from keras_dpsgd.data._datasets import load_dataset, load_local, load_tfds
+    from keras_dpsgd.data.datasets import load_dataset, load_local, load_tfds
 
     if args.smoke:
         exit_unless_installed("tensorflow_datasets", "tfds", needed_by="--smoke")

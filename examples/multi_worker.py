@@ -65,7 +65,7 @@ def train(args, strategy=None):
 
     import keras_dpsgd.keras3 as k3
     from keras_dpsgd import PoissonLots, model_epsilon
-    from keras_dpsgd.data._datasets import load_digits
+    from keras_dpsgd.data.datasets import load_digits
 
     if strategy is not None:  # given by the caller (a test: one strategy per process)
         workers, index = 1, 0

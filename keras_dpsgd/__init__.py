@@ -46,8 +46,8 @@ _NEUTRAL = {
     "model_epsilon": "keras_dpsgd.ledger",
     "steps_remaining": "keras_dpsgd.ledger",
     # one call: private step, Poisson lots, calibrated σ, private optimizer (either Keras, by the model's)
-    "make_private_with_epsilon": "keras_dpsgd.step._one_call",
-    "PrivateTraining": "keras_dpsgd.step._one_call",
+    "make_private_with_epsilon": "keras_dpsgd._one_call",
+    "PrivateTraining": "keras_dpsgd._one_call",
     # preprocessing fitted on public data (marks a layer of either Keras)
     "mark_public": "keras_dpsgd.preprocessing.normalization",
     # a vocabulary released with DP (Gaussian thresholding), for StringLookup / TextVectorization

@@ -41,7 +41,7 @@ from keras_dpsgd.ledger import (
     steps_remaining,
     sync_ledger_state,
 )
-from keras_dpsgd.step._fed_data import check_fed_data
+from keras_dpsgd.step.fed_data import check_fed_data
 
 __all__ = ["PrivacyLogger", "WithinLimit"]
 

@@ -12,7 +12,7 @@ import json
 import numpy as np
 from sklearn.datasets import load_wine
 
-from keras_dpsgd.data._local_data import DEFAULT_TEST_FRACTION, held_out_split
+from keras_dpsgd.data.local_data import DEFAULT_TEST_FRACTION, held_out_split
 
 # Public ranges (wider than the features of wine): proline's own, a default for the others.
 RANGE = ("--feature-range", "0,170", "--feature-range", "proline=0,1700")

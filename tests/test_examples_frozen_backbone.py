@@ -40,7 +40,7 @@ def test_frozen_backbone_smoke_pretrains_on_public_and_learns_a_dp_head(legacy, 
 
 
 def test_split_by_class_keeps_public_and_private_digits_apart():
-    from keras_dpsgd.data._datasets import load_digits
+    from keras_dpsgd.data.datasets import load_digits
 
     example = _load_example("frozen_backbone")
     data = load_digits()

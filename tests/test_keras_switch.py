@@ -41,8 +41,8 @@ def test_the_env_value_is_read_as_tensorflow_reads_it(monkeypatch, value, expect
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", value)
     assert _which_keras.active_front_end() == expected
     # One rule: the CLIs, examples and tools ask it (no second reading of the variable).
-    from keras_dpsgd.data import _models
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.data import models as _models
+    from keras_dpsgd.tools import front as _front
 
     assert _models.front_end() == _front.active().name == expected
 

@@ -64,7 +64,7 @@ def test_without_tf_keras_keras3_works_and_every_tf_keras_entry_point_names_the_
 
 
 def test_cli_under_legacy_keras_without_tf_keras_names_the_extra_before_any_work(capsys, monkeypatch):
-    from keras_dpsgd.data import _datasets
+    from keras_dpsgd.data import datasets as _datasets
     from keras_dpsgd.cli import main
 
     monkeypatch.setitem(sys.modules, "tf_keras", None)

@@ -78,7 +78,7 @@ def _callbacks():
 
 def _tools():
     from keras_dpsgd.tf_keras import _adaptive as _adaptive_tf
-    from keras_dpsgd.tools import _data, _stats, adaptive_clipping, large_lots
+    from keras_dpsgd.tools import data as _data, _stats, adaptive_clipping, large_lots
 
     return _adaptive_tf, _data, _stats, adaptive_clipping, large_lots
 
@@ -90,7 +90,7 @@ def _dp_settings(**kw):
 
 
 def _build_model(**kw):
-    from keras_dpsgd.data._models import build_model
+    from keras_dpsgd.data.models import build_model
 
     return build_model("mlp", (2,), **{"num_classes": 2, **kw})
 

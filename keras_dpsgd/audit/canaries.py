@@ -16,7 +16,7 @@ strong and cheap.
 
 The hook is :class:`GradientCanaryMixin`, which wraps the noise step (step 4) of
 the sanitizer, the published ``add_noise`` hook of both front ends
-(``keras_dpsgd.step._sanitizer.DPSanitizerMixin``, ``keras_dpsgd.keras3.DPKeras3Mixin``): the canaries
+(``keras_dpsgd.tf_keras._sanitizer.DPSanitizerMixin``, ``keras_dpsgd.keras3.DPKeras3Mixin``): the canaries
 go into its input and the scores are read from its output. Whatever the
 optimizer under it does to the sum (a correct one adds N(0, σ²C²); a broken
 one may not) is what the audit measures.
@@ -31,6 +31,7 @@ model only).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Sequence
 
 import numpy as np
@@ -184,7 +185,7 @@ def with_gradient_canaries(optimizer_cls: type) -> type:
 
     Raises:
       ValueError: if `optimizer_cls` is not a DP optimizer of this package
-        (a subclass of ``keras_dpsgd.step._sanitizer.DPSanitizerMixin`` or of
+        (a subclass of ``keras_dpsgd.tf_keras._sanitizer.DPSanitizerMixin`` or of
         ``keras_dpsgd.keras3.DPKeras3Mixin``).
     """
     return with_canary_mixin(GradientCanaryMixin, optimizer_cls)
@@ -193,7 +194,7 @@ def with_gradient_canaries(optimizer_cls: type) -> type:
 def with_canary_mixin(mixin: type, optimizer_cls: type) -> type:
     """The subclass (mixin, optimizer_cls) of a keras_dpsgd DP optimizer class, made once per pair."""
     if not (
-        _is_dp_class(optimizer_cls, "keras_dpsgd.step._sanitizer.DPSanitizerMixin")
+        _is_dp_class(optimizer_cls, "keras_dpsgd.tf_keras._sanitizer.DPSanitizerMixin")
         or _is_dp_class(optimizer_cls, "keras_dpsgd.keras3._optimizer.DPKeras3Mixin")
     ):
         raise ValueError(f"optimizer_cls must be a keras_dpsgd DP optimizer class, got {optimizer_cls!r}")
@@ -209,10 +210,11 @@ def with_canary_mixin(mixin: type, optimizer_cls: type) -> type:
 
 
 def _is_dp_class(cls: Any, base_path: str) -> bool:
-    import importlib
-
+    # A class derives from a base only once the base's module is imported: looked up, not imported (the
+    # tf_keras front end's package imports tf_keras, which a Keras 3 run may not have).
     module, name = base_path.rsplit(".", 1)
-    return isinstance(cls, type) and issubclass(cls, getattr(importlib.import_module(module), name))
+    loaded = sys.modules.get(module)
+    return isinstance(cls, type) and loaded is not None and issubclass(cls, getattr(loaded, name))
 
 
 def make_input_canaries(

@@ -34,7 +34,6 @@ import numpy as np
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
-from keras_dpsgd.audit._callback import MembershipInferenceCallbackCore
 
 __all__ = [
     "MembershipInferenceCallback",  # noqa: F822 (tf_keras's, defined at first access, by __getattr__)
@@ -204,6 +203,48 @@ def membership_inference(
             non_members=int((~member).sum()),
         )
     return reports
+
+
+class MembershipInferenceCallbackCore:
+    """Runs :func:`membership_inference` every `every` epochs and keeps the history.
+
+    The attack reads the model and the data: running it is itself an access
+    to the training data outside the DP-SGD ledger. Its numbers are for the
+    developer's eyes (like the loss in the progress bar); publish ε, not them.
+
+    Args:
+      members: as for :func:`membership_inference`.
+      non_members: as for :func:`membership_inference`.
+      every: k >= 1, run after epochs k, 2k, ...
+      verbose: print one line per run.
+      **kwargs: passed to :func:`membership_inference`.
+
+    Attributes:
+      history: list of (epoch, {method: MembershipInferenceReport}).
+    """
+
+    def __init__(self, members, non_members, *, every: int = 1, verbose: int = 1, **kwargs):
+        super().__init__()
+        every = V.integer_at_least(1, every=every)
+        self.members, self.non_members, self.every, self.verbose = members, non_members, every, verbose
+        self.kwargs = kwargs
+        self.history: list = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every:
+            return
+        reports = membership_inference(self.model, self.members, self.non_members, **self.kwargs)
+        self.history.append((epoch + 1, reports))
+        if logs is not None:
+            for method, r in reports.items():
+                logs[f"mia_{method}_auc"] = r.auc
+        if self.verbose:
+            text = ", ".join(
+                f"{m}: AUC {r.auc:.3f}, adv {r.advantage:.3f}, TPR@1% {r.tpr_at_fpr[0.01]:.3f}, "
+                f"ε_emp {r.epsilon_lower_bound:.3g}"
+                for m, r in reports.items()
+            )
+            print(f"\nepoch {epoch + 1} membership inference: {text}")
 
 
 _DEFINE_LOCK = threading.Lock()

@@ -67,7 +67,7 @@ class CanaryAuditResult(AuditVerdict):
       guesses: the number of guesses behind ε_emp; correct: how many were right.
       noise_multiplier: σ of the run; steps: noised steps; seconds: wall time.
       keras: the Keras the run trained with, as every ``--json`` key "keras" writes it
-        (``keras_dpsgd.tools._front.FrontEnd.label``): e.g. "3.15.0" (Keras 3) or "tf_keras 2.21.0".
+        (``keras_dpsgd.tools.front.FrontEnd.label``): e.g. "3.15.0" (Keras 3) or "tf_keras 2.21.0".
     """
 
     epsilon: float
@@ -232,7 +232,7 @@ def _train_with_canaries(
     from keras_dpsgd.audit.canaries import make_input_canaries, with_gradient_canaries
     from keras_dpsgd.ledger import model_epsilon
     from keras_dpsgd.step.lots import PoissonLots
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     rng = np.random.default_rng(seed)
     if seed is not None:
@@ -294,10 +294,10 @@ def _train_with_canaries(
 
 
 def mlp_builder(input_shape, num_classes: int, width: int = 32, keras_module: Any = None) -> Callable[[], Any]:
-    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd.data._models``), on `keras_module`
+    """A builder of the small MLP of ``keras-dpsgd train`` (``keras_dpsgd.data.models``), on `keras_module`
     (default: Keras 3 unless ``TF_USE_LEGACY_KERAS=1``)."""
-    from keras_dpsgd.data._models import build_model
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.data.models import build_model
+    from keras_dpsgd.tools import front as _front
 
     module = keras_module or _front.active().keras
     return lambda: build_model("mlp", input_shape, num_classes, width=width, keras_module=module)

@@ -33,7 +33,7 @@ The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` c
   the ``tf.GradientTape`` that recorded it (the backend derives the per-example gradients). JAX:
   ``clipped_sum(grads, clip_factors)``, `grads` the per-example gradients themselves (one
   [B, *shape] array per variable), which the JAX train step computes under ``jax.vmap`` of a
-  stateless call on a batch of one (``keras_dpsgd.backends.jax._train_step``): a stateless backend
+  stateless call on a batch of one (``keras_dpsgd.keras3._jax_train_step``): a stateless backend
   has no tape to hand over.
 ``add_gaussian(x, stddev, key) -> x + N(0, stddev² I)``, ``standard_normal(shape, key, dtype)``
   The library's own Gaussian sampler (``keras_dpsgd.step._noise``: tails to 11.6 standard

@@ -133,11 +133,11 @@ def _check(args) -> None:
 
 def _audit(args, data, noise_multiplier):
     """One audited run; `noise_multiplier` None: calibrated to the target as `train` does."""
-    from keras_dpsgd.data import _models
+    from keras_dpsgd.data import models as _models
     from keras_dpsgd.audit.one_run import canary_audit
     from keras_dpsgd.audit.step import step_audit
     from keras_dpsgd.cli import train as train_cli
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     keras_module = _front.active().keras
 
@@ -179,7 +179,7 @@ def audit(args) -> dict:
     """Runs the audit described by parsed CLI arguments; returns the result dict."""
     from keras_dpsgd.cli import _dp_normalize
     from keras_dpsgd.cli import train as train_cli
-    from keras_dpsgd.data import _models
+    from keras_dpsgd.data import models as _models
 
     _check(args)
     given = args.noise_multiplier
@@ -260,7 +260,7 @@ def _plot(path: str, points, result) -> str:
 
 
 def run(args) -> dict:
-    from keras_dpsgd.data import _models
+    from keras_dpsgd.data import models as _models
 
     if args.json:
         with contextlib.redirect_stdout(sys.stderr):

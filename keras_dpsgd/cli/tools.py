@@ -85,7 +85,7 @@ def _register_memorization(subparsers) -> None:
 
 
 def _memorization(args) -> dict | None:
-    from keras_dpsgd.tools import _data
+    from keras_dpsgd.tools import data as _data
     from keras_dpsgd.tools.memorization import (
         DPSettings,
         convnet_builder,

@@ -33,11 +33,12 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
 from keras_dpsgd import _validate
-from keras_dpsgd.step._clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
+from keras_dpsgd.step.clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, fit_verbosity, positive_float, positive_int
 
 __all__ = ["check_save_destination", "register", "run", "train"]
@@ -86,8 +87,8 @@ _NUMBER_OPTIONS = (
 
 
 def register(subparsers) -> None:
-    from keras_dpsgd.data._datasets import DATASETS
-    from keras_dpsgd.data._models import MODELS
+    from keras_dpsgd.data.datasets import DATASETS
+    from keras_dpsgd.data.models import MODELS
 
     d = DEFAULTS
     p = subparsers.add_parser(
@@ -149,8 +150,8 @@ def register(subparsers) -> None:
 
 
 def _register_local_data(p) -> None:
-    """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd.data._local_data)."""
-    from keras_dpsgd.data._local_data import DEFAULT_TEST_FRACTION
+    """The flags of ``--data PATH`` (the user's own data; see keras_dpsgd.data.local_data)."""
+    from keras_dpsgd.data.local_data import DEFAULT_TEST_FRACTION
 
     p.add_argument(
         "--data",
@@ -191,7 +192,7 @@ def _register_local_data(p) -> None:
 
 def _load_data(args):
     """The training data: --data PATH (the user's own), else --dataset (default digits)."""
-    from keras_dpsgd.data import _datasets
+    from keras_dpsgd.data import datasets as _datasets
 
     if args.data is None:
         local_only = [
@@ -268,7 +269,7 @@ def _plan(
     ``accounting._budget``) is warned about on stderr with its numbers.
     """
     from keras_dpsgd.accounting import compute_noise_multiplier
-    from keras_dpsgd.accounting._budget import budget_warnings
+    from keras_dpsgd.accounting.budget import budget_warnings
 
     steps = args.epochs * lots_per_epoch
     if args.noise_multiplier is not None:
@@ -306,7 +307,7 @@ def train(args) -> dict:
     rule for tf.keras); the result's "keras" and "backend" keys say which one ran, on which backend.
     """
     _check_args(args)
-    from keras_dpsgd.data import _models
+    from keras_dpsgd.data import models as _models
     from keras_dpsgd.accounting import check_delta, default_delta
     from keras_dpsgd.callbacks import PrivacyLogger, WithinLimit
     from keras_dpsgd.ledger import model_epsilon, model_privacy_ledger
@@ -436,6 +437,17 @@ def train(args) -> dict:
     return result
 
 
+def feature_map_layer(keras: Any, **kwargs: Any) -> Any:
+    """A PublicFeatureMap of `keras`'s front end (the ``keras`` or ``tf_keras`` module) with `kwargs`."""
+    if keras.__name__.startswith("tf_keras"):
+        from keras_dpsgd.preprocessing import feature_map
+
+        return feature_map.PublicFeatureMap(**kwargs)  # tf_keras's, defined and registered at first access
+    import keras_dpsgd.keras3  # noqa: F401 (registers the Keras 3 class, keras_dpsgd.keras3._layers.PublicFeatureMap)
+
+    return keras.saving.get_registered_object("keras_dpsgd>PublicFeatureMap")(**kwargs)
+
+
 def _raw_feature_map(keras, args, data, auto_scaling: bool):
     """The PublicFeatureMap that maps ``--data``'s rows as read to the model's features, or None.
 
@@ -443,8 +455,6 @@ def _raw_feature_map(keras, args, data, auto_scaling: bool):
     data. None for the bundled and tfds data sets (the model takes their arrays as loaded) and for ``--data``
     used as given (a float npz or CSV with ``--dp-normalize``: the DPNormalization is the first layer).
     """
-    from keras_dpsgd.preprocessing.feature_map import feature_map_layer
-
     if args.data is None or data.raw is None:
         return None
     raw_shape = data.raw[0].shape[1:]
@@ -562,7 +572,7 @@ def run(args) -> dict:
         with contextlib.redirect_stdout(sys.stderr):
             result = train(args)
     else:
-        from keras_dpsgd.data import _models
+        from keras_dpsgd.data import models as _models
 
         result = train(args)
         print(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_dpsgd.audit._callback import MembershipInferenceCallbackCore
+from keras_dpsgd.audit.membership import MembershipInferenceCallbackCore
 
 __all__ = ["MembershipInferenceCallback"]
 

@@ -3,7 +3,7 @@
 The mechanisms are the tf_keras layers' (:class:`keras_dpsgd.preprocessing.pca.PCAMechanism`,
 :class:`keras_dpsgd.preprocessing.normalization.MomentsMechanism`: same arguments, validation, sums, release
 and events); only the glue differs. Keras 3 has no generic adapt loop, so the batches reach
-``update_state`` through :func:`keras_dpsgd.preprocessing._adapt.stream_batches` (consecutive batches of the
+``update_state`` through :func:`keras_dpsgd.preprocessing.adapt.stream_batches` (consecutive batches of the
 array, or the dataset's own, in order: the same batches and hence, for a given seed, the same
 release as tf_keras's ``adapt``). The released state and the events are weights, saved in
 ``.keras`` files; loading restores them and releases nothing.
@@ -11,7 +11,7 @@ release as tf_keras's ``adapt``). The released state and the events are weights,
 The exact sums of ``adapt`` are TensorFlow variables and ops on every backend (TensorFlow comes with
 the library); ``call`` is ``keras.ops`` (:data:`_OPS`), so it runs inside a jitted JAX train step.
 On JAX without x64 the float64 records of the events are float32: q is recorded rounded up and σ
-rounded down (``keras_dpsgd.preprocessing._seam.outward``), also when a file saved on TensorFlow is
+rounded down (``keras_dpsgd.preprocessing.seam.outward``), also when a file saved on TensorFlow is
 loaded.
 """
 
@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from keras_dpsgd.preprocessing import normalization as _normalization
 from keras_dpsgd.preprocessing import pca as _pca
-from keras_dpsgd.preprocessing._adapt import stream_batches
-from keras_dpsgd.preprocessing._seam import TfOps
+from keras_dpsgd.preprocessing.adapt import stream_batches
+from keras_dpsgd.preprocessing.seam import TfOps
 from keras_dpsgd.preprocessing.feature_map import PublicFeatureMapMixin
 from keras_dpsgd.preprocessing.vocabulary import accounted_layer_classes
 

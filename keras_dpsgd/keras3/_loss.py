@@ -1,4 +1,4 @@
-"""The compiled loss of a Keras 3 model, one value per example (TensorFlow; JAX: ``keras_dpsgd.backends.jax._loss``).
+"""The compiled loss of a Keras 3 model, one value per example (TensorFlow; JAX: ``keras3._jax_loss``).
 
 Keras 3's compiled loss reduces over the batch. The private train step (``keras_dpsgd.keras3._train_step``)
 needs one loss per example: :func:`per_example_loss` reads the model's outputs, their compiled losses
@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from keras_dpsgd import _validate
-from keras_dpsgd.step._loss import regularization_sum
+from keras_dpsgd.step.loss import regularization_sum
 
 __all__ = ["per_example_loss", "weight_regularization"]
 

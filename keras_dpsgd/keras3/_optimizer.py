@@ -8,7 +8,7 @@ came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but withou
 step is refused at its first step.
 
 Under ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy`` with R replicas
-(``keras_dpsgd.step._distribute``): each replica clips its share of the lot, adds its own noise
+(``keras_dpsgd.step.distribute``): each replica clips its share of the lot, adds its own noise
 N(0, σ²C²/R) under a key of its own and divides by the global L; Keras's ``apply`` then SUMs the
 R gradients across replicas (``TFOptimizer._all_reduce_sum_gradients``) before one descent step
 on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device release. The counters
@@ -35,13 +35,20 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd.step import _distribute
+from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd import backends, ledger
-from keras_dpsgd.step._classes import make_dp_class
-from keras_dpsgd.step._settings import DPState
-from keras_dpsgd.step._release import LotReleaseMixin
+from keras_dpsgd.step.classes import make_dp_class
+from keras_dpsgd.step.settings import DPState
+from keras_dpsgd.step.release import LotReleaseMixin
 
-__all__ = ["DPKeras3Mixin", "DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer", "NOT_PRIVATE_MESSAGE"]
+__all__ = [
+    "DPKeras3Mixin",
+    "DPSGDOptimizer",
+    "DPAdamOptimizer",
+    "check_dp_optimizer",
+    "make_dp_optimizer",
+    "NOT_PRIVATE_MESSAGE",
+]
 
 # Hook implementations whose own release is split across replicas like the gradient's noise, by
 # hook name (adaptive clipping's norm queries: keras_dpsgd.keras3._adaptive registers them).
@@ -60,9 +67,9 @@ NOT_PRIVATE_MESSAGE = (
 class DPKeras3Mixin(LotReleaseMixin):
     """DP-SGD settings and sanitizer for a Keras 3 optimizer; put before the optimizer class.
 
-    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step._classes``) checks the
+    Built by :func:`make_dp_optimizer`, whose constructor (``keras_dpsgd.step.classes``) checks the
     DP arguments, runs the Keras 3 ``__init__`` and then ``_init_dp``. The settings and the
-    lot/release state machine are shared with tf_keras (``keras_dpsgd.step._release.LotReleaseMixin``);
+    lot/release state machine are shared with tf_keras (``keras_dpsgd.step.release.LotReleaseMixin``);
     this class supplies Keras 3's hooks: its variables, ``apply`` (with Keras's own accumulation
     kept off), the cross-replica update of a lot and its fit's locals.
     """
@@ -98,7 +105,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         """
         ledger.attach(ledger.saving_model(self, max_depth=64), self)
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             return _state.save_variables(self, store)  # the noise key and the non-finite count unsaved
         return super().save_own_variables(store)
@@ -155,7 +162,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         # By-name bounds name a variable by its path ("dense/kernel"), which is unique in a model.
         self._build_lot(variables, [getattr(v, "path", v.name) for v in variables])
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             _state.add_variables(self)
 
@@ -341,7 +348,7 @@ class DPKeras3Mixin(LotReleaseMixin):
     def load_own_variables(self, store):
         """.keras loading; a lot saved mid-way is discarded (never resumed)."""
         if _on_jax():
-            from keras_dpsgd.backends.jax import _state
+            from keras_dpsgd.backends.jax import state as _state
 
             super().load_own_variables(_state.saved_store(self, store))
             _state.after_load(self)
@@ -435,3 +442,23 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
 
 DPSGDOptimizer = make_dp_optimizer(keras.optimizers.SGD, name="DPSGDOptimizer")
 DPAdamOptimizer = make_dp_optimizer(keras.optimizers.Adam, name="DPAdamOptimizer")
+
+
+def check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
+    """`optimizer` if it is a Keras 3 DP optimizer; else a ValueError saying why the step would not be private."""
+    if isinstance(optimizer, DPKeras3Mixin):
+        return optimizer
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if isinstance(inner, DPKeras3Mixin):
+        raise ValueError(
+            "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
+            "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
+            "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
+            "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
+            "gradient overflows is zeroed and counted in nonfinite_examples)"
+        )
+    raise ValueError(
+        "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
+        f"keras_dpsgd.keras3.DPSGDOptimizer), got {type(optimizer).__name__}: training on would not be "
+        "private. Compile with a DP optimizer."
+    )

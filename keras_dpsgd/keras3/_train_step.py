@@ -1,4 +1,4 @@
-"""The private train step of a Keras 3 model (TensorFlow backend; JAX: ``keras_dpsgd.backends.jax``).
+"""The private train step of a Keras 3 model (TensorFlow backend; JAX: ``keras3._jax_train_step``).
 
 Keras 3's ``train_step`` reduces the loss and hands the optimizer only the batch-summed gradient,
 so the per-example step is on the model side: :func:`make_private` gives a model a train step that
@@ -28,13 +28,13 @@ from typing import Any, Sequence
 import keras
 import tensorflow as tf
 
-from keras_dpsgd.step import _display
-from keras_dpsgd.step._augment import Augmentation, check_augmentation
+from keras_dpsgd.step import display as _display
+from keras_dpsgd.step.augment import Augmentation, check_augmentation
 from keras_dpsgd import backends, ledger
-from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.step._loss import per_example_values, refuse_data_losses, regularization_gradients
+from keras_dpsgd.backends.tensorflow.graph import refuse_grouped_convolution_layers
+from keras_dpsgd.step.loss import per_example_values, refuse_data_losses, regularization_gradients
 from keras_dpsgd.keras3._loss import per_example_loss, weight_regularization
-from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+from keras_dpsgd.keras3._optimizer import check_dp_optimizer
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
 from keras_dpsgd.step.lots import is_lots_dataset
 
@@ -72,28 +72,9 @@ _OWN_STEP_MESSAGE = (
 )
 
 
-def _check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
-    if isinstance(optimizer, DPKeras3Mixin):
-        return optimizer
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if isinstance(inner, DPKeras3Mixin):
-        raise ValueError(
-            "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
-            "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
-            "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
-            "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
-            "gradient overflows is zeroed and counted in nonfinite_examples)"
-        )
-    raise ValueError(
-        "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
-        f"keras_dpsgd.keras3.DPSGDOptimizer), got {type(optimizer).__name__}: training on would not be "
-        "private. Compile with a DP optimizer."
-    )
-
-
 def _prepared(optimizer, per_example_loss, variables, tape, regularization_loss):
     """Checks the arguments of a model's own step; the regularization gradient (or None)."""
-    optimizer = _check_dp_optimizer(optimizer)
+    optimizer = check_dp_optimizer(optimizer)
     # An eager step, or the reference backend, would take pfor jacobians through a grouped convolution.
     refuse_grouped_convolution_layers(ledger.saving_model(optimizer), optimizer._backend)
     variables = list(variables)
@@ -166,9 +147,9 @@ def _private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     views = getattr(self, _AUGMENTATION_ATTR, None)
-    if views is not None:  # K views of each example, rows i·K .. i·K+K-1 (keras_dpsgd.step._augment)
+    if views is not None:  # K views of each example, rows i·K .. i·K+K-1 (keras_dpsgd.step.augment)
         x, y, sample_weight = views.views(x), views.repeat(y), views.repeat(sample_weight)
-    optimizer = _check_dp_optimizer(self.optimizer)
+    optimizer = check_dp_optimizer(self.optimizer)
     refuse_adapted_preprocessing(self)
     refuse_grouped_convolution_layers(self, optimizer._backend)  # Only the fast backend reads them exactly.
     ledger.attach(self, optimizer)  # At trace time: the ledger is the model's (a new optimizer adds to it).
@@ -215,11 +196,11 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
     if is_lots_dataset(x) and len(args) < _BEFORE_SHUFFLE + 1:
         kwargs.setdefault("shuffle", False)
     if backends.is_jax():
-        from keras_dpsgd.backends.jax import prepare_fit, values_kept_on_refusal
+        from keras_dpsgd.keras3._jax_train_step import prepare_fit, values_kept_on_refusal
 
         prepare_fit(self)  # JAX traces the step with the variables purged: host-side work first
         if is_lots_dataset(x):
-            from keras_dpsgd.backends.jax._loss import build_compiled_loss
+            from keras_dpsgd.keras3._jax_loss import build_compiled_loss
 
             build_compiled_loss(self, x)  # Keras's own build would pair a [B] weight with a [B, T] loss's tokens
         with values_kept_on_refusal(self):
@@ -230,7 +211,7 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
 def _train_on_batch(self: keras.Model, *args, **kwargs):
     """Keras's ``train_on_batch``, refused while the optimizer holds a Poisson rate (``_fed_data``): on JAX
     the stateless step never reaches the checks of the TensorFlow step, so the refusal comes first here."""
-    from keras_dpsgd.step._fed_data import check_fed_data
+    from keras_dpsgd.step.fed_data import check_fed_data
 
     check_fed_data(self, self.optimizer, outside_fit=True)
     return type(self).train_on_batch(self, *args, **kwargs)
@@ -339,7 +320,7 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         mean of its K views' losses, so its gradient (the mean of the views' gradients) is clipped
         once: one example still contributes one clipped vector, and the privacy ledger is that of
         the step without augmentation. Metrics and the logged loss are means over the views.
-        (``keras_dpsgd.step._augment``.) Not built on JAX (refused there).
+        (``keras_dpsgd.step.augment``.) Not built on JAX (refused there).
 
     Raises:
       TypeError: `model` is not a Keras 3 model; `augmentation` is not callable.
@@ -366,7 +347,7 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         if _overridden(model, method):
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method, backend=backend))
     if backends.is_jax(backend):
-        from keras_dpsgd.backends.jax import private_train_step
+        from keras_dpsgd.keras3._jax_train_step import private_train_step
 
         model.train_step = types.MethodType(private_train_step, model)
     else:

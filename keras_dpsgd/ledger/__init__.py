@@ -56,7 +56,7 @@ weights). What each way of saving keeps:
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
-see :mod:`keras_dpsgd.step._sanitizer`).
+see :mod:`keras_dpsgd.tf_keras._sanitizer`).
 
 A checkpoint restored before the state is attached is applied when it is
 attached (deferred restoration). Steps taken after the last checkpoint of a
@@ -71,7 +71,7 @@ under-reports ε (the sub-sampled Gaussian's ε grows with q and shrinks with σ
 
 Sampling. The accountant assumes Poisson sampling (:mod:`keras_dpsgd.step.lots`
 explains the difference from shuffled fixed-size batches). The rate recorded is
-that of the lots ``fit`` is fed (:mod:`keras_dpsgd.step._fed_data`: a fit on
+that of the lots ``fit`` is fed (:mod:`keras_dpsgd.step.fed_data`: a fit on
 ``PoissonLots.dataset()`` sets the optimizer's rate to those lots'; other data
 while the optimizer holds a rate are refused). When the optimizer knows no
 sampling rate, q = batch_size · gradient_accumulation_steps / N is used and a
@@ -99,6 +99,7 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
     is_keras3,
     ledger_state_holders,
     noised_steps,
+    on_attach,
     note_sampling_rate_change,
     recorded_sampling_rate,
     recorded_releases,
@@ -209,7 +210,7 @@ def assume_poisson(optimizer: Any) -> Any:
 
     An opt-in, for data keras_dpsgd did not sample (a sampler of your own; arrays fed in fixed-size
     batches, which are *not* Poisson lots): without it, a fit of an optimizer that holds a sampling
-    rate on anything but :class:`keras_dpsgd.PoissonLots` is refused (:mod:`keras_dpsgd.step._fed_data`).
+    rate on anything but :class:`keras_dpsgd.PoissonLots` is refused (:mod:`keras_dpsgd.step.fed_data`).
     With it, ε is computed at q as if the batches were Poisson lots, which is no proven bound for
     shuffled fixed-size batches (Chua et al. 2024); a warning says so. The statement is not saved: a
     loaded optimizer is refused again until it is made again.
@@ -238,7 +239,7 @@ def note_fit_sampling(model: Any, optimizer: Any) -> None:
     """Records q = B · k / N of a running ``fit(x, y, batch_size=B)`` on arrays, where the optimizer
     does not know its sampling rate (no ``PoissonLots.configure``).
 
-    Called by :func:`keras_dpsgd.step._fed_data.check_fed_data` (when the DP step is traced, at every
+    Called by :func:`keras_dpsgd.step.fed_data.check_fed_data` (when the DP step is traced, at every
     fit's ``make_train_function``, at every epoch start of fit and by the privacy callbacks'
     ``on_train_begin``, before the fit's first step) for data other than Poisson lots. The ledger then records the fit's steps at
     that q (a new fit with another q starts a new segment; a fit whose data have no known size
@@ -377,7 +378,7 @@ def refuse_shared_layer_seeds(model: Any) -> None:
     """Refuses a model whose ledger holds releases of two layers adapted with one seed (issue 37.4).
 
     A seeded DP preprocessing layer draws the noise of its k-th adapt from (seed, k)
-    (``keras_dpsgd.preprocessing._adapt``): two such layers with one seed drew the same noise for their
+    (``keras_dpsgd.preprocessing.adapt``): two such layers with one seed drew the same noise for their
     first adapts, which the ledger would count as independent releases.
 
     Raises:

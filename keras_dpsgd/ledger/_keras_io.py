@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -196,6 +196,18 @@ def _refresher(model: Any, optimizer: Any, keep: bool):
     return refresh, optimizer_ref
 
 
+# What watches a model's fits once a ledger is attached to it: the DP step's check of the running fit's callbacks
+# (``keras_dpsgd.step._callback_guard.watch_fits``, registered by ``step._settings``, which every DP optimizer's
+# class imports: the step is above the ledger, so the ledger calls it through this list).
+_ON_ATTACH: list[Callable[[Any], None]] = []
+
+
+def on_attach(hook: Callable[[Any], None]) -> None:
+    """Calls ``hook(model)`` whenever a DP optimizer's ledger is attached to `model` (:func:`attach`)."""
+    if hook not in _ON_ATTACH:
+        _ON_ATTACH.append(hook)
+
+
 def attach(model: Any, optimizer: Any) -> None:
     """Makes the ledger a property of `model`: called by the DP step when it is traced.
 
@@ -216,9 +228,8 @@ def attach(model: Any, optimizer: Any) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
-            from keras_dpsgd.step import _callback_guard  # imports this module: late
-
-            _callback_guard.watch_fits(model)
+            for hook in _ON_ATTACH:
+                hook(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         if model is not None:
             holders[0]._model = weakref.ref(model)
@@ -467,7 +478,7 @@ def recorded_releases(model: Any) -> int:
     """The DP-SGD steps the model's ledger records (every optimizer's), its last optimizer's counted first.
 
     The position the next release of a new optimizer takes in the ledger: the one-call API derives the
-    lots' seed from it (``keras_dpsgd.step._one_call``), as the noise keys are (:func:`write_ledger_offset`).
+    lots' seed from it (``keras_dpsgd._one_call``), as the noise keys are (:func:`write_ledger_offset`).
     """
     optimizer = getattr(model, "optimizer", None)
     if is_dp_optimizer(optimizer):

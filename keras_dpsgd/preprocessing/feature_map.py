@@ -10,7 +10,8 @@ rows the user trained from (issue 40.2).
 
 The call is written once over a small table of ops (:data:`_TF_OPS` on tf_keras, ``keras.ops`` on
 Keras 3, any backend); the Keras 3 class is in :mod:`keras_dpsgd.keras3._layers`, the tf_keras class is
-defined here at first access (so this module imports without tf_keras).
+defined here at first access (so this module imports without tf_keras); the CLI picks one
+(``keras_dpsgd.cli.train.feature_map_layer``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["PublicFeatureMapMixin", "feature_map_layer"]
+__all__ = ["PublicFeatureMapMixin"]
 
 Bound = Union[float, Sequence[float], None]
 
@@ -133,12 +134,3 @@ def __getattr__(name: str) -> type:
             )
             globals()[name] = tf_keras.saving.register_keras_serializable(package="keras_dpsgd")(cls)
     return globals()[name]
-
-
-def feature_map_layer(keras: Any, **kwargs: Any) -> Any:
-    """A PublicFeatureMap of `keras`'s front end (the ``keras`` or ``tf_keras`` module) with `kwargs`."""
-    if keras.__name__.startswith("tf_keras"):
-        return __getattr__("PublicFeatureMap")(**kwargs)
-    from keras_dpsgd.keras3._layers import PublicFeatureMap
-
-    return PublicFeatureMap(**kwargs)

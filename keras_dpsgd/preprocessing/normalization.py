@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, U
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.preprocessing import _adapt
+from keras_dpsgd.preprocessing import adapt as _adapt
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import PrivacyLedger
 

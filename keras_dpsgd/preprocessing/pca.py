@@ -17,8 +17,8 @@ import numpy as np
 import scipy.linalg
 import tensorflow as tf
 
-from keras_dpsgd.preprocessing import _adapt
-from keras_dpsgd.preprocessing._seam import TfOps
+from keras_dpsgd.preprocessing import adapt as _adapt
+from keras_dpsgd.preprocessing.seam import TfOps
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import PrivacyLedger
 

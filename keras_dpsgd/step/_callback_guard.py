@@ -41,6 +41,7 @@ import sys
 import keras
 
 from keras_dpsgd import ledger
+from keras_dpsgd.step.fed_data import check_fed_data
 from keras_dpsgd.step._held_out import validation_overlap
 
 __all__ = ["refuse_private_decisions", "watch_fits"]
@@ -158,8 +159,6 @@ class _CheckedMakeTrainFunction:
 
     def __call__(self, *args, **kwargs):
         _refuse_before_fit(self._model)
-        from keras_dpsgd.step._fed_data import check_fed_data  # imports the ledger: late
-
         check_fed_data(self._model, self._model.optimizer, outside_fit=True)
         ledger.refresh_ledger_offset(self._model, getattr(self._model, "optimizer", None))
         return type(self._model).make_train_function(self._model, *args, **kwargs)

@@ -14,7 +14,7 @@ a proven bound (Chua et al. 2024, "How private are DP-SGD implementations?",
 show real gaps). TF Privacy reports the Poisson ε for shuffled batches anyway;
 here the honest path is the easy one: :class:`PoissonLots` draws real Poisson
 lots, a ``fit`` on them records their rate, a ``fit`` on other data while the
-optimizer holds a Poisson rate is refused (:mod:`keras_dpsgd.step._fed_data`),
+optimizer holds a Poisson rate is refused (:mod:`keras_dpsgd.step.fed_data`),
 and the ledger (:mod:`keras_dpsgd.ledger`) warns when, with no rate known, it has
 to assume Poisson sampling for data it did not sample.
 
@@ -408,7 +408,7 @@ class PoissonLots:
         self._refuse_shards("dataset")
         data = self._dataset(num_lots)
         # The dataset names its lots: fit of a private Keras 3 model takes shuffle=False (nothing to
-        # shuffle), every DP fit records the rate of these lots (keras_dpsgd.step._fed_data), and the
+        # shuffle), every DP fit records the rate of these lots (keras_dpsgd.step.fed_data), and the
         # callback guard reads their rows (validation data must not hold them: keras_dpsgd.step._held_out).
         setattr(data, _LOTS_ATTR, self)
         return data
@@ -492,7 +492,7 @@ class PoissonLots:
             return batches.prefetch(tf.data.AUTOTUNE)
 
         distributed = strategy.distribute_datasets_from_function(per_worker)
-        setattr(distributed, _LOTS_ATTR, self)  # the rate fit records (keras_dpsgd.step._fed_data)
+        setattr(distributed, _LOTS_ATTR, self)  # the rate fit records (keras_dpsgd.step.fed_data)
         return distributed
 
     def as_py_dataset(self, num_lots: Optional[int] = None) -> "PoissonLotsPyDataset":

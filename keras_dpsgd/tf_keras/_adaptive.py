@@ -9,7 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras as keras
 
-from keras_dpsgd.step._sanitizer import DPSanitizerMixin
+from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
 from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
 from keras_dpsgd.tools._adaptive_core import (
     AdaptiveClippingCore,

@@ -11,7 +11,7 @@ unreduced (per-example) loss::
     model.fit(x, y, batch_size=256)
 
 Argument names follow TF Privacy's ``DPKerasSGDOptimizer``. The sanitizer
-(clip → sum → noise → normalize) lives in ``keras_dpsgd.step._sanitizer`` and is
+(clip → sum → noise → normalize) lives in ``keras_dpsgd.tf_keras._sanitizer`` and is
 shared by every optimizer made private with :func:`make_dp_optimizer`: the
 descent rule only post-processes the sanitized gradient.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 import tf_keras as keras
 
-from keras_dpsgd.step._sanitizer import DPSanitizerMixin
-from keras_dpsgd.step._classes import init_private, make_dp_class
-from keras_dpsgd.step._clipping import DEFAULT_STABILITY
+from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
+from keras_dpsgd.step.classes import init_private, make_dp_class
+from keras_dpsgd.step.clipping import DEFAULT_STABILITY
 
 __all__ = ["DPSGDOptimizer", "DPAdamOptimizer", "make_dp_optimizer"]
 
@@ -92,7 +92,7 @@ _DP_DOC = """
     ValueError at the first step. BatchNormalization in training mode is
     refused (a frozen one, `trainable = False`, runs in inference mode and
     is accepted).
-    Regularization: see `keras_dpsgd.step._sanitizer` (weight_decay, or a
+    Regularization: see `keras_dpsgd.tf_keras._sanitizer` (weight_decay, or a
     (per_example_loss, regularization_loss) pair with a persistent tape).
 """
 

@@ -13,7 +13,7 @@ weight regularizers needs this call; other tf_keras models do not.
 
 Augmentation multiplicity (``make_private(model, augmentation=..., augmentation_multiplicity=K)``)
 also gives the model a ``train_step``: tf_keras's own, on the K views of each example
-(``keras_dpsgd.step._augment``), with the per-example loss the mean of the views' losses.
+(``keras_dpsgd.step.augment``), with the per-example loss the mean of the views' losses.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import types
 import tensorflow as tf
 import tf_keras
 
-from keras_dpsgd.step import _display, _distribute
-from keras_dpsgd.step._augment import Augmentation, check_augmentation
-from keras_dpsgd.step._loss import refuse_data_losses, regularization_sum
+from keras_dpsgd.step import display as _display, distribute as _distribute
+from keras_dpsgd.step.augment import Augmentation, check_augmentation
+from keras_dpsgd.step.loss import refuse_data_losses, regularization_sum
 
 __all__ = ["make_private", "weight_regularization_terms"]
 
@@ -102,7 +102,7 @@ def make_private(model: tf_keras.Model, *, augmentation=None, augmentation_multi
         batch itself, made to differ by the model's own random layers, if any.
       augmentation_multiplicity: K in [1, 256] views per example (De et al. 2022), averaged into
         one per-example loss, so one gradient per example is clipped: the sensitivity and the
-        ledger are those of the step without augmentation (``keras_dpsgd.step._augment``).
+        ledger are those of the step without augmentation (``keras_dpsgd.step.augment``).
 
     Raises:
       TypeError: `model` is not a tf_keras model (Keras 3 models: ``keras_dpsgd.keras3.make_private``);

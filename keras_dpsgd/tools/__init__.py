@@ -23,9 +23,9 @@ _LAZY = {
     "convnet_builder": "keras_dpsgd.tools.memorization",
     "clopper_pearson_lower": "keras_dpsgd.tools._stats",
     "binomial_p_value": "keras_dpsgd.tools._stats",
-    "random_noise_data": "keras_dpsgd.tools._data",
-    "load_digits": "keras_dpsgd.tools._data",
-    "load_tfds": "keras_dpsgd.tools._data",
+    "random_noise_data": "keras_dpsgd.tools.data",
+    "load_digits": "keras_dpsgd.tools.data",
+    "load_tfds": "keras_dpsgd.tools.data",
     # adaptive clipping
     "composed_noise_multiplier": "keras_dpsgd.tools.adaptive_clipping",
     "adaptive_clipping_event": "keras_dpsgd.tools.adaptive_clipping",

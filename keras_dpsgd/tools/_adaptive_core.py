@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _validate
-from keras_dpsgd.step import _distribute
+from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd.tools._adaptive_rules import ArrayOps, next_bounds, query_sensitivity, query_terms
 from keras_dpsgd.tools._bounds_logger import ClipBoundsLoggerCore
 from keras_dpsgd.tools._initial_bounds import initial_clip_bounds, initial_flat_clip_bound
@@ -262,7 +262,7 @@ class AdaptiveClippingCore:
     def _update_clip_bounds(self, num_examples: tf.Tensor) -> None:
         """Releases the bound queries of the lot and sets the next bounds (call after the gradient's release).
 
-        Under R replicas the query is split like the gradient's release (``keras_dpsgd.step._distribute``):
+        Under R replicas the query is split like the gradient's release (``keras_dpsgd.step.distribute``):
         replica r adds N(0, s_g² / R) (s_g: the query's noise std) to the sums of its share under a
         key of its own, the noised sums are summed across the replicas once (an all-reduce: ΣS_r +
         N(0, s_g²), the one-device release), and every replica sets the same next bounds from that sum.

@@ -84,7 +84,7 @@ def train_run(
         shuffled batches of `batch_size`.
       physical_batch_size: Poisson runs only: rows per physical batch (lots
         are split into gradient-accumulation steps); None: one per lot.
-      front: the Keras of the model (``keras_dpsgd.tools._front``); default the model's own.
+      front: the Keras of the model (``keras_dpsgd.tools.front``); default the model's own.
 
     Returns:
       (RunResult, trained model, optimizer).
@@ -94,7 +94,7 @@ def train_run(
     import tensorflow as tf
 
     from keras_dpsgd.ledger import is_dp_optimizer
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     x, y = train
     lots = None

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence, TypedDict, Unpack
 import numpy as np
 
 from keras_dpsgd import _validate
-from keras_dpsgd.tools import _data
+from keras_dpsgd.tools import data as _data
 from keras_dpsgd.tools._training import RunResult, train_run
 
 __all__ = [
@@ -163,7 +163,7 @@ class MemorizationReport:
 
 
 def _keras(keras_module: Any) -> Any:
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     return keras_module or _front.active().keras
 
@@ -207,7 +207,7 @@ def convnet_builder(input_shape: Sequence[int], num_classes: int, keras_module: 
 
 
 def _default_dp_optimizer(front, dp: DPSettings, lots, seed: int | None):
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     return front.dp_sgd(
         l2_norm_clip=dp.l2_norm_clip,
@@ -305,7 +305,7 @@ def _run_pair(
     verbose=0,
 ):
     from keras_dpsgd.accounting import check_delta, default_delta
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
 
     dp = dp or DPSettings()
     n = len(train[0])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_dpsgd.accounting._budget import SMALL_NOISE, budget_warnings
+from keras_dpsgd.accounting.budget import SMALL_NOISE, budget_warnings
 
 
 def _warn(sigma, lot=256.0, clip=1.0, eps=3.0):

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from keras_dpsgd.data._datasets import load_digits
+from keras_dpsgd.data.datasets import load_digits
 from keras_dpsgd.accounting import compute_noise_multiplier
 from keras_dpsgd.audit import with_gradient_canaries
 from keras_dpsgd.tf_keras import DPSGDOptimizer

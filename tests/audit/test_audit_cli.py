@@ -94,7 +94,7 @@ def test_a_leak_found_exits_1_with_the_result(capsys, monkeypatch):
     import functools
 
     from keras_dpsgd.audit import step
-    from keras_dpsgd.tools import _front
+    from keras_dpsgd.tools import front as _front
     from tests._audit_helpers import scaled_noise
 
     half = scaled_noise(_front.active().dp_sgd, 0.5)

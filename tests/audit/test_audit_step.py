@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from keras_dpsgd.data._datasets import load_digits
+from keras_dpsgd.data.datasets import load_digits
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.audit import (
     gdp_delta,

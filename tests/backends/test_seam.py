@@ -82,7 +82,7 @@ def test_a_module_without_the_interface_is_no_backend(monkeypatch):
 def test_optimizers_take_their_per_example_computation_and_noise_from_the_seam():
     import keras_dpsgd.keras3 as k3
     import keras_dpsgd.tf_keras as tk
-    from keras_dpsgd.step._settings import check_settings
+    from keras_dpsgd.step.settings import check_settings
 
     for optimizer in (k3.DPSGDOptimizer(1.0, 1.1), tk.DPSGDOptimizer(1.0, 1.1, per_example_backend="reference")):
         assert optimizer._dp.noise is tf_backend

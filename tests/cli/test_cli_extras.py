@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from keras_dpsgd.data import _datasets
+from keras_dpsgd.data import datasets as _datasets
 from keras_dpsgd.cli import main
 
 _CASES = [

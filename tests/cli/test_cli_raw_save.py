@@ -89,7 +89,7 @@ def test_saved_model_ledger_counts_the_centring_once(runs, monkeypatch, legacy):
 @pytest.mark.parametrize("legacy", [False, True], ids=["keras3", "tf_keras"])
 def test_feature_map_layer_config_round_trip(legacy, monkeypatch):
     """PublicFeatureMap: get_config/from_config gives the same map; bad bounds are refused by name."""
-    from keras_dpsgd.preprocessing.feature_map import feature_map_layer
+    from keras_dpsgd.cli.train import feature_map_layer
 
     if legacy:
         monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")

@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 import pytest
 
-from keras_dpsgd.data._datasets import load_dataset, load_local
-from keras_dpsgd.data._local_data import held_out_split, parse_feature_ranges, read_idx
+from keras_dpsgd.data.datasets import load_dataset, load_local
+from keras_dpsgd.data.local_data import held_out_split, parse_feature_ranges, read_idx
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.cli import main
 

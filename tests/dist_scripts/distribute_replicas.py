@@ -1,8 +1,8 @@
-"""keras_dpsgd.step._distribute under a 2-replica MirroredStrategy (tests/step/test_distribute.py)."""
+"""keras_dpsgd.step.distribute under a 2-replica MirroredStrategy (tests/step/test_distribute.py)."""
 
 import tensorflow as tf
 
-from keras_dpsgd.step import _distribute
+from keras_dpsgd.step import distribute as _distribute
 
 
 def run(strategy: tf.distribute.MirroredStrategy) -> dict:

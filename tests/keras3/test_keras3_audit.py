@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dpsgd.keras3 as k3
-from keras_dpsgd.data._datasets import load_digits
+from keras_dpsgd.data.datasets import load_digits
 from keras_dpsgd.audit import membership_inference, with_gradient_canaries
 from tests._audit_helpers import gradient_audit, input_canary_audit, scaled_noise, step_audit_run, without_noise
 

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from keras_dpsgd.data._datasets import load_digits
+from keras_dpsgd.data.datasets import load_digits
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, PrivacyLedger, compute_epsilon
 from keras_dpsgd.cli._quiet import is_tensorflow_log_line
 from tests._parallel import run_jobs

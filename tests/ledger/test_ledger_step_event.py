@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tf_keras as keras
 
-from keras_dpsgd.step import _settings as _dp_settings
+from keras_dpsgd.step import settings as _dp_settings
 from keras_dpsgd import accounting
 from keras_dpsgd.accounting import (
     PoissonSampledComposedGaussianEvent,

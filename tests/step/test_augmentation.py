@@ -1,5 +1,5 @@
 """Augmentation multiplicity (De et al. 2022) on both Kerases: K views of each example averaged into one
-per-example gradient, clipped once (``keras_dpsgd.step._augment``).
+per-example gradient, clipped once (``keras_dpsgd.step.augment``).
 
 Oracles: a one-example, one-view-at-a-time loop with the same (deterministic) augmentation draws; the
 sensitivity of a step's release to removing one example (one clipped vector, not K); K = 1 bit for bit
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from keras_dpsgd import model_epsilon
-from keras_dpsgd.step import _augment
+from keras_dpsgd.step import augment as _augment
 from tests._behaviour import built, keras3_front, tf_keras_front
 from tests._keras3_helpers import one_sgd_step
 

@@ -1,11 +1,11 @@
-"""keras_dpsgd.step._distribute: replica helpers and strategy refusals (both front ends use them)."""
+"""keras_dpsgd.step.distribute: replica helpers and strategy refusals (both front ends use them)."""
 
 import math
 
 import pytest
 import tensorflow as tf
 
-from keras_dpsgd.step import _distribute
+from keras_dpsgd.step import distribute as _distribute
 from tests._dist_helpers import strategy_runs
 
 

@@ -1,10 +1,10 @@
-"""The lot/release state machine is written once (keras_dpsgd.step._release): both front ends supply its
+"""The lot/release state machine is written once (keras_dpsgd.step.release): both front ends supply its
 hooks and override none of it. Its behaviour is the behavioural suite's (tests/test_behaviour.py:
 lots, discarded partial lots, noise drawn once per lot, on both Kerases)."""
 
 import pytest
 
-from keras_dpsgd.step._release import LotReleaseMixin, resolve_bounds
+from keras_dpsgd.step.release import LotReleaseMixin, resolve_bounds
 
 HOOKS = {
     "_value",
@@ -20,7 +20,7 @@ OPTIONAL_HOOKS = {"_count_replica_lot", "on_per_example_sq_norms", "on_noised_st
 
 def _front_end_mixin(front):
     if front == "tf_keras":
-        from keras_dpsgd.step._sanitizer import DPSanitizerMixin
+        from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
 
         return DPSanitizerMixin
     from keras_dpsgd.keras3._optimizer import DPKeras3Mixin

@@ -9,7 +9,7 @@ import tf_keras as keras
 
 import keras_dpsgd
 from keras_dpsgd.tf_keras import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer
-from keras_dpsgd.backends.tensorflow import _per_example
+from keras_dpsgd.backends.tensorflow import per_example_backend as _per_example
 
 
 def _loss():

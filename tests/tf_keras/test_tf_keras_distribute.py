@@ -1,4 +1,4 @@
-"""The tf_keras DP step under tf.distribute (issue 15; the design in ``keras_dpsgd.step._distribute``).
+"""The tf_keras DP step under tf.distribute (issue 15; the design in ``keras_dpsgd.step.distribute``).
 
 Each strategy runs in fresh processes (``tests/_dist_helpers.py``: logical CPU devices must be set
 before TensorFlow starts), launched once per session for both Kerases

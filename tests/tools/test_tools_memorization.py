@@ -9,7 +9,7 @@ from scipy import stats
 
 from keras_dpsgd import accounting
 from keras_dpsgd.cli import main
-from keras_dpsgd.tools import _data, _stats
+from keras_dpsgd.tools import data as _data, _stats
 from keras_dpsgd.tools.memorization import DPSettings, memorization_test, mlp_builder, real_task_test
 
 

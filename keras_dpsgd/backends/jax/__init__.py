@@ -2,10 +2,11 @@
 
 Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for the common layers
 (ghost norms and book-keeping sums: ``_ghost``, ``_rules``), the library's Gaussian sampler on
-``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and the stateless private
-train step (``_train_step``, with adaptive clipping's plumbing in ``_adaptive`` and DataParallel's in
-``_distribute``) that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
-(``keras_dpsgd.backends.is_jax``). What is not built on JAX yet is refused by name
+``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and adaptive clipping's
+plumbing (``_adaptive``). The stateless private train step that ``keras_dpsgd.keras3.make_private``
+installs when ``keras.config.backend() == "jax"`` (``keras_dpsgd.backends.is_jax``) is the Keras 3 front
+end's (``keras_dpsgd.keras3._jax_train_step``, DataParallel's part in ``keras3._jax_distribute``).
+What is not built on JAX yet is refused by name
 (:func:`unsupported`): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
 the audit callback and a model's own train step
 (``private_update``/``sanitized_gradients``).
@@ -14,26 +15,18 @@ the audit callback and a model's own train step
 from typing import Any
 
 from keras_dpsgd.backends.jax._noise import add_gaussian, seeded_key, standard_normal
-from keras_dpsgd.backends.jax._train_step import (
-    JAX_UNSUPPORTED,
-    prepare_fit,
-    private_train_step,
-    unsupported,
-    values_kept_on_refusal,
-)
 
 __all__ = [
     "JAX_UNSUPPORTED",
     "PER_EXAMPLE_CHOICES",
     "add_gaussian",
     "per_example",
-    "prepare_fit",
-    "private_train_step",
     "seeded_key",
     "standard_normal",
     "unsupported",
-    "values_kept_on_refusal",
 ]
+
+JAX_UNSUPPORTED = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
 
 # The seam's interface (keras_dpsgd.backends). "auto": the layers with rules (_ghost) take their norms and
 # clipped sums from their inputs and output gradients, every other variable its gradient under jax.vmap;
@@ -47,3 +40,8 @@ def per_example(name: str, jacobian_fallback: str) -> Any:
     from keras_dpsgd.backends.jax import _per_example
 
     return _per_example
+
+
+def unsupported(feature: str) -> ValueError:
+    """The refusal of a feature not built on JAX, naming it."""
+    return ValueError(f"{feature} {JAX_UNSUPPORTED} (KERAS_BACKEND=jax is set)")

@@ -20,7 +20,7 @@ noise of a step is a large part of a small model's step (795k coordinates: ~8 ms
 Keys (:func:`seeded_key`, :func:`entropy_key`): a seeded optimizer's noise is a function of
 (seed, the release's position in the model's ledger, tensor index), so reproducible, resumable and never
 repeated within a model's ledger; without a seed the key is drawn
-from OS entropy (``os.urandom``) and never saved (``keras_dpsgd.backends.jax._state``).
+from OS entropy (``os.urandom``) and never saved (``keras_dpsgd.backends.jax.state``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each example's loss is computed on its own (``jax.vmap`` over the batch axis of ``jax.grad`` of a
 function that sees a batch of one), so no layer can mix examples: a layer that reduces over the
-batch sees one example. The protocol is the TensorFlow backends' (``keras_dpsgd.backends.tensorflow._per_example``):
+batch sees one example. The protocol is the TensorFlow backends' (``keras_dpsgd.backends.tensorflow.per_example_backend``):
 
     summed[v] = Σ_i factors[i, v] · g_i[v],   sq_norms[i, v] = ||g_i[v]||²
 

@@ -1,7 +1,7 @@
 """The TensorFlow backend (Keras 3 on TensorFlow, and tf_keras): its side of :mod:`keras_dpsgd.backends`.
 
 Per-example computation (``per_example``): ``FastBackend`` (``_backend``) implements the protocol of
-``keras_dpsgd.backends.tensorflow._per_example``: ``clipped_sum(loss, var_list, tape, clip_factors) ->
+``keras_dpsgd.backends.tensorflow.per_example_backend``: ``clipped_sum(loss, var_list, tape, clip_factors) ->
 (summed, sq_norms)`` with fast per-example clipping (ghost norms and book-keeping). It gives the same
 numbers as the per-example jacobian (reference) path, without materializing per-example gradients
 for the layers that carry most parameters. See ``_backend`` for the algorithm. ``ReferenceBackend``
@@ -11,7 +11,7 @@ without a rule (announced: ``_report``). How a new op gets a per-example rule:
 
 Noise source: the library's sampler (``keras_dpsgd.step._noise``) under stateless TensorFlow keys
 (``seeded_key``: ``keras_dpsgd.step._math.noise_key``); an optimizer without a seed draws its keys
-from a ``tf.random.Generator`` of OS entropy, never checkpointed (``keras_dpsgd.step._settings``).
+from a ``tf.random.Generator`` of OS entropy, never checkpointed (``keras_dpsgd.step.settings``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
+from keras_dpsgd.backends.tensorflow.per_example_backend import PER_EXAMPLE_CHOICES, resolve_backend
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend
 from keras_dpsgd.step._math import noise_key as seeded_key
 from keras_dpsgd.step._noise import add_gaussian, standard_normal
@@ -33,12 +34,7 @@ __all__ = [
     "standard_normal",
 ]
 
-# "auto" and "fast": FastBackend; "reference": ReferenceBackend.
-PER_EXAMPLE_CHOICES = ("auto", "reference", "fast")
-
 
 def per_example(name: str, jacobian_fallback: str) -> Any:
-    """The per-example computation `name` (``_per_example.resolve_backend``; it imports this package)."""
-    from keras_dpsgd.backends.tensorflow._per_example import resolve_backend
-
+    """The per-example computation `name` (``_per_example.resolve_backend``)."""
     return resolve_backend(name, jacobian_fallback)

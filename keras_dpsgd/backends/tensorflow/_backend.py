@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _uses
+from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend, per_example_jacobians, refuse_eager
 
 
@@ -233,7 +233,7 @@ class FastBackend:
         static_batch = loss.shape[0]
         plans, fallback = [], []
         for var in var_list:
-            handles = _graph.internal_handles(loss.graph, var)
+            handles = _state.internal_handles(loss.graph, var)
             stopped = []
             sites = _graph.find_sites(handles, var, ops, clean, static_batch, stopped) if handles else None
             plans.append(sites)

@@ -32,9 +32,9 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _state, _uses
-from keras_dpsgd.backends.tensorflow._handlers import Site, _f32, _to_var_shape, rule_for
-from keras_dpsgd.backends.tensorflow._handlers import _batch_major as batch_major
+from keras_dpsgd.backends.tensorflow import state as _state, uses as _uses
+from keras_dpsgd.backends.tensorflow.handlers import Site, _f32, _to_var_shape, rule_for, walk_sites
+from keras_dpsgd.backends.tensorflow.handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
 _PULLED = frozenset(
@@ -63,8 +63,6 @@ def is_derived(op, index: int, analysis) -> bool:
 def sites(op, index: int, w: tf.Tensor, var, ops: set, analysis, static_batch, stopped: list | None = None):
     """The sites of ``var`` through the weight-only ``op`` (see the module doc), or None (then the
     use that stopped the analysis is appended to ``stopped``, as by ``_graph.find_sites``)."""
-    from keras_dpsgd.backends.tensorflow._graph import find_sites  # _graph imports this module.
-
     out = op.outputs[0]
     if op.type == "BroadcastTo":
         return _broadcast_sites(op, w, var, ops, analysis, static_batch)
@@ -73,7 +71,7 @@ def sites(op, index: int, w: tf.Tensor, var, ops: set, analysis, static_batch, s
     pull = _pullback(op, index, w)
     if pull is None or not out.shape.is_fully_defined() or not w.shape.is_fully_defined():
         return None
-    found = find_sites([out], _Derived(out.shape, out.dtype, var.name), ops, analysis, static_batch, stopped)
+    found = walk_sites([out], _Derived(out.shape, out.dtype, var.name), ops, analysis, static_batch, stopped)
     if found is None:
         return None
     return [dataclasses.replace(s, make=_pulled(s.make, pull, out.shape, var)) for s in found]

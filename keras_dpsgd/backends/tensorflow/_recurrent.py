@@ -20,7 +20,7 @@ call's own inputs (the same function, the same ops), and the backend backpropaga
 copy instead of the call (``Site.through``): the call's output gradients ∂(Σ_i ℓ_i)/∂(outputs)
 flow into the copy, which gives ``δ`` and the gradients of the call's inputs (an Embedding below
 the LSTM) in the same backward pass, without the layer's own ``while``-loop gradient. The kernels' uses are then
-:class:`~keras_dpsgd.backends.tensorflow._uses.OuterUse` with T time steps (ghost norm or per-example
+:class:`~keras_dpsgd.backends.tensorflow.uses.OuterUse` with T time steps (ghost norm or per-example
 materialization, whichever is cheaper for the shape), the bias a :class:`DenseUse`. A run-time
 assertion checks that the copy's last output equals the layer's (finite entries, float32).
 """
@@ -34,7 +34,7 @@ from typing import Optional
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _calls, _loops, _uses
+from keras_dpsgd.backends.tensorflow import _calls, _loops, uses as _uses
 
 _ARGS = {
     "lstm": (

@@ -1,6 +1,6 @@
 """The reference per-example backend: exact per-example jacobians of every variable.
 
-It implements the protocol of ``keras_dpsgd.backends.tensorflow._per_example`` (``clipped_sum(loss, var_list, tape,
+It implements the protocol of ``keras_dpsgd.backends.tensorflow.per_example_backend`` (``clipped_sum(loss, var_list, tape,
 clip_factors) -> (summed, sq_norms)``) with ``GradientTape.jacobian``; the fast backend
 (``_backend``) uses it for every step, or every variable, that it cannot analyze.
 """
@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _graph, _report, _uses
+from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -99,7 +99,7 @@ def _disagreement(jac: tf.Tensor, sq_norms: tf.Tensor, want: tf.Tensor, weights:
 def _users(loss: tf.Tensor, var, ancestors: set) -> str:
     """The ops upstream of ``loss`` that read ``var`` (at most three, for messages)."""
     found = []
-    for handle in _graph.internal_handles(loss.graph, var):
+    for handle in _state.internal_handles(loss.graph, var):
         for read in handle.consumers():
             for t in read.outputs if read.type == "ReadVariableOp" else ():
                 found += [f"op {c.name!r} ({c.type})" for c in t.consumers() if c in ancestors]
@@ -145,7 +145,7 @@ class ReferenceBackend:
           tape: the tape that recorded the forward pass.
           clip_factors: maps sq_norms [B, V] to factors [B, V].
           checked: the caller has already run the graph check of the loss
-            (``keras_dpsgd.backends.tensorflow._graph.analyze``) and attaches its run-time
+            (``keras_dpsgd.backends.tensorflow.graph.analyze``) and attaches its run-time
             assertions itself.
 
         Returns:

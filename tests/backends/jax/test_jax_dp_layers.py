@@ -11,7 +11,7 @@ import pytest
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.accounting import DEFAULT_ORDERS, PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.ledger import assume_poisson, model_epsilon, model_privacy_ledger
-from keras_dpsgd.preprocessing._seam import outward
+from keras_dpsgd.preprocessing.seam import outward
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(24, 3, 2)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""Ghost norms on JAX (``keras_dpsgd.backends.jax._ghost``): which layers take them, and exact steps.
+"""Ghost norms on JAX (``keras_dpsgd.backends.jax.ghost``): which layers take them, and exact steps.
 
 Every step is checked against the one-example loop of ``tests._keras3_helpers`` (jax.grad on a batch of one,
 clipped in numpy; σ = 0), or against ``per_example_backend="reference"`` (every variable under
@@ -8,7 +8,7 @@ jax.vmap). The models are small so that the suite stays fast.
 import keras
 import numpy as np
 
-from keras_dpsgd.backends.jax import _ghost
+from keras_dpsgd.backends.jax import ghost as _ghost
 from tests._behaviour import built, keras3_front
 from tests._keras3_helpers import example_grads, loop_clipped_mean, one_sgd_step
 

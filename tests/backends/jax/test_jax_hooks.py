@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_dpsgd.keras3 as k3
-from keras_dpsgd.backends.jax import _ghost
+from keras_dpsgd.backends.jax import ghost as _ghost
 from tests._behaviour import keras3_front
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step, weight_reading_loss_case
 

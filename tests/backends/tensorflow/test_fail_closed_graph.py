@@ -13,7 +13,7 @@ from _fast_helpers import assert_same, flat_factors, per_example_loss, run_trace
 
 from keras_dpsgd.tf_keras import DPSGDOptimizer
 from keras_dpsgd.backends.tensorflow import FastBackend
-from keras_dpsgd.backends.tensorflow._per_example import ReferenceBackend
+from keras_dpsgd.backends.tensorflow.per_example_backend import ReferenceBackend
 
 L = keras.layers
 CLIP = 0.05

@@ -1,4 +1,4 @@
-"""Fail closed on ops the per-example analysis does not know (keras_dpsgd.backends.tensorflow._graph.analyze).
+"""Fail closed on ops the per-example analysis does not know (keras_dpsgd.backends.tensorflow.graph.analyze).
 
 An op outside the analysis's allowlist, or a function call it could not read, used to send the
 step to the per-example jacobians, which are exact only if the loss is per example: an unknown

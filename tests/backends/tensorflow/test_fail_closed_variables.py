@@ -193,7 +193,7 @@ def test_custom_loop_reading_back_a_batch_statistic_is_refused(backend):
 def test_batch_normalization_writes_in_training_and_not_frozen(front):
     """BatchNormalization's moving statistics are writes of the batch in training mode; frozen
     (trainable = False: inference mode) it writes nothing, so this check lets it through."""
-    from keras_dpsgd.backends.tensorflow import _state
+    from keras_dpsgd.backends.tensorflow import state as _state
 
     K, _, _ = _front(front)
     x = tf.constant(_data()[0])

@@ -12,7 +12,7 @@ import tensorflow as tf
 import tf_keras
 from _fast_helpers import check, data, flat_factors
 
-from keras_dpsgd.backends.tensorflow import _graph
+from keras_dpsgd.backends.tensorflow import graph as _graph
 from tests._models_2026 import TF_MODELS, check_one_private_step
 
 

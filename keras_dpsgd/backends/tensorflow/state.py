@@ -232,10 +232,24 @@ def _tf_variables(var: Any) -> list:
     return list(getattr(var, "values", None) or [var])
 
 
+def internal_handles(graph, var) -> list:
+    """The placeholders standing for ``var``'s handle in ``graph`` (following nested captures)."""
+    handle = var.handle
+    if getattr(handle, "graph", None) is graph:
+        return [handle]
+    outer = getattr(graph, "outer_graph", None)
+    externals = [handle]
+    if outer is not None and hasattr(outer, "captures"):
+        externals += internal_handles(outer, var)
+    found = []
+    for external, internal in getattr(graph, "captures", ()):
+        if any(external is e for e in externals):
+            found.append(internal)
+    return found
+
+
 def handles_of(graph, variables: Iterable[Any]) -> dict:
     """{captured handle ref in ``graph``: variable} for ``variables``."""
-    from keras_dpsgd.backends.tensorflow._graph import internal_handles
-
     named = {}
     for var in variables:
         for v in _tf_variables(var):

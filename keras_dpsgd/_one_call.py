@@ -226,7 +226,7 @@ def make_private_with_epsilon(
     from keras_dpsgd.accounting import check_delta, compute_epsilon, compute_noise_multiplier, default_delta
     from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
     from keras_dpsgd.accounting import PoissonSampledGaussianEvent, accountant_names
-    from keras_dpsgd.accounting._budget import budget_warnings
+    from keras_dpsgd.accounting.budget import budget_warnings
     from keras_dpsgd.ledger import model_privacy_ledger
     from keras_dpsgd.step.lots import PoissonLots
 
@@ -243,8 +243,8 @@ def make_private_with_epsilon(
     else:
         import tf_keras as keras
 
-        from keras_dpsgd.tf_keras._train_step import make_private as _make_private, weight_regularization_terms
-        from keras_dpsgd.tf_keras._optimizer import make_dp_optimizer
+        from keras_dpsgd.tf_keras import make_dp_optimizer, make_private as _make_private
+        from keras_dpsgd.tf_keras._train_step import weight_regularization_terms
 
         def make_private(m):  # needed (and only allowed) for weight regularizers
             return _make_private(m) if weight_regularization_terms(m) else m

@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.step import _mixing
-from keras_dpsgd.backends.tensorflow import PER_EXAMPLE_CHOICES as BACKEND_NAMES
-from keras_dpsgd.backends.tensorflow import FastBackend, ReferenceBackend
-from keras_dpsgd.backends.tensorflow._reference import ClipFactorsFn
+from keras_dpsgd.step import mixing as _mixing
+from keras_dpsgd.backends.tensorflow._backend import FastBackend
+from keras_dpsgd.backends.tensorflow._reference import ClipFactorsFn, ReferenceBackend
+
+# "auto" and "fast": FastBackend; "reference": ReferenceBackend.
+PER_EXAMPLE_CHOICES = ("auto", "reference", "fast")
 
 if TYPE_CHECKING:
     import tf_keras as keras  # imported where used: the Keras 3 front end must not load tf_keras
@@ -65,8 +67,8 @@ def resolve_backend(name: str = "auto", jacobian_fallback: str = "warn") -> PerE
     Raises:
       ValueError: if `name` is not one of the allowed names.
     """
-    if name not in BACKEND_NAMES:
-        raise ValueError(f"per_example_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name not in PER_EXAMPLE_CHOICES:
+        raise ValueError(f"per_example_backend must be one of {PER_EXAMPLE_CHOICES}, got {name!r}")
     if name == "reference":
         return ReferenceBackend()
     return FastBackend(jacobian_fallback)
@@ -80,7 +82,7 @@ def _is_batch_norm(layer: Any) -> bool:
 
 
 def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable], loss: tf.Tensor | None) -> None:
-    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.step._mixing``).
+    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.step.mixing``).
 
     With BatchNormalization in training mode one example changes every other example's output
     (batch statistics), so per-example clipping no longer bounds its influence. A frozen

@@ -33,9 +33,24 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, _uses
+from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, uses as _uses
 
 MakeUse = Callable[..., object]
+
+# The graph walk (``_graph.find_sites``: every use of a variable on the way to the loss, each by its rule), which a
+# rule that looks through an op (a loop's body, a weight-only op: ``_derived``) continues from that op's output.
+# ``_graph`` calls the rules and sets it when it is imported: the walk calls the rules, the rules call the walk.
+_WALKER: list[Callable[..., object]] = []
+
+
+def set_walker(find_sites: Callable[..., object]) -> None:
+    """Sets the graph walk that :func:`walk_sites` continues (``_graph.find_sites``)."""
+    _WALKER[:] = [find_sites]
+
+
+def walk_sites(*args, **kwargs):
+    """``_graph.find_sites(handles, var, ops, clean, static_batch, stopped=None)``, from a rule."""
+    return _WALKER[0](*args, **kwargs)
 
 
 @dataclasses.dataclass
@@ -426,13 +441,11 @@ def _while_loop(op, index, w, var, clean, static_batch):
     Returns a list of sites (one per use in the copy), or None if the loop has no exact copy or a
     use in it has no rule.
     """
-    from keras_dpsgd.backends.tensorflow import _graph  # _graph imports this module.
-
     loop = _loops.unrolled(op)
     read = loop.reads.get(int(index)) if loop is not None else None
     if read is None or w.dtype != tf.resource:
         return None
-    sites = _graph.find_sites([read], var, set(loop.ops), clean, static_batch)
+    sites = walk_sites([read], var, set(loop.ops), clean, static_batch)
     if not sites:
         return None
     return [dataclasses.replace(s, make=_checked(s.make, loop), through=loop.through) for s in sites]

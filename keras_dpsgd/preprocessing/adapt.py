@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
-from keras_dpsgd.preprocessing._seam import TfOps, outward
+from keras_dpsgd.preprocessing.seam import TfOps, outward
 
 DEFAULT_ADAPT_BATCH_SIZE = 1024
 

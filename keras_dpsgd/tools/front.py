@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from keras_dpsgd.data import _models
+from keras_dpsgd.data import models as _models
 from keras_dpsgd._which_keras import active_front_end
 
 
 @dataclasses.dataclass(frozen=True)
 class FrontEnd:
-    """The glue of one Keras (by name, over :mod:`keras_dpsgd.data._models`): its module, its DP-SGD class
+    """The glue of one Keras (by name, over :mod:`keras_dpsgd.data.models`): its module, its DP-SGD class
     and how a model gets the private step."""
 
     name: str  # "keras3" or "tf_keras"

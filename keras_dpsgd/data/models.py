@@ -97,7 +97,7 @@ def dp_sgd_class(front: str) -> type:
     if front == "keras3":
         from keras_dpsgd.keras3 import DPSGDOptimizer
     else:
-        from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
+        from keras_dpsgd.tf_keras import DPSGDOptimizer
     return DPSGDOptimizer
 
 

@@ -12,7 +12,7 @@ A BatchNormalization layer is accepted only on proof from the traced step:
    their handles in the step's graph is a read (:func:`written_in_step`; anything else, a
    function call included, counts as a write);
 2. no op upstream of the loss reduces over the batch axis: the per-example analysis
-   (``keras_dpsgd.backends.tensorflow._graph.analyze``, run by both per-example backends) raises otherwise.
+   (``keras_dpsgd.backends.tensorflow.graph.analyze``, run by both per-example backends) raises otherwise.
 
 An eager step (no graph) proves nothing: its BatchNormalization layers are refused. A layer with a
 true ``mixes_examples`` attribute declares that it mixes the examples and is always refused.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow._graph import internal_handles
+from keras_dpsgd.backends.tensorflow.state import internal_handles
 
 # Ops on a variable's handle that only read it.
 _READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape"})

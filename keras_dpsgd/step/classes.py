@@ -2,7 +2,7 @@
 
 Each front end checks that the class it is given belongs to its Keras and passes its own sanitizer
 mixin, module name, docstring and registration function; the constructor (its DP arguments are
-checked once, by ``keras_dpsgd.step._settings``), the cache (the same class for the same optimizer
+checked once, by ``keras_dpsgd.step.settings``), the cache (the same class for the same optimizer
 class) and the registration are shared. No Keras is imported here.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from keras_dpsgd import backends
-from keras_dpsgd.step._clipping import DEFAULT_STABILITY
-from keras_dpsgd.step._settings import check_settings
+from keras_dpsgd.step.clipping import DEFAULT_STABILITY
+from keras_dpsgd.step.settings import check_settings
 from keras_dpsgd.step._tfp_compat import check_num_microbatches
 
 
@@ -40,7 +40,7 @@ def init_private(
       base_init: the Keras optimizer's ``__init__``, bound to `optimizer`.
       l2_norm_clip, noise_multiplier, gradient_accumulation_steps, expected_lot_size, sampling_rate,
         per_example_backend, seed, jacobian_fallback, clipping, stability: the DP arguments
-        (``keras_dpsgd.step._settings.check_settings``).
+        (``keras_dpsgd.step.settings.check_settings``).
       num_microbatches: None only (refused otherwise).
       base_kwargs: the keywords of the Keras optimizer.
     """

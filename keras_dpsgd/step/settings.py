@@ -1,8 +1,8 @@
 """The DP settings of a private optimizer and its local state: one definition for both front ends.
 
 :func:`check_settings` validates the DP arguments of every private optimizer (tf_keras and Keras 3,
-``keras_dpsgd.step._classes.init_private`` calls it before the Keras ``__init__`` runs), and
-:class:`DPSettingsMixin` holds what the two sanitizer mixins (``keras_dpsgd.step._sanitizer`` and
+``keras_dpsgd.step.classes.init_private`` calls it before the Keras ``__init__`` runs), and
+:class:`DPSettingsMixin` holds what the two sanitizer mixins (``keras_dpsgd.tf_keras._sanitizer`` and
 ``keras_dpsgd.keras3._optimizer``) share: the settings' properties, their ``get_config`` entries
 and the state kept out of every save (the traced mirror of ``expected_lot_size``, the
 ``nonfinite_examples`` count, the noise generator). The variables that ARE saved (``noised_steps``,
@@ -18,12 +18,16 @@ from typing import Any, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
-from keras_dpsgd.step._clipping import DEFAULT_STABILITY, check_clipping
-from keras_dpsgd.step import _distribute, _math as _step
+from keras_dpsgd.step.clipping import DEFAULT_STABILITY, check_clipping
+from keras_dpsgd.step import _callback_guard, distribute as _distribute, _math as _step
 from keras_dpsgd import backends, ledger
-from keras_dpsgd.backends.tensorflow import _state
-from keras_dpsgd.backends.tensorflow._report import FALLBACK_CHOICES, PerExampleReport
+from keras_dpsgd.backends.tensorflow import state as _state
+from keras_dpsgd.backends.tensorflow.report import FALLBACK_CHOICES, PerExampleReport
 from keras_dpsgd.accounting.events import composed_noise_multiplier
+
+# A model given a DP optimizer's ledger has its fits' callbacks checked (the ledger is below the step and calls
+# back; every DP optimizer's class imports this module, so the check is registered before any ledger is attached).
+ledger.on_attach(_callback_guard.watch_fits)
 
 
 def check_l2_norm_clip(l2_norm_clip: Any) -> float | list[float] | dict[str, float]:
@@ -354,7 +358,7 @@ class DPSettingsMixin:
         per-example normalization: C_v = 1).
 
         Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
-        holds N(0, σ_v² C_v²) once (``keras_dpsgd.step._distribute``).
+        holds N(0, σ_v² C_v²) once (``keras_dpsgd.step.distribute``).
         """
         stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
         stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (1 for one replica)

@@ -142,13 +142,13 @@ def _intercepting(model, taps: _Taps):
 
 
 # ------------------------------------------------------------------------------------------ the plan
-def plan(model, trainable, non_trainable, x, kwargs, y=None, sample_weight=None) -> Plan | None:
+def plan(model, trainable, non_trainable, x, kwargs, y=None, sample_weight=None, loss_at=None) -> Plan | None:
     """The covered layers of `model` for this trace (``None`` when none is), found by tracing one example.
 
-    With `y`, the compiled loss is traced too (its reads of the covered variables watched).
+    With `y`, the compiled loss is traced too (its reads of the covered variables watched): `loss_at` is the
+    front end's per-example loss, ``loss_at(model, trainable, non_trainable, y, y_pred, sample_weight)``
+    (``keras_dpsgd.keras3._jax_loss.per_example_loss_at``).
     """
-    from keras_dpsgd.backends.jax._loss import per_example_loss_at
-
     candidates = [
         layer for layer in model._flatten_layers(include_self=False, recursive=True) if rule_for(layer) is not None
     ]
@@ -167,7 +167,7 @@ def plan(model, trainable, non_trainable, x, kwargs, y=None, sample_weight=None)
             y_pred, new_values = model.stateless_call(params, values, xb, **kwargs)
             if y is not None:
                 with taps.watch():
-                    per_example_loss_at(model, params, new_values, yb, y_pred, wb)
+                    loss_at(model, params, new_values, yb, y_pred, wb)
 
     jax.eval_shape(forward, list(trainable), list(non_trainable), *one)
     called = {id(layer) for layer, _ in taps.calls}
@@ -205,7 +205,7 @@ _LOOPED = (
 class Plan:
     """The covered layers and calls of one trace: what the vmapped backward pass differentiates, and the rules.
 
-    Used by ``_train_step._per_example`` as its ``tap``: :meth:`params` (what ``jax.grad`` differentiates),
+    Used by ``keras3._jax_train_step._per_example`` as its ``tap``: :meth:`params` (what ``jax.grad`` differentiates),
     :meth:`applied` (the model's trainable values and the interception for one example), then
     :meth:`clipped_sum` on the gradients and the recorded inputs (:attr:`captured`).
     """

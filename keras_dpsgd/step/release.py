@@ -1,6 +1,6 @@
 """The lot/release state machine of a private optimizer: one definition for both Kerases.
 
-A private optimizer (tf_keras: ``keras_dpsgd.step._sanitizer.DPSanitizerMixin``; Keras 3:
+A private optimizer (tf_keras: ``keras_dpsgd.tf_keras._sanitizer.DPSanitizerMixin``; Keras 3:
 ``keras_dpsgd.keras3._optimizer.DPKeras3Mixin``) runs Abadi et al. 2016, Algorithm 1 on lots:
 
 1-3. per-example gradients, clip, sum: ``_clipped_sum`` (through the per-example backend);
@@ -14,7 +14,7 @@ A private optimizer (tf_keras: ``keras_dpsgd.step._sanitizer.DPSanitizerMixin``;
 
 An incomplete lot is never released nor carried into another lot: it is discarded
 (``discard_partial_lot``) at every epoch start of ``fit``, at its end, before its first step and
-on load (the rule is in ``keras_dpsgd.step._sanitizer``'s docstring, "Lots").
+on load (the rule is in ``keras_dpsgd.tf_keras._sanitizer``'s docstring, "Lots").
 
 Under R > 1 replicas a lot is released with one cross-replica sum per batch
 (``_release_lot_across_replicas``: noise σC/√R on the lot's last batch, zeros on the others; the
@@ -41,9 +41,9 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd import ledger
-from keras_dpsgd.step import _distribute, _math as _step
-from keras_dpsgd.step._fed_data import check_fed_data
-from keras_dpsgd.step._settings import DPSettingsMixin
+from keras_dpsgd.step import distribute as _distribute, _math as _step
+from keras_dpsgd.step.fed_data import check_fed_data
+from keras_dpsgd.step.settings import DPSettingsMixin
 
 _LOG = logging.getLogger("keras_dpsgd")
 

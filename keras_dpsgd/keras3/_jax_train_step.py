@@ -20,7 +20,7 @@ Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_st
    them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
 
 Under ``keras.distribution.DataParallel`` steps 1-2 run per device and are summed over the devices
-(``_distribute``); steps 3-5 run once: one noise draw per lot, one ``noised_steps``.
+(``keras3._jax_distribute``); steps 3-5 run once: one noise draw per lot, one ``noised_steps``.
 
 Everything the step checks it checks when it is traced (a data-dependent ``add_loss``, a
 non-trainable variable written from an example's data such as BatchNormalization's moving
@@ -40,29 +40,27 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import _adaptive, _ghost, _noise
-from keras_dpsgd.backends.jax._distribute import check_replicated, clipped_sum_per_device, data_parallel_mesh
-from keras_dpsgd.backends.jax._loss import per_example_loss_at
-from keras_dpsgd.backends.jax._metrics import real_mean, unweighted_metrics_on_real_rows
+from keras_dpsgd.backends.jax import _adaptive, ghost as _ghost, _noise, unsupported
 from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
+from keras_dpsgd.keras3._jax_distribute import (
+    DataParallelMesh,
+    check_replicated,
+    data_parallel_mesh,
+    per_device,
+    varying,
+)
+from keras_dpsgd.keras3._jax_loss import per_example_loss_at
+from keras_dpsgd.keras3._jax_metrics import real_mean, unweighted_metrics_on_real_rows
+from keras_dpsgd.keras3._optimizer import check_dp_optimizer
 
 __all__ = [
     "private_train_step",
     "prepare_fit",
     "values_kept_on_refusal",
     "check_optimizer",
-    "unsupported",
-    "JAX_UNSUPPORTED",
 ]
 
-JAX_UNSUPPORTED = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
-
 _HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step", "_noise_key", "standard_normal")
-
-
-def unsupported(feature: str) -> ValueError:
-    """The refusal of a feature not built on JAX, naming it."""
-    return ValueError(f"{feature} {JAX_UNSUPPORTED} (KERAS_BACKEND=jax is set)")
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -94,9 +92,8 @@ def _check_model(model: keras.Model) -> None:
 def prepare_fit(model: keras.Model) -> None:
     """Before a fit (variables still hold values): checks, the ledger attached, the lot boundaries watched."""
     from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing
-    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
 
-    optimizer = _check_dp_optimizer(model.optimizer)
+    optimizer = check_dp_optimizer(model.optimizer)
     check_optimizer(optimizer)
     _check_model(model)
     refuse_adapted_preprocessing(model)
@@ -333,13 +330,50 @@ def _release(optimizer, opt, summed, num_examples, reg_grads, trainable):
     return list(trainable)
 
 
+class _Bounds:
+    """The optimizer state `_clipped_sum` reads on a device: the clip bounds only (adaptive
+    clipping, which writes its queries there, is refused under DataParallel)."""
+
+    def __init__(self, optimizer: Any, bounds: Any):
+        self._variable, self._bounds = optimizer.clip_bounds, bounds
+
+    def __getitem__(self, variable: Any) -> Any:
+        if variable is not self._variable:
+            raise KeyError(f"only the clip bounds are read per device, not {variable.path}")
+        return self._bounds
+
+
+def clipped_sum_per_device(
+    where: DataParallelMesh, model, optimizer, bounds, trainable, non_trainable, x, y, sample_weight
+) -> tuple:
+    """(clipped sum of the batch, finite rows [B, 1], losses [B], y_pred, new non-trainable values).
+
+    Steps 1-2 of the private step (``_per_example``, ``_clipped_sum``) on
+    each device's examples, the clipped sums ``psum``-ed; each example's seed states are those of
+    the one-device step (taken from its place in the whole batch), and the new non-trainable values
+    are device 0's (its example 0 is the batch's).
+    """
+    seeds = _example_seeds(model, list(non_trainable), x)
+
+    def local(bounds, trainable, non_trainable, seeds, x, y, sample_weight):
+        trainable = varying(list(trainable), where)
+        grads, losses, y_pred, new_values, weighted_gradient = _per_example(
+            model, trainable, non_trainable, x, y, sample_weight, seeds=seeds
+        )
+        summed, finite = _clipped_sum(optimizer, _Bounds(optimizer, bounds), grads, weighted_gradient)
+        return summed, (finite, losses, y_pred), new_values
+
+    summed, (finite, losses, y_pred), new_values = per_device(
+        local, where, (bounds, list(trainable), list(non_trainable)), (seeds, x, y, sample_weight)
+    )
+    return summed, finite, losses, y_pred, [v[0] for v in new_values]
+
+
 def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     """The DP train step installed on a JAX-backend model by ``keras_dpsgd.keras3.make_private``."""
-    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
-
     trainable, non_trainable, optimizer_values, metrics_values = state
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    optimizer = _check_dp_optimizer(self.optimizer)
+    optimizer = check_dp_optimizer(self.optimizer)
     check_optimizer(optimizer)
     opt = _OptimizerState(optimizer, optimizer_values)
     trainable = list(trainable)
@@ -348,8 +382,10 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     kwargs = {"training": True} if self._call_has_training_arg else {}
     batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
     auto = optimizer.per_example_backend == "auto" and where is None and batch > 0  # B = 0: the vmap path
-    ghost = _ghost.plan(self, trainable, non_trainable, x, kwargs, y, sample_weight) if auto else None
-    if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_distribute)
+    ghost = (
+        _ghost.plan(self, trainable, non_trainable, x, kwargs, y, sample_weight, per_example_loss_at) if auto else None
+    )
+    if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_jax_distribute)
         summed, finite, losses, y_pred, non_trainable = clipped_sum_per_device(
             where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
         )

@@ -1,6 +1,6 @@
 """The logged loss and Keras's metrics of the JAX private step: the real rows only (Poisson lots' padding excluded).
 
-A row is real where some sample weight is nonzero (``keras_dpsgd.step._display``'s rule, TensorFlow's
+A row is real where some sample weight is nonzero (``keras_dpsgd.step.display``'s rule, TensorFlow's
 side): the padding rows of ``PoissonLots`` batches have weight 0. TensorFlow drops the other rows
 before the metrics; JAX's shapes are static, so here the logged loss is the mean over the real rows
 and Keras's unweighted compiled metrics get weight 0 on the others (the same means).
@@ -32,7 +32,7 @@ def real_rows(sample_weight):
 
 
 def real_mean(losses, sample_weight):
-    """(Σ ℓ_i over the real rows / their number, that number): ``keras_dpsgd.step._display.real_mean``'s rule."""
+    """(Σ ℓ_i over the real rows / their number, that number): ``keras_dpsgd.step.display.real_mean``'s rule."""
     rows = real_rows(sample_weight)
     losses = losses.astype(jnp.float32)
     if rows is None:

@@ -34,7 +34,7 @@ def load_digits(rng: np.random.Generator | None = None, test_fraction: float | N
     """scikit-learn's 8x8 digits as ((x_train, y_train), (x_test, y_test)), x in [0, 1], shape (8, 8, 1).
 
     The split is the one of ``keras-dpsgd train``: fixed and stratified, 75/25
-    (:func:`keras_dpsgd.data._datasets.load_digits`), so every tool and command
+    (:func:`keras_dpsgd.data.datasets.load_digits`), so every tool and command
     trains and tests on the same examples.
 
     Args:
@@ -46,8 +46,8 @@ def load_digits(rng: np.random.Generator | None = None, test_fraction: float | N
     """
     import warnings
 
-    from keras_dpsgd.data._datasets import DIGITS_TEST_FRACTION
-    from keras_dpsgd.data._datasets import load_digits as _load_digits
+    from keras_dpsgd.data.datasets import DIGITS_TEST_FRACTION
+    from keras_dpsgd.data.datasets import load_digits as _load_digits
 
     if test_fraction is not None and test_fraction != DIGITS_TEST_FRACTION:
         raise ValueError(
@@ -66,14 +66,14 @@ def load_digits(rng: np.random.Generator | None = None, test_fraction: float | N
 def load_tfds(name: str = "cifar10", data_dir: str | None = None):
     """Loads a tensorflow-datasets image set as ((x_train, y_train), (x_test, y_test)), x in [0, 1].
 
-    A thin adapter over :func:`keras_dpsgd.data._datasets.load_tfds` (the loader of
+    A thin adapter over :func:`keras_dpsgd.data.datasets.load_tfds` (the loader of
     ``keras-dpsgd train``), so that both fail the same way offline.
 
     Raises:
       ValueError: naming the fix, when the data set is not prepared and
         cannot be downloaded (offline).
     """
-    from keras_dpsgd.data._datasets import load_tfds as _load_tfds
+    from keras_dpsgd.data.datasets import load_tfds as _load_tfds
 
     data = _load_tfds(name, data_dir=data_dir)
     return (data.x_train, data.y_train), (data.x_test, data.y_test)

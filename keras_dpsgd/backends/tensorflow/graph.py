@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, _state, _uses
-from keras_dpsgd.backends.tensorflow._handlers import rule_for
+from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
+from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
@@ -194,22 +194,6 @@ def ops_in_order(ops: set) -> list:
     """``ops`` in graph creation order."""
     graph = next(iter(ops)).graph
     return [op for op in graph.get_operations() if op in ops]
-
-
-def internal_handles(graph, var) -> list:
-    """The placeholders standing for ``var``'s handle in ``graph`` (following nested captures)."""
-    handle = var.handle
-    if getattr(handle, "graph", None) is graph:
-        return [handle]
-    outer = getattr(graph, "outer_graph", None)
-    externals = [handle]
-    if outer is not None and hasattr(outer, "captures"):
-        externals += internal_handles(outer, var)
-    found = []
-    for external, internal in getattr(graph, "captures", ()):
-        if any(external is e for e in externals):
-            found.append(internal)
-    return found
 
 
 def find_sites(handles: list, var, ops: set, clean: dict, static_batch, stopped: list | None = None):
@@ -421,3 +405,6 @@ def refuse_grouped_convolution_layers(model: Any, backend: Any = None) -> None:
         return
     what = f"layer {layers[0].name!r} ({type(layers[0]).__name__}, groups={layers[0].groups})"
     raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=what, why=why))
+
+
+set_walker(find_sites)  # the rules that look through an op walk on from it (``_handlers.walk_sites``)

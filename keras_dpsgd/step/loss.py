@@ -9,7 +9,7 @@ gradient of the weight regularization.
 - :func:`refuse_data_losses`: ``add_loss`` terms beyond the weight regularizers (activity
   regularizers, losses of the data) may depend on the data and are refused.
 
-Each front end finds these in its own Keras (``keras_dpsgd.step._sanitizer``, ``keras_dpsgd.tf_keras._train_step``,
+Each front end finds these in its own Keras (``keras_dpsgd.tf_keras._sanitizer``, ``keras_dpsgd.tf_keras._train_step``,
 ``keras_dpsgd.keras3._train_step``) and passes its own wording of the refusal.
 """
 

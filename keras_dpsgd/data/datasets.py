@@ -9,12 +9,12 @@
   ``ValueError`` that names the fix (the CLI prints it and exits with code 2).
 
 * ``--data PATH``: the user's own ``.npz``, ``.csv`` or directory of IDX files
-  (:func:`load_local`, formats in :mod:`keras_dpsgd.data._local_data`). A
+  (:func:`load_local`, formats in :mod:`keras_dpsgd.data.local_data`). A
   ``data_dir`` that holds IDX files (e.g. MNIST's four files) is read locally
   for ``mnist`` and ``fashion_mnist`` too, without tensorflow-datasets.
 
 Images are float32 in [0, 1] with a channel axis; labels are int64. Nothing is
-fitted on the private data: see :mod:`keras_dpsgd.data._local_data` for scaling.
+fitted on the private data: see :mod:`keras_dpsgd.data.local_data` for scaling.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from keras_dpsgd.data import _local_data
+from keras_dpsgd.data import local_data as _local_data
 
 DATASETS = ("digits", "mnist", "fashion_mnist", "cifar10")
 _TFDS_SHAPES = {"mnist": (28, 28, 1), "fashion_mnist": (28, 28, 1), "cifar10": (32, 32, 3)}

@@ -9,7 +9,7 @@ partitioner bug, most likely in the grouped convolution (``feature_group_count``
 batching the kernel's gradient makes. So the DP step runs that part per device, by hand (:func:`per_device`):
 
 1. each device computes its examples' gradients (``vmap``, a batch of one each), their norms and
-   clip factors, and its clipped sum (``keras_dpsgd.backends.jax._per_example``);
+   clip factors, and its clipped sum (``keras_dpsgd.keras3._jax_train_step.clipped_sum_per_device``);
 2. ``psum`` over the batch axis: the clipped sum of the whole batch, on every device;
 3. back in the global program: ONE noise draw from the step's key (the same key, one array, not
    one per device), divided by L once, the descent rule, ``noised_steps`` + 1: the ledger counts
@@ -33,7 +33,9 @@ from typing import Any, Callable, NamedTuple
 import jax
 import keras
 
-__all__ = ["DataParallelMesh", "check_replicated", "clipped_sum_per_device", "data_parallel_mesh", "per_device"]
+from keras_dpsgd.backends.jax import unsupported
+
+__all__ = ["DataParallelMesh", "check_replicated", "data_parallel_mesh", "per_device", "varying"]
 
 
 class DataParallelMesh(NamedTuple):
@@ -51,8 +53,6 @@ def data_parallel_mesh(model: Any = None) -> DataParallelMesh | None:
         over several processes or on a mesh of several axes, or adaptive clipping (`model`'s optimizer)
         under it, each named.
     """
-    from keras_dpsgd.backends.jax._train_step import unsupported
-
     distribution = keras.distribution.distribution()
     if distribution is None:
         return None
@@ -74,8 +74,6 @@ def data_parallel_mesh(model: Any = None) -> DataParallelMesh | None:
 
 def check_replicated(model: Any) -> None:
     """Refuses variables given a layout of their own (sharded) under DataParallel: the step replicates them."""
-    from keras_dpsgd.backends.jax._train_step import unsupported
-
     for variable in model.variables:
         layout = getattr(variable, "_layout", None)
         if layout is not None and any(axis is not None for axis in layout.axes):
@@ -118,44 +116,3 @@ def varying(values: Any, where: DataParallelMesh | None) -> Any:
     if where is None:
         return values
     return jax.tree_util.tree_map(lambda v: jax.lax.pcast(v, where.axis, to="varying"), values)
-
-
-class _Bounds:
-    """The optimizer state `_train_step._clipped_sum` reads on a device: the clip bounds only (adaptive
-    clipping, which writes its queries there, is refused under DataParallel)."""
-
-    def __init__(self, optimizer: Any, bounds: Any):
-        self._variable, self._bounds = optimizer.clip_bounds, bounds
-
-    def __getitem__(self, variable: Any) -> Any:
-        if variable is not self._variable:
-            raise KeyError(f"only the clip bounds are read per device, not {variable.path}")
-        return self._bounds
-
-
-def clipped_sum_per_device(
-    where: DataParallelMesh, model, optimizer, bounds, trainable, non_trainable, x, y, sample_weight
-) -> tuple:
-    """(clipped sum of the batch, finite rows [B, 1], losses [B], y_pred, new non-trainable values).
-
-    Steps 1-2 of the private step (``_train_step._per_example``, ``_train_step._clipped_sum``) on
-    each device's examples, the clipped sums ``psum``-ed; each example's seed states are those of
-    the one-device step (taken from its place in the whole batch), and the new non-trainable values
-    are device 0's (its example 0 is the batch's).
-    """
-    from keras_dpsgd.backends.jax._train_step import _clipped_sum, _example_seeds, _per_example
-
-    seeds = _example_seeds(model, list(non_trainable), x)
-
-    def local(bounds, trainable, non_trainable, seeds, x, y, sample_weight):
-        trainable = varying(list(trainable), where)
-        grads, losses, y_pred, new_values, weighted_gradient = _per_example(
-            model, trainable, non_trainable, x, y, sample_weight, seeds=seeds
-        )
-        summed, finite = _clipped_sum(optimizer, _Bounds(optimizer, bounds), grads, weighted_gradient)
-        return summed, (finite, losses, y_pred), new_values
-
-    summed, (finite, losses, y_pred), new_values = per_device(
-        local, where, (bounds, list(trainable), list(non_trainable)), (seeds, x, y, sample_weight)
-    )
-    return summed, finite, losses, y_pred, [v[0] for v in new_values]

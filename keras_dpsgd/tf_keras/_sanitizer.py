@@ -40,7 +40,7 @@ later lot of the Poisson stream. In a custom training loop, call
 ``discard_partial_lot()`` wherever a lot is interrupted.
 
 Several replicas (``tf.distribute.MirroredStrategy``, ``MultiWorkerMirroredStrategy``; the
-derivation is in ``keras_dpsgd.step._distribute``): each of the R replicas clips its share of the batch,
+derivation is in ``keras_dpsgd.step.distribute``): each of the R replicas clips its share of the batch,
 adds N(0, σ²C²/R) with a key of its own and divides by the global L; tf_keras's ``apply_gradients``
 SUMs the gradients over the replicas (``aggregate_gradients``; with ``reduction="none"`` the
 compiled loss is not scaled by 1/R), which gives (ΣS_r + N(0, σ²C²))/L, the one-device release.
@@ -71,15 +71,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from keras_dpsgd.step import _display, _distribute
+from keras_dpsgd.step import display as _display, distribute as _distribute
 from keras_dpsgd._frames import find_calling_model
 from keras_dpsgd import ledger
-from keras_dpsgd.step._settings import DPState
-from keras_dpsgd.step._release import LotReleaseMixin
+from keras_dpsgd.step.settings import DPState
+from keras_dpsgd.step.release import LotReleaseMixin
 from keras_dpsgd.preprocessing.normalization import refuse_adapted_preprocessing
-from keras_dpsgd.backends.tensorflow._graph import refuse_grouped_convolution_layers
-from keras_dpsgd.step._loss import SCALAR_LOSS_MESSAGE, per_example_values, regularization_gradients
-from keras_dpsgd.backends.tensorflow._per_example import refuse_example_mixing
+from keras_dpsgd.backends.tensorflow.graph import refuse_grouped_convolution_layers
+from keras_dpsgd.step.loss import SCALAR_LOSS_MESSAGE, per_example_values, regularization_gradients
+from keras_dpsgd.backends.tensorflow.per_example_backend import refuse_example_mixing
 
 
 _NOT_PRIVATE_MESSAGE = (
@@ -95,10 +95,10 @@ _NOT_PRIVATE_MESSAGE = (
 class DPSanitizerMixin(LotReleaseMixin):
     """DP-SGD sanitizer for a tf_keras (2.11+) optimizer; put before the optimizer class.
 
-    ``keras_dpsgd.step._classes.init_private`` constructs it (``DPSGDOptimizer`` and the classes of
+    ``keras_dpsgd.step.classes.init_private`` constructs it (``DPSGDOptimizer`` and the classes of
     ``make_dp_optimizer``): the DP arguments checked, the tf_keras ``__init__``, then ``_init_dp``.
     The settings and the lot/release state machine are shared with Keras 3
-    (``keras_dpsgd.step._release.LotReleaseMixin``); this class supplies tf_keras's hooks: its
+    (``keras_dpsgd.step.release.LotReleaseMixin``); this class supplies tf_keras's hooks: its
     variables, how the model is found (the call stack), its fit's locals and ``apply_gradients``.
     """
 
