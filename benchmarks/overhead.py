@@ -44,7 +44,8 @@ on T=64 ids; ``stacked-lstm``: Embedding(5000, 64) -> LSTM(64, return_sequences)
 ``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
 Conv2D(64, 1) -> global average pool -> Dense(10); ``grouped-conv`` (ResNeXt-style): 32x32x3 ->
 Conv2D(32, 3) -> Conv2D(64, 3, strides=2, groups=4) -> Conv2D(64, 1) -> Conv2D(64, 3, groups=4) ->
-global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
+global average pool -> Dense(10); issue 41: ``conv``: 32x32x3 -> Conv2D(32, 3) -> Conv2D(64, 3, strides=2)
+-> Flatten -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
 MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
 residual + LayerNormalization -> average pool -> Dense(2). Issue 26: ``frozen-mobilenet``:
 ``applications.MobileNetV2(weights=None)`` on 32x32x3, frozen (``trainable = False``, called with
@@ -78,6 +79,7 @@ DEFAULT_BATCH = {
     "stacked-lstm": 64,
     "depthwise": 64,
     "grouped-conv": 64,
+    "conv": 64,
     "transformer": 64,
     "frozen-mobilenet": 64,
     "bert": 64,
@@ -162,6 +164,16 @@ def build_model(name: str):
                 layers.Conv2D(64, 1, activation="relu"),
                 layers.Conv2D(64, 3, groups=4, padding="same", activation="relu"),
                 layers.GlobalAveragePooling2D(),
+                layers.Dense(10),
+            ]
+        )
+    if name == "conv":
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(32, 3, activation="relu"),
+                layers.Conv2D(64, 3, strides=2, activation="relu"),
+                layers.Flatten(),
                 layers.Dense(10),
             ]
         )
