@@ -1050,6 +1050,11 @@ def _tiled_weight(op, analysis: Analysis) -> Optional[Rows]:
     w = op.inputs[0]
     if w.shape.rank is None or w.shape.rank < 1 or w.shape[0] != 1 or not w.dtype.is_floating:
         return None
+    read = w.op
+    while read.type in ("Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"):
+        read = read.inputs[0].op
+    if read.type != "ReadVariableOp":  # a variable's value only: a tiled constant stays no data
+        return None
     batch = {s.shape[0] for s in analysis.sources}
     first = static_entry(op.inputs[1], 0)
     if first is not None and len(batch) == 1 and None not in batch and int(first) == next(iter(batch)):
