@@ -78,8 +78,8 @@ class _ClassToken(L.Layer):
 
 
 def class_token():
-    """A weight broadcast over the batch (``keras.ops.tile(token, (B, 1, 1))``), read through attention-like
-    mixing of the positions (TensorFlow only: JAX takes it under ``jax.vmap``)."""
+    """A weight broadcast over the batch (``keras.ops.tile(token, (B, 1, 1))``), read through a mixing of the
+    positions (TensorFlow: the Tile rule; JAX: the layer's variable under ``jax.vmap``, one example per batch)."""
     gen = np.random.default_rng(4)
     x, y = gen.normal(size=(N, 3, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
     inp = keras.Input((3, 4))
@@ -88,8 +88,8 @@ def class_token():
     return keras.Model(inp, L.Dense(2)(h[:, 0])), keras.losses.MeanSquaredError(), x, y
 
 
-MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level}
-TF_MODELS = {**MODELS, "custom-gradient": custom_gradient, "class-token": class_token}
+MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level, "class-token": class_token}
+TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
 
 
 def check_one_private_step(name):
