@@ -15,7 +15,9 @@ What is measured:
   ``on_train_batch_end``), after a warm-up ``fit`` that traces the train function. Non-private,
   fast-DP and reference-DP runs use the same model architecture and initial weights, the same batch
   and the same process, and are interleaved in rounds so that load on a shared machine hits them
-  alike. Ratio = DP median / non-private median. Non-private: ``keras.optimizers.SGD`` with the mean
+  alike. Ratio = DP median / non-private median; ``cpu_ratio``: the same of the steps' process CPU
+  time (``time.process_time``, all threads), which the load of other jobs on a shared machine disturbs
+  less than the wall time (it still counts spinning threads). Non-private: ``keras.optimizers.SGD`` with the mean
   loss; DP: ``DPSGDOptimizer(l2_norm_clip=1, noise_multiplier=1.1)`` with the per-example loss.
   ``--keras tf_keras`` (default): tf_keras models and ``keras_dpsgd.tf_keras.DPSGDOptimizer``;
   ``--keras 3``: the same models built with Keras 3 (``import keras``), made private with
@@ -44,7 +46,8 @@ on T=64 ids; ``stacked-lstm``: Embedding(5000, 64) -> LSTM(64, return_sequences)
 ``depthwise`` (MobileNet-style): 32x32x3 -> Conv2D(32, 3) -> DepthwiseConv2D(3) ->
 Conv2D(64, 1) -> global average pool -> Dense(10); ``grouped-conv`` (ResNeXt-style): 32x32x3 ->
 Conv2D(32, 3) -> Conv2D(64, 3, strides=2, groups=4) -> Conv2D(64, 1) -> Conv2D(64, 3, groups=4) ->
-global average pool -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
+global average pool -> Dense(10); issue 41: ``conv``: 32x32x3 -> Conv2D(32, 3) -> Conv2D(64, 3, strides=2)
+-> Flatten -> Dense(10); ``transformer``: Embedding(5000, 64) on T=64 ->
 MultiHeadAttention(4 heads x 32) + residual + LayerNormalization -> Dense(128, ReLU) -> Dense(64) +
 residual + LayerNormalization -> average pool -> Dense(2). Issue 26: ``frozen-mobilenet``:
 ``applications.MobileNetV2(weights=None)`` on 32x32x3, frozen (``trainable = False``, called with
@@ -78,6 +81,7 @@ DEFAULT_BATCH = {
     "stacked-lstm": 64,
     "depthwise": 64,
     "grouped-conv": 64,
+    "conv": 64,
     "transformer": 64,
     "frozen-mobilenet": 64,
     "bert": 64,
@@ -162,6 +166,16 @@ def build_model(name: str):
                 layers.Conv2D(64, 1, activation="relu"),
                 layers.Conv2D(64, 3, groups=4, padding="same", activation="relu"),
                 layers.GlobalAveragePooling2D(),
+                layers.Dense(10),
+            ]
+        )
+    if name == "conv":
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                layers.Conv2D(32, 3, activation="relu"),
+                layers.Conv2D(64, 3, strides=2, activation="relu"),
+                layers.Flatten(),
                 layers.Dense(10),
             ]
         )
@@ -292,34 +306,46 @@ class _BatchTimer:
         class Timer(keras.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.times = []
+                self.times, self.cpu_times = [], []
 
             def on_train_batch_begin(self, batch, logs=None):
-                self._t = time.perf_counter()
+                self._t, self._c = time.perf_counter(), time.process_time()
 
             def on_train_batch_end(self, batch, logs=None):
                 self.times.append(time.perf_counter() - self._t)
+                self.cpu_times.append(time.process_time() - self._c)
 
         return Timer()
 
 
-def time_steps(model, x, y, batch: int, steps: int) -> list[float]:
+def time_steps(model, x, y, batch: int, steps: int, cpu: list | None = None) -> list[float]:
+    """Wall times of `steps` batches of one fit (their process CPU times appended to `cpu` if given)."""
     timer = _BatchTimer()
     model.fit(
         x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer]
     )
+    if cpu is not None:
+        cpu += timer.cpu_times
     return timer.times
 
 
-def _summary(times: dict) -> dict:
+def _summary(times: dict, cpu: dict) -> dict:
     out = {}
     base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
+    cpu_base = statistics.median(cpu["nonprivate"]) if "nonprivate" in cpu else None
     for mode, ts in times.items():
-        med = statistics.median(ts)
-        out[mode] = {"median_step_s": med, "min_step_s": min(ts), "mean_step_s": statistics.fmean(ts), "steps": len(ts)}
+        med, cpu_med = statistics.median(ts), statistics.median(cpu[mode])
+        out[mode] = {
+            "median_step_s": med,
+            "min_step_s": min(ts),
+            "mean_step_s": statistics.fmean(ts),
+            "median_cpu_step_s": cpu_med,
+            "steps": len(ts),
+        }
         if base and mode != "nonprivate":
             out[mode]["ratio"] = med / base
             out[mode]["ratio_of_min"] = min(ts) / min(times["nonprivate"])
+            out[mode]["cpu_ratio"] = cpu_med / cpu_base
     return out
 
 
@@ -342,12 +368,12 @@ def run_timing(
         model = compile_model(model, mode, batch)
         time_steps(model, x, y, batch, 2)  # warm-up: traces the train function
         models[keras_name, mode] = model
-    times = {config: [] for config in configs}
+    times, cpu = {config: [] for config in configs}, {config: [] for config in configs}
     for r in range(rounds):
         for keras_name, mode in configs:
             _KERAS["which"] = keras_name
             n = reference_steps if mode == "reference" else steps
-            times[keras_name, mode] += time_steps(models[keras_name, mode], x, y, batch, n)
+            times[keras_name, mode] += time_steps(models[keras_name, mode], x, y, batch, n, cpu[keras_name, mode])
             print(
                 f"[overhead] {name} round {r} {keras_name} {mode}: median so far "
                 f"{statistics.median(times[keras_name, mode]):.4f} s",
@@ -356,7 +382,9 @@ def run_timing(
             )
     out = {"batch": batch}
     for keras_name in kerases:
-        res = _summary({mode: times[keras_name, mode] for mode in modes})
+        res = _summary(
+            {mode: times[keras_name, mode] for mode in modes}, {mode: cpu[keras_name, mode] for mode in modes}
+        )
         opt = getattr(models.get((keras_name, "fast")), "optimizer", None)
         # tf_keras's optimizer holds its backend, Keras 3's in its DP state.
         backend = getattr(opt, "_backend", None) or getattr(getattr(opt, "_dp", None), "backend", None)

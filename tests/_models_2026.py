@@ -66,7 +66,29 @@ def custom_gradient():
     return model, keras.losses.MeanSquaredError(), x, y
 
 
-MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level}
+class _ClassToken(L.Layer):
+    """ViT's class token: a trainable [1, 1, D] weight tiled over the batch and prepended to the sequence."""
+
+    def build(self, input_shape):
+        self.token = self.add_weight(shape=(1, 1, input_shape[-1]), initializer="random_normal", name="token")
+
+    def call(self, x):
+        batch = keras.ops.shape(x)[0]
+        return keras.ops.concatenate([keras.ops.tile(self.token, (batch, 1, 1)), x], axis=1)
+
+
+def class_token():
+    """A weight broadcast over the batch (``keras.ops.tile(token, (B, 1, 1))``), read through a mixing of the
+    positions (TensorFlow: the Tile rule; JAX: the layer's variable under ``jax.vmap``, one example per batch)."""
+    gen = np.random.default_rng(4)
+    x, y = gen.normal(size=(N, 3, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    inp = keras.Input((3, 4))
+    h = _ClassToken()(L.Dense(4)(inp))
+    h = L.Dense(4, activation="tanh")(h + L.GlobalAveragePooling1D(keepdims=True)(h))  # positions mixed per example
+    return keras.Model(inp, L.Dense(2)(h[:, 0])), keras.losses.MeanSquaredError(), x, y
+
+
+MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level, "class-token": class_token}
 TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
 
 

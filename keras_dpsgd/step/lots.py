@@ -37,6 +37,25 @@ compiles once more for an overflow bucket). Large lots can be split into
 rows each (use the same number in the optimizer's
 ``gradient_accumulation_steps``).
 
+What the timing reveals
+-----------------------
+Padded to the capacity, every step computes on the same number of rows
+whatever the lot's size, so the step's time and shapes say nothing about
+it (except in an overflow, probability ``overflow_probability`` per lot).
+That padding costs: about 6√L rows over L (L = 64: 117 rows, 1.8 times the
+rows of a non-private batch of L; L = 256: 1.4 times; ``benchmarks/padding.py``).
+``pad_to_multiple_of=m`` pads each lot only to the next multiple of m rows
+instead (about m/2 rows of padding): cheaper, but then the batch's size,
+and with it the step's time, reveals the lot's size to within m to anyone
+who sees the shapes or the timing of the steps. The lot's size depends on
+whether an example was sampled, so that is a release the ε does not count:
+the ε covers what the training releases (the noised updates, the model,
+its checkpoints and logs), not a side channel of the machine it runs on.
+Use it where nobody outside the training sees its step times or batch
+shapes (a machine of your own, timings not published); keep the default
+otherwise. Under JAX (or ``jit_compile=True``) each distinct size compiles
+the step once more (about 12√L/m sizes within 6 standard deviations).
+
 Secrecy of the sampling
 -----------------------
 Amplification by sub-sampling holds only while the lots stay secret. With
@@ -153,6 +172,12 @@ class PoissonLots:
         with tail `overflow_probability`.
       overflow_probability: per-step probability that a lot exceeds the
         default capacity, in (0, 1).
+      pad_to_multiple_of: None (default) to pad every lot to the capacity
+        (constant shapes and timing), or m >= 1 to pad each physical batch
+        only to the next multiple of m rows (at least m): less padding, but
+        the batch's size reveals the lot's size to within m (see "What the
+        timing reveals"). One worker only; a multiple of
+        `replicas_per_worker`.
       seed: None (default: entropy from the operating system) or an integer
         for reproducible sampling (see "Secrecy of the sampling").
       num_workers: W >= 1 workers, each sampling its shard (see "Several
@@ -176,6 +201,7 @@ class PoissonLots:
         physical_batch_size: Optional[int] = None,
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
+        pad_to_multiple_of: Optional[int] = None,
         seed: Optional[int] = None,
         num_workers: int = 1,
         worker_index: int = 0,
@@ -231,6 +257,15 @@ class PoissonLots:
                 )
             self._accum = max(1, math.ceil(capacity / self._physical))
         self._capacity = self._physical * self._accum
+        self._multiple = None
+        if pad_to_multiple_of is not None:
+            self._multiple = _validate.integer_at_least(1, pad_to_multiple_of=pad_to_multiple_of)
+            if self._workers > 1 or self._multiple % replicas:
+                raise ValueError(
+                    "pad_to_multiple_of must be a multiple of replicas_per_worker and needs num_workers=1 (every "
+                    f"worker pads to the same size), got pad_to_multiple_of={pad_to_multiple_of!r}, "
+                    f"replicas_per_worker={replicas}, num_workers={self._workers}"
+                )
         if seed is not None:
             seed = _validate.integer_at_least(0, seed=seed)
             if self.num_workers > 1:
@@ -310,7 +345,14 @@ class PoissonLots:
             selected = self._shard[self._rng.random(len(self._shard)) < self._q]
         return self._rng.permutation(selected)
 
+    @property
+    def pad_to_multiple_of(self) -> Optional[int]:
+        """m: each physical batch padded to the next multiple of m rows; None: to the capacity."""
+        return self._multiple
+
     def _physical_rows(self, lot_size: int) -> int:
+        if self._multiple is not None and lot_size <= self._capacity:
+            return max(1, math.ceil(math.ceil(lot_size / self._accum) / self._multiple)) * self._multiple
         if lot_size <= self._capacity:
             return self._physical
         # Overflow: a bigger bucket (a multiple of the physical batch size),
@@ -324,7 +366,8 @@ class PoissonLots:
                 self._capacity,
             )
         per_batch = math.ceil(lot_size / self._accum)
-        return math.ceil(per_batch / self._physical) * self._physical
+        bucket = self._multiple or self._physical
+        return math.ceil(per_batch / bucket) * bucket
 
     def _index_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
         """Yields, per physical batch, (row indices, sample weights, number of real rows).

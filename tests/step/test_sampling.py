@@ -97,6 +97,52 @@ def test_split_into_physical_batches_for_accumulation():
         assert sorted(lot) == sorted((reference.sample_indices() + 1).tolist())
 
 
+@pytest.mark.parametrize("physical_batch_size", [None, 8])
+def test_padding_to_a_multiple_carries_each_lot_exactly_once(physical_batch_size):
+    """pad_to_multiple_of=m: each physical batch has the next multiple of m rows (at least m), every sampled
+    example exactly once (none dropped), the same lots as the default padding, the same rate for the ledger."""
+    x, y = _data(100)
+    m = 4
+    sampler = PoissonLots(
+        x, y, expected_lot_size=30, physical_batch_size=physical_batch_size, pad_to_multiple_of=m, seed=5
+    )
+    reference = PoissonLots(x, y, expected_lot_size=30, physical_batch_size=physical_batch_size, seed=5)
+    assert sampler.pad_to_multiple_of == m and reference.pad_to_multiple_of is None
+    k = sampler.gradient_accumulation_steps
+    assert (k, sampler.sampling_rate, sampler.expected_lot_size) == (
+        reference.gradient_accumulation_steps,
+        reference.sampling_rate,
+        reference.expected_lot_size,
+    )
+    batches = list(sampler.lots(40))
+    assert len(batches) == 40 * k
+    for t in range(40):
+        expected = reference.sample_indices() + 1
+        lot = batches[t * k : (t + 1) * k]
+        rows = {b[0].shape[0] for b in lot}
+        assert len(rows) == 1  # the lot's physical batches share one size
+        (r,) = rows
+        assert r % m == 0 and r >= m and r * k - len(expected) < m * k  # the next multiple, not the capacity
+        real = [int(v) for xb, _, w in lot for v in xb[w > 0, 0]]
+        assert sorted(real) == sorted(expected.tolist())
+    assert sampler.overflow_count == 0
+
+
+def test_padding_to_a_multiple_keeps_the_lots_poisson():
+    """The lots read back from the batches padded to a multiple: sizes Binomial(N, q), each example in with q."""
+    n, q, m = 200, 0.1, 1500
+    sampler = PoissonLots(*_data(n), sampling_rate=q, pad_to_multiple_of=8, seed=2)
+    incl = np.zeros((m, n), dtype=bool)
+    for t, lot in enumerate(_lots_of(sampler, m)):
+        assert len(set(lot)) == len(lot)
+        incl[t, np.asarray(lot, dtype=int) - 1] = True
+    sizes = incl.sum(axis=1)
+    mean, var = n * q, n * q * (1 - q)
+    assert abs(sizes.mean() - mean) < 6 * np.sqrt(var / m)
+    assert abs(sizes.var(ddof=1) - var) < 6 * var * np.sqrt(2 / m)
+    assert np.max(np.abs(incl.mean(axis=0) - q)) < 6 * np.sqrt(q * (1 - q) / m)
+
+
 def test_seed_none_is_not_deterministic_and_a_second_pass_continues_the_stream():
     x, y = _data(1000)
     a = PoissonLots(x, y, sampling_rate=0.5).sample_indices()
@@ -159,6 +205,12 @@ def test_from_dataset():
         ({"sampling_rate": 0.1, "max_lot_size": 0}, "max_lot_size"),
         ({"sampling_rate": 0.1, "seed": 1.5}, "seed"),
         ({"sampling_rate": 0.1, "sample_weight": -np.ones(10)}, "sample_weight"),
+        ({"sampling_rate": 0.1, "pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+        (
+            {"sampling_rate": 0.1, "pad_to_multiple_of": 3, "replicas_per_worker": 2, "physical_batch_size": 2},
+            "multiple",
+        ),
+        ({"sampling_rate": 0.1, "pad_to_multiple_of": 4, "num_workers": 2}, "num_workers"),
     ],
 )
 def test_validation(kwargs, match):

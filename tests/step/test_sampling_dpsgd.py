@@ -34,11 +34,14 @@ def test_empty_lots_train_without_error():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-@pytest.mark.parametrize("physical_batch_size", [None, 4])
-def test_padding_adds_nothing_to_the_step(physical_batch_size):
-    """σ = 0 and a huge clip: the update is -lr Σ_{i in lot} ∇ℓ_i / L, padding excluded."""
+@pytest.mark.parametrize("physical_batch_size, multiple", [(None, None), (4, None), (None, 5), (4, 3)])
+def test_padding_adds_nothing_to_the_step(physical_batch_size, multiple):
+    """σ = 0 and a huge clip: the update is -lr Σ_{i in lot} ∇ℓ_i / L, padding excluded (padded to the capacity
+    or to a multiple of `multiple` rows: every example of the lot is in the step)."""
     lr, lot_size = 0.1, 12.0
-    lots = PoissonLots(X, Y, expected_lot_size=lot_size, physical_batch_size=physical_batch_size, seed=9)
+    lots = PoissonLots(
+        X, Y, expected_lot_size=lot_size, physical_batch_size=physical_batch_size, pad_to_multiple_of=multiple, seed=9
+    )
     indices = PoissonLots(X, Y, expected_lot_size=lot_size, seed=9).sample_indices()
     assert len(indices) > 0
     k = lots.gradient_accumulation_steps

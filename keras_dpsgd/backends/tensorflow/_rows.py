@@ -441,7 +441,7 @@ def _split(op, ins):
     return _along_axis(op, ins, _static(op.inputs[axis]), op.inputs[value].shape.rank, [(value, r)])
 
 
-def _entry(t, index: int):
+def static_entry(t, index: int):
     """The static value of ``t[index]`` for a rank-1 ``t`` (None if unknown): ``t`` static, or a
     ``Pack`` of scalars (``tf.repeat``'s multiples ``[1, ..., repeats, ...]``) whose entry is."""
     value = _static(t)
@@ -458,7 +458,7 @@ def _tile(op, ins):
     by a static 1 (the other axes may be tiled by anything, e.g. K/V heads repeated for grouped-query
     attention); a batch axis tiled by more is reordered, by an unknown multiple mixed."""
     r = ins[0]
-    multiple = _entry(op.inputs[1], r.axis)
+    multiple = static_entry(op.inputs[1], r.axis)
     if multiple is None:
         return mixed(op, "tiles the batch axis by a multiple unknown at trace time")
     return r if int(multiple) == 1 else _reordered(r, op)
@@ -1037,6 +1037,31 @@ def _batch_of_zeros(op, analysis: Analysis) -> Optional[Rows]:
     return layout if value is not None and not np.any(value) else None
 
 
+def _tiled_weight(op, analysis: Analysis) -> Optional[Rows]:
+    """The rows of ``tf.tile(w, [tf.shape(x)[0], ...])`` (else None): ``w`` no data (a weight) with a first axis
+    of 1, tiled along it by the rows of a batch-major data tensor ``x`` (or by the inputs' static batch size).
+
+    Row j is a copy of ``w`` that the example owning row j of ``x`` reads (``keras.ops.tile(class_token, (B, 1,
+    1))``, ViT's class token): tracked as that example's row, so that a later op mixing the copies of different
+    examples is seen (and the weight's per-example gradient is the gradient of its own copy, ``handlers``).
+    """
+    if op.type != "Tile" or analysis.rows.get(op.inputs[0].ref()) is not None:
+        return None
+    w = op.inputs[0]
+    if w.shape.rank is None or w.shape.rank < 1 or w.shape[0] != 1 or not w.dtype.is_floating:
+        return None
+    read = w.op
+    while read.type in ("Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"):
+        read = read.inputs[0].op
+    if read.type != "ReadVariableOp":  # a variable's value only: a tiled constant stays no data
+        return None
+    batch = {s.shape[0] for s in analysis.sources}
+    first = static_entry(op.inputs[1], 0)
+    if first is not None and len(batch) == 1 and None not in batch and int(first) == next(iter(batch)):
+        return Rows()
+    return _batch_sized(op.inputs[1], analysis)
+
+
 def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> Optional[Rows]:
     """The rows of ``x`` if ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
     if dims.op.type != "Pack" or not dims.op.inputs or dims.op.get_attr("axis") != 0:
@@ -1063,6 +1088,10 @@ def _visit(op, analysis: Analysis, captured: set) -> None:
     zeros = _batch_of_zeros(op, analysis)
     if zeros is not None:
         rows[op.outputs[0].ref()] = zeros  # Zero rows per example (a recurrence's initial state).
+        return
+    tiled = _tiled_weight(op, analysis)
+    if tiled is not None:
+        rows[op.outputs[0].ref()] = tiled  # A weight's copy per row of the batch (ViT's class token).
         return
     ins = [rows.get(t.ref()) for t in op.inputs]
     if op.type in _NO_DATA or all(r is None for r in ins):

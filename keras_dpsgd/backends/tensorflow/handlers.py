@@ -33,7 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, uses as _uses
+from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, _rows, uses as _uses
 
 MakeUse = Callable[..., object]
 
@@ -254,6 +254,29 @@ def _conv2d(op, index, w, var, clean, static_batch):
         a3 = tf.reshape(patches, tf.concat([tf.shape(patches)[:1], [-1, kh * kw * cin]], axis=0))
         g3 = tf.reshape(_f32(g), tf.concat([tf.shape(g)[:1], [-1, cout]], axis=0))
         return _uses.OuterUse(_by_example(a3, blocks, batch), _by_example(g3, blocks, batch))
+
+    return Site(y, make)
+
+
+@register_rule("Tile")
+def _tiled_weight(op, index, w, var, clean, static_batch):
+    """``tf.tile(w, [B, m_1, ..., m_k])`` of a weight whose first axis is 1 (ViT's class token,
+    ``keras.ops.tile(class_token, (B, 1, 1))``), proven by the row analysis to give each example its own rows
+    (``_rows._tiled_weight``): example i's gradient is its rows' output gradient summed over its rows and over
+    the copies along the other axes (exact, materialized: [B, *var.shape])."""
+    y = op.outputs[0]
+    if index != 0 or not clean.clean(y) or not w.shape.is_fully_defined() or w.shape.rank < 1 or w.shape[0] != 1:
+        return None
+    reps = [_rows.static_entry(op.inputs[1], k) for k in range(1, w.shape.rank)]
+    if any(m is None for m in reps):
+        return None
+    sizes = [int(s) for s in w.shape[1:]]
+
+    def make(g, batch):
+        split = [d for m, s in zip(reps, sizes) for d in (int(m), s)]  # each axis as (copies, w's size)
+        g = tf.reshape(_f32(g), tf.concat([tf.stack([batch, -1]), tf.constant(split, tf.int32)], axis=0))
+        p = tf.reduce_sum(g, axis=[1] + [2 + 2 * k for k in range(len(sizes))])  # [B, *w.shape[1:]]
+        return _uses.DenseUse(tf.reshape(p, tf.concat([tf.stack([batch]), var.shape.as_list()], axis=0)))
 
     return Site(y, make)
 

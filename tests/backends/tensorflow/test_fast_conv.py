@@ -51,6 +51,10 @@ def test_conv1d_causal_and_pooling():
         ((2, 2), (1, 1), "VALID", (2, 3)),
         ((1, 1), (2, 1), "SAME", (3, 3)),
         ((1, 2), (1, 1), "SAME", (4, 4)),  # even kernel: TF pads less before than after
+        # Stride phases (_conv._phased): padded sizes that the stride does not divide, a stride above the kernel.
+        ((3, 2), (1, 1), "SAME", (3, 3)),
+        ((3, 3), (1, 1), "VALID", (2, 2)),
+        ((2, 2), (1, 1), "VALID", (1, 1)),
     ],
 )
 def test_per_example_kernel_grads_match_one_example_loop(cin, strides, rates, padding, kernel):
@@ -158,3 +162,26 @@ def test_conv2d_kernel_sums_the_rows_of_each_example():
     the views of augmentation multiplicity); it took one row per example and failed with a shape error."""
     x, y = data((3, 2, 8, 8, 1), (3, 2), seed=7)
     check(_TwoRowsPerExample(), x, y)
+
+
+@pytest.mark.parametrize("strides, padding", [((1, 1), "SAME"), ((2, 2), "SAME"), ((3, 2), "VALID")])
+def test_per_example_depthwise_grads_match_one_example_loop(strides, padding):
+    """The depthwise kernel's per-example gradients (taps of the stride phases) against one example at a time."""
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_dpsgd.backends.tensorflow import _conv
+
+    gen = np.random.default_rng(12)
+    x = tf.constant(gen.normal(size=(3, 7, 8, 4)), tf.float32)
+    w = tf.constant(gen.normal(size=(3, 3, 4, 2)), tf.float32)
+    s4 = [1, *strides, 1]
+    y = tf.nn.depthwise_conv2d(x, w, s4, padding)
+    g = tf.constant(gen.normal(size=y.shape), tf.float32)
+    parts = _conv.per_example_depthwise_grads(x, g, (3, 3), s4, [1, 1, 1, 1], padding)
+    got = tf.concat([tf.reshape(q, [3, -1]) for q in parts], axis=1).numpy().reshape(3, *w.shape)
+    for i in range(3):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            inner = tf.reduce_sum(tf.nn.depthwise_conv2d(x[i : i + 1], w, s4, padding) * g[i : i + 1])
+        np.testing.assert_allclose(got[i], tape.gradient(inner, w).numpy(), rtol=1e-4, atol=1e-4)

@@ -106,3 +106,16 @@ def test_batch_normalization_keeps_its_advice():
 
     with pytest.raises(ValueError, match=r"reduces over the batch axis.*layer.trainable = False"):
         step(tf.zeros((4, 5)), tf.zeros((4, 3)))
+
+
+def test_copies_of_a_tiled_weight_mixed_over_the_batch_are_refused():
+    """The class-token rule reads the tiled weight's rows as the examples': an op mixing them over the batch is
+    seen by the row analysis and refused, never given to the rule (whose per-example gradient would be wrong)."""
+    token = tf.Variable(tf.ones([1, 4]))
+
+    def fn(x):
+        copies = tf.tile(token, tf.stack([tf.shape(x)[0], 1]))  # [B, 4]: one copy per example
+        mixed = copies * tf.reduce_mean(copies, axis=0, keepdims=True)  # every row reads every copy
+        return tf.reduce_sum(x, axis=[1, 2]) + tf.reduce_sum(mixed, axis=1)
+
+    assert "Mean" in _refusal(fn)

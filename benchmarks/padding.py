@@ -1,0 +1,107 @@
+"""The cost of padding Poisson lots (issue 41 item 6): DP step on a padded lot against non-private on L rows.
+
+Usage::
+
+    python benchmarks/padding.py --models conv mlp --lot-sizes 64 256            # Keras 3 on TensorFlow
+    KERAS_BACKEND=jax python benchmarks/padding.py --models mlp --lot-sizes 64
+
+What is measured, in one process, interleaved in rounds (``overhead.py``'s models and step timer):
+
+* ``nonprivate``: a Keras 3 ``fit`` on batches of exactly L rows;
+* ``equal_rows``: the DP step (``make_private``, ``DPSGDOptimizer``, the fast backend) on plain batches of L rows;
+* ``lots``: the same DP step fed ``PoissonLots(expected_lot_size=L)`` (configured on the optimizer), whose
+  batches have the physical size ``lots.physical_batch_size`` (``rows`` in the JSON): padded to the capacity;
+* ``lots_multiple``: the same with ``pad_to_multiple_of=m``, m = ceil(√L) by default (``multiple``), each lot
+  padded to the next multiple of m rows (``rows_multiple_mean``: the mean over 400 lots of the same sampler).
+
+Ratios: ``equal_rows_ratio`` = equal_rows / nonprivate, ``lots_ratio`` = lots / nonprivate, and
+``padding_cost`` = lots / equal_rows (what the padding adds; issue 41 asks for at most 1.2 at L >= 64),
+``padding_cost_multiple`` = lots_multiple / equal_rows.
+One JSON object on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import overhead  # noqa: E402 (benchmarks/ is not a package)
+
+DATA_LOTS = 16  # the data set holds this many expected lots: N = 16·L
+
+
+def run_padding(name: str, lot_size: int, steps: int, rounds: int, multiple: int | None = None) -> dict:
+    """Step times of the four configurations for one model and one expected lot size (see the module doc)."""
+    from keras_dpsgd import PoissonLots
+
+    overhead._KERAS["which"] = "3"
+    multiple = multiple or math.isqrt(lot_size - 1) + 1
+    x, y = overhead.make_data(name, lot_size, DATA_LOTS)
+    samplers = {
+        "lots": PoissonLots(x, y, expected_lot_size=lot_size, seed=0),
+        "lots_multiple": PoissonLots(x, y, expected_lot_size=lot_size, pad_to_multiple_of=multiple, seed=0),
+    }
+    weights, models = None, {}
+    for config in ("nonprivate", "equal_rows", *samplers):
+        model = overhead.build_model(name)
+        weights = weights or model.get_weights()
+        model.set_weights(weights)
+        model = overhead.compile_model(model, "nonprivate" if config == "nonprivate" else "fast", lot_size)
+        if config in samplers:
+            samplers[config].configure(model.optimizer)
+        models[config] = model
+    times = {config: [] for config in models}
+
+    def fit(config: str, n: int) -> list:
+        if config in samplers:
+            timer = overhead._BatchTimer()
+            models[config].fit(samplers[config].dataset(n), epochs=1, verbose=0, callbacks=[timer])
+            return timer.times
+        return overhead.time_steps(models[config], x, y, lot_size, n)
+
+    for config in models:
+        fit(config, 2)  # warm-up: traces the train function (once more per new size under JAX)
+    for _ in range(rounds):
+        for config in models:
+            times[config] += fit(config, steps)
+    med = {config: statistics.median(ts) for config, ts in times.items()}
+    probe = PoissonLots(x, y, expected_lot_size=lot_size, pad_to_multiple_of=multiple, seed=1)
+    return {
+        "lot_size": lot_size,
+        "rows": samplers["lots"].physical_batch_size,
+        "multiple": multiple,
+        "rows_multiple_mean": statistics.fmean(len(w) for _, _, w in probe.lots(400)),
+        "median_step_s": med,
+        "steps": {config: len(ts) for config, ts in times.items()},
+        "equal_rows_ratio": med["equal_rows"] / med["nonprivate"],
+        "lots_ratio": med["lots"] / med["nonprivate"],
+        "padding_cost": med["lots"] / med["equal_rows"],
+        "padding_cost_multiple": med["lots_multiple"] / med["equal_rows"],
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["conv", "mlp"], choices=list(overhead.MODEL_NAMES))
+    parser.add_argument("--lot-sizes", nargs="+", type=int, default=[64, 256])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    report = {"backend": os.environ.get("KERAS_BACKEND", "tensorflow"), "load_average_start": os.getloadavg()}
+    report["results"] = {
+        f"{name}/L={lot}": run_padding(name, lot, args.steps, args.rounds)
+        for name in args.models
+        for lot in args.lot_sizes
+    }
+    report["load_average_end"] = os.getloadavg()
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), indent=1))
