@@ -1,7 +1,8 @@
 """Where :class:`keras_dpsgd.StreamingPoissonLots` reads its rows: arrays read by index, or a stream read in order.
 
-Both readers have one method, ``lots(members)``: given the sorted example indices of some lots, the rows of each
-lot ``(x, y, sample_weight)`` as numpy arrays, in the order of its indices. Which lot holds which example is
+A stream has ``lots(members)``: given the sorted example indices of some lots, the rows of each lot
+``(x, y, sample_weight)`` as numpy arrays, in the order of its indices; arrays have ``padded_rows(idx, real)``: the
+rows of one physical batch. Which lot holds which example is
 drawn by the sampler (:mod:`keras_dpsgd.step.streaming`), never here.
 """
 
@@ -66,10 +67,21 @@ class ArrayShards:
         self.num_examples = int(self._offsets[-1])
         self.element_spec = tuple(tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)) for a in (x[0], y[0]))
 
-    def lots(self, members: Sequence[np.ndarray]) -> list:
-        return [self._rows(m) for m in members]
+    def padded_rows(self, idx: np.ndarray, real: int) -> _Lot:
+        """The rows of the examples ``idx[:real]`` (any order), then zero rows of weight 0 up to ``len(idx)``."""
+        real = int(real)
+        order = np.argsort(idx[:real], kind="stable")
+        x, y, w = self._rows(idx[:real][order])
+
+        def pad(a):
+            out = np.zeros((len(idx),) + a.shape[1:], a.dtype)
+            out[order] = a  # back to the order of idx
+            return out
+
+        return pad(x), pad(y), pad(w)
 
     def _rows(self, idx: np.ndarray) -> _Lot:
+        """The rows of the examples `idx`, sorted."""
         cuts = np.searchsorted(idx, self._offsets)
         parts = [
             (s, idx[cuts[s] : cuts[s + 1]] - self._offsets[s]) for s in range(len(self._x)) if cuts[s + 1] > cuts[s]
@@ -87,7 +99,7 @@ class ArrayShards:
 class Stream:
     """Examples read in order from a finite ``tf.data.Dataset`` (one example per element): one pass, many lots.
 
-    Each pass reads the dataset once in chunks of `chunk_size` examples and routes every example to the lots
+    `chunks`: the dataset in batches (chunks) of examples. Each pass reads it once and routes every example to the lots
     that hold it (their sorted indices), so one pass feeds all the lots asked for; memory: those lots' rows
     plus one chunk. The pass must see exactly `num_examples` examples, else it is refused (q = L/N would be
     wrong) before any of its lots is returned.
@@ -95,26 +107,28 @@ class Stream:
 
     random_access = False
 
-    def __init__(self, dataset: tf.data.Dataset, num_examples: int, chunk_size: int, name: str):
-        spec = dataset.element_spec
+    def __init__(self, chunks: tf.data.Dataset, num_examples: int, name: str):
+        spec = chunks.element_spec  # batched: [chunk, ...] per component
         if not isinstance(spec, tuple) or len(spec) not in (2, 3):
             raise ValueError(f"{name} must hold (x, y) or (x, y, sample_weight) examples, got elements {spec}")
-        self._spec = _spec(spec, name)
+        self._spec = _spec(tf.nest.map_structure(lambda s: tf.TensorSpec(s.shape[1:], s.dtype), spec), name)
         self.element_spec = self._spec[:2]
         self._name = name
         self.num_examples = num_examples
-        self._chunks = dataset.batch(chunk_size).prefetch(tf.data.AUTOTUNE)
+        self._chunks = chunks.prefetch(tf.data.AUTOTUNE)
 
     def lots(self, members: Sequence[np.ndarray]) -> list:
-        parts: list = [[] for _ in members]
-        start = 0
+        counts = [len(m) for m in members]
+        wanted = np.concatenate(members) if members else np.zeros((0,), np.int64)  # lot by lot
+        order = np.argsort(wanted, kind="stable")
+        in_stream = wanted[order]  # every (lot, example) pair, by position in the stream
+        pieces, start = [], 0
         for chunk in self._chunks.as_numpy_iterator():
             stop = start + len(tf.nest.flatten(chunk)[0])
-            for k, m in enumerate(members):
-                lo, hi = np.searchsorted(m, (start, stop))
-                if hi > lo:
-                    local = m[lo:hi] - start
-                    parts[k].append(tf.nest.map_structure(lambda a, local=local: a[local], chunk))
+            lo, hi = np.searchsorted(in_stream, (start, stop))
+            if hi > lo:  # one gather per chunk, whatever the number of lots
+                local = in_stream[lo:hi] - start
+                pieces.append(tf.nest.map_structure(lambda a, local=local: a[local], chunk))
             start = stop
         if start != self.num_examples:
             raise ValueError(
@@ -122,9 +136,14 @@ class Stream:
                 f"num_examples N = {self.num_examples}: the data changed, so the rate would be wrong; no lot of "
                 "this pass was used"
             )
+        rows = tf.nest.map_structure(lambda *a: np.concatenate(a), *pieces) if pieces else _empty(self._spec)
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        by_lot = tf.nest.map_structure(lambda a: a[back], rows)  # lot by lot again
+        ends = np.cumsum(counts)
         out = []
-        for lot in parts:
-            rows = tf.nest.map_structure(lambda *a: np.concatenate(a), *lot) if lot else _empty(self._spec)
-            w = rows[2] if len(rows) == 3 else None
-            out.append((rows[0], rows[1], _weights(w, len(tf.nest.flatten(rows[0])[0]), self._name)))
+        for n, end in zip(counts, ends):
+            lot = tf.nest.map_structure(lambda a, lo=end - n, hi=end: a[lo:hi], by_lot)
+            w = lot[2] if len(lot) == 3 else None
+            out.append((lot[0], lot[1], _weights(w, int(n), self._name)))
         return out

@@ -97,9 +97,13 @@ class StreamingPoissonLots(PoissonLots):
 
     Args:
       source: where the rows are read (made by the ``from_*`` constructors).
-      sampling_rate, expected_lot_size, physical_batch_size, max_lot_size, overflow_probability, seed: as
-        :class:`keras_dpsgd.PoissonLots` (`seed`: for tests only; None, the default, draws from the operating
-        system).
+      sampling_rate: q, as :class:`keras_dpsgd.PoissonLots` (exactly one of it and `expected_lot_size`).
+      expected_lot_size: L = qN, as :class:`keras_dpsgd.PoissonLots`.
+      physical_batch_size: as :class:`keras_dpsgd.PoissonLots`.
+      max_lot_size: as :class:`keras_dpsgd.PoissonLots`.
+      overflow_probability: as :class:`keras_dpsgd.PoissonLots`.
+      seed: for tests only: None (the default) draws from the operating system; whoever knows a fixed seed knows
+        every lot.
       lots_per_pass: K >= 1, the lots one pass over a stream feeds (memory: K lots; reads: N/K examples per
         lot); None for min(32, lots_per_epoch). Ignored for random-access sources (``.npy``).
     """
@@ -156,7 +160,8 @@ class StreamingPoissonLots(PoissonLots):
         rows in the order of the files. Each lot reads its own rows.
 
         Args:
-          x_files, y_files: the shards' inputs and targets, one file each per shard (a str: one shard).
+          x_files: the shards' inputs, one file per shard (a str: one shard).
+          y_files: the shards' targets, one file per shard.
           sample_weight_files: optional per-example weights, one file per shard.
           **kwargs: the keyword arguments of the class.
         """
@@ -188,7 +193,7 @@ class StreamingPoissonLots(PoissonLots):
         """
         n = _num_examples(dataset, num_examples, "dataset")
         chunk_size = _validate.integer_at_least(1, chunk_size=chunk_size)
-        return cls(Stream(dataset, n, chunk_size, "dataset"), **kwargs)
+        return cls(Stream(dataset.batch(chunk_size), n, "dataset"), **kwargs)
 
     @classmethod
     def from_tfrecord(
@@ -197,25 +202,29 @@ class StreamingPoissonLots(PoissonLots):
         parse: Callable[[tf.Tensor], tuple],
         *,
         num_examples: Optional[int] = None,
+        chunk_size: int = 1024,
         **kwargs: Any,
     ) -> "StreamingPoissonLots":
         """Lots streamed from TFRecord files, read in the order of `files`.
 
         Args:
           files: the TFRecord files (a str: one file).
-          parse: a record (a scalar string tensor) to ``(x, y)`` or ``(x, y, sample_weight)`` tensors, traced by
-            ``tf.data`` (e.g. over ``tf.io.parse_single_example``).
+          parse: a batch of records (a string tensor of shape [B]) to ``(x, y)`` or ``(x, y, sample_weight)``
+            tensors of B rows each, traced by ``tf.data`` (e.g. over ``tf.io.parse_example``: one parse per
+            chunk, much faster than one per record).
           num_examples: N, the records in all the files; None to count them once (announced).
-          **kwargs: the keyword arguments of :meth:`from_dataset` and of the class.
+          chunk_size: records read (and parsed) at once.
+          **kwargs: the keyword arguments of the class.
         """
         files = [files] if isinstance(files, str) else list(files)
         if not files:
             raise ValueError("files must name at least 1 TFRecord file, got none")
+        chunk_size = _validate.integer_at_least(1, chunk_size=chunk_size)
         records = tf.data.TFRecordDataset(files)
-        dataset = records.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        n = _num_examples(dataset, num_examples, "the TFRecord files")
-        chunk_size = _validate.integer_at_least(1, chunk_size=kwargs.pop("chunk_size", 1024))
-        return cls(Stream(dataset, n, chunk_size, "the TFRecord files"), **kwargs)
+        n = _num_examples(records, num_examples, "the TFRecord files")
+        # tf.data's vectorized map: one parse per chunk of records (tf.io.parse_example), not one per record.
+        chunks = records.batch(chunk_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return cls(Stream(chunks, n, "the TFRecord files"), **kwargs)
 
     @classmethod
     def from_tfds(
@@ -253,6 +262,10 @@ class StreamingPoissonLots(PoissonLots):
         return None  # the rows stay on disk (keras_dpsgd.step._held_out cannot fingerprint them)
 
     def _numpy_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
+        if self._source.random_access:
+            for idx, real in self._index_parts(num_lots):
+                yield self._source.padded_rows(idx, real)
+            return
         drawn = 0
         while num_lots is None or drawn < num_lots:
             k = self._per_pass if num_lots is None else min(self._per_pass, num_lots - drawn)
@@ -264,8 +277,22 @@ class StreamingPoissonLots(PoissonLots):
                     yield px, py, pw
             drawn += k
 
+    def _index_parts(self, num_lots: Optional[int]) -> Iterator[tuple]:
+        """Random access: per physical batch, the indices of its examples (padded with 0) and how many are real."""
+        for idx, _, real in self._index_batches(num_lots):
+            yield np.where(np.arange(len(idx)) < real, idx, 0), real
+
     def _dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
-        batches = tf.data.Dataset.from_generator(
-            lambda: self._numpy_batches(num_lots), output_signature=self.element_spec()
-        )
-        return self._finished(batches, num_lots)
+        spec = self.element_spec()
+        if not self._source.random_access:
+            batches = tf.data.Dataset.from_generator(lambda: self._numpy_batches(num_lots), output_signature=spec)
+            return self._finished(batches, num_lots)
+        # Only the indices are drawn in the generator; the rows are read by tf.data's parallel map.
+        signature = (tf.TensorSpec((None,), tf.int64), tf.TensorSpec((), tf.int64))
+        indices = tf.data.Dataset.from_generator(lambda: self._index_parts(num_lots), output_signature=signature)
+
+        def read(idx, real):
+            rows = tf.numpy_function(self._source.padded_rows, [idx, real], [s.dtype for s in spec], stateful=False)
+            return tuple(tf.ensure_shape(r, s.shape) for r, s in zip(rows, spec))
+
+        return self._finished(indices, num_lots, read)

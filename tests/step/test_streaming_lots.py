@@ -128,11 +128,11 @@ def test_tfrecord_files_are_counted_once_and_streamed(tmp_path, caplog):
                 writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     spec = {"x": tf.io.FixedLenFeature([2], tf.float32), "y": tf.io.FixedLenFeature([], tf.int64)}
 
-    def parse(record):
-        example = tf.io.parse_single_example(record, spec)
+    def parse(records):
+        example = tf.io.parse_example(records, spec)
         return example["x"], example["y"]
 
-    sampler = StreamingPoissonLots.from_tfrecord(files, parse, sampling_rate=Q, seed=5)
+    sampler = StreamingPoissonLots.from_tfrecord(files, parse, sampling_rate=Q, chunk_size=64, seed=5)
     assert sampler.num_examples == N and "counted N = 200 examples in one pass" in caplog.text
     _check_poisson(_inclusion(sampler, 400), Q)
     given = StreamingPoissonLots.from_tfrecord(files, parse, num_examples=N, sampling_rate=Q)
