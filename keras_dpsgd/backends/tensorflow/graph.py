@@ -114,6 +114,67 @@ def unknown_ops(loss: tf.Tensor, analysis: _rows.Analysis, limit: int = 3) -> li
     return sorted(found)[:limit]
 
 
+_EAGER_LOSS = "_keras_dpsgd_eager_loss_trained"
+
+
+def mark_eager_loss(trained: list) -> None:
+    """Marks the graph being traced as the trace of an eager loss callable (``keras_dpsgd.step.eager``)
+    whose trained variables are `trained`: its batch is read from captures (:func:`eager_batch`)."""
+    setattr(tf.compat.v1.get_default_graph(), _EAGER_LOSS, list(trained))
+
+
+def eager_batch(graph: Any, loss: tf.Tensor, ops: list) -> frozenset:
+    """The batch of a traced eager loss callable (:func:`mark_eager_loss`; elsewhere none): refs of what the
+    callable reads with the loss's static batch size B as first dimension, other than the trained variables:
+    captured tensors, constants (TensorFlow inlines small captured arrays as constants) and reads of other
+    variables. They are the step's inputs (each row one example). A captured tensor or a floating-point
+    constant of another first dimension may be data the analysis cannot place (a statistic of the batch, the
+    batch transposed): refused. Other variables are weights, as the model's are.
+
+    Raises:
+      ValueError: the loss's batch size is not static, or a captured tensor or constant is not of B rows.
+    """
+    trained = getattr(graph, _EAGER_LOSS, None)
+    if trained is None:
+        return frozenset()
+    if loss.shape.rank in (None, 0) or loss.shape[0] is None:
+        raise ValueError(_EAGER_BATCH_MESSAGE.format(what=f"the loss has no static batch size (shape {loss.shape})"))
+    b = loss.shape[0]
+    handles = {id(v.handle) for v in trained}
+    pairs = list(getattr(graph, "captures", ()))
+    captured = {inner.ref() for outer, inner in pairs if inner.dtype != tf.resource}
+    trained_handles = {inner.ref() for outer, inner in pairs if id(outer) in handles}
+    inputs = set()
+    for op in ops:
+        out = op.outputs[0] if op.outputs else None
+        if out is None or out.shape.rank in (None, 0):
+            continue
+        if op.type == "ReadVariableOp":
+            if op.inputs[0].ref() not in trained_handles and out.shape[0] == b:
+                inputs.add(out.ref())
+            continue
+        data = (op.type == "Placeholder" and out.ref() in captured) or (op.type == "Const" and out.dtype.is_floating)
+        if data and out.shape[0] != b:
+            raise ValueError(
+                _EAGER_BATCH_MESSAGE.format(
+                    what=f"it reads {op.name!r} of shape {out.shape}, whose first dimension is not the loss's {b}"
+                )
+            )
+        if data or (op.type == "Const" and out.shape[0] == b):
+            inputs.add(out.ref())
+    return frozenset(inputs)
+
+
+_EAGER_BATCH_MESSAGE = (
+    "keras_dpsgd cannot find the batch of the loss callable given to an eager minimize/compute_gradients: {what}. "
+    "In a traced eager loss callable the batch is every captured tensor (array, tf.constant) or variable (other "
+    "than the trained ones) whose first dimension is the loss's batch size, one row per example; a captured "
+    "tensor of another shape may be data that the per-example analysis cannot place, so it is refused. Compute "
+    "such values inside the callable from the batch's rows, or run the step in a tf.function that takes the "
+    "batch as its arguments."
+)
+
+
 def analyze(loss: tf.Tensor) -> _rows.Analysis:
     """Rows of every data tensor upstream of ``loss``; raises if the loss mixes examples.
 
@@ -126,7 +187,8 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
     """
     graph = loss.graph
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
-    analysis = _rows.propagate(ops_in_order(ancestors(loss)), captured)
+    ops = ops_in_order(ancestors(loss))
+    analysis = _rows.propagate(ops, captured, eager_batch(graph, loss, ops))
     if analysis.sources and all(s.shape[0] == 1 for s in analysis.sources):
         # One example (static shapes): nothing can mix or mis-group, every row is example 0.
         analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
