@@ -16,6 +16,7 @@ from tests._behaviour import keras3_front, tf_keras_front
 FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
 DATA = np.array([[3.0, 4.0], [5.0, 6.0], [7.0, 8.0], [-9.0, 0.0]], np.float32)  # TF Privacy's test data
 START = np.array([1.0, 2.0], np.float32)
+STATS = tf.constant([1.0, 2.0, 3.0])  # an eager tensor of another shape than the batch, captured by a loss
 
 
 @pytest.fixture(scope="module", params=sorted(FRONTS))
@@ -103,10 +104,8 @@ def test_the_noise_has_standard_deviation_sigma_c_over_b(front):
             r"mixes the examples of the batch",
         ),
         (
-            lambda v, x: (
-                lambda: tf.reduce_sum(tf.math.squared_difference(_read(v), x - tf.constant([1.0, 2, 3])[:2]), 1)
-            ),
-            r"reads .* of shape \(3,\), whose first dimension is not the loss's 4",
+            lambda v, x: lambda: tf.reduce_sum(tf.math.squared_difference(_read(v), x - STATS[:2]), 1),
+            r"reads a captured tensor of shape \(3,\), whose first dimension is not the loss.s 4",
         ),
     ],
     ids=["scalar", "batch-mean", "another-shape"],
@@ -134,3 +133,30 @@ def test_a_poisson_rate_still_needs_assume_poisson(front):
     assume_poisson(opt)
     opt.minimize(loss, [var])
     assert int(opt.noised_steps.numpy()) == 1
+
+
+def test_a_keras_model_on_numpy_arrays_gives_the_one_example_at_a_time_clipped_mean(front):
+    """TF Privacy's loop with a model: loss_fn = lambda: loss(y, model(x)), x and y numpy arrays (constants of the
+    trace): the gradients equal (1/B) Σ_i clip(∇ℓ_i) computed one example at a time."""
+    K = front.keras
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(4, 3)).astype(np.float32), rng.integers(0, 2, size=4)
+    K.utils.set_random_seed(0)
+    model = K.Sequential([K.Input((3,)), K.layers.Dense(4, activation="tanh"), K.layers.Dense(2)])
+    per_example = K.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    variables = model.trainable_variables
+    expected = [np.zeros(v.shape, np.float32) for v in variables]
+    for i in range(4):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(per_example(y[i : i + 1], model(x[i : i + 1])))
+        grads = [g.numpy() for g in tape.gradient(loss, [v.value if front.name == "keras3" else v for v in variables])]
+        scale = min(1.0, 0.1 / np.sqrt(sum(np.sum(g * g) for g in grads)))
+        expected = [e + scale * g / 4 for e, g in zip(expected, grads)]
+    opt = _opt(front, 0.1, 0.0)
+    loss_fn = lambda: per_example(y, model(x, training=True))  # noqa: E731
+    if front.name == "keras3":
+        got = [g.numpy() for g in opt.sanitize(loss_fn, variables)]
+    else:
+        got = [g.numpy() for g, _ in opt.compute_gradients(loss_fn, variables)]
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)

@@ -124,15 +124,17 @@ def mark_eager_loss(trained: list) -> None:
 
 
 def eager_batch(graph: Any, loss: tf.Tensor, ops: list) -> frozenset:
-    """The batch of a traced eager loss callable (:func:`mark_eager_loss`; elsewhere none): refs of what the
-    callable reads with the loss's static batch size B as first dimension, other than the trained variables:
-    captured tensors, constants (TensorFlow inlines small captured arrays as constants) and reads of other
-    variables. They are the step's inputs (each row one example). A captured tensor or a floating-point
-    constant of another first dimension may be data the analysis cannot place (a statistic of the batch, the
-    batch transposed): refused. Other variables are weights, as the model's are.
+    """The batch of a traced eager loss callable (:func:`mark_eager_loss`; elsewhere none): refs of the tensors
+    the callable captured (eager tensors and arrays; TensorFlow inlines the small ones as constants, still
+    listed as captures), of the constants with B rows (numpy arrays it reads become constants) and of its reads
+    of variables other than the trained ones, with B rows, B the loss's static batch size. They are the step's
+    inputs (each row one example). A captured tensor of another shape may be data the analysis cannot place
+    (a statistic of the batch, the batch transposed): refused. Other variables are weights, and other
+    constants (a layer's, an array of another shape) public constants, as in a train step: a statistic of the
+    data computed outside the callable is the caller's own release.
 
     Raises:
-      ValueError: the loss's batch size is not static, or a captured tensor or constant is not of B rows.
+      ValueError: the loss's batch size is not static, or a captured tensor is not of B rows.
     """
     trained = getattr(graph, _EAGER_LOSS, None)
     if trained is None:
@@ -147,21 +149,22 @@ def eager_batch(graph: Any, loss: tf.Tensor, ops: list) -> frozenset:
     inputs = set()
     for op in ops:
         out = op.outputs[0] if op.outputs else None
-        if out is None or out.shape.rank in (None, 0):
+        if out is None:
             continue
         if op.type == "ReadVariableOp":
-            if op.inputs[0].ref() not in trained_handles and out.shape[0] == b:
+            if op.inputs[0].ref() not in trained_handles and out.shape.rank not in (None, 0) and out.shape[0] == b:
                 inputs.add(out.ref())
-            continue
-        data = (op.type == "Placeholder" and out.ref() in captured) or (op.type == "Const" and out.dtype.is_floating)
-        if data and out.shape[0] != b:
-            raise ValueError(
-                _EAGER_BATCH_MESSAGE.format(
-                    what=f"it reads {op.name!r} of shape {out.shape}, whose first dimension is not the loss's {b}"
+        elif out.ref() in captured:
+            if out.shape.rank in (None, 0) or out.shape[0] != b:
+                raise ValueError(
+                    _EAGER_BATCH_MESSAGE.format(
+                        what=f"it reads a captured tensor of shape {out.shape}, whose first dimension is not the "
+                        f"loss's {b}"
+                    )
                 )
-            )
-        if data or (op.type == "Const" and out.shape[0] == b):
             inputs.add(out.ref())
+        elif op.type == "Const" and out.shape.rank not in (None, 0) and out.shape[0] == b:
+            inputs.add(out.ref())  # an array of B rows the callable reads (numpy arrays become constants)
     return frozenset(inputs)
 
 
