@@ -102,6 +102,7 @@ class StreamingPoissonLots(PoissonLots):
       physical_batch_size: as :class:`keras_dpsgd.PoissonLots`.
       max_lot_size: as :class:`keras_dpsgd.PoissonLots`.
       overflow_probability: as :class:`keras_dpsgd.PoissonLots`.
+      pad_to_multiple_of: as :class:`keras_dpsgd.PoissonLots` (None: every lot padded to the capacity).
       seed: for tests only: None (the default) draws from the operating system; whoever knows a fixed seed knows
         every lot.
       lots_per_pass: K >= 1, the lots one pass over a stream feeds (memory: K lots; reads: N/K examples per
@@ -117,6 +118,7 @@ class StreamingPoissonLots(PoissonLots):
         physical_batch_size: Optional[int] = None,
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
+        pad_to_multiple_of: Optional[int] = None,
         seed: Optional[int] = None,
         lots_per_pass: Optional[int] = None,
     ):
@@ -134,6 +136,7 @@ class StreamingPoissonLots(PoissonLots):
             physical_batch_size=physical_batch_size,
             max_lot_size=max_lot_size,
             overflow_probability=overflow_probability,
+            pad_to_multiple_of=pad_to_multiple_of,
             seed=seed,
             num_workers=1,
             worker_index=0,

@@ -179,3 +179,12 @@ def test_the_seed_defaults_to_the_operating_systems_entropy():
     """Two samplers without a seed draw different lots (a fixed default seed would repeat them)."""
     a, b = _stream(sampling_rate=0.5), _stream(sampling_rate=0.5)
     assert not np.array_equal(_inclusion(a, 4), _inclusion(b, 4))
+
+
+def test_pad_to_multiple_of_pads_streamed_lots_like_poisson_lots():
+    """PoissonLots' pad_to_multiple_of (issue 41): each streamed lot padded to the next multiple of m rows."""
+    sampler = _stream(sampling_rate=Q, pad_to_multiple_of=8, seed=2)
+    assert sampler.pad_to_multiple_of == 8
+    for x, _, w in sampler.lots(20):
+        real = int((w > 0).sum())
+        assert len(x) % 8 == 0 and real <= len(x) < real + 8 or (real == 0 and len(x) == 8)
