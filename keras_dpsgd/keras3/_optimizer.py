@@ -216,6 +216,7 @@ class DPKeras3Mixin(LotReleaseMixin):
                 "optimizer.minimize), which accumulates the lot and applies it once"
             )
         if traced_eagerly(per_example_loss, tape):
+            _refuse_callable_on_jax("sanitize")
             variables = list(variables() if callable(variables) else variables)
 
             def step():
@@ -250,6 +251,7 @@ class DPKeras3Mixin(LotReleaseMixin):
             custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
         """
         if traced_eagerly(per_example_loss, tape):
+            _refuse_callable_on_jax("minimize")
             variables = list(variables() if callable(variables) else variables)
 
             def step():
@@ -394,6 +396,15 @@ class DPKeras3Mixin(LotReleaseMixin):
 
 def _on_jax() -> bool:
     return backends.is_jax()
+
+
+def _refuse_callable_on_jax(method: str) -> None:
+    """A loss callable is traced with TensorFlow (``keras_dpsgd.step.eager``): refused by name on JAX."""
+    if _on_jax():
+        raise ValueError(
+            f"{method}(loss_fn, variables) with a loss callable needs the TensorFlow backend (its step is traced "
+            "in a tf.function); on JAX, train with fit after keras_dpsgd.keras3.make_private(model)"
+        )
 
 
 def _ledger_variable(variable: Any) -> Any:
