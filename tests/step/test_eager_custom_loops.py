@@ -160,3 +160,15 @@ def test_a_keras_model_on_numpy_arrays_gives_the_one_example_at_a_time_clipped_m
         got = [g.numpy() for g, _ in opt.compute_gradients(loss_fn, variables)]
     for g, e in zip(got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_eager_minimize_accumulates_a_lot_of_two_batches(front):
+    """gradient_accumulation_steps = 2: two eager minimize calls are one lot, released once, of their 4 examples."""
+    var = _variable(front, START)
+    opt = _opt(front, 1e6, 0.0, gradient_accumulation_steps=2)
+    first, second = tf.constant(DATA[:2]), tf.constant(DATA[2:])
+    opt.minimize(_loss(var, first), [var])
+    np.testing.assert_array_equal(np.array(_read(var)), START)  # half a lot: nothing applied yet
+    opt.minimize(_loss(var, second), [var])
+    np.testing.assert_allclose(np.array(_read(var)), START - 2.0 * (START - DATA.mean(axis=0)), rtol=1e-6)
+    assert int(opt.noised_steps.numpy()) == 1
