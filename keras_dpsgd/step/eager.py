@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow.graph import mark_eager_loss
+from keras_dpsgd.backends.tensorflow.eager_loss import mark_eager_loss
 
 __all__ = ["recorded", "traced_eagerly", "traced_step"]
 
@@ -41,7 +41,7 @@ def traced_step(optimizer: Any, method: str, var_list: list, step: Callable[[], 
     ``tf.function`` of the optimizer's; returns its gradients (a list of tensors; none for ``minimize``).
 
     In that trace the batch is what the loss callable reads with the loss's first dimension B, other than
-    `var_list` (``keras_dpsgd.backends.tensorflow.graph.eager_batch``): captured tensors, or variables."""
+    `var_list` (``keras_dpsgd.backends.tensorflow.eager_loss.eager_batch``): captured tensors, or variables."""
     if not getattr(optimizer, "_keras_dpsgd_eager_announced", False):
         _LOG.warning(
             "keras_dpsgd: %s.%s called eagerly with a loss callable: the step is traced in a tf.function at "

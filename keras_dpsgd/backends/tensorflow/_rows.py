@@ -1007,7 +1007,7 @@ class Analysis:
 
 def propagate(ops: list, captured: set, inputs: frozenset = frozenset()) -> Analysis:
     """Forward propagation of :class:`Rows` over ``ops`` (in creation order). `inputs`: refs of op outputs
-    that are inputs of the step too (an eager loss callable's batch: ``graph.eager_batch``)."""
+    that are inputs of the step too (an eager loss callable's batch: ``eager_loss.eager_batch``)."""
     analysis = Analysis({}, [], [])
     for op in ops:
         if inputs and op.outputs and op.outputs[0].ref() in inputs:
