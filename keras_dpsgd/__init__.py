@@ -40,6 +40,7 @@ _NEUTRAL = {
     "effective_noise_multiplier": "keras_dpsgd.accounting",
     # data sampling, callbacks and the ledger
     "PoissonLots": "keras_dpsgd.step.lots",
+    "StreamingPoissonLots": "keras_dpsgd.step.streaming",
     "PrivacyLogger": "keras_dpsgd.callbacks",
     "WithinLimit": "keras_dpsgd.callbacks",
     "model_privacy_ledger": "keras_dpsgd.ledger",

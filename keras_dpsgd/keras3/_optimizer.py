@@ -38,6 +38,7 @@ import tensorflow as tf
 from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd import backends, ledger
 from keras_dpsgd.step.classes import make_dp_class
+from keras_dpsgd.step.eager import recorded, traced_eagerly, traced_step
 from keras_dpsgd.step.settings import DPState
 from keras_dpsgd.step.release import LotReleaseMixin
 
@@ -184,7 +185,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         self,
         per_example_loss: tf.Tensor,
         variables: Sequence[Any],
-        tape: tf.GradientTape,
+        tape: tf.GradientTape | None = None,
         regularization_grads: Sequence[tf.Tensor] | None = None,
     ) -> list[tf.Tensor]:
         """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1), for lots of one batch.
@@ -194,9 +195,11 @@ class DPKeras3Mixin(LotReleaseMixin):
         then the regularization gradient, un-clipped and un-noised (post-processing).
 
         Args:
-          per_example_loss: [B] loss recorded on `tape`.
+          per_example_loss: [B] loss recorded on `tape`; or, called eagerly (TF Privacy's custom loops), a
+            callable returning it, traced in a ``tf.function`` of the optimizer's where the same graph
+            checks run (``keras_dpsgd.step.eager``).
           variables: the Keras 3 trainable variables, in the order `apply` will get them.
-          tape: the tape that recorded the forward pass.
+          tape: the tape that recorded the forward pass (None with a loss callable).
           regularization_grads: gradients of a data-independent loss, or None.
 
         Returns:
@@ -212,6 +215,15 @@ class DPKeras3Mixin(LotReleaseMixin):
                 "keras_dpsgd.keras3.private_update(optimizer, per_example_loss, variables, tape) (or "
                 "optimizer.minimize), which accumulates the lot and applies it once"
             )
+        if traced_eagerly(per_example_loss, tape):
+            _refuse_callable_on_jax("sanitize")
+            variables = list(variables() if callable(variables) else variables)
+
+            def step():
+                loss, taped = recorded(per_example_loss, self._checked_variables(variables))
+                return self.sanitize(loss, variables, taped, regularization_grads)
+
+            return self._pending(list(traced_step(self, "sanitize", self._checked_variables(variables), step)))
         tf_vars = self._checked_variables(variables)
         summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape, ledger.saving_model(self))
         return self._release(summed, num_examples, regularization_grads, tf_vars)
@@ -220,7 +232,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         self,
         per_example_loss: tf.Tensor,
         variables: Sequence[Any],
-        tape: tf.GradientTape,
+        tape: tf.GradientTape | None = None,
         regularization_grads: Sequence[tf.Tensor] | None = None,
         *,
         model: Any = None,
@@ -238,6 +250,16 @@ class DPKeras3Mixin(LotReleaseMixin):
           model: the model being trained (its ``fit`` marks the lot boundaries); None in a
             custom loop, which calls ``discard_partial_lot()`` where a lot is interrupted.
         """
+        if traced_eagerly(per_example_loss, tape):
+            _refuse_callable_on_jax("minimize")
+            variables = list(variables() if callable(variables) else variables)
+
+            def step():
+                loss, taped = recorded(per_example_loss, self._checked_variables(variables))
+                self.minimize(loss, variables, taped, regularization_grads, model=model)
+
+            traced_step(self, "minimize", self._checked_variables(variables), step)
+            return
         self._watch_lot_boundaries(model)
         if self._dp.accumulation == 1:
             self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
@@ -374,6 +396,15 @@ class DPKeras3Mixin(LotReleaseMixin):
 
 def _on_jax() -> bool:
     return backends.is_jax()
+
+
+def _refuse_callable_on_jax(method: str) -> None:
+    """A loss callable is traced with TensorFlow (``keras_dpsgd.step.eager``): refused by name on JAX."""
+    if _on_jax():
+        raise ValueError(
+            f"{method}(loss_fn, variables) with a loss callable needs the TensorFlow backend (its step is traced "
+            "in a tf.function); on JAX, train with fit after keras_dpsgd.keras3.make_private(model)"
+        )
 
 
 def _ledger_variable(variable: Any) -> Any:

@@ -77,7 +77,10 @@ def fingerprints(leaves: list) -> Union[list, str]:
 def _training_rows(x: Any) -> Union[list, str]:
     lots = lots_of(x)
     if lots is not None:
-        return fingerprints(_leaves(lots._x))
+        inputs = lots._inputs()
+        if inputs is None:
+            return f"fit's training data is streamed from disk ({type(lots).__name__}), its rows are not in memory"
+        return fingerprints(_leaves(inputs))
     if x is None or isinstance(x, (tf.data.Dataset, PoissonLotsPyDataset)) or not _leaves(x):
         return f"fit's training data ({type(x).__name__}) has rows keras_dpsgd cannot read"
     rows = fingerprints(_leaves(x))

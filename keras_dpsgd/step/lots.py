@@ -217,7 +217,6 @@ class PoissonLots:
         n = int(sizes.pop())
         if n < 1:
             raise ValueError(f"x must hold at least 1 example, got {n}")
-        self._n = n
         if sample_weight is None:
             self._weights = None
         else:
@@ -225,6 +224,37 @@ class PoissonLots:
             if w.shape != (n,) or not np.all(np.isfinite(w)) or np.any(w < 0):
                 raise ValueError(f"sample_weight must be finite, >= 0 and of shape ({n},), got shape {w.shape}")
             self._weights = w
+        self._init_sampling(
+            n,
+            sampling_rate=sampling_rate,
+            expected_lot_size=expected_lot_size,
+            physical_batch_size=physical_batch_size,
+            max_lot_size=max_lot_size,
+            overflow_probability=overflow_probability,
+            pad_to_multiple_of=pad_to_multiple_of,
+            seed=seed,
+            num_workers=num_workers,
+            worker_index=worker_index,
+            replicas_per_worker=replicas_per_worker,
+        )
+
+    def _init_sampling(
+        self,
+        n: int,
+        *,
+        sampling_rate: Optional[float],
+        expected_lot_size: Optional[float],
+        physical_batch_size: Optional[int],
+        max_lot_size: Optional[int],
+        overflow_probability: float,
+        pad_to_multiple_of: Optional[int],
+        seed: Optional[int],
+        num_workers: int,
+        worker_index: int,
+        replicas_per_worker: int,
+    ) -> None:
+        """The rate, the capacity and the generator of lots over N = `n` examples (the arguments of the class)."""
+        self._n = n
         if (sampling_rate is None) == (expected_lot_size is None):
             raise ValueError(
                 "exactly one of sampling_rate and expected_lot_size must be given, got "
@@ -339,11 +369,13 @@ class PoissonLots:
         size is Binomial(N, q)); the indices are distinct. With W workers, the
         examples of this worker's shard only (Binomial(shard_size, q)).
         """
+        return self._rng.permutation(self._members())
+
+    def _members(self) -> np.ndarray:
+        """One lot's examples in increasing order: each one independently with probability q."""
         if self.num_workers == 1:
-            selected = np.flatnonzero(self._rng.random(self._n) < self._q)
-        else:
-            selected = self._shard[self._rng.random(len(self._shard)) < self._q]
-        return self._rng.permutation(selected)
+            return np.flatnonzero(self._rng.random(self._n) < self._q)
+        return self._shard[self._rng.random(len(self._shard)) < self._q]
 
     @property
     def pad_to_multiple_of(self) -> Optional[int]:
@@ -377,16 +409,33 @@ class PoissonLots:
         drawn = 0
         while num_lots is None or drawn < num_lots:
             indices = self.sample_indices()
-            n = len(indices)
-            rows = self._physical_rows(n)
-            idx = np.full((rows * self._accum,), self._n, dtype=np.int64)
-            idx[:n] = indices
-            w = np.zeros((rows * self._accum,), dtype=np.float32)
-            w[:n] = 1.0 if self._weights is None else self._weights[indices]
-            for b in range(self._accum):
-                part = slice(b * rows, (b + 1) * rows)
-                yield idx[part], w[part], np.int64(min(rows, max(0, n - b * rows)))
+            weights = 1.0 if self._weights is None else self._weights[indices]
+            idx, w = self._padded(len(indices), indices, weights, self._n)
+            yield from self._parts(len(indices), idx, w)
             drawn += 1
+
+    def _padded(self, n: int, rows: Any, weights: Any, fill: Any) -> tuple:
+        """One lot of `n` examples, its `rows` (an array or a structure of arrays) and `weights`, padded to the
+        lot's physical size with `fill` (the padding row: a scalar) and weight 0 (overflow: a bigger bucket)."""
+        size = self._physical_rows(n) * self._accum
+
+        def pad(a):
+            out = np.full((size,) + a.shape[1:], fill, dtype=a.dtype)
+            out[:n] = a
+            return out
+
+        w = np.zeros((size,), dtype=np.float32)
+        w[:n] = weights
+        return tf.nest.map_structure(pad, rows), w
+
+    def _parts(self, lot_size: int, *padded: Any) -> Iterator[tuple]:
+        """The `gradient_accumulation_steps` physical batches of one padded lot of `lot_size` examples:
+        each of the `padded` structures cut in equal parts, and the number of real rows of each part."""
+        rows = len(padded[-1]) // self._accum
+        for b in range(self._accum):
+            part = slice(b * rows, (b + 1) * rows)
+            cut = [tf.nest.map_structure(lambda a, part=part: a[part], p) for p in padded]
+            yield (*cut, np.int64(min(rows, max(0, lot_size - b * rows))))
 
     def lots(self, num_lots: Optional[int] = None) -> Iterator[tuple]:
         """Yields padded physical batches ``(x, y, sample_weight)`` as numpy arrays.
@@ -409,6 +458,10 @@ class PoissonLots:
                 return out
 
             yield tf.nest.map_structure(take, self._x), tf.nest.map_structure(take, self._y), w
+
+    def _inputs(self) -> Any:
+        """The inputs x of every example, in memory (:mod:`keras_dpsgd.step._held_out` fingerprints them)."""
+        return self._x
 
     def element_spec(self) -> tuple:
         """The ``tf.data`` element spec (batch dimension None)."""
@@ -485,9 +538,14 @@ class PoissonLots:
             )
 
         indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
+        return self._finished(indices, num_lots, gather)
+
+    def _finished(self, batches: tf.data.Dataset, num_lots: Optional[int], fn: Any = None) -> tf.data.Dataset:
+        """`batches` (one element per physical batch, mapped by `fn`) with their cardinality, unsharded, prefetched."""
         size = tf.data.INFINITE_CARDINALITY if num_lots is None else int(num_lots) * self._accum
-        indices = indices.apply(tf.data.experimental.assert_cardinality(size))
-        batches = indices.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        batches = batches.apply(tf.data.experimental.assert_cardinality(size))
+        if fn is not None:
+            batches = batches.map(fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         options = tf.data.Options()
         # Each worker samples its own shard (or, with W = 1, the one worker is the whole lot):
         # tf.distribute's auto-sharding would drop lots.

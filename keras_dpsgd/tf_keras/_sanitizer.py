@@ -80,6 +80,7 @@ from keras_dpsgd.preprocessing.normalization import refuse_adapted_preprocessing
 from keras_dpsgd.backends.tensorflow.graph import refuse_grouped_convolution_layers
 from keras_dpsgd.step.loss import SCALAR_LOSS_MESSAGE, per_example_values, regularization_gradients
 from keras_dpsgd.backends.tensorflow.per_example_backend import refuse_example_mixing
+from keras_dpsgd.step.eager import traced_eagerly, traced_step
 
 
 _NOT_PRIVATE_MESSAGE = (
@@ -302,6 +303,10 @@ class DPSanitizerMixin(LotReleaseMixin):
     def compute_gradients(self, loss, var_list, tape=None):
         """Sanitized gradients of a per-example `loss` (one noised step).
 
+        Called eagerly with a loss callable (TF Privacy's custom loops), the step is traced in a
+        ``tf.function`` of the optimizer's, where the same graph checks run (``traced_step``); the
+        gradients it returns are the ones ``apply_gradients`` then accepts.
+
         Args:
           loss: per-example loss [B, ...] recorded on `tape`, a
             (per_example_loss, regularization_loss) pair, or a callable.
@@ -320,11 +325,22 @@ class DPSanitizerMixin(LotReleaseMixin):
                 "with gradient_accumulation_steps > 1 call minimize(loss, var_list, tape) "
                 "(Keras fit does): compute_gradients alone cannot accumulate a lot"
             )
+        if traced_eagerly(loss, tape):
+            var_list = _variables(var_list)
+            grads = traced_step(self, "compute_gradients", var_list, lambda: self.compute_gradients(loss, var_list))
+            return list(zip(self._pending(list(grads)), var_list))
         var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
         return list(zip(self._release(summed, num_examples, reg_grads, var_list), var_list))
 
     def minimize(self, loss, var_list, tape=None):
-        """One DP-SGD step, or one batch of a lot when accumulating."""
+        """One DP-SGD step, or one batch of a lot when accumulating.
+
+        Called eagerly with a loss callable (TF Privacy's custom loops), the step is traced in a
+        ``tf.function`` of the optimizer's, where the same graph checks run (``traced_step``)."""
+        if traced_eagerly(loss, tape):
+            var_list = _variables(var_list)
+            traced_step(self, "minimize", var_list, lambda: self.minimize(loss, var_list))
+            return
         if self.gradient_accumulation_steps == 1:
             self.apply_gradients(self.compute_gradients(loss, var_list, tape))
             return
@@ -368,3 +384,8 @@ class DPSanitizerMixin(LotReleaseMixin):
         grads_and_vars = list(grads_and_vars)
         self._take_pending([grad for grad, _ in grads_and_vars], _NOT_PRIVATE_MESSAGE.format(cls=type(self).__name__))
         return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+
+def _variables(var_list: Any) -> list:
+    """`var_list`, or what a callable `var_list` returns, as a list (resolved eagerly, outside the trace)."""
+    return list(var_list() if callable(var_list) else var_list)

@@ -1005,10 +1005,16 @@ class Analysis:
         return r is not None and r.clean
 
 
-def propagate(ops: list, captured: set) -> Analysis:
-    """Forward propagation of :class:`Rows` over ``ops`` (in creation order)."""
+def propagate(ops: list, captured: set, inputs: frozenset = frozenset()) -> Analysis:
+    """Forward propagation of :class:`Rows` over ``ops`` (in creation order). `inputs`: refs of op outputs
+    that are inputs of the step too (an eager loss callable's batch: ``eager_loss.eager_batch``)."""
     analysis = Analysis({}, [], [])
     for op in ops:
+        if inputs and op.outputs and op.outputs[0].ref() in inputs:
+            rows_of = analysis.rows
+            rows_of[op.outputs[0].ref()] = Rows()
+            analysis.sources.append(op.outputs[0])
+            continue
         _visit(op, analysis, captured)
     return analysis
 

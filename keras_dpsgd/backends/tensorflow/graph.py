@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd.backends.tensorflow.eager_loss import eager_batch
+
 from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
 
@@ -126,7 +128,8 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
     """
     graph = loss.graph
     captured = {t.ref() for t in getattr(graph, "internal_captures", ())}
-    analysis = _rows.propagate(ops_in_order(ancestors(loss)), captured)
+    ops = ops_in_order(ancestors(loss))
+    analysis = _rows.propagate(ops, captured, eager_batch(graph, loss, ops))
     if analysis.sources and all(s.shape[0] == 1 for s in analysis.sources):
         # One example (static shapes): nothing can mix or mis-group, every row is example 0.
         analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
