@@ -99,3 +99,31 @@ def test_py_dataset_refusals():
         PoissonLots(x, y, sampling_rate=0.3, max_lot_size=16, physical_batch_size=8).as_py_dataset()
     with pytest.raises(ValueError, match="num_lots must be an integer >= 0, got -1"):
         PoissonLots(x, y, sampling_rate=0.3).as_py_dataset(-1)
+
+
+def test_a_lot_split_into_physical_batches_trains_as_the_whole_lot():
+    """The memory recipe (docs/per-example.md, "Memory"): the padded lot of R rows as k batches of ceil(R/k) rows,
+    accumulated, takes the same steps as the lot in one batch (σ = 0, same seed: the same lots)."""
+    x, y = _data(64)
+    whole = PoissonLots(x, y, expected_lot_size=8, seed=3)
+    k = -(-whole.max_lot_size // 8)
+    split = PoissonLots(x, y, expected_lot_size=8, seed=3, physical_batch_size=-(-whole.max_lot_size // k))
+    assert k > 1 and split.gradient_accumulation_steps == k and split.physical_batch_size <= 8
+    weights, initial = [], None
+    for lots in (whole, split):
+        keras.utils.set_random_seed(0)
+        model = k3.make_private(keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)]))
+        initial = [w.numpy() for w in model.trainable_weights]
+        optimizer = k3.DPSGDOptimizer(
+            l2_norm_clip=1.0,
+            noise_multiplier=0.0,
+            learning_rate=0.1,
+            gradient_accumulation_steps=lots.gradient_accumulation_steps,
+        )
+        model.compile(optimizer=lots.configure(optimizer), loss=keras.losses.SparseCategoricalCrossentropy(True))
+        model.fit(lots.dataset(4), epochs=1, verbose=0)
+        assert int(model.optimizer.noised_steps.numpy()) == 4
+        weights.append([w.numpy() for w in model.trainable_weights])
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)  # sums in another order: float32 rounding only
+    assert any(np.any(a != w0) for a, w0 in zip(weights[1], initial))  # the lots moved the weights
