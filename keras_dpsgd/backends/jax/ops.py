@@ -22,7 +22,7 @@ import numpy as np
 from keras_dpsgd.dp.noise import circle_by_quarter_turns
 from keras_dpsgd.dp.ops import ArrayOps
 
-__all__ = ["JAX_OPS", "key_data"]
+__all__ = ["JAX_OPS", "key_data", "make_local_state"]
 
 
 def key_data(words) -> jax.Array:
@@ -77,3 +77,9 @@ JAX_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_quarter_turns(jnp.round, jnp.floor, jnp.where),
 )
+
+
+def make_local_state(state) -> None:
+    """Nothing yet: on JAX the optimizer's local state (the lot size's mirror, the non-finite count, the ledger
+    offset, the noise key) is optimizer variables, made when the optimizer is built
+    (``keras_dpsgd.backends.jax.state.add_variables``): a stateless step threads them through."""

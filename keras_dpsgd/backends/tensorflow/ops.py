@@ -1,4 +1,7 @@
-"""The TensorFlow backend's table of array operations (:class:`keras_dpsgd.dp.ops.ArrayOps`) for the DP core.
+"""The TensorFlow backend's table of array operations (:class:`keras_dpsgd.dp.ops.ArrayOps`) for the DP core,
+the noise source over it (the core's sampler, :mod:`keras_dpsgd.dp.noise`) and the optimizer's local state.
+
+Why not ``tf.random.normal``: it clamps its uniform and has no sample past 5.68 (``keras_dpsgd.dp.noise``).
 
 Random words: ``tf.random.stateless_uniform`` (Philox) under a stateless [2] int64 key; stream 0 is the key
 itself, stream 1 the key folded with 1 (the layout of the sampler since 0.1: seeded runs reproduce). A
@@ -9,10 +12,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_dpsgd.dp.noise import circle_by_trig
+from keras_dpsgd.dp import release
+from keras_dpsgd.dp.noise import circle_by_trig, noise_key, scaled_normal
 from keras_dpsgd.dp.ops import ArrayOps
 
-__all__ = ["TF_OPS"]
+__all__ = ["TF_OPS", "add_gaussian", "make_local_state", "seeded_key", "standard_normal"]
 
 
 def _random_words(key, shape, stream: int):
@@ -52,3 +56,42 @@ TF_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_trig(tf.math.cos, tf.math.sin, tf.stack),
 )
+
+
+# The backend's noise source (``keras_dpsgd.backends.INTERFACE``): the core's sampler over this table.
+def seeded_key(seed: int, position, index: int) -> tf.Tensor:
+    """The [2] int64 key of tensor `index` of the release at ledger position `position` under `seed`."""
+    return noise_key(TF_OPS, seed, position, index)
+
+
+def standard_normal(shape, seed, dtype=tf.float32) -> tf.Tensor:
+    """N(0, 1) samples of `shape` (a static or traced shape), a stateless function of ``seed`` ([2] int64)."""
+    shape = tf.convert_to_tensor(shape, tf.int32)
+    return tf.cast(tf.reshape(scaled_normal(TF_OPS, tf.reduce_prod(shape), seed, 1.0), shape), dtype)
+
+
+def add_gaussian(x: tf.Tensor, stddev, seed) -> tf.Tensor:
+    """``x + N(0, stddev² I)`` (``keras_dpsgd.dp.release.add_gaussian``)."""
+    return release.add_gaussian(TF_OPS, x, stddev, seed)
+
+
+def make_local_state(state) -> None:
+    """The optimizer's local state on TensorFlow (``DPState``: never saved): ``tf.Variable``s made outside
+    any trace, and an OS-entropy generator when there is no seed."""
+    with tf.init_scope():
+        lot = 0.0 if state.expected_lot_size is None else state.expected_lot_size
+        state.lot = tf.Variable(lot, dtype=tf.float32, trainable=False, name="expected_lot_size")
+        # An un-noised count over the private data: a local diagnostic outside the ledger. Under a
+        # strategy each replica counts its own examples and a read sums them (ON_READ, SUM).
+        state.nonfinite = tf.Variable(
+            0,
+            dtype=tf.int64,
+            trainable=False,
+            name="nonfinite_examples",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        state.ledger_offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="ledger_offset")
+        if state.seed is None:
+            # Fresh OS entropy per process: restoring a checkpoint twice never replays noise.
+            state.generator = tf.random.Generator.from_non_deterministic_state()
