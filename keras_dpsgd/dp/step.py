@@ -63,16 +63,17 @@ class FrontEnd(Protocol):
         """Runs `release` (then applies its gradients) and `reset` where `complete` holds (a conditional)."""
 
 
-def private_step(front: FrontEnd, clipped_sum: Callable[[Clip], Sequence[Any]], num_examples: Any) -> Any:
-    """One batch of DP-SGD (Abadi et al. 2016, Algorithm 1; lots of k batches: Sec. 3.1). Returns
-    ``front.when_complete``'s result (the release's gradients, applied by the front end)."""
+def private_step(front: FrontEnd, clipped_sum: Callable[[Clip], tuple[Sequence[Any], Any]]) -> Any:
+    """One batch of DP-SGD (Abadi et al. 2016, Algorithm 1; lots of k batches: Sec. 3.1). `clipped_sum(clip)`:
+    the backend's (Σ_i c_i g_i per variable, the batch's number of examples). Returns ``front.when_complete``'s."""
     ops = front.ops
     bounds, groups, stability = front.clipping()
     # 1. Per-example gradients g_i and their squared norms ||g_i[v]||² (the backend, inside clipped_sum).
     # 2. Clip factors c_i = min(1, C_g / ||g_i[g]||) per group g, 0 for a non-finite example (Clip).
     clip = Clip(ops, bounds, groups, stability)
     # 3. The clipped sum Σ_i c_i g_i (the backend), carrying its sensitivity C_g and its example count.
-    batch = ClippedSum(tuple(clipped_sum(clip)), num_examples, sensitivity(bounds, groups))
+    sums, num_examples = clipped_sum(clip)
+    batch = ClippedSum(tuple(sums), num_examples, sensitivity(bounds, groups))
     front.observe(clip)
     # 4. Accumulate the batch into its lot of k batches; a lot of one batch is complete at once.
     if front.accumulation == 1:

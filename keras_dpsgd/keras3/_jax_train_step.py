@@ -310,14 +310,14 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
                 where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
             )  # each device's factors are this Clip's, on its rows (adaptive clipping is refused here)
             out.update(zip(("losses", "y_pred", "non_trainable"), rest))
-            return summed
+            return summed, jnp.float32(batch)
 
     elif ghost is None:
         grads, *rest, weighted_gradient = _per_example(self, trainable, non_trainable, x, y, sample_weight)
         out.update(zip(("losses", "y_pred", "non_trainable"), rest))
 
         def clipped_sum_of(clip):
-            return _clipped_sum(grads, weighted_gradient, clip)
+            return _clipped_sum(grads, weighted_gradient, clip), jnp.float32(batch)
 
     else:  # covered layers' norms and sums from their inputs and output gradients (_ghost)
         before = list(non_trainable)
@@ -325,11 +325,12 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
         out.update(zip(("losses", "y_pred", "non_trainable"), rest))
 
         def clipped_sum_of(clip):
-            return ghost.clipped_sum(grads, trainable, before, lambda sq: (clip(sq), clip.finite), clip.groups)[0]
+            summed = ghost.clipped_sum(grads, trainable, before, lambda sq: (clip(sq), clip.finite), clip.groups)[0]
+            return summed, jnp.float32(batch)
 
     regularization, reg_grads = _regularization(self, trainable)
     # Algorithm 1 (clip, sum, the lot, noise, normalize, count): the DP core's, once for every backend.
-    trainable = private_step(JaxFront(optimizer, opt, trainable, reg_grads), clipped_sum_of, jnp.float32(batch))
+    trainable = private_step(JaxFront(optimizer, opt, trainable, reg_grads), clipped_sum_of)
     losses, y_pred, non_trainable = out["losses"], out["y_pred"], out["non_trainable"]
 
     # The logged loss (real rows only) and Keras's metrics.

@@ -240,12 +240,11 @@ class LotReleaseMixin(DPSettingsMixin):
         check_fed_data(model, self, outside_fit=True)  # At trace time: a custom loop too (model None).
 
         def clipped_sum(clip):
-            return self._backend.clipped_sum(loss, tf_vars, tape, clip)[0]
+            summed = self._backend.clipped_sum(loss, tf_vars, tape, clip)[0]  # refuses a loss that is no [B] first
+            # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
+            return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
 
-        # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
-        num_examples = _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
-        front = _TFFront(self, loss, model, reg_grads, tf_vars, variables)
-        return dp_step.private_step(front, clipped_sum, num_examples)
+        return dp_step.private_step(_TFFront(self, loss, model, reg_grads, tf_vars, variables), clipped_sum)
 
     def _lot_complete(self) -> tf.Tensor:
         """True on the last batch of a lot (the same on every replica: each counts the batches)."""

@@ -100,9 +100,10 @@ def _per_example(table, grads):
     def clipped_sum(clip):
         sq = np.stack([(g.reshape(len(g), -1) ** 2).sum(1) for g in grads], axis=1).astype(np.float32)
         factors = table.numpy(clip(table.array(sq)))
-        return [
+        sums = [
             table.array((f[:, None] * np.nan_to_num(g) * (f[:, None] > 0)).sum(0)) for f, g in zip(factors.T, grads)
         ]
+        return sums, table.array(np.float32(len(grads[0])))
 
     return clipped_sum
 
@@ -122,7 +123,7 @@ def _clipped_mean(grads, bound, count):
 def test_private_step_is_the_clipped_mean_at_sigma_zero(table, k):
     front = _Front(table, k, [1.0], [0, 0], [0.0, 0.0])
     for _ in range(k):
-        step.private_step(front, _per_example(table, GRADS), table.array(np.float32(3.0)))
+        step.private_step(front, _per_example(table, GRADS))
     assert len(front.applied) == 1 and front.counted == [3.0 * k] and front.nonfinite == k
     want = _clipped_mean(GRADS, 1.0, 3.0)  # k equal batches over k·3 examples: the one batch's mean
     np.testing.assert_allclose(np.concatenate(front.applied[0]), want, rtol=1e-6)
@@ -133,9 +134,9 @@ def test_private_step_is_the_clipped_mean_at_sigma_zero(table, k):
 
 def test_private_step_noise_is_sigma_times_each_groups_bound_once_per_lot(table):
     front = _Front(table, 2, [0.5, 2.0], [0, 1], [1.5, 3.0], expected_lot_size=10.0)
-    step.private_step(front, _per_example(table, GRADS), table.array(np.float32(3.0)))
+    step.private_step(front, _per_example(table, GRADS))
     assert front.stddevs == [] and front.applied == []  # half a lot: nothing released
-    step.private_step(front, _per_example(table, GRADS), table.array(np.float32(3.0)))
+    step.private_step(front, _per_example(table, GRADS))
     assert front.stddevs == [0.75, 6.0] and len(front.applied) == 1 and front.counted == [6.0]
 
 
