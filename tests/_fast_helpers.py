@@ -92,7 +92,7 @@ def loop_oracle(model, x, y, factors_fn, weights=None):
     return summed, sq
 
 
-# The backends' squared norms are certified upper bounds (keras_dpsgd.step._rounding): above the loop's float32
+# The backends' squared norms are certified upper bounds (keras_dpsgd.dp.rounding): above the loop's float32
 # values by at most their rounding margin, γ_{D+U+1}·(S/N)² relative for a ghost norm (about 2e-4 for a 3x3x32
 # convolution's patches on 13 positions), never below them by more than the loop's own rounding.
 SQ_RTOL = 1e-3

@@ -245,7 +245,7 @@ _NO_TENSORFLOW = """
 import sys
 import keras_dpsgd, keras_dpsgd.accounting, keras_dpsgd.tools.adaptive_clipping
 import keras_dpsgd.audit, keras_dpsgd.audit.statistics
-import keras_dpsgd._ledger_state as S
+import keras_dpsgd.dp.ledger_state as S
 S.advance(S.initial(), steps=1, sampling_rate=0.1, noise_multipliers=[1.0])
 print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"))
 """

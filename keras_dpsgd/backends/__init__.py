@@ -1,9 +1,9 @@
 """The backend seam: where keras_dpsgd's DP step differs by array library, behind one small interface.
 
-The DP step is the same math on every backend (``keras_dpsgd.step``: clip factors, noise scales,
-normalization, the ledger). Two things are written per array library: the per-example computation
-("the clipped sum and squared norms of a per-example loss") and the noise source (the library's
-Gaussian sampler and its keys). A backend is a sub-package of ``keras_dpsgd.backends`` that exposes
+The DP step is the same math on every backend (the core ``keras_dpsgd.dp``: clip factors, the lot, noise
+scales, the sampler, normalization, written once over a table of array operations). Three things are
+written per array library: the table (``OPS``), the per-example computation ("the clipped sum and squared
+norms of a per-example loss") and the noise source's random words and keys. A backend is a sub-package of ``keras_dpsgd.backends`` that exposes
 them; :func:`load` picks it by the Keras backend, as Keras picks its own backend modules
 (``keras.config.backend()``), and imports it only when it is chosen.
 
@@ -35,8 +35,11 @@ The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` c
   [B, *shape] array per variable), which the JAX train step computes under ``jax.vmap`` of a
   stateless call on a batch of one (``keras_dpsgd.keras3._jax_train_step``): a stateless backend
   has no tape to hand over.
+``OPS``
+  The backend's :class:`keras_dpsgd.dp.ops.ArrayOps`, the table the DP core (``keras_dpsgd.dp``: clip
+  factors, the lot, the release, the sampler) runs over.
 ``add_gaussian(x, stddev, key) -> x + N(0, stddev² I)``, ``standard_normal(shape, key, dtype)``
-  The library's own Gaussian sampler (``keras_dpsgd.step._noise``: tails to 11.6 standard
+  The core's Gaussian sampler over ``OPS`` (``keras_dpsgd.dp.noise``: tails to 11.6 standard
   deviations, not a clamped or truncated library normal), a pure function of `key`.
 ``seeded_key(seed: int, step, index: int) -> key``
   The key of the noise on tensor `index` of the release at position `step` of the model's ledger
@@ -45,6 +48,10 @@ The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` c
   never saved; where that state lives is the backend's (TensorFlow: a ``tf.random.Generator`` of
   the optimizer, never checkpointed; a stateless backend: an optimizer variable it keeps out of
   every file).
+
+``make_local_state(state)``
+  Makes the optimizer's local state of ``keras_dpsgd.step.settings.DPState`` (never saved) where the
+  backend keeps state (TensorFlow: ``tf.Variable``s; JAX: nothing until the optimizer is built).
 
 Everything else a backend does (its train step, the checks of a traced step) is its own.
 """
@@ -63,7 +70,15 @@ BACKENDS = {"tensorflow": "keras_dpsgd.backends.tensorflow", "jax": "keras_dpsgd
 _FOR_KERAS = {"tensorflow": "tensorflow", "tf_keras": "tensorflow", "jax": "jax"}
 # Keras 3 backends without a keras_dpsgd backend, refused by name.
 _REFUSED = ("torch", "numpy", "openvino")
-INTERFACE = ("PER_EXAMPLE_CHOICES", "per_example", "add_gaussian", "standard_normal", "seeded_key")
+INTERFACE = (
+    "PER_EXAMPLE_CHOICES",
+    "per_example",
+    "OPS",
+    "add_gaussian",
+    "standard_normal",
+    "seeded_key",
+    "make_local_state",
+)
 
 
 def name_for(keras_backend: str | None = None) -> str:

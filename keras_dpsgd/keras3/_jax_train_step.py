@@ -1,26 +1,22 @@
 """The private train step of a Keras 3 model on the JAX backend (stateless: ``train_step(state, data)``).
 
-Abadi et al. 2016, Algorithm 1, as on TensorFlow (``keras_dpsgd.keras3._train_step``), for one batch:
+Abadi et al. 2016, Algorithm 1, as on TensorFlow: the DP core's ``keras_dpsgd.dp.step.private_step``, with
+JAX's front end (``_jax_front.JaxFront``: the optimizer's variables as the step's values). Here, for one batch:
 
 1. per-example gradients: ``jax.vmap`` over the batch of ``jax.grad`` of one example's compiled
    loss through ``model.stateless_call`` on a batch of one (no layer can mix examples); with
-   ``per_example_backend="auto"`` the layers with rules (``_ghost``) are differentiated at their
+   ``per_example_backend="auto"`` the layers with rules (``ghost``) are differentiated at their
    pre-activation outputs instead, their norms and clipped sums taken from inputs and output gradients;
-2. clip (flat or per group, ``_per_example.clip_factors``) and sum, non-finite examples zeroed
-   and counted;
-3. with ``gradient_accumulation_steps`` = k > 1, the clipped sums of k batches are accumulated in
-   the optimizer's ``dp_accumulator`` variables; the lot is released on its k-th batch only
-   (``jax.lax.cond``): one noise draw per lot;
-4. release: noise N(0, σ_v² C_v²) from the library's sampler (``_noise``), divided by L
-   (``expected_lot_size``, else the realized number of examples), plus the gradient of the weight
-   regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it. With adaptive
-   clipping the bound queries summed over the lot are released after it and set the next bounds
-   (``_adaptive``: the rules of ``keras_dpsgd.tools._adaptive_rules``);
-5. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
+2. the clipped sum given the core's clip factors (:func:`_clipped_sum`; non-finite examples zeroed);
+3. the core does the rest: the lot of k batches (released on its k-th only, ``jax.lax.cond``: one noise
+   draw per lot), noise N(0, σ_v² C_v²) from the core's sampler, divided by L, ``noised_steps`` + 1; the
+   front end adds the gradient of the weight regularizers (data-independent: no clip, no noise) and, with
+   adaptive clipping, releases the lot's bound queries (``_adaptive``);
+4. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
    them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
 
 Under ``keras.distribution.DataParallel`` steps 1-2 run per device and are summed over the devices
-(``keras3._jax_distribute``); steps 3-5 run once: one noise draw per lot, one ``noised_steps``.
+(``keras3._jax_distribute``); step 3 runs once: one noise draw per lot, one ``noised_steps``.
 
 Everything the step checks it checks when it is traced (a data-dependent ``add_loss``, a
 non-trainable variable written from an example's data such as BatchNormalization's moving
@@ -40,8 +36,10 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import _adaptive, ghost as _ghost, _noise, unsupported
-from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum, finite_rows, sq_norms
+from keras_dpsgd.backends.jax import _adaptive, ghost as _ghost, unsupported
+from keras_dpsgd.backends.jax._per_example import clipped_sum, sq_norms
+from keras_dpsgd.backends.jax.ops import JAX_OPS
+from keras_dpsgd.dp.step import Clip, private_step
 from keras_dpsgd.keras3._jax_distribute import (
     DataParallelMesh,
     check_replicated,
@@ -49,6 +47,7 @@ from keras_dpsgd.keras3._jax_distribute import (
     per_device,
     varying,
 )
+from keras_dpsgd.keras3._jax_front import JaxFront, OptimizerState, clipping_of
 from keras_dpsgd.keras3._jax_loss import per_example_loss_at
 from keras_dpsgd.keras3._jax_metrics import real_mean, unweighted_metrics_on_real_rows
 from keras_dpsgd.keras3._optimizer import check_dp_optimizer
@@ -118,20 +117,6 @@ def values_kept_on_refusal(model: keras.Model):
             if variable._value is None and value is not None and not value.is_deleted():
                 variable._value = value
         raise
-
-
-class _OptimizerState:
-    """The optimizer's variables of one traced step as a list, read and written by variable."""
-
-    def __init__(self, optimizer: Any, values: Any):
-        self.values = list(values)
-        self._pos = {id(v): i for i, v in enumerate(optimizer.variables)}
-
-    def __getitem__(self, variable):
-        return self.values[self._pos[id(variable)]]
-
-    def __setitem__(self, variable, value):
-        self.values[self._pos[id(variable)]] = jnp.asarray(value).astype(variable.dtype)
 
 
 def _seed_positions(model) -> list[int]:
@@ -255,92 +240,23 @@ def _regularization(model, trainable):
     return jax.value_and_grad(total)(trainable)
 
 
-def _factors_of(optimizer, opt):
-    """sq [B, V] -> (clip factors [B, V], finite rows [B, 1]) under the optimizer's clipping."""
-    bounds = opt[optimizer.clip_bounds]
-    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
-    stability = optimizer.stability if optimizer.clipping == "normalize" else None
-    groups = optimizer._clip_groups()
-
-    def factors_of(sq):
-        finite = finite_rows(sq)
-        factors = clip_factors(sq, bounds, groups, finite, stability)
-        if _adaptive.is_adaptive(optimizer):  # the bound queries read the same norms
-            _adaptive.accumulate_queries(optimizer, opt, sq, finite, bounds)
-        return factors, finite
-
-    return factors_of
-
-
-def _clipped_sum(optimizer, opt, grads, weighted_gradient):
-    """(Σ_i clip(g_i) per variable, finite rows [B, 1]) of one batch.
+def _clipped_sum(grads, weighted_gradient, clip: Clip) -> list:
+    """Σ_i c_i g_i per variable of one batch, the factors c from `clip` (the core's ``dp.step.Clip``).
 
     Flat clipping (one group): the squared norms from the per-example gradients, then the clipped
-    sum as one weighted backward pass ∇ Σ_i f_i ℓ_i (= Σ_i f_i g_i by linearity; each ℓ_i still
-    computed on its own), which never materializes f_i·g_i. Where that sum is not finite (an
+    sum as one weighted backward pass ∇ Σ_i c_i ℓ_i (= Σ_i c_i g_i by linearity; each ℓ_i still
+    computed on its own), which never materializes c_i·g_i. Where that sum is not finite (an
     example with factor 0 whose gradient holds NaN/Inf: 0·NaN in the backward pass), and with
     per-layer clipping, the sum is taken over the per-example gradients with every zero-factor
     example replaced by exact zeros (``_per_example.clipped_sum``).
     """
-    groups = optimizer._clip_groups()
-    sq = sq_norms(grads)
-    factors, finite = _factors_of(optimizer, opt)(sq)
-    exact = clipped_sum(grads, lambda _: factors)[0] if max(groups) > 0 else None
-    if exact is not None:
-        return exact, finite
+    factors = clip(sq_norms(grads))
+    if max(clip.groups) > 0:
+        return clipped_sum(grads, lambda _: factors)[0]
     fast = weighted_gradient(factors[:, 0])
     ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in fast]))
     summed = jax.lax.cond(ok, lambda: fast, lambda: clipped_sum(weighted_gradient.again(), lambda _: factors)[0])
-    return list(summed), finite
-
-
-def _release(optimizer, opt, summed, num_examples, reg_grads, trainable):
-    """Noise, normalization, regularization gradient, ``noised_steps`` + 1 and the descent rule."""
-    dp = optimizer._dp
-    groups = optimizer._clip_groups()
-    bounds = opt[optimizer.clip_bounds]
-    bounds = bounds if optimizer.per_layer_clipping else bounds[:1]
-    steps = opt[optimizer.noised_steps]
-    position = steps + opt[optimizer._jax_offset]  # the release's position in the model's ledger (issue 37.4)
-    if dp.seed is None:
-        base = _noise.key_data(opt[optimizer._jax_key])
-        carry, draw = jax.random.split(base)
-        opt[optimizer._jax_key] = jax.random.key_data(carry)
-
-    def key_for(index):
-        return _noise.seeded_key(dp.seed, position, index) if dp.seed is not None else jax.random.fold_in(draw, index)
-
-    noised = []
-    for v, s in enumerate(summed):
-        sigma = dp.sigmas[v]
-        noised.append(s if sigma == 0 else _noise.add_gaussian(s, sigma * bounds[groups[v]], key_for(v)))
-    lot = opt[optimizer._jax_lot]
-    denominator = jnp.where(lot > 0, lot, jnp.asarray(num_examples, jnp.float32))
-    if _adaptive.is_adaptive(optimizer):  # the bound queries: released with the gradient, after it
-        noised = _adaptive.divide_by_bound(optimizer, noised, bounds)
-        _adaptive.release_queries(optimizer, opt, bounds, denominator, key_for)
-    grads = [n / denominator for n in noised]
-    if reg_grads is not None:
-        grads = [g + r.astype(g.dtype) for g, r in zip(grads, reg_grads)]
-    grads = [g.astype(t.dtype) for g, t in zip(grads, trainable)]
-    opt[optimizer.noised_steps] = steps + 1
-    optimizer._dp.pending[:] = grads  # the only gradients its apply accepts
-    trainable, values = optimizer.stateless_apply(opt.values, grads, trainable)
-    opt.values = list(values)
-    return list(trainable)
-
-
-class _Bounds:
-    """The optimizer state `_clipped_sum` reads on a device: the clip bounds only (adaptive
-    clipping, which writes its queries there, is refused under DataParallel)."""
-
-    def __init__(self, optimizer: Any, bounds: Any):
-        self._variable, self._bounds = optimizer.clip_bounds, bounds
-
-    def __getitem__(self, variable: Any) -> Any:
-        if variable is not self._variable:
-            raise KeyError(f"only the clip bounds are read per device, not {variable.path}")
-        return self._bounds
+    return list(summed)
 
 
 def clipped_sum_per_device(
@@ -360,8 +276,9 @@ def clipped_sum_per_device(
         grads, losses, y_pred, new_values, weighted_gradient = _per_example(
             model, trainable, non_trainable, x, y, sample_weight, seeds=seeds
         )
-        summed, finite = _clipped_sum(optimizer, _Bounds(optimizer, bounds), grads, weighted_gradient)
-        return summed, (finite, losses, y_pred), new_values
+        clip = Clip(JAX_OPS, *clipping_of(optimizer, bounds))  # the step's clip factors, on this device's rows
+        summed = _clipped_sum(grads, weighted_gradient, clip)
+        return summed, (clip.finite, losses, y_pred), new_values
 
     summed, (finite, losses, y_pred), new_values = per_device(
         local, where, (bounds, list(trainable), list(non_trainable)), (seeds, x, y, sample_weight)
@@ -375,7 +292,7 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     optimizer = check_dp_optimizer(self.optimizer)
     check_optimizer(optimizer)
-    opt = _OptimizerState(optimizer, optimizer_values)
+    opt = OptimizerState(optimizer, optimizer_values)
     trainable = list(trainable)
 
     where = data_parallel_mesh(self)
@@ -385,48 +302,36 @@ def private_train_step(self: keras.Model, state: Any, data: Any) -> tuple:
     ghost = (
         _ghost.plan(self, trainable, non_trainable, x, kwargs, y, sample_weight, per_example_loss_at) if auto else None
     )
+    out = {}  # what the per-example computation returns besides the clipped sum
     if where is not None:  # keras.distribution.DataParallel: the clipped sum per device, psum-ed (_jax_distribute)
-        summed, finite, losses, y_pred, non_trainable = clipped_sum_per_device(
-            where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
-        )
+
+        def clipped_sum_of(clip):
+            summed, clip.finite, *rest = clipped_sum_per_device(
+                where, self, optimizer, opt[optimizer.clip_bounds], trainable, non_trainable, x, y, sample_weight
+            )  # each device's factors are this Clip's, on its rows (adaptive clipping is refused here)
+            out.update(zip(("losses", "y_pred", "non_trainable"), rest))
+            return summed, jnp.float32(batch)
+
     elif ghost is None:
-        grads, losses, y_pred, non_trainable, weighted_gradient = _per_example(
-            self, trainable, non_trainable, x, y, sample_weight
-        )
-        summed, finite = _clipped_sum(optimizer, opt, grads, weighted_gradient)
+        grads, *rest, weighted_gradient = _per_example(self, trainable, non_trainable, x, y, sample_weight)
+        out.update(zip(("losses", "y_pred", "non_trainable"), rest))
+
+        def clipped_sum_of(clip):
+            return _clipped_sum(grads, weighted_gradient, clip), jnp.float32(batch)
+
     else:  # covered layers' norms and sums from their inputs and output gradients (_ghost)
         before = list(non_trainable)
-        grads, losses, y_pred, non_trainable, _ = _per_example(self, trainable, before, x, y, sample_weight, ghost)
-        factors_of = _factors_of(optimizer, opt)
-        summed, finite = ghost.clipped_sum(grads, trainable, before, factors_of, optimizer._clip_groups())
-    nonfinite = jnp.sum((~finite[:, 0]).astype(jnp.int32))
-    opt[optimizer._jax_nonfinite] = opt[optimizer._jax_nonfinite] + nonfinite
-    num_examples = jnp.float32(losses.shape[0])
+        grads, *rest, _ = _per_example(self, trainable, before, x, y, sample_weight, ghost)
+        out.update(zip(("losses", "y_pred", "non_trainable"), rest))
+
+        def clipped_sum_of(clip):
+            summed = ghost.clipped_sum(grads, trainable, before, lambda sq: (clip(sq), clip.finite), clip.groups)[0]
+            return summed, jnp.float32(batch)
+
     regularization, reg_grads = _regularization(self, trainable)
-
-    k = optimizer._dp.accumulation
-    if k == 1:
-        trainable = _release(optimizer, opt, summed, num_examples, reg_grads, trainable)
-    else:
-        for acc, s in zip(optimizer._accumulators, summed):
-            opt[acc] = opt[acc] + s.astype(acc.dtype)
-        opt[optimizer._accum_examples] = opt[optimizer._accum_examples] + num_examples
-        opt[optimizer._accum_batches] = opt[optimizer._accum_batches] + 1
-
-        def release(carry):
-            params, values = carry
-            inner = _OptimizerState(optimizer, values)
-            sums = [inner[acc].astype(jnp.float32) for acc in optimizer._accumulators]
-            params = _release(optimizer, inner, sums, inner[optimizer._accum_examples], reg_grads, list(params))
-            for acc in optimizer._accumulators:
-                inner[acc] = jnp.zeros_like(inner[acc])
-            inner[optimizer._accum_examples] = 0.0
-            inner[optimizer._accum_batches] = 0
-            return list(params), inner.values
-
-        complete = opt[optimizer._accum_batches] >= k
-        trainable, values = jax.lax.cond(complete, release, lambda carry: carry, (trainable, opt.values))
-        opt.values = list(values)
+    # Algorithm 1 (clip, sum, the lot, noise, normalize, count): the DP core's, once for every backend.
+    trainable = private_step(JaxFront(optimizer, opt, trainable, reg_grads), clipped_sum_of)
+    losses, y_pred, non_trainable = out["losses"], out["y_pred"], out["non_trainable"]
 
     # The logged loss (real rows only) and Keras's metrics.
     total, count = real_mean(losses, sample_weight)

@@ -3,7 +3,7 @@
 Keras 3's train step hands an optimizer only batch-summed gradients, so the per-example step is
 on the model side (:func:`keras_dpsgd.keras3.make_private`); it calls
 :meth:`DPKeras3Mixin.sanitize`, which runs the same step math as the tf_keras sanitizer
-(``keras_dpsgd.step._math``) and the same per-example backends. ``apply`` accepts only gradients that
+(the DP core, ``keras_dpsgd.dp``) and the same per-example backends. ``apply`` accepts only gradients that
 came out of ``sanitize``: a Keras 3 model trained with a DP optimizer but without the DP train
 step is refused at its first step.
 
@@ -16,7 +16,7 @@ on every replica, so the update is (ΣS_r + N(0, σ²C²))/L, the one-device rel
 (``only_first_replica``). Keras's clipnorm/clipvalue and the hooks' own releases are refused under
 R > 1 (``DPKeras3Mixin._refuse_unsplit_releases``).
 
-Gradient accumulation under R > 1 (``DPKeras3Mixin._release_lot_across_replicas``), as on tf_keras:
+Gradient accumulation under R > 1 (``keras_dpsgd.step.release._TFFront.when_complete``), as on tf_keras:
 the cross-replica sum is a synchronization point (merge_call), which tf.distribute cannot run inside
 the ``tf.cond`` of a lot's release, so every batch goes through it. Each replica accumulates its
 clipped sums for k batches; on the k-th only, it adds N(0, σ²C²/R) under its own key and divides by
@@ -190,8 +190,8 @@ class DPKeras3Mixin(LotReleaseMixin):
     ) -> list[tf.Tensor]:
         """One noised DP-SGD step's gradients (Abadi et al. 2016, Alg. 1), for lots of one batch.
 
-        1-3. per-example gradients, clip, sum (the per-example backend, ``_step.clip_factors``);
-        4. noise N(0, σ_v² C_v²) (``_step.noise_stddevs``); 5. divide by L (``_step.normalize``);
+        1-3. per-example gradients, clip, sum (the per-example backend, ``dp.clip.clip_factors``);
+        4. noise N(0, σ_v² C_v²) (``dp.release.add_noise``); 5. divide by L (``dp.release.normalize``);
         then the regularization gradient, un-clipped and un-noised (post-processing).
 
         Args:
@@ -225,8 +225,8 @@ class DPKeras3Mixin(LotReleaseMixin):
 
             return self._pending(list(traced_step(self, "sanitize", self._checked_variables(variables), step)))
         tf_vars = self._checked_variables(variables)
-        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape, ledger.saving_model(self))
-        return self._release(summed, num_examples, regularization_grads, tf_vars)
+        model = ledger.saving_model(self)
+        return self._private_step(per_example_loss, tf_vars, tape, model, regularization_grads, variables)
 
     def minimize(
         self,
@@ -265,8 +265,8 @@ class DPKeras3Mixin(LotReleaseMixin):
             self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
             return
         tf_vars = self._checked_variables(variables)
-        summed, num_examples = self._clipped_sum(per_example_loss, tf_vars, tape, ledger.saving_model(self))
-        self._take_batch(summed, num_examples, regularization_grads, tf_vars, variables)
+        model = ledger.saving_model(self)
+        self._private_step(per_example_loss, tf_vars, tape, model, regularization_grads, variables)
 
     def _apply_release(self, grads, variables) -> None:
         self.apply(grads, variables)

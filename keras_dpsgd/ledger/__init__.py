@@ -7,7 +7,7 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 (Abadi et al. 2016, Algorithm 1: each noised step is a sub-sampled Gaussian
 mechanism with sampling ratio q and noise multiplier σ).
 
-The state and its transitions are pure (:mod:`keras_dpsgd._ledger_state`, one
+The state and its transitions are pure (:mod:`keras_dpsgd.dp.ledger_state`, one
 schema, no TensorFlow); :mod:`keras_dpsgd.ledger._keras_io` does the I/O: the
 string variables that hold the state, the optimizer's counter and worst-case
 bounds, attaching to the model and saving. This module holds the public
@@ -110,7 +110,7 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
     step_noise_multipliers,
     sync_ledger_state,
 )
-from keras_dpsgd import _ledger_state as S
+from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd.accounting import (
     GaussianEvent,
     PoissonSampledComposedGaussianEvent,

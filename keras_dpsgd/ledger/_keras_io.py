@@ -1,6 +1,6 @@
 """The Keras I/O of the privacy ledger: the state holders and the save guards.
 
-The string variables that hold the ledger's state (:mod:`keras_dpsgd._ledger_state`), attached to the
+The string variables that hold the ledger's state (:mod:`keras_dpsgd.dp.ledger_state`), attached to the
 optimizer and to the model; the optimizer's counter and saved worst-case bounds; the guards that
 refuse a save which would lose the ledger; the fit sampling recorded on the optimizer. The public
 queries are in :mod:`keras_dpsgd.ledger`, which re-exports what the other modules use from here.
@@ -18,7 +18,7 @@ from tensorflow.python.ops import resource_variable_ops
 
 from keras_dpsgd._frames import calling_frame
 from keras_dpsgd.accounting import composed_noise_multiplier
-from keras_dpsgd import _ledger_state as S
+from keras_dpsgd.dp import ledger_state as S
 
 
 _STATE_ATTR = "_dpsgd_ledger_state"
@@ -28,7 +28,7 @@ class LedgerState(tf.Module):
     """Checkpointable record of the DP-SGD segments of a run.
 
     Holds one scalar string variable (``state``) with the JSON of a
-    :mod:`keras_dpsgd._ledger_state` state (its segments and the last step
+    :mod:`keras_dpsgd.dp.ledger_state` state (its segments and the last step
     count read). q is None where the optimizer does not know it (no
     ``PoissonLots.configure``): the reader's assumption (B · k / N) is used.
 
@@ -427,7 +427,7 @@ def discard_partial_lot(optimizer: Any, where: str = "") -> int:
     """Drops `optimizer`'s incomplete lot, if it keeps one; returns its batches (0 if none).
 
     A discarded lot was never released (no noise drawn, no update): the
-    ledger does not change (:func:`keras_dpsgd._ledger_state.discard_partial_lot`).
+    ledger does not change (:func:`keras_dpsgd.dp.ledger_state.discard_partial_lot`).
     """
     discard = getattr(optimizer, "discard_partial_lot", None)
     return int(discard(where)) if discard is not None else 0
@@ -534,7 +534,7 @@ def sync_ledger_state(
     :func:`step_noise_multipliers`). `steps`: a step count read earlier under
     these (q, σ) (default: read now). `optimizer`: default ``model.optimizer``.
 
-    The I/O around :func:`keras_dpsgd._ledger_state.advance`: of the two saved
+    The I/O around :func:`keras_dpsgd.dp.ledger_state.advance`: of the two saved
     copies the one that recorded more steps wins (a lost copy never lowers
     ε); the optimizer's counter is new when its copy is empty (its state was
     not restored, e.g. from a SavedModel, or the model was compiled with a new

@@ -4,7 +4,7 @@
 (flat or per layer). "normalize": per-example normalization, ``g_i / (||g_i|| + γ)`` (automatic
 clipping, Bu et al., NeurIPS 2023; De et al. 2022's rescaling to unit norm): every example has norm
 < 1, so the sensitivity of the sum is 1, the noise is N(0, σ²) and the ledger charges the same (q, σ)
-as clipping at C = 1. The step math is ``keras_dpsgd.step._math.clip_factors``.
+as clipping at C = 1. The step math is ``keras_dpsgd.dp.clip.clip_factors``.
 """
 
 from __future__ import annotations

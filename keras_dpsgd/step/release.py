@@ -1,23 +1,21 @@
-"""The lot/release state machine of a private optimizer: one definition for both Kerases.
+"""The lots and releases of a private optimizer on TensorFlow: one definition for both Kerases.
 
 A private optimizer (tf_keras: ``keras_dpsgd.tf_keras._sanitizer.DPSanitizerMixin``; Keras 3:
-``keras_dpsgd.keras3._optimizer.DPKeras3Mixin``) runs Abadi et al. 2016, Algorithm 1 on lots:
-
-1-3. per-example gradients, clip, sum: ``_clipped_sum`` (through the per-example backend);
-     with ``gradient_accumulation_steps`` = k > 1 the clipped sums of k batches are accumulated
-     (``_take_batch``);
-4-5. release, once per lot: noise N(0, σ_v² C_v²), divide by L (``add_noise``, ``normalize``:
-     ``DPSettingsMixin``), count the step (``noised_steps``, hook ``on_noised_step``), add the
-     regularization gradient (data-independent: no clip, no noise), mark the result as the only
-     gradients the optimizer may apply (``_release``);
-6.   apply the descent rule (post-processing), then start a new lot (``_reset_lot``).
+``keras_dpsgd.keras3._optimizer.DPKeras3Mixin``) runs Abadi et al. 2016, Algorithm 1 on lots through the
+DP core, ``keras_dpsgd.dp.step.private_step`` (``_private_step``): per-example gradients and clipped sum
+from the per-example backend, clip factors, the lot of k batches (``keras_dpsgd.dp.lot``), noise and
+normalization (the overridable hooks ``add_noise``, ``normalize`` of ``DPSettingsMixin``, over
+``keras_dpsgd.dp.release``), the count (``noised_steps``, hook ``on_noised_step``). What is TensorFlow's
+is here (:class:`_TFFront`): the lot in the optimizer's variables, ``tf.cond``, the regularization gradient
+(data-independent: no clip, no noise), the release marked as the only gradients the optimizer may apply
+(``_pending``), the descent rule (post-processing), tf.distribute.
 
 An incomplete lot is never released nor carried into another lot: it is discarded
 (``discard_partial_lot``) at every epoch start of ``fit``, at its end, before its first step and
 on load (the rule is in ``keras_dpsgd.tf_keras._sanitizer``'s docstring, "Lots").
 
 Under R > 1 replicas a lot is released with one cross-replica sum per batch
-(``_release_lot_across_replicas``: noise σC/√R on the lot's last batch, zeros on the others; the
+(``_TFFront.when_complete``: noise σC/√R on the lot's last batch, zeros on the others; the
 descent rule gated to the last batch by the front end).
 
 Everything here runs inside the traced train step as TensorFlow ops (both front ends run on
@@ -28,7 +26,7 @@ TensorFlow). The front end supplies its hooks:
 - ``_apply_release(grads, variables)``: the descent rule on a release;
 - ``_apply_lot_across_replicas(grads, tf_vars, complete)``: the same under R > 1, gated to a lot's end;
 - ``_count_replica_lot(num_examples)``: what of the step count runs inside the lot's conditional
-  under R > 1 (default: all of it, ``_count_release``);
+  under R > 1 with k > 1 (default: all of it, ``_count_release``);
 - ``_fit_steps_per_epoch(model)``, ``_first_epoch_of_fit(model)``, ``_first_step_of_fit(model)``:
   what the running ``fit`` of `model` says (its own locals differ between the Kerases).
 """
@@ -36,12 +34,13 @@ TensorFlow). The front end supplies its hooks:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 
 from keras_dpsgd import ledger
-from keras_dpsgd.step import distribute as _distribute, _math as _step
+from keras_dpsgd.dp import lot as dp_lot, step as dp_step
+from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd.step.fed_data import check_fed_data
 from keras_dpsgd.step.settings import DPSettingsMixin
 
@@ -226,96 +225,34 @@ class LotReleaseMixin(DPSettingsMixin):
         self.discard_partial_lot("at the end of fit")
         return super().finalize_variable_values(var_list)
 
-    # ------------------------------------------------------ steps 1-3 of a batch
-    def _clipped_sum(self, loss: tf.Tensor, tf_vars: list, tape: Any, model: Any) -> tuple[list, tf.Tensor]:
-        """Steps 1-3 through the backend: Σ_i clip(g_i) of one batch, and the lot's realized size.
+    # ------------------------------------------------------ Algorithm 1, once per batch
+    def _private_step(self, loss: tf.Tensor, tf_vars: list, tape: Any, model: Any, reg_grads, variables) -> list:
+        """One batch through the DP core's Algorithm 1 (``keras_dpsgd.dp.step.private_step``).
 
-        Checks at trace time what data reach the step (``_fed_data.check_fed_data``: the rate of the
-        fed lots, or a refusal; a custom loop with a Poisson rate is refused) and that the step writes no
-        value of the batch outside the optimizer (``_refuse_batch_writes``); counts the examples zeroed for a non-finite gradient; calls
-        the hook ``on_per_example_sq_norms``.
+        Lots of one batch: returns the release's gradients (pending for the front end's apply). Lots of
+        k > 1 batches: accumulates the batch and, on the lot's k-th, releases, applies it and starts a new
+        lot (under R > 1 replicas: ``_TFFront.when_complete``); returns None.
+
+        Checks at trace time what data reach the step (``_fed_data.check_fed_data``: the rate of the fed lots,
+        or a refusal; a custom loop with a Poisson rate is refused) and, once the backend has computed the
+        clipped sum, that the step writes no value of the batch outside the optimizer (``_refuse_batch_writes``).
         """
-        finite = []  # The non-finite mask, computed once from the backend's sq_norms.
-
-        def factors(sq_norms):
-            finite.append(_step.finite_rows(sq_norms))
-            return self._clip_factors(sq_norms, finite[-1])
-
         check_fed_data(model, self, outside_fit=True)  # At trace time: a custom loop too (model None).
-        summed, sq_norms = self._backend.clipped_sum(loss, tf_vars, tape, factors)
-        self._refuse_batch_writes(loss, model)  # At trace time.
-        nonfinite = tf.logical_not(finite[-1][:, 0])
-        self.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
-        self.on_per_example_sq_norms(sq_norms)
-        # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
-        return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
 
-    # ---------------------------------------------------- the lot's state machine
-    def _take_batch(self, summed, num_examples, reg_grads, tf_vars: list, variables: Sequence[Any]) -> None:
-        """One batch of a lot (k > 1): accumulates its clipped sum; on the lot's k-th batch,
-        releases the lot (steps 4-5, once), applies it and starts a new lot."""
-        for acc, s in zip(self._accumulators, summed):
-            acc.assign_add(tf.cast(s, acc.dtype))
-        self._accum_examples.assign_add(num_examples)
-        self._accum_batches.assign_add(1)
-        if _distribute.num_replicas() > 1:
-            self._release_lot_across_replicas(tf_vars, reg_grads)
-            return
+        def clipped_sum(clip):
+            summed = self._backend.clipped_sum(loss, tf_vars, tape, clip)[0]  # refuses a loss that is no [B] first
+            # The lot's realized size over all replicas (one scalar all-reduce under a strategy).
+            return summed, _distribute.global_sum(tf.cast(tf.shape(loss)[0], tf.float32))
 
-        def release_lot():
-            lot = self._release(self._lot_sums(), self._value(self._accum_examples), reg_grads, tf_vars)
-            self._apply_release(lot, variables)
-            return self._reset_lot()
-
-        tf.cond(self._lot_complete(), release_lot, lambda: tf.constant(False))
-
-    def _lot_sums(self) -> list[tf.Tensor]:
-        """The accumulated clipped sums of the lot (this replica's share under a strategy)."""
-        return [tf.cast(self._value(acc), tf.float32) for acc in self._accumulators]
+        return dp_step.private_step(_TFFront(self, loss, model, reg_grads, tf_vars, variables), clipped_sum)
 
     def _lot_complete(self) -> tf.Tensor:
         """True on the last batch of a lot (the same on every replica: each counts the batches)."""
         return self._value(self._accum_batches) >= self._dp.accumulation
 
-    def _reset_lot(self) -> tf.Tensor:
-        for acc in self._accumulators:
-            acc.assign(tf.zeros_like(self._value(acc)))
-        self._accum_examples.assign(0.0)
-        self._accum_batches.assign(0)
-        return tf.constant(True)
-
-    def _release_lot_across_replicas(self, tf_vars: list, reg_grads) -> None:
-        """Gradient accumulation under R > 1 replicas: one noise draw per global lot.
-
-        The cross-replica sum is a synchronization point, which tf.distribute cannot run inside a
-        ``tf.cond``: so every batch goes through it. Each replica holds its own partial sums and,
-        on the lot's last batch only, releases them noised by σC/√R and divided by the global L
-        (``_noised``, inside the conditional, with no synchronization); on other batches it
-        contributes zeros. The front end applies the descent rule (and counts what synchronizes)
-        on the last batch only (``_apply_lot_across_replicas``). The cost: one gradient all-reduce
-        per batch instead of one per lot.
-        """
-        complete = self._lot_complete()
-
-        def noised():
-            lot, examples = self._lot_sums(), self._value(self._accum_examples)
-            return self._noised(lot, examples, reg_grads, tf_vars, self._count_replica_lot)
-
-        grads = tf.cond(complete, noised, lambda: [tf.zeros_like(v) for v in tf_vars])
-        self._apply_lot_across_replicas(list(grads), tf_vars, complete)
-        tf.cond(complete, self._reset_lot, lambda: tf.constant(False))
-
-    # ------------------------------------------------------ steps 4-5 of a lot
-    def _release(self, summed, num_examples, reg_grads, tf_vars: list) -> list[tf.Tensor]:
-        """Steps 4-5, counted (``noised_steps``, hook ``on_noised_step``), pending for the apply."""
-        return self._pending(self._noised(summed, num_examples, reg_grads, tf_vars, self._count_release))
-
-    def _noised(self, summed, num_examples, reg_grads, tf_vars: list, count: Callable) -> list[tf.Tensor]:
-        """Steps 4-5 on a lot's clipped sum (hooks ``add_noise``, ``normalize``), `count`ed, then the
-        regularization gradient (no clip, no noise; computed identically on every replica, so each
-        adds its 1/R share), in the variables' dtypes."""
-        grads = self.normalize(self.add_noise(summed), num_examples)
-        count(num_examples)
+    def _finish(self, grads: list, reg_grads, tf_vars: list) -> list[tf.Tensor]:
+        """A release's gradients plus the regularization gradient (no clip, no noise; computed identically on
+        every replica, so each adds its 1/R share), in the variables' dtypes."""
         if reg_grads is not None:
             grads = [g + tf.cast(_distribute.replica_share(r), g.dtype) for g, r in zip(grads, reg_grads)]
         return [tf.cast(g, v.dtype) for g, v in zip(grads, tf_vars)]
@@ -356,3 +293,87 @@ class LotReleaseMixin(DPSettingsMixin):
     def on_noised_step(self, num_examples: tf.Tensor) -> None:
         """Hook: called once per noised step (once per lot), after the gradient's release and the
         ``noised_steps`` increment, with the lot's realized number of examples. Default: nothing."""
+
+
+class _TFFront:
+    """The front end ``dp.step.private_step`` runs with on TensorFlow (``keras_dpsgd.dp.step.FrontEnd``): the
+    lot in the optimizer's variables, the releases through its overridable hooks, tf.cond and tf.distribute."""
+
+    def __init__(self, optimizer: LotReleaseMixin, loss, model, reg_grads, tf_vars: list, variables):
+        self.opt, self.loss, self.model, self.reg_grads = optimizer, loss, model, reg_grads
+        self.tf_vars, self.variables = tf_vars, variables
+        self.ops = optimizer._dp.noise.OPS
+        self.accumulation = optimizer._dp.accumulation
+        self.replicas = _distribute.num_replicas()
+
+    def clipping(self):
+        return self.opt._clipping()
+
+    def observe(self, clip) -> None:
+        """At trace time the refusal of batch writes; the non-finite count; the hook on the norms."""
+        opt = self.opt
+        opt._refuse_batch_writes(self.loss, self.model)
+        nonfinite = tf.logical_not(clip.finite[:, 0])
+        opt.nonfinite_examples.assign_add(tf.reduce_sum(tf.cast(nonfinite, tf.int64)))
+        opt.on_per_example_sq_norms(clip.sq_norms)
+
+    def load_lot(self) -> dp_lot.Lot:
+        opt = self.opt
+        sums = tuple(opt._value(acc) for acc in opt._accumulators)
+        return dp_lot.Lot(sums, opt._value(opt._accum_examples), opt._value(opt._accum_batches))
+
+    def store_lot(self, lot: dp_lot.Lot) -> None:
+        opt = self.opt
+        for acc, s in zip(opt._accumulators, lot.sums):
+            acc.assign(s)
+        opt._accum_examples.assign(lot.examples)
+        opt._accum_batches.assign(lot.batches)
+
+    def add_noise(self, clipped) -> list:
+        """The hook ``add_noise`` on the sums, with the record (and its sensitivity) in flight."""
+        local = self.opt._dp.local
+        local.releasing = clipped
+        try:
+            return self.opt.add_noise(list(clipped.sums))
+        finally:
+            local.releasing = None
+
+    def normalize(self, noised: list, num_examples) -> list:
+        return self.opt.normalize(noised, num_examples)
+
+    def count(self, num_examples) -> None:
+        if self.accumulation > 1 and self.replicas > 1:
+            self.opt._count_replica_lot(num_examples)
+        else:
+            self.opt._count_release(num_examples)
+
+    def when_complete(self, complete, release, reset):
+        """Lots of one batch: the release (pending). Lots of k: released and applied in a conditional; under
+        R > 1 every batch SUMs across the replicas (zeros but on the lot's last batch: ``tf.cond`` cannot hold
+        a synchronization), the descent rule gated to the lot's end by the front end."""
+        opt = self.opt
+
+        def finished():
+            return opt._finish(release(), self.reg_grads, self.tf_vars)
+
+        if self.accumulation == 1:
+            return opt._pending(finished())
+        if self.replicas > 1:
+            grads = tf.cond(complete, finished, lambda: [tf.zeros_like(v) for v in self.tf_vars])
+            opt._apply_lot_across_replicas(list(grads), self.tf_vars, complete)
+        else:
+
+            def apply_lot():
+                opt._apply_release(opt._pending(finished()), self.variables)
+                reset()
+                return tf.constant(True)
+
+            tf.cond(complete, apply_lot, lambda: tf.constant(False))
+            return None
+
+        def reset_lot():
+            reset()
+            return tf.constant(True)
+
+        tf.cond(complete, reset_lot, lambda: tf.constant(False))
+        return None

@@ -5,8 +5,9 @@
 :class:`DPSettingsMixin` holds what the two sanitizer mixins (``keras_dpsgd.tf_keras._sanitizer`` and
 ``keras_dpsgd.keras3._optimizer``) share: the settings' properties, their ``get_config`` entries
 and the state kept out of every save (the traced mirror of ``expected_lot_size``, the
-``nonfinite_examples`` count, the noise generator). The variables that ARE saved (``noised_steps``,
-the ledger's bounds, ``clip_bounds``) are made by each front end, as its Keras saves them.
+``nonfinite_examples`` count, the noise generator: made by the backend, ``make_local_state``). The
+variables that ARE saved (``noised_steps``, the ledger's bounds, ``clip_bounds``) are made by each front
+end, as its Keras saves them. The step's math is the DP core's (``keras_dpsgd.dp``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.step.clipping import DEFAULT_STABILITY, check_clipping
-from keras_dpsgd.step import _callback_guard, distribute as _distribute, _math as _step
+from keras_dpsgd.dp import release as dp_release
+from keras_dpsgd.dp.clip import ClippedSum, clip_groups, sensitivity
+from keras_dpsgd.step import _callback_guard, distribute as _distribute
 from keras_dpsgd import backends, ledger
 from keras_dpsgd.backends.tensorflow import state as _state
 from keras_dpsgd.backends.tensorflow.report import FALLBACK_CHOICES, PerExampleReport
@@ -103,7 +106,7 @@ class DPState:
     """A private optimizer's DP settings and local state: a plain object, untracked by Keras and TF.
 
     The settings are those of the constructor, checked (:func:`check_settings`); ``lot``,
-    ``nonfinite`` and ``generator`` are made by :meth:`DPSettingsMixin._init_dp_state` and are never
+    ``nonfinite`` and ``generator`` are made by the backend (``make_local_state``) and are never
     saved. ``sigmas`` (σ of each variable) is set when the optimizer is built; ``pending`` holds the
     gradients of the last release, the only ones the optimizer applies. ``pending`` and
     ``keras_view`` are per thread: a MirroredStrategy traces each replica's step in a thread of its own.
@@ -120,10 +123,13 @@ class DPState:
     expected_lot_size: float | None
     clipping: str = "clip"
     stability: float = DEFAULT_STABILITY
-    lot: Any = None  # tf.Variable mirror of expected_lot_size for the traced step (0 = unset).
-    nonfinite: Any = None  # tf.Variable: examples zeroed for a non-finite gradient (local, never saved).
-    generator: Any = None  # tf.random.Generator from OS entropy (seed None), never checkpointed.
-    # int64 tf.Variable: the releases the model's ledger recorded before this optimizer's counter began
+    # The local state, made by the backend (``make_local_state``: tf.Variables on TensorFlow, optimizer
+    # variables made at build on JAX): the traced mirror of expected_lot_size (0 = unset); the examples zeroed
+    # for a non-finite gradient (local, never saved); TensorFlow's OS-entropy generator (seed None, never saved).
+    lot: Any = None
+    nonfinite: Any = None
+    generator: Any = None
+    # An integer variable: the releases the model's ledger recorded before this optimizer's counter began
     # (written by the ledger, ``keras_dpsgd.ledger.sync_ledger_state``; never saved). A seeded key is a
     # function of (seed, ledger_offset + noised_steps): the release's position in the model's ledger.
     ledger_offset: Any = None
@@ -216,24 +222,9 @@ class DPSettingsMixin:
     _dp: DPState
 
     def _init_dp_state(self, state: DPState) -> None:
-        """Stores the checked settings and makes the local state (never saved)."""
-        with tf.init_scope():
-            lot = 0.0 if state.expected_lot_size is None else state.expected_lot_size
-            state.lot = tf.Variable(lot, dtype=tf.float32, trainable=False, name="expected_lot_size")
-            # An un-noised count over the private data: a local diagnostic outside the ledger. Under a
-            # strategy each replica counts its own examples and a read sums them (ON_READ, SUM).
-            state.nonfinite = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                name="nonfinite_examples",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.SUM,
-            )
-            state.ledger_offset = tf.Variable(0, dtype=tf.int64, trainable=False, name="ledger_offset")
-            if state.seed is None:
-                # Fresh OS entropy per process: restoring a checkpoint twice never replays noise.
-                state.generator = tf.random.Generator.from_non_deterministic_state()
+        """Stores the checked settings; the backend makes the local state (never saved) where it keeps state
+        (TensorFlow: ``tf.Variable``s now; JAX: optimizer variables when the optimizer is built)."""
+        state.noise.make_local_state(state)
         self._dp = state
         self.discarded_lots = 0
         self.discarded_batches = 0
@@ -315,7 +306,8 @@ class DPSettingsMixin:
     @expected_lot_size.setter
     def expected_lot_size(self, value: float | None) -> None:
         self._dp.expected_lot_size = check_lot_size(value)
-        self._dp.lot.assign(0.0 if value is None else float(value))
+        if self._dp.lot is not None:  # None before JAX's build, which starts it from expected_lot_size
+            self._dp.lot.assign(0.0 if value is None else float(value))
 
     @property
     def sampling_rate(self) -> float | None:
@@ -335,44 +327,50 @@ class DPSettingsMixin:
         config.update(self._dp.config())
         return config
 
-    # ------------------------------------------------- steps 4-5 of a release, both front ends
-    # The front end provides ``clip_bounds`` (its saved variable) and ``noised_steps``.
+    # ------------------------------------------------- steps 5-6 of a release, both front ends
+    # The front end provides ``clip_bounds`` (its saved variable) and ``noised_steps``; the math is the DP
+    # core's (``keras_dpsgd.dp``), over the table of the backend (``self._dp.noise.OPS``).
     def _clip_groups(self) -> list[int]:
-        """The clipping group of each variable (``_step.clip_groups``): flat clipping is one group."""
-        return _step.clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
+        """The clipping group of each variable (``dp.clip.clip_groups``): flat clipping is one group."""
+        return clip_groups(len(self._dp.sigmas), self.per_layer_clipping)
 
-    def _group_bounds(self) -> tf.Tensor:
+    def _group_bounds(self) -> Any:
         """C_g of each group; flat: clip_bounds holds C once per variable (the saved shape), take one.
         Per-example normalization: C = 1, the sensitivity (``_release.resolve_bounds``)."""
         bounds = tf.convert_to_tensor(self.clip_bounds)
         return bounds if self.per_layer_clipping else bounds[:1]
 
-    def _clip_factors(self, sq_norms: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
-        """Step 2, the factors [B, V] of ``_step.clip_factors``: ``min(1, C_g/||g_i[g]||)``, or
-        ``1/(||g_i|| + γ)`` with clipping="normalize". Non-finite examples get factor 0 in every column."""
+    def _clipping(self) -> tuple[Any, list[int], float | None]:
+        """(C_g in force, the group of each variable, γ of per-example normalization or None)."""
         stability = self._dp.stability if self._dp.clipping == "normalize" else None
-        return _step.clip_factors(sq_norms, self._group_bounds(), self._clip_groups(), finite, stability)
+        return self._group_bounds(), self._clip_groups(), stability
 
     def add_noise(self, summed: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Step 4, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² C_v²) for each variable v (flat: C_v = C, σ_v = σ;
-        per-example normalization: C_v = 1).
+        """Step 5, overridable: Σ_i clip(g_i)[v] + N(0, σ_v² S_v²) for each variable v (``dp.release.add_noise``),
+        S_v the sensitivity the clipped sum being released carries (C of v's group; per-example
+        normalization: 1). Called outside a release (a test, an audit), S_v is the bound in force.
 
-        Under R replicas each adds N(0, σ_v² C_v² / R) with a key of its own; the cross-replica sum
-        holds N(0, σ_v² C_v²) once (``keras_dpsgd.step.distribute``).
+        Under R replicas each adds N(0, σ_v² S_v² / R) with a key of its own; the cross-replica sum
+        holds N(0, σ_v² S_v²) once (``keras_dpsgd.step.distribute``).
         """
-        stds = _step.noise_stddevs(self._dp.sigmas, self._group_bounds(), self._clip_groups())
-        stds = stds * _distribute.replica_noise_scale()  # σ_v C_v/√R per replica (1 for one replica)
-        return [
-            s if self._dp.sigmas[v] == 0 else self._dp.noise.add_gaussian(s, stds[v], self._noise_key(v))
-            for v, s in enumerate(summed)
-        ]
+        clipped = getattr(self._dp.local, "releasing", None)
+        if clipped is None:
+            bounds, groups, _ = self._clipping()
+            clipped = ClippedSum(tuple(summed), None, sensitivity(bounds, groups))
+
+        def gaussian(x, stddev, index):
+            return self._dp.noise.add_gaussian(x, stddev, self._noise_key(index))
+
+        scale = _distribute.replica_noise_scale()  # 1/√R per replica (1 for one replica)
+        return dp_release.add_noise(clipped.with_sums(summed), self._dp.sigmas, gaussian, scale)
 
     def normalize(self, noised: list[tf.Tensor], num_examples: tf.Tensor) -> list[tf.Tensor]:
-        """Step 5: divide by expected_lot_size, else by the realized lot size (``_step.normalize``).
+        """Step 6: divide by expected_lot_size, else by the realized lot size (``dp.release.normalize``).
 
         The result is the step's release: what the step computes from it (the update of the
         weights) is post-processing, not a write of the batch (``_state.mark_released``)."""
-        released = _step.normalize(noised, num_examples, self._dp.lot)
+        ops = self._dp.noise.OPS
+        released = dp_release.normalize(ops, noised, dp_release.lot_denominator(ops, num_examples, self._dp.lot))
         _state.mark_released(released)
         return released
 
@@ -394,7 +392,7 @@ class DPSettingsMixin:
         _state.refuse_batch_writes(loss, own, model)
 
     def standard_normal(self, shape: Any, index: int, dtype: Any = tf.float32) -> tf.Tensor:
-        """N(0, 1) noise for a hook's own release (``keras_dpsgd.step._noise``: tails to 11.6, not TF's
+        """N(0, 1) noise for a hook's own release (``keras_dpsgd.dp.noise``: tails to 11.6, not TF's
         clamp at 5.68), drawn like the gradient's; `index` >= 2**30 keeps a seeded stream apart
         from the gradient's (indices 0..V-1)."""
         return self._dp.noise.standard_normal(shape, self._noise_key(index), dtype)

@@ -3,7 +3,7 @@
 Abadi et al. 2016, Algorithm 1, for a lot L of examples:
 
 1. per-example gradients g_i = ∇θ ℓ(θ, x_i)                (the backend)
-2. clip: ḡ_i = g_i · min(1, C / ||g_i||), or g_i / (||g_i|| + γ)  (``_clip_factors``)
+2. clip: ḡ_i = g_i · min(1, C / ||g_i||), or g_i / (||g_i|| + γ)  (``dp.clip``)
 3. sum: Σ_i ḡ_i                                             (the backend)
 4. noise: Σ_i ḡ_i + N(0, σ²C² I)                            (``add_noise``)
 5. normalize: divide by the expected lot size L             (``_normalize``)
@@ -49,7 +49,7 @@ in replica context, each replica its own copy (aggregation NONE: the copies stay
 counter, and hold each replica's partial sum for the accumulators); ``nonfinite_examples`` is
 ON_READ/SUM. The realized lot size is all-reduced; a weight-regularizer gradient, computed
 identically on every replica, is added as 1/R of it. Accumulation releases its lot with one
-cross-replica sum per batch (``_release_lot_across_replicas``). Adaptive clipping, and weight decay
+cross-replica sum per batch (``_release._TFFront.when_complete``). Adaptive clipping, and weight decay
 or EMA with accumulation, are refused under R > 1 (``_check_distribution``).
 
 Regularization: the gradient of a data-independent term is added to the
@@ -285,10 +285,10 @@ class DPSanitizerMixin(LotReleaseMixin):
             _display.install_tf_keras(model, raw_loss, loss)
         return loss, var_list, tape, reg_grads
 
-    def _sanitized_sum(self, loss, var_list, tape):
-        """The path `compute_gradients` and `minimize` share: prepare → build → Σ_i clip(g_i).
+    def _sanitized_step(self, loss, var_list, tape):
+        """The path `compute_gradients` and `minimize` share: prepare → build → Algorithm 1 (``_private_step``).
 
-        Returns (var_list, clipped sum, batch size, regularization gradients or None).
+        Returns (var_list, the release's gradients: lots of one batch; None with accumulation).
         """
         loss, var_list, tape, reg_grads = self._prepare(loss, var_list, tape)
         with tf.init_scope():
@@ -297,8 +297,7 @@ class DPSanitizerMixin(LotReleaseMixin):
         self._refuse_split_worker_lots(model)
         ledger.attach(model, self)
         self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
-        summed, num_examples = self._clipped_sum(loss, var_list, tape, model)
-        return var_list, summed, num_examples, reg_grads
+        return var_list, self._private_step(loss, var_list, tape, model, reg_grads, var_list)
 
     def compute_gradients(self, loss, var_list, tape=None):
         """Sanitized gradients of a per-example `loss` (one noised step).
@@ -329,8 +328,8 @@ class DPSanitizerMixin(LotReleaseMixin):
             var_list = _variables(var_list)
             grads = traced_step(self, "compute_gradients", var_list, lambda: self.compute_gradients(loss, var_list))
             return list(zip(self._pending(list(grads)), var_list))
-        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
-        return list(zip(self._release(summed, num_examples, reg_grads, var_list), var_list))
+        var_list, grads = self._sanitized_step(loss, var_list, tape)
+        return list(zip(grads, var_list))
 
     def minimize(self, loss, var_list, tape=None):
         """One DP-SGD step, or one batch of a lot when accumulating.
@@ -344,8 +343,7 @@ class DPSanitizerMixin(LotReleaseMixin):
         if self.gradient_accumulation_steps == 1:
             self.apply_gradients(self.compute_gradients(loss, var_list, tape))
             return
-        var_list, summed, num_examples, reg_grads = self._sanitized_sum(loss, var_list, tape)
-        self._take_batch(summed, num_examples, reg_grads, var_list, var_list)
+        self._sanitized_step(loss, var_list, tape)
 
     def _apply_release(self, grads, variables) -> None:
         self.apply_gradients(list(zip(grads, variables)))

@@ -75,7 +75,10 @@ def test_a_module_without_the_interface_is_no_backend(monkeypatch):
     fake.PER_EXAMPLE_CHOICES = ("auto",)
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setitem(backends.BACKENDS, "jax", fake.__name__)
-    with pytest.raises(TypeError, match=r"lacks \['per_example', 'add_gaussian', 'standard_normal', 'seeded_key'\]"):
+    with pytest.raises(
+        TypeError,
+        match=r"lacks \['per_example', 'OPS', 'add_gaussian', 'standard_normal', 'seeded_key', 'make_local_state'\]",
+    ):
         backends.load("jax")
 
 

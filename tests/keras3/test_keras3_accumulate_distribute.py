@@ -59,14 +59,14 @@ def test_seeded_lot_noise_is_the_sum_of_two_independent_replica_draws(run):
     """-(n_0 + n_1)/L with n_r ~ N(0, σ²C²/2) under noise_key(seed, step 0, variable 0) with r folded in."""
     import tensorflow as tf
 
-    from keras_dpsgd.step import _noise, _math as _step
+    from keras_dpsgd.backends.tensorflow import ops as _noise
 
     out = run["noise_seeded"]
     lot, std = 16, out["expected"] * 16 / math.sqrt(2)
     draws = []
     for r in range(2):
         key = tf.random.experimental.stateless_fold_in(
-            _step.noise_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
+            _noise.seeded_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
         )
         draws.append(_noise.add_gaussian(tf.zeros([100, 100]), std, key).numpy().ravel()[:8])
     np.testing.assert_allclose(out["first"], -(draws[0] + draws[1]) / lot, rtol=1e-5, atol=1e-7)

@@ -78,14 +78,14 @@ def test_seeded_noise_is_the_sum_of_two_independent_replica_draws(mirrored):
     noise_key(seed, step 0, variable 0) with r folded in (reproducible for a given R)."""
     import tensorflow as tf
 
-    from keras_dpsgd.step import _noise, _math as _step
+    from keras_dpsgd.backends.tensorflow import ops as _noise
 
     out = mirrored["noise_seeded_per_layer"]
     lot, std = 16, out["expected"] * 16 / math.sqrt(2)  # σC/√R per replica
     draws = []
     for r in range(2):
         key = tf.random.experimental.stateless_fold_in(
-            _step.noise_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
+            _noise.seeded_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
         )
         draws.append(_noise.add_gaussian(tf.zeros([100, 100]), std, key).numpy().ravel()[:8])
     assert not np.allclose(draws[0], draws[1])  # independent keys

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from keras_dpsgd._ledger_state import CHANGED_LABEL
+from keras_dpsgd.dp.ledger_state import CHANGED_LABEL
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, PrivacyLedger, compute_epsilon
 from tests.ledger.test_fail_closed_resume import _python, _result
 

@@ -15,11 +15,15 @@ the audit callback and a model's own train step
 from typing import Any
 
 from keras_dpsgd.backends.jax._noise import add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.jax.ops import JAX_OPS as OPS
+from keras_dpsgd.backends.jax.ops import make_local_state
 
 __all__ = [
     "JAX_UNSUPPORTED",
+    "OPS",
     "PER_EXAMPLE_CHOICES",
     "add_gaussian",
+    "make_local_state",
     "per_example",
     "seeded_key",
     "standard_normal",

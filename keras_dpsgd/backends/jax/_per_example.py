@@ -7,8 +7,9 @@ batch sees one example. The protocol is the TensorFlow backends' (``keras_dpsgd.
     summed[v] = Σ_i factors[i, v] · g_i[v],   sq_norms[i, v] = ||g_i[v]||²
 
 and an example whose factor is 0 contributes exactly 0, even when its gradient holds NaN or Inf
-(its gradient is replaced by 0 before the product). The factors are ``keras_dpsgd.step._math.clip_factors``
-(flat or per group, 0 for non-finite rows), written here on ``jax.numpy``.
+(its gradient is replaced by 0 before the product). The factors are the DP core's
+(``keras_dpsgd.dp.clip.clip_factors`` over ``keras_dpsgd.backends.jax.ops.JAX_OPS``: flat or per group, 0 for
+non-finite rows).
 """
 
 from __future__ import annotations
@@ -19,39 +20,9 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from keras_dpsgd.step import _rounding
+from keras_dpsgd.dp import rounding as _rounding
 
-__all__ = ["finite_rows", "clip_factors", "clipped_sum", "sq_norms", "staged_sq_norms"]
-
-
-def finite_rows(sq_norms: jax.Array) -> jax.Array:
-    """[B, 1] bool: the examples whose squared norms are all finite (``_step.finite_rows``)."""
-    return jnp.all(jnp.isfinite(sq_norms), axis=1, keepdims=True)
-
-
-def clip_factors(sq_norms, bounds, groups: Sequence[int], finite=None, stability: float | None = None) -> jax.Array:
-    """Per-example factors [B, V] (``keras_dpsgd.step._math.clip_factors``: the same rule).
-
-    ``min(1, C_g/||g_i[g]||)`` for variable v in group g (``||g_i[g]||²`` sums the group's squared
-    norms), or ``C_g/(||g_i[g]|| + γ)`` with `stability` γ; 0 on every column of a non-finite row.
-    """
-    groups = list(groups)
-    num_groups = max(groups) + 1
-    if finite is None:
-        finite = finite_rows(sq_norms)
-    bounds = jnp.asarray(bounds, sq_norms.dtype)
-    if groups == list(range(num_groups)):
-        group_sq = sq_norms
-    else:
-        member = jnp.asarray([[1.0 if g == h else 0.0 for h in range(num_groups)] for g in groups], sq_norms.dtype)
-        group_sq = sq_norms @ member  # [B, G]
-    norms = jnp.sqrt(group_sq)
-    if stability is not None:
-        per_group = bounds / (norms + stability)
-    else:
-        per_group = jnp.where(norms > bounds, bounds / jnp.where(norms > bounds, norms, 1.0), 1.0)
-    factors = per_group[:, jnp.asarray(groups)]
-    return jnp.where(finite, factors, 0.0)
+__all__ = ["clipped_sum", "sq_norms", "staged_sq_norms"]
 
 
 def staged_sq_norms(g: jax.Array) -> tuple[jax.Array, int]:

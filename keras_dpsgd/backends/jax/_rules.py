@@ -10,7 +10,7 @@ sequences; Embedding: the Gram form with id equality). ``RULES`` maps an exact l
 
 A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
 apart (one product over all rows), so rows that cancel must not round the norm to 0
-(``keras_dpsgd.step._rounding``, shared with the TensorFlow backend). The norms' products run at full float32
+(``keras_dpsgd.dp.rounding``, shared with the TensorFlow backend). The norms' products run at full float32
 precision (``Precision.HIGHEST``: on GPUs and TPUs JAX's default is a reduced one).
 """
 
@@ -22,7 +22,7 @@ import keras
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_dpsgd.backends.jax._per_example import staged_sq_norms
-from keras_dpsgd.step import _rounding
+from keras_dpsgd.dp import rounding as _rounding
 
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 

@@ -9,9 +9,10 @@ for the layers that carry most parameters. See ``_backend`` for the algorithm. `
 without a rule (announced: ``_report``). How a new op gets a per-example rule:
 ``_handlers.register_rule``.
 
-Noise source: the library's sampler (``keras_dpsgd.step._noise``) under stateless TensorFlow keys
-(``seeded_key``: ``keras_dpsgd.step._math.noise_key``); an optimizer without a seed draws its keys
-from a ``tf.random.Generator`` of OS entropy, never checkpointed (``keras_dpsgd.step.settings``).
+Array table and noise source (``ops``): ``OPS``, the :class:`keras_dpsgd.dp.ops.ArrayOps` the DP core runs
+over on TensorFlow; the core's sampler (``keras_dpsgd.dp.noise``) under stateless TensorFlow keys
+(``seeded_key``); an optimizer without a seed draws its keys from a ``tf.random.Generator`` of OS entropy,
+never checkpointed (``make_local_state``).
 """
 
 from __future__ import annotations
@@ -21,14 +22,16 @@ from typing import Any
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
 from keras_dpsgd.backends.tensorflow.per_example_backend import PER_EXAMPLE_CHOICES, resolve_backend
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend
-from keras_dpsgd.step._math import noise_key as seeded_key
-from keras_dpsgd.step._noise import add_gaussian, standard_normal
+from keras_dpsgd.backends.tensorflow.ops import TF_OPS as OPS
+from keras_dpsgd.backends.tensorflow.ops import add_gaussian, make_local_state, seeded_key, standard_normal
 
 __all__ = [
     "FastBackend",
+    "OPS",
     "PER_EXAMPLE_CHOICES",
     "ReferenceBackend",
     "add_gaussian",
+    "make_local_state",
     "per_example",
     "seeded_key",
     "standard_normal",

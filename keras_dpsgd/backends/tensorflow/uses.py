@@ -24,7 +24,7 @@ the per-example squared norms and, once the clip factors ``c`` are known, the cl
   (book-keeping): ``Σ_i c_i A_iᵀ G_i = (diag(c) A)ᵀ G`` in one matmul.
 
 Every ``sq_norms`` is a certified upper bound of the example's squared norm, not its float32 value: rows
-that cancel would otherwise round it to 0 and release the example unclipped (``keras_dpsgd.step._rounding``
+that cancel would otherwise round it to 0 and release the example unclipped (``keras_dpsgd.dp.rounding``
 holds the margins, shared with the JAX backend; :func:`unit_roundoff` their unit).
 """
 
@@ -37,7 +37,7 @@ import math
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks
-from keras_dpsgd.step import _rounding
+from keras_dpsgd.dp import rounding as _rounding
 
 
 @dataclasses.dataclass

@@ -89,7 +89,7 @@ def test_two_device_step_equals_one_device_step(name, clip):
         np.testing.assert_array_equal(u, w)
         assert np.abs(u - v).max() > 1e-4  # the step moved the weights
         # The clip factors may differ by ~1e-5 (relative) where the two steps bound a norm by different certified
-        # forms (closed form or materialized: keras_dpsgd.step._rounding); an entry where examples cancel moves
+        # forms (closed form or materialized: keras_dpsgd.dp.rounding); an entry where examples cancel moves
         # by that much of the update's scale.
         np.testing.assert_allclose(w - z, u - v, rtol=1e-5, atol=2e-5 * np.abs(u - v).max())
 

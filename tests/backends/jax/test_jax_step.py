@@ -100,10 +100,12 @@ def test_seeded_noise_is_reproducible_and_unseeded_is_not():
 
 
 def test_clipped_sum_zeroes_nonfinite_rows_exactly():
-    from keras_dpsgd.backends.jax._per_example import clip_factors, clipped_sum
+    from keras_dpsgd.backends.jax._per_example import clipped_sum
+    from keras_dpsgd.backends.jax.ops import JAX_OPS
+    from keras_dpsgd.dp.clip import clip_factors
 
     g = jnp.asarray([[1.0, 0.0], [jnp.nan, jnp.inf], [0.0, 3.0]])
-    summed, norms = clipped_sum([g], lambda sq: clip_factors(sq, jnp.asarray([1.0]), [0]))
+    summed, norms = clipped_sum([g], lambda sq: clip_factors(JAX_OPS, sq, jnp.asarray([1.0]), [0]))
     np.testing.assert_allclose(np.asarray(summed[0]), [1.0, 1.0], rtol=2e-6)  # the norms' certified margin
     assert not np.isfinite(np.asarray(norms)[1, 0])
 
@@ -124,3 +126,19 @@ def test_unweighted_metrics_count_the_real_rows_only():
     k3.make_private(model)
     history = model.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert history.history["accuracy"][0] == 1.0  # 0.5 with the padding counted
+
+
+def test_the_optimizer_keeps_its_local_state_in_keras_variables_not_tensorflow_ones():
+    """On JAX the DP optimizer makes no tf.Variable (TensorFlow is not its backend): its local state (the lot
+    size's mirror, the non-finite count, the ledger offset) is optimizer variables, made when it is built."""
+    import sys
+
+    optimizer = k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.0, learning_rate=0.1)
+    dp = optimizer._dp
+    assert (dp.lot, dp.nonfinite, dp.ledger_offset, dp.generator) == (None, None, None, None)
+    optimizer.expected_lot_size = 32  # before build: kept, mirrored when built
+    optimizer.build([keras.Variable(np.zeros((3,), np.float32))])
+    local = (dp.lot, dp.nonfinite, dp.ledger_offset)
+    assert all(isinstance(v, keras.Variable) for v in local) and float(dp.lot.numpy()) == 32.0
+    tf = sys.modules.get("tensorflow")
+    assert tf is None or not any(isinstance(v, tf.Variable) for v in local)

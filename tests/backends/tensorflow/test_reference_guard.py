@@ -13,7 +13,8 @@ import tf_keras as keras
 from _fast_helpers import data, per_example_loss
 
 from keras_dpsgd.backends.tensorflow import ReferenceBackend
-from keras_dpsgd.step._math import clip_factors, clip_groups
+from keras_dpsgd.backends.tensorflow.ops import TF_OPS
+from keras_dpsgd.dp.clip import clip_factors, clip_groups
 
 
 class _HiddenGroupedConv(keras.layers.Layer):
@@ -35,7 +36,7 @@ def _grouped_model():
 
 def _sanitizer_factors(sq_norms):
     """The sanitizer's flat clipping (C = 1): factor 0 for an example with a non-finite norm."""
-    return clip_factors(sq_norms, tf.constant([1.0]), clip_groups(sq_norms.shape[1], per_layer=False))
+    return clip_factors(TF_OPS, sq_norms, tf.constant([1.0]), clip_groups(sq_norms.shape[1], per_layer=False))
 
 
 def _step(backend, model, jit_compile=False, x_spec=None):

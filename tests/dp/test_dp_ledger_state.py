@@ -1,4 +1,4 @@
-"""The ledger's pure state machine (keras_dpsgd._ledger_state), table-tested without TensorFlow.
+"""The ledger's pure state machine (keras_dpsgd.dp.ledger_state), table-tested without TensorFlow.
 
 Each row: a sequence of counter reads (steps, q, releases) and the segments the ledger must charge,
 against the accountant of the segments (ε is the accountant's, so the table states the events).
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from keras_dpsgd import _ledger_state as S
+from keras_dpsgd.dp import ledger_state as S
 
 CHANGED, UNSAVED = S.CHANGED_LABEL, S.UNSAVED_LABEL
 

@@ -1,4 +1,4 @@
-"""The certified rounding margins of per-example norms (``keras_dpsgd.step._rounding``), on numpy float32.
+"""The certified rounding margins of per-example norms (``keras_dpsgd.dp.rounding``), on numpy float32.
 
 Oracles: the float64 norm of the float32 rows (exact to far below the margins). The bounds must hold for any
 order of summation, so they are checked on float32 arithmetic done here (numpy's order, whatever it is), and
@@ -9,7 +9,7 @@ twice its (a-priori) margin; where nothing cancels, within 1e-5 of it.
 import numpy as np
 import pytest
 
-from keras_dpsgd.step import _rounding as R
+from keras_dpsgd.dp import rounding as R
 
 
 def _rows(rng, batch, t, width, scale, cancel):
