@@ -20,6 +20,7 @@ import pytest
 
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.backends.jax import ghost as _ghost
+from keras_dpsgd.keras3._jax_loss import per_example_loss_at
 from tests._behaviour import keras3_front
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step, weight_reading_loss_case
 
@@ -83,7 +84,7 @@ def test_a_compiled_loss_reading_the_weights_is_exact(backend):
     if backend == "auto":
         trainable = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
-        plan = _ghost.plan(model, trainable, non_trainable, x, {}, y, None)
+        plan = _ghost.plan(model, trainable, non_trainable, x, {}, y, None, loss_at=per_example_loss_at)
         assert plan.covered == [model.layers[1]]
     _step_matches(model, x, y, expected)
 
@@ -143,7 +144,7 @@ def test_a_dense_called_inside_a_loop_takes_the_exact_path_announced(kind, caplo
     k3.make_private(model)
     model.compile(optimizer=_optimizer(0.3, "auto"), loss=FRONT.loss())
     trainable = [v.value for v in model.trainable_variables]
-    plan = _ghost.plan(model, trainable, [], x, {}, y, None)
+    plan = _ghost.plan(model, trainable, [], x, {}, y, None, loss_at=per_example_loss_at)
     looped = model.layers[1].cell.dense if kind == "rnn" else model.layers[1].dense
     assert plan.covered == [model.layers[2]]
     assert [model.trainable_variables[j] for j in plan.uncovered] == looped.trainable_variables
