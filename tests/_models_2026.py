@@ -1,4 +1,4 @@
-"""The models of 2026 (issue 41), tiny, for both Keras 3 backends: silu/swish, grouped-query attention's repeated
+"""The models of 2026 (issue 41), tiny, for both Keras 3 backends: PReLU (issue 40), silu/swish, grouped-query attention's repeated
 K/V heads (``keras.ops.repeat``) and a token-level ``[B, T]`` loss, each trained one private step on the
 documented path (``make_private`` + ``PoissonLots(...).dataset()``, σ = 0, every example in the lot) and
 compared with the clipped mean of a one-example-at-a-time loop (``tests/_keras3_helpers.loop_clipped_mean``).
@@ -88,7 +88,24 @@ def class_token():
     return keras.Model(inp, L.Dense(2)(h[:, 0])), keras.losses.MeanSquaredError(), x, y
 
 
-MODELS = {"silu": silu, "gqa-repeat": grouped_query, "token-loss": token_level, "class-token": class_token}
+def prelu(shared_axes=None):
+    """Dense → PReLU: alpha (one per feature, or shared along ``shared_axes``) enters as ``alpha · min(x, 0)``."""
+    gen = np.random.default_rng(5)
+    x, y = gen.normal(size=(N, 3, 4)).astype("float32"), gen.normal(size=(N, 2)).astype("float32")
+    inp = keras.Input((3, 4))
+    alpha = keras.initializers.RandomUniform(0.1, 0.4, seed=5)
+    h = L.PReLU(alpha_initializer=alpha, shared_axes=shared_axes)(L.Dense(5)(inp))
+    return keras.Model(inp, L.Dense(2)(L.Flatten()(h))), keras.losses.MeanSquaredError(), x, y
+
+
+MODELS = {
+    "prelu": prelu,
+    "prelu-shared": lambda: prelu(shared_axes=[1]),
+    "silu": silu,
+    "gqa-repeat": grouped_query,
+    "token-loss": token_level,
+    "class-token": class_token,
+}
 TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
 
 

@@ -187,6 +187,12 @@ def test_docs_python_blocks_run(page, tmp_path, monkeypatch):
         exec(compiled, namespace)  # noqa: S102
 
 
+def test_saving_shows_load_make_private_continue_in_a_block_that_runs():
+    """Issue 40.9: docs/saving.md shows how a loaded model continues privately, in a block run above (unmarked)."""
+    run = [code for marker, code in _python_blocks(_read("docs/saving.md")) if not marker]
+    assert any("make_private(keras.saving.load_model(" in code and ".fit(" in code for code in run)
+
+
 def test_readme_links_work_on_the_package_page():
     """The package index renders README.md away from the tree: every link is absolute (the docs site, the
     repository); tests/test_docs.py checks that each names a page or file that exists."""

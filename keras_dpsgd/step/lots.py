@@ -95,26 +95,26 @@ dataset turns ``tf.data`` auto-sharding off: each worker already holds its shard
 auto-sharding would drop some of its lots. Each worker's sampling is independent and secret:
 with ``seed=None`` each draws from its own OS entropy; a fixed seed is combined with the
 worker index (and known to whoever knows the seed).
+
+The code: the sampling and padding over N examples (``_poisson.PoissonSampling``), how lots reach ``fit``
+(``_lot_feeds``: the datasets' mark, the ``PyDataset``), and here :class:`PoissonLots`, its rows in memory and its
+``tf.data`` pipelines; the rows on disk or in a stream: :mod:`keras_dpsgd.step.streaming`.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import threading
 from typing import Any, Iterator, Optional
 
-import keras
 import numpy as np
 import tensorflow as tf
-from scipy import stats
 
-from keras_dpsgd import _validate, ledger
-from keras_dpsgd.accounting.planning import lots_per_epoch
+from keras_dpsgd.step._lot_feeds import LOTS_ATTR as _LOTS_ATTR
+from keras_dpsgd.step._lot_feeds import PoissonLotsPyDataset, read_examples
+from keras_dpsgd.step._lot_feeds import is_lots_dataset, lots_of  # noqa: F401 (the package reads them here)
+from keras_dpsgd.step._poisson import PoissonSampling, check_num_lots, check_workers
+from keras_dpsgd.step._poisson import strategy_workers  # noqa: F401 (the package reads it here)
 
 __all__ = ["PoissonLots"]
-
-_LOG = logging.getLogger("keras_dpsgd")
 
 
 def _leaves(structure: Any) -> list:
@@ -127,20 +127,7 @@ def _as_numpy_structure(structure: Any, name: str) -> Any:
     return tf.nest.map_structure(np.asarray, structure)
 
 
-def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability: float) -> int:
-    """Smallest k with P(Binomial(N, q) > k) <= overflow_probability."""
-    if sampling_rate >= 1.0:
-        return num_examples
-    k = int(stats.binom.isf(overflow_probability, num_examples, sampling_rate))
-    return int(min(num_examples, max(1, k)))
-
-
-def _check_num_lots(num_lots: Optional[int]) -> None:
-    if num_lots is not None:
-        _validate.integer_at_least(0, num_lots=num_lots)
-
-
-class PoissonLots:
+class PoissonLots(PoissonSampling):
     """Lots drawn by Poisson sampling, as a ``tf.data.Dataset`` (or a Keras 3 ``PyDataset``) for ``fit``.
 
     Every step draws a fresh, independent Poisson sample of the examples: each
@@ -256,205 +243,6 @@ class PoissonLots:
             replicas_per_worker=replicas_per_worker,
         )
 
-    def _init_sampling(
-        self,
-        n: int,
-        *,
-        sampling_rate: Optional[float],
-        expected_lot_size: Optional[float],
-        physical_batch_size: Optional[int],
-        max_lot_size: Optional[int],
-        overflow_probability: float,
-        pad_to_multiple_of: Optional[int],
-        seed: Optional[int],
-        num_workers: int,
-        worker_index: int,
-        replicas_per_worker: int,
-    ) -> None:
-        """The rate, the capacity and the generator of lots over N = `n` examples (the arguments of the class)."""
-        self._n = n
-        if (sampling_rate is None) == (expected_lot_size is None):
-            raise ValueError(
-                "exactly one of sampling_rate and expected_lot_size must be given, got "
-                f"sampling_rate={sampling_rate!r}, expected_lot_size={expected_lot_size!r}"
-            )
-        if sampling_rate is not None:
-            q = _validate.in_range(0, 1, "(]", sampling_rate=sampling_rate)
-        else:
-            q = _validate.in_range(0, n, "(]", expected_lot_size=expected_lot_size) / n
-        self._q = q
-        self._workers = _validate.integer_in_range(1, n, num_workers=num_workers)
-        self._worker_index = _validate.integer_in_range(0, self._workers - 1, worker_index=worker_index)
-        self._shard = np.arange(self._worker_index, n, self._workers)  # i % W == w
-        replicas = _validate.integer_at_least(1, replicas_per_worker=replicas_per_worker)
-        overflow_probability = _validate.in_range(0, 1, "()", overflow_probability=overflow_probability)
-        largest_shard = math.ceil(n / self.num_workers)
-        if max_lot_size is None:
-            capacity = _lot_capacity(largest_shard, q, overflow_probability)
-        else:
-            capacity = _validate.integer_in_range(1, largest_shard, max_lot_size=max_lot_size)
-        if physical_batch_size is None:
-            self._physical = math.ceil(capacity / replicas) * replicas
-            self._accum = 1
-        else:
-            self._physical = _validate.integer_at_least(1, physical_batch_size=physical_batch_size)
-            if self._physical % replicas:
-                raise ValueError(
-                    f"physical_batch_size must be a multiple of replicas_per_worker={replicas} (each replica "
-                    f"gets an equal part), got {physical_batch_size!r}"
-                )
-            self._accum = max(1, math.ceil(capacity / self._physical))
-        self._capacity = self._physical * self._accum
-        self._multiple = None
-        if pad_to_multiple_of is not None:
-            self._multiple = _validate.integer_at_least(1, pad_to_multiple_of=pad_to_multiple_of)
-            if self._workers > 1 or self._multiple % replicas:
-                raise ValueError(
-                    "pad_to_multiple_of must be a multiple of replicas_per_worker and needs num_workers=1 (every "
-                    f"worker pads to the same size), got pad_to_multiple_of={pad_to_multiple_of!r}, "
-                    f"replicas_per_worker={replicas}, num_workers={self._workers}"
-                )
-        if seed is not None:
-            seed = _validate.integer_at_least(0, seed=seed)
-            if self.num_workers > 1:
-                seed = [seed, self.num_workers, self.worker_index]  # One stream per worker.
-        # One generator for the life of the object: a second iteration of the
-        # dataset continues the stream instead of replaying the same lots.
-        self._rng = np.random.default_rng(seed)
-        self.overflow_count = 0
-
-    # ---------------------------------------------------------------- facts
-    @property
-    def num_examples(self) -> int:
-        """N, the number of examples."""
-        return self._n
-
-    @property
-    def num_workers(self) -> int:
-        """W, the workers sampling a shard each (1: no sharding)."""
-        return self._workers
-
-    @property
-    def worker_index(self) -> int:
-        """w, this worker's shard: the examples i with i % W == w."""
-        return self._worker_index
-
-    @property
-    def shard_size(self) -> int:
-        """The examples of this worker's shard (N when W = 1)."""
-        return len(self._shard)
-
-    @property
-    def sampling_rate(self) -> float:
-        """q, the probability that an example is in a given lot."""
-        return self._q
-
-    @property
-    def expected_lot_size(self) -> float:
-        """L = qN, the expected lot size of the whole (global) lot: the optimizer's normalizer."""
-        return self._q * self._n
-
-    @property
-    def physical_batch_size(self) -> int:
-        """Rows per physical batch (without overflow)."""
-        return self._physical
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        """Physical batches per lot; use it as the optimizer's gradient_accumulation_steps."""
-        return self._accum
-
-    @property
-    def max_lot_size(self) -> int:
-        """Lot capacity before overflow: physical_batch_size * gradient_accumulation_steps."""
-        return self._capacity
-
-    @property
-    def lots_per_epoch(self) -> int:
-        """ceil(N/L) = ceil(1/q): lots per epoch (:func:`keras_dpsgd.accounting.lots_per_epoch`, the one definition)."""
-        return lots_per_epoch(self._n, self.expected_lot_size)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        """Physical batches per epoch, for ``fit(steps_per_epoch=...)``."""
-        return self.lots_per_epoch * self._accum
-
-    # ------------------------------------------------------------- sampling
-    def sample_indices(self) -> np.ndarray:
-        """Draws one lot: the indices of the selected examples, in random order.
-
-        Each example is selected independently with probability q (so the
-        size is Binomial(N, q)); the indices are distinct. With W workers, the
-        examples of this worker's shard only (Binomial(shard_size, q)).
-        """
-        return self._rng.permutation(self._members())
-
-    def _members(self) -> np.ndarray:
-        """One lot's examples in increasing order: each one independently with probability q."""
-        if self.num_workers == 1:
-            return np.flatnonzero(self._rng.random(self._n) < self._q)
-        return self._shard[self._rng.random(len(self._shard)) < self._q]
-
-    @property
-    def pad_to_multiple_of(self) -> Optional[int]:
-        """m: each physical batch padded to the next multiple of m rows; None: to the capacity."""
-        return self._multiple
-
-    def _physical_rows(self, lot_size: int) -> int:
-        if self._multiple is not None and lot_size <= self._capacity:
-            return max(1, math.ceil(math.ceil(lot_size / self._accum) / self._multiple)) * self._multiple
-        if lot_size <= self._capacity:
-            return self._physical
-        # Overflow: a bigger bucket (a multiple of the physical batch size),
-        # never a truncated lot.
-        self.overflow_count += 1
-        if self.overflow_count == 1:
-            _LOG.warning(
-                "PoissonLots: a lot of %d examples exceeded the capacity %d; it is emitted in a "
-                "bigger padded batch (no example is dropped).",
-                lot_size,
-                self._capacity,
-            )
-        per_batch = math.ceil(lot_size / self._accum)
-        bucket = self._multiple or self._physical
-        return math.ceil(per_batch / bucket) * bucket
-
-    def _index_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
-        """Yields, per physical batch, (row indices, sample weights, number of real rows).
-
-        Padded rows have index N (a row of zeros appended for gathering) and weight 0.
-        """
-        drawn = 0
-        while num_lots is None or drawn < num_lots:
-            indices = self.sample_indices()
-            weights = 1.0 if self._weights is None else self._weights[indices]
-            idx, w = self._padded(len(indices), indices, weights, self._n)
-            yield from self._parts(len(indices), idx, w)
-            drawn += 1
-
-    def _padded(self, n: int, rows: Any, weights: Any, fill: Any) -> tuple:
-        """One lot of `n` examples, its `rows` (an array or a structure of arrays) and `weights`, padded to the
-        lot's physical size with `fill` (the padding row: a scalar) and weight 0 (overflow: a bigger bucket)."""
-        size = self._physical_rows(n) * self._accum
-
-        def pad(a):
-            out = np.full((size,) + a.shape[1:], fill, dtype=a.dtype)
-            out[:n] = a
-            return out
-
-        w = np.zeros((size,), dtype=np.float32)
-        w[:n] = weights
-        return tf.nest.map_structure(pad, rows), w
-
-    def _parts(self, lot_size: int, *padded: Any) -> Iterator[tuple]:
-        """The `gradient_accumulation_steps` physical batches of one padded lot of `lot_size` examples:
-        each of the `padded` structures cut in equal parts, and the number of real rows of each part."""
-        rows = len(padded[-1]) // self._accum
-        for b in range(self._accum):
-            part = slice(b * rows, (b + 1) * rows)
-            cut = [tf.nest.map_structure(lambda a, part=part: a[part], p) for p in padded]
-            yield (*cut, np.int64(min(rows, max(0, lot_size - b * rows))))
-
     def lots(self, num_lots: Optional[int] = None) -> Iterator[tuple]:
         """Yields padded physical batches ``(x, y, sample_weight)`` as numpy arrays.
 
@@ -464,7 +252,7 @@ class PoissonLots:
         Args:
           num_lots: number of lots to draw; None for an endless stream.
         """
-        _check_num_lots(num_lots)
+        check_num_lots(num_lots)
         return self._numpy_batches(num_lots)
 
     def _numpy_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
@@ -518,7 +306,7 @@ class PoissonLots:
           ValueError: with `num_workers` > 1 (use :meth:`distribute`: the strategy's own
             splitting would spread one worker's lot over several steps).
         """
-        _check_num_lots(num_lots)
+        check_num_lots(num_lots)
         self._refuse_shards("dataset")
         data = self._dataset(num_lots)
         # The dataset names its lots: fit of a private Keras 3 model takes shuffle=False (nothing to
@@ -589,8 +377,8 @@ class PoissonLots:
           ValueError: the strategy's workers are not `num_workers`, or its local replicas do not
             divide the physical batch size (pass ``replicas_per_worker``).
         """
-        _check_num_lots(num_lots)
-        _check_workers(self.num_workers, strategy)
+        check_num_lots(num_lots)
+        check_workers(self.num_workers, strategy)
         local = strategy.num_replicas_in_sync // self.num_workers
         if self._physical % local:
             raise ValueError(
@@ -627,7 +415,7 @@ class PoissonLots:
             their shapes and does not train on them, so the physical batches
             would no longer line up with the lots (use :meth:`dataset`).
         """
-        _check_num_lots(num_lots)
+        check_num_lots(num_lots)
         self._refuse_shards("as_py_dataset")
         if self._accum != 1:
             raise ValueError(
@@ -637,28 +425,6 @@ class PoissonLots:
                 "accumulates exactly), or leave physical_batch_size None"
             )
         return PoissonLotsPyDataset(self, num_lots)
-
-    def configure(self, optimizer: Any) -> Any:
-        """Tells a DP optimizer how its lots are drawn; returns it.
-
-        Sets ``optimizer.expected_lot_size = qN`` (the normalizer of the noised
-        sum) and ``optimizer.sampling_rate = q`` (for the accountant).
-
-        Raises:
-          ValueError: if the optimizer's gradient_accumulation_steps differs
-            from this sampler's, or the optimizer's strategy has another number
-            of workers than `num_workers`.
-        """
-        _check_workers(self.num_workers, getattr(optimizer, "_distribution_strategy", None))
-        accum = ledger.accumulation_steps(optimizer)
-        if accum != self._accum:
-            raise ValueError(
-                f"optimizer.gradient_accumulation_steps must be {self._accum} (physical batches per "
-                f"lot of this PoissonLots), got {accum}"
-            )
-        optimizer.expected_lot_size = self.expected_lot_size
-        optimizer.sampling_rate = self._q
-        return optimizer
 
     @classmethod
     def from_dataset(cls, dataset: tf.data.Dataset, **kwargs) -> "PoissonLots":
@@ -676,129 +442,9 @@ class PoissonLots:
           ValueError: if the dataset is infinite or its elements are not
             ``(x, y)`` / ``(x, y, sample_weight)`` tuples.
         """
-        if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-            raise ValueError("dataset must be finite to be Poisson-sampled, got an infinite dataset")
-        spec = dataset.element_spec
-        if not isinstance(spec, tuple) or len(spec) not in (2, 3):
-            raise ValueError(f"dataset elements must be (x, y) or (x, y, sample_weight), got {spec}")
-        columns = None
-        for element in dataset.as_numpy_iterator():
-            if columns is None:
-                columns = [[] for _ in element]
-            for col, part in zip(columns, element):
-                col.append(part)
-        if columns is None:
-            raise ValueError("dataset must hold at least 1 example, got an empty dataset")
-        stacked = [tf.nest.map_structure(lambda *a: np.stack(a), *col) for col in columns]
+        stacked = read_examples(dataset)
         if len(stacked) == 3:
             if "sample_weight" in kwargs:
                 raise ValueError("sample_weight given twice: in the dataset and as an argument")
             kwargs["sample_weight"] = stacked[2]
         return cls(stacked[0], stacked[1], **kwargs)
-
-
-_LOTS_ATTR = "_keras_dpsgd_poisson_lots"
-
-
-def lots_of(data: Any) -> Optional[PoissonLots]:
-    """The :class:`PoissonLots` whose :meth:`~PoissonLots.dataset`, :meth:`~PoissonLots.as_py_dataset` or
-    :meth:`~PoissonLots.distribute` made `data` (that object itself, not one derived from it by
-    ``map``, ``batch``...), else None."""
-    if isinstance(data, PoissonLotsPyDataset):
-        return data._lots
-    lots = getattr(data, _LOTS_ATTR, None)
-    return lots if isinstance(lots, PoissonLots) else None
-
-
-def is_lots_dataset(data: Any) -> bool:
-    """True for a dataset made by :meth:`PoissonLots.dataset` or :meth:`PoissonLots.as_py_dataset`
-    (lots are independent draws: fit's ``shuffle`` means nothing for them)."""
-    return lots_of(data) is not None
-
-
-def strategy_workers(strategy: Any) -> int:
-    """The workers of a ``tf.distribute`` strategy (1 for one machine)."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None or not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return 1
-    spec = resolver.cluster_spec().as_dict()
-    return max(1, len(spec.get("worker", [])) + len(spec.get("chief", [])))
-
-
-def _check_workers(num_workers: int, strategy: Any) -> None:
-    """Refuses a sampler whose shards do not match the strategy's workers."""
-    if strategy is None:
-        return
-    workers = strategy_workers(strategy)
-    if workers != num_workers:
-        raise ValueError(
-            f"PoissonLots has num_workers={num_workers} but the optimizer's {type(strategy).__name__} runs "
-            f"{workers} worker(s): each worker must sample its own shard (PoissonLots(..., "
-            f"num_workers={workers}, worker_index=<this worker's index>)), so that the union of the workers' "
-            "lots is one Poisson lot of the data set"
-        )
-
-
-class PoissonLotsPyDataset(keras.utils.PyDataset):
-    """Poisson lots as a Keras 3 ``keras.utils.PyDataset`` (get one with :meth:`PoissonLots.as_py_dataset`).
-
-    Every ``__getitem__`` draws a fresh lot, whatever the index: lots are
-    independent, so their order means nothing and ``fit(shuffle=...)``
-    changes nothing. Keras draws two lots before training to learn the
-    batch shapes and does not train on them (the stream of fresh lots goes
-    on). Each epoch is `num_lots` fresh lots (or endless: pass
-    ``steps_per_epoch``).
-
-    One worker, in this process only: worker processes would copy the
-    sampler's generator and draw the same lots (no longer independent), so
-    ``workers`` other than 1 and ``use_multiprocessing=True`` are refused.
-    """
-
-    def __init__(self, lots: PoissonLots, num_lots: Optional[int] = None):
-        super().__init__(workers=1, use_multiprocessing=False)
-        _check_num_lots(num_lots)
-        self._lots = lots
-        self._num_lots = None if num_lots is None else int(num_lots)
-        self._stream = lots._numpy_batches(None)
-        self._lock = threading.Lock()
-
-    @property
-    def workers(self) -> int:
-        return 1
-
-    @workers.setter
-    def workers(self, value: int) -> None:
-        if value != 1:
-            raise ValueError(
-                f"workers must be 1 for Poisson lots, got {value!r}: several workers would draw lots out of "
-                "order or, as processes, the same lots"
-            )
-
-    @property
-    def use_multiprocessing(self) -> bool:
-        return False
-
-    @use_multiprocessing.setter
-    def use_multiprocessing(self, value: bool) -> None:
-        if value:
-            raise ValueError(
-                "use_multiprocessing must be False for Poisson lots, got True: each process would copy the "
-                "sampler's generator and draw the same lots"
-            )
-
-    @property
-    def num_batches(self) -> Optional[int]:
-        """`num_lots` (one batch per lot), or None for an endless stream."""
-        return self._num_lots
-
-    def __len__(self) -> int:
-        if self._num_lots is None:
-            raise TypeError("an endless PoissonLotsPyDataset has no len(); pass steps_per_epoch to fit")
-        return self._num_lots
-
-    def __getitem__(self, index: int) -> tuple:
-        """A fresh lot ``(x, y, sample_weight)`` (the index only bounds a finite dataset)."""
-        if self._num_lots is not None and not 0 <= index < self._num_lots:
-            raise IndexError(f"index must be in [0, {self._num_lots}), got {index!r}")
-        with self._lock:
-            return next(self._stream)

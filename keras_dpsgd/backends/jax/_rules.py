@@ -201,6 +201,11 @@ class _LayerNorm(Rule):
         return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
 
 
+class _PReLU(Rule):
+    def pre(self, layer, inputs):
+        return keras.layers.PReLU.call(layer, inputs)  # relu(x) - alpha·relu(-x): linear in alpha
+
+
 RULES: dict[type, Rule] = {
     keras.layers.Dense: _Dense(),
     keras.layers.EinsumDense: _EinsumDense(),
@@ -209,6 +214,7 @@ RULES: dict[type, Rule] = {
     keras.layers.Conv3D: _Conv(),
     keras.layers.Embedding: _Embedding(),
     keras.layers.LayerNormalization: _LayerNorm(),
+    keras.layers.PReLU: _PReLU(),
 }
 
 

@@ -13,6 +13,8 @@ if ``D`` were a variable; they give each example's gradient of ``D``, and the ch
   table (``IndexUse``, Embedding LoRA) gives rows ``Γ_i Bᵀ`` of A and ``A[ids]ᵀ Γ_i`` of B.
 * ``Mul`` by a weight-only scalar (LoRA's ``alpha / rank``), ``Add``/``AddV2``/``Sub`` with a
   weight-only tensor of the same shape (the frozen kernel, RMSNorm's ``1 +``): scaled / the same.
+* ``Neg`` (PReLU's ``-alpha``, then paired with ``relu(-x)`` by the elementwise rule): the use negated. PReLU's
+  alpha thus gets ``Σ g_out · min(x, 0)`` over the axes it is shared along, per example (exact, materialized).
 * ``Slice`` of rows of a table (``PositionEmbedding``): the rows ``begin + t`` of the table, an
   ``IndexUse``; ``Transpose``: the use kept in the transposed layout (``PermutedUse``: same norms,
   the clipped sum transposed back; for a 2-D transpose of an ``OuterUse``, its factors swapped).
@@ -38,7 +40,7 @@ from keras_dpsgd.backends.tensorflow.handlers import _batch_major as batch_major
 
 # Weight-only op types with a pullback (the variable at input 0 or 1).
 _PULLED = frozenset(
-    {"MatMul", "Mul", "Add", "AddV2", "Sub", "Transpose", "Slice", "StridedSlice", "BroadcastTo", "GatherV2"}
+    {"MatMul", "Mul", "Add", "AddV2", "Sub", "Neg", "Transpose", "Slice", "StridedSlice", "BroadcastTo", "GatherV2"}
 )
 _PAIRING = frozenset({"Add", "AddV2", "Sub", "Mul"})
 
@@ -169,6 +171,8 @@ def _pullback(op, index, w):
         return None  # w broadcast against a larger weight: not handled.
     if op.type in ("Add", "AddV2") or (op.type == "Sub" and index == 0):
         return lambda use, shape: use
+    if op.type == "Neg":
+        return lambda use, shape: _scale(use, shape, -1.0)
     if op.type in ("Sub", "Mul"):
         if op.type == "Mul" and (other.shape.rank is None or other.shape.num_elements() != 1):
             return None

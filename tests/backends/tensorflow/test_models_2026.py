@@ -1,4 +1,4 @@
-"""The models of 2026 on Keras 3 TensorFlow (issue 41): silu/swish (a ``tf.custom_gradient``), grouped-query
+"""The models of 2026 on Keras 3 TensorFlow (issue 41), and PReLU (issue 40): silu/swish (a ``tf.custom_gradient``), grouped-query
 attention's repeated K/V heads (``keras.ops.repeat``) and token-level losses with the lots' ``[B]`` sample weight.
 
 Each trains one step on the documented path (``make_private`` + ``PoissonLots(...).dataset()``, σ = 0, every example
@@ -6,6 +6,8 @@ in the lot) and moves the weights by exactly the clipped per-example gradients o
 Controls that genuinely mix the examples stay refused, with advice that fits what was found (no BatchNormalization
 advice for an op that is not batch norm).
 """
+
+import logging
 
 import pytest
 import tensorflow as tf
@@ -17,9 +19,28 @@ from tests._models_2026 import TF_MODELS, check_one_private_step
 
 
 @pytest.mark.parametrize("name", sorted(TF_MODELS))
-def test_one_private_step_equals_the_loop(name):
-    opt = check_one_private_step(name)
+def test_one_private_step_equals_the_loop(name, caplog):
+    with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
+        opt = check_one_private_step(name)
     assert "fast rules" in str(opt.per_example_report)  # no variable fell back to jacobians
+    assert not [r for r in caplog.records if "per-example jacobians" in r.getMessage()]
+
+
+@pytest.mark.parametrize("shared_axes", [None, [1]])
+def test_tf_keras_prelu_equals_the_loop_and_the_reference_path(shared_axes):
+    """PReLU's alpha (``-alpha · relu(-x)``: a Neg, then the elementwise rule) on tf_keras: the fast backend, with
+    no variable on per-example jacobians, == the loop == per-example jacobians (issue 40)."""
+    x, y = data((5, 3, 4), (5, 2), seed=6)
+    alpha = tf_keras.initializers.RandomUniform(0.1, 0.4, seed=6)
+    model = tf_keras.Sequential(
+        [
+            tf_keras.layers.Dense(5),
+            tf_keras.layers.PReLU(alpha_initializer=alpha, shared_axes=shared_axes),
+            tf_keras.layers.Flatten(),
+            tf_keras.layers.Dense(2),
+        ]
+    )
+    check(model, x, y, factors=flat_factors(0.1), first_rows=(2,))
 
 
 def test_tf_keras_swish_equals_the_loop_and_the_reference_path():
