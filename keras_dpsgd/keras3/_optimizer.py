@@ -225,8 +225,11 @@ class DPKeras3Mixin(LotReleaseMixin):
 
             return self._pending(list(traced_step(self, "sanitize", self._checked_variables(variables), step)))
         tf_vars = self._checked_variables(variables)
-        model = ledger.saving_model(self)
-        return self._private_step(per_example_loss, tf_vars, tape, model, regularization_grads, variables)
+        # No local named `model` here: autograph, converting a user's tf.function, would hold it as an
+        # Undefined value that the ledger's walk of the stack (saving_model) then reads.
+        return self._private_step(
+            per_example_loss, tf_vars, tape, ledger.saving_model(self), regularization_grads, variables
+        )
 
     def minimize(
         self,
@@ -265,8 +268,7 @@ class DPKeras3Mixin(LotReleaseMixin):
             self.apply(self.sanitize(per_example_loss, variables, tape, regularization_grads), variables)
             return
         tf_vars = self._checked_variables(variables)
-        model = ledger.saving_model(self)
-        self._private_step(per_example_loss, tf_vars, tape, model, regularization_grads, variables)
+        self._private_step(per_example_loss, tf_vars, tape, ledger.saving_model(self), regularization_grads, variables)
 
     def _apply_release(self, grads, variables) -> None:
         self.apply(grads, variables)

@@ -293,6 +293,7 @@ def _trains(obj: Any, optimizer: Any) -> bool:
     )
 
 
+@tf.autograph.experimental.do_not_convert
 def saving_model(optimizer: Any, max_depth: int = 24) -> Any:
     """The model being saved with `optimizer`, or None.
 
