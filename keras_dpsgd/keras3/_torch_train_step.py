@@ -1,0 +1,277 @@
+"""The private train step of a Keras 3 model on the torch backend (eager: ``train_step(data)``).
+
+Abadi et al. 2016, Algorithm 1, as on TensorFlow and JAX, for one batch:
+
+1. per-example gradients: ``torch.func.vmap`` over the batch of ``torch.func.grad`` of one example's compiled
+   loss through ``model.stateless_call`` on a batch of one (no layer can mix examples;
+   ``keras_dpsgd.backends.torch.per_example_grads``);
+2. clip (flat or per group) and sum, non-finite examples zeroed and counted (``nonfinite_examples``);
+3. with ``gradient_accumulation_steps`` = k > 1 the clipped sums of k batches are accumulated in the optimizer's
+   ``dp_accumulator`` variables and the lot is released on its k-th batch only: one noise draw per lot;
+4. release: noise N(0, σ_v² C_v²) from the library's sampler (``keras_dpsgd.backends.torch``: Box–Muller on
+   keyed random words), divided by L (``expected_lot_size``, else the realized number of examples), plus the
+   gradient of the weight regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it;
+5. the optimizer's descent rule (``optimizer.apply``, which takes the release only) and the metrics (the logged
+   loss: the mean over the real rows, padding of Poisson lots excluded).
+
+The step is eager (Keras's torch trainer runs ``train_step`` as Python; ``jit_compile=True``, i.e.
+``torch.compile``, is refused), so the lot's state machine is plain Python over the optimizer's variables. Refused
+before any weight changes: a non-trainable variable written from an example's data (BatchNormalization in
+training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own,
+adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.unsupported``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import torch
+from keras import ops
+
+from keras_dpsgd import ledger
+from keras_dpsgd.backends import torch as torch_backend
+from keras_dpsgd.keras3._torch_loss import per_example_loss_at
+
+__all__ = ["private_train_step", "prepare_fit", "check_optimizer", "noise_keys"]
+
+_HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step", "_noise_key", "standard_normal")
+_KEYS_ATTR = "_dp_torch_keys"
+_PREPARED_ATTR = "_dp_torch_prepared"
+
+_BATCH_WRITE = (
+    "the private step writes a non-trainable variable from an example's data (e.g. BatchNormalization's moving "
+    "statistics in training mode): it would publish a value of the batch outside the ledger, and batch statistics "
+    "mix examples. Freeze the layer (layer.trainable = False: inference mode) or use "
+    "LayerNormalization/GroupNormalization"
+)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuses, by name, the DP optimizer features not built on torch."""
+    from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+
+    cls = type(optimizer)
+    if getattr(optimizer, "_adaptive", None) is not None:
+        raise torch_backend.unsupported(f"{cls.__name__}: adaptive clipping")
+    for hook in _HOOKS:
+        if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
+            raise torch_backend.unsupported(
+                f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
+            )
+    if optimizer.per_example_backend not in torch_backend.PER_EXAMPLE_CHOICES:
+        raise torch_backend.unsupported(
+            f"per_example_backend={optimizer.per_example_backend!r} (torch takes 'auto' or 'reference': "
+            "torch.func.vmap gradients)"
+        )
+
+
+def noise_keys(optimizer: Any) -> torch_backend.EntropyKeys:
+    """The optimizer's OS-entropy keys (made on first use, renewed on load; never saved)."""
+    keys = optimizer.__dict__.get(_KEYS_ATTR)
+    if keys is None:
+        keys = torch_backend.EntropyKeys()
+        object.__setattr__(optimizer, _KEYS_ATTR, keys)
+    return keys
+
+
+def prepare_fit(model: keras.Model) -> None:
+    """Before a fit or a step outside fit: checks, the ledger attached, the lot boundaries watched."""
+    from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing
+    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
+
+    optimizer = _check_dp_optimizer(model.optimizer)
+    check_optimizer(optimizer)
+    if model.jit_compile is True:
+        raise torch_backend.unsupported("compile(jit_compile=True) (torch.compile of the private step)")
+    if keras.distribution.distribution() is not None:
+        raise torch_backend.unsupported(f"keras.distribution ({type(keras.distribution.distribution()).__name__})")
+    refuse_adapted_preprocessing(model)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    ledger.attach(model, optimizer)
+    optimizer._watch_lot_boundaries(model, check_data=False)  # the fed data: checked at every epoch start
+    object.__setattr__(model, _PREPARED_ATTR, optimizer)
+
+
+def _per_example(model, trainable, non_trainable, x, y, sample_weight):
+    """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values)."""
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    num_weight_terms = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
+    data_losses = []
+
+    def loss_of_one(params, xi, yi, wi):
+        xb, yb, wb = keras.tree.map_structure(lambda a: None if a is None else a[None], (xi, yi, wi))
+        y_pred, new_values, losses = model.stateless_call(params, non_trainable, xb, return_losses=True, **kwargs)
+        loss = per_example_loss_at(model, params, new_values, yb, y_pred, wb)[0]
+        data_losses.append(len(losses) - num_weight_terms)
+        return loss, ((loss, y_pred), list(new_values))
+
+    try:
+        grads, ((losses, y_pred), new_values) = torch_backend.per_example_grads(
+            loss_of_one, trainable, x, y, sample_weight
+        )
+    except torch_backend.BatchWrite as err:
+        raise ValueError(_BATCH_WRITE) from err
+    if data_losses and data_losses[-1] > 0:
+        raise ValueError(
+            f"the model added {data_losses[-1]} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
+            "depend on the data, so their gradient cannot be added without clipping and noise. Fold them into the "
+            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
+        )
+    y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
+    return list(grads), losses, y_pred, new_values
+
+
+def _regularization(model, trainable):
+    """(Σ weight regularizers, its gradient per variable) at `trainable`, or (None, None)."""
+    variables = model.trainable_variables
+    if not any(getattr(v, "regularizer", None) is not None for v in variables):
+        return None, None
+
+    def total(params):
+        terms = [
+            ops.sum(ops.cast(v.regularizer(p), "float32"))
+            for v, p in zip(variables, params)
+            if getattr(v, "regularizer", None) is not None
+        ]
+        return sum(terms)
+
+    grads, value = torch.func.grad_and_value(total)(list(trainable))
+    return value, grads
+
+
+def _clip_factors(sq, bounds, groups, finite, stability):
+    """[B, V]: ``min(1, C_g/||g_i[g]||)`` (or ``C_g/(||g_i[g]|| + γ)``), 0 on every column of a non-finite row."""
+    num_groups = max(groups) + 1
+    if groups == list(range(num_groups)):
+        group_sq = sq
+    else:
+        member = torch.zeros(len(groups), num_groups, dtype=sq.dtype, device=sq.device)
+        member[torch.arange(len(groups)), torch.as_tensor(groups)] = 1.0
+        group_sq = sq @ member
+    norms = torch.sqrt(group_sq)
+    bounds = bounds.to(sq.dtype)
+    if stability is not None:
+        per_group = bounds / (norms + stability)
+    else:
+        per_group = torch.where(norms > bounds, bounds / torch.where(norms > bounds, norms, 1.0), 1.0)
+    return torch.where(finite, per_group[:, torch.as_tensor(groups)], 0.0)
+
+
+def _bounds(optimizer) -> torch.Tensor:
+    bounds = optimizer.clip_bounds.value
+    return bounds if optimizer.per_layer_clipping else bounds[:1]
+
+
+def _clipped_sum(optimizer, grads):
+    """(Σ_i clip(g_i) per variable, the number of non-finite examples) of one batch."""
+    sq = torch_backend.sq_norms(grads)
+    finite = torch_backend.finite_rows(sq)
+    stability = optimizer.stability if optimizer.clipping == "normalize" else None
+    factors = _clip_factors(sq, _bounds(optimizer), optimizer._clip_groups(), finite, stability)
+    return torch_backend.clipped_sum(grads, factors), int((~finite).sum())
+
+
+def _release(optimizer, summed, num_examples: float, reg_grads, variables) -> None:
+    """Noise, normalization, regularization gradient, ``noised_steps`` + 1 and the descent rule."""
+    dp = optimizer._dp
+    groups = optimizer._clip_groups()
+    bounds = _bounds(optimizer)
+    steps = int(optimizer.noised_steps.numpy())
+    if dp.seed is not None:
+        position = steps + int(dp.ledger_offset.numpy())  # the release's position in the model's ledger
+
+        def key_for(index):
+            return torch_backend.seeded_key(dp.seed, position, index)
+
+    else:
+        key_for = noise_keys(optimizer).next_release()
+    noised = [
+        s if dp.sigmas[v] == 0 else torch_backend.add_gaussian(s, dp.sigmas[v] * float(bounds[groups[v]]), key_for(v))
+        for v, s in enumerate(summed)
+    ]
+    lot = float(dp.lot.numpy())
+    denominator = lot if lot > 0 else float(num_examples)
+    grads = [n / denominator for n in noised]
+    if reg_grads is not None:
+        grads = [g + r.to(g.dtype) for g, r in zip(grads, reg_grads)]
+    grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
+    optimizer.noised_steps.assign(steps + 1)
+    dp.pending[:] = grads  # the only gradients its apply accepts
+    with torch.no_grad():
+        optimizer.apply(grads, variables)
+
+
+def _take_batch(optimizer, summed, num_examples: int, reg_grads, variables) -> None:
+    """Steps 3-5: the release of a lot of one batch, or one batch of a lot of k (released on its k-th)."""
+    k = optimizer._dp.accumulation
+    if k == 1:
+        _release(optimizer, summed, num_examples, reg_grads, variables)
+        return
+    for acc, s in zip(optimizer._accumulators, summed):
+        acc.assign(acc.value + s.to(acc.value.dtype))
+    optimizer._accum_examples.assign(float(optimizer._accum_examples.numpy()) + num_examples)
+    optimizer._accum_batches.assign(int(optimizer._accum_batches.numpy()) + 1)
+    if int(optimizer._accum_batches.numpy()) < k:
+        return
+    sums = [acc.value.to(torch.float32) for acc in optimizer._accumulators]
+    _release(optimizer, sums, float(optimizer._accum_examples.numpy()), reg_grads, variables)
+    for acc in optimizer._accumulators:
+        acc.assign(torch.zeros_like(acc.value))
+    optimizer._accum_examples.assign(0.0)
+    optimizer._accum_batches.assign(0)
+
+
+def _real_rows(sample_weight):
+    """bool [B]: the rows with a nonzero sample weight (``keras_dpsgd.step._display.real_rows``'s rule), or None."""
+    rows = None
+    for w in keras.tree.flatten(sample_weight):
+        if w is None:
+            continue
+        nonzero = torch.as_tensor(w) != 0
+        if nonzero.dim() > 1:
+            nonzero = torch.any(nonzero.reshape(nonzero.shape[0], -1), dim=1)
+        rows = nonzero if rows is None else rows | nonzero
+    return rows
+
+
+def _log(model, x, y, y_pred, sample_weight, losses, regularization) -> dict:
+    """The logged loss (the mean over the real rows) and Keras's metrics on the real rows."""
+    rows = _real_rows(sample_weight)
+    losses = losses.detach().to(torch.float32)
+    kept = losses if rows is None else losses[rows]
+    count = kept.shape[0]
+    total = kept.sum() / max(count, 1)
+    if regularization is not None:
+        total = total + regularization.detach()
+    model._loss_tracker.update_state(total, sample_weight=count)
+    if rows is not None:
+        y, y_pred, sample_weight = (
+            keras.tree.map_structure(lambda a: None if a is None else a[rows], s) for s in (y, y_pred, sample_weight)
+        )
+    return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def private_train_step(self: keras.Model, data: Any) -> dict:
+    """The DP train step installed on a torch-backend model by ``keras_dpsgd.keras3.make_private``."""
+    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
+
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    optimizer = _check_dp_optimizer(self.optimizer)
+    if self.__dict__.get(_PREPARED_ATTR) is not optimizer:  # train_on_batch, or a new optimizer
+        prepare_fit(self)
+    variables = list(self.trainable_variables)
+    trainable = [v.value.detach() for v in variables]
+    non_trainable = [v.value.detach() for v in self.non_trainable_variables]
+    grads, losses, y_pred, new_values = _per_example(self, trainable, non_trainable, x, y, sample_weight)
+    summed, nonfinite = _clipped_sum(optimizer, grads)
+    del grads
+    optimizer._dp.nonfinite.assign_add(nonfinite)
+    regularization, reg_grads = _regularization(self, trainable)
+    with torch.no_grad():
+        for variable, value in zip(self.non_trainable_variables, new_values):
+            if value is not variable.value:
+                variable.assign(value)
+    _take_batch(optimizer, summed, losses.shape[0], reg_grads, variables)
+    return _log(self, x, y, y_pred, sample_weight, losses, regularization)
