@@ -31,6 +31,7 @@ from keras import ops
 
 from keras_dpsgd import ledger
 from keras_dpsgd.backends import torch as torch_backend
+from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.keras3._torch_loss import per_example_loss_at
 
 __all__ = ["private_train_step", "prepare_fit", "check_optimizer", "noise_keys"]
@@ -94,22 +95,54 @@ def prepare_fit(model: keras.Model) -> None:
     object.__setattr__(model, _PREPARED_ATTR, optimizer)
 
 
-def _per_example(model, trainable, non_trainable, x, y, sample_weight):
-    """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values)."""
+def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=None):
+    """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values, taps).
+
+    With a plan (``keras_dpsgd.backends.torch.ghost``) the gradients are those of the uncovered variables only,
+    and `taps` holds (∂ℓ/∂z per covered call, each call's inputs, ∂ℓ/∂s per covered variable); else None.
+    """
     kwargs = {"training": True} if model._call_has_training_arg else {}
     num_weight_terms = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
     data_losses = []
+    positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
-    def loss_of_one(params, xi, yi, wi):
+    def forward(full, xi, yi, wi):
         xb, yb, wb = keras.tree.map_structure(lambda a: None if a is None else a[None], (xi, yi, wi))
-        y_pred, new_values, losses = model.stateless_call(params, non_trainable, xb, return_losses=True, **kwargs)
-        loss = per_example_loss_at(model, params, new_values, yb, y_pred, wb)[0]
+        y_pred, new_values, losses = model.stateless_call(full, non_trainable, xb, return_losses=True, **kwargs)
+        loss = per_example_loss_at(model, full, new_values, yb, y_pred, wb)[0]
         data_losses.append(len(losses) - num_weight_terms)
-        return loss, ((loss, y_pred), list(new_values))
+        return loss, y_pred, list(new_values)
 
+    if the_plan is None:
+
+        def loss_of_one(params, xi, yi, wi):
+            loss, y_pred, new_values = forward(params, xi, yi, wi)
+            return loss, ((loss, y_pred, []), new_values)
+
+        params = trainable
+    else:
+        x_one = keras.tree.map_structure(lambda a: None if a is None else a[:1], x)
+        ghost.probe(the_plan, trainable, non_trainable, x_one, kwargs)
+        raw = {id(v): trainable[positions[id(v)]] for v in the_plan.covered}
+        raw.update({id(v): n for v, n in zip(model.non_trainable_variables, non_trainable)})
+        rs = ghost.directions(the_plan)
+
+        def loss_of_one(args, xi, yi, wi):
+            others, zs, ss = args
+            full = list(trainable)
+            for v, p in zip(the_plan.others, others):
+                full[positions[id(v)]] = p
+            for v, s, r in zip(the_plan.covered, ss, rs):
+                full[positions[id(v)]] = trainable[positions[id(v)]] + s * r
+            with the_plan.tapped("tap", zs, raw) as inputs:
+                loss, y_pred, new_values = forward(full, xi, yi, wi)
+            return loss, ((loss, y_pred, list(inputs)), new_values)
+
+        zeros = [torch.zeros(shape, dtype=torch.float32) for shape in the_plan.shapes]
+        params = [[trainable[positions[id(v)]] for v in the_plan.others], zeros, [torch.zeros(()) for _ in rs]]
     try:
-        grads, ((losses, y_pred), new_values) = torch_backend.per_example_grads(
-            loss_of_one, trainable, x, y, sample_weight
+        grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
+            loss_of_one, params, x, y, sample_weight
         )
     except torch_backend.BatchWrite as err:
         raise ValueError(_BATCH_WRITE) from err
@@ -120,7 +153,10 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight):
             "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
         )
     y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
-    return list(grads), losses, y_pred, new_values
+    if the_plan is None:
+        return list(grads), losses, y_pred, new_values, None
+    others, deltas, s_grads = grads
+    return list(others), losses, y_pred, new_values, (list(deltas), list(inputs), list(s_grads))
 
 
 def _regularization(model, trainable):
@@ -164,13 +200,68 @@ def _bounds(optimizer) -> torch.Tensor:
     return bounds if optimizer.per_layer_clipping else bounds[:1]
 
 
-def _clipped_sum(optimizer, grads):
-    """(Σ_i clip(g_i) per variable, the number of non-finite examples) of one batch."""
-    sq = torch_backend.sq_norms(grads)
-    finite = torch_backend.finite_rows(sq)
+def _factors_of(optimizer):
+    """sq [B, V] -> (clip factors [B, V], finite rows [B, 1]) under the optimizer's clipping."""
     stability = optimizer.stability if optimizer.clipping == "normalize" else None
-    factors = _clip_factors(sq, _bounds(optimizer), optimizer._clip_groups(), finite, stability)
-    return torch_backend.clipped_sum(grads, factors), int((~finite).sum())
+    bounds, groups = _bounds(optimizer), optimizer._clip_groups()
+
+    def factors_of(sq):
+        finite = torch_backend.finite_rows(sq)
+        return _clip_factors(sq, bounds, groups, finite, stability), finite
+
+    return factors_of
+
+
+def _clipped_sum(optimizer, grads):
+    """(Σ_i clip(g_i) per variable, finite rows [B, 1]) of one batch from per-example gradients."""
+    factors, finite = _factors_of(optimizer)(torch_backend.sq_norms(grads))
+    return torch_backend.clipped_sum(grads, factors), finite
+
+
+_PLAN_ATTR = "_dp_torch_plan"
+
+
+def _plan_of(model, optimizer, batch: int):
+    """The model's ghost plan under per_example_backend="auto" (None: the vmap path for every variable)."""
+    if optimizer.per_example_backend != "auto" or batch == 0:
+        return None
+    key = tuple(id(v) for v in model.trainable_variables)
+    cached = model.__dict__.get(_PLAN_ATTR)
+    if cached is None or cached[0] != key:
+        cached = (key, ghost.plan(model, per_example=True))
+        object.__setattr__(model, _PLAN_ATTR, cached)
+    return cached[1]
+
+
+def _per_example_clipped_sum(model, optimizer, trainable, non_trainable, x, y, sample_weight):
+    """(Σ_i clip(g_i) per variable, finite rows, losses, y_pred, new non-trainable values): steps 1-2."""
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    the_plan = _plan_of(model, optimizer, batch)
+    if the_plan is not None:
+        others, losses, y_pred, new_values, taps = _per_example(
+            model, trainable, non_trainable, x, y, sample_weight, the_plan
+        )
+        deltas, inputs, s_grads = taps
+        outside = ghost.reads_outside(the_plan, s_grads)
+        if not outside:
+            calls = {id(layer): [] for layer, _ in the_plan.layers}
+            for layer, a, d in zip(the_plan.owners, inputs, deltas):
+                calls[id(layer)].append((a, d))
+            values = {id(v): t for v, t in zip(model.trainable_variables, trainable)}
+            values.update({id(v): t for v, t in zip(model.non_trainable_variables, non_trainable)})
+            summed, finite, _ = ghost.clipped_sums(
+                the_plan, calls, values, _factors_of(optimizer), optimizer._clip_groups(), others
+            )
+            return summed, finite, losses, y_pred, new_values
+        names = [f"{layer.name} ({type(layer).__name__})" for layer in outside]
+        ghost.announce_uncovered(names, "a variable of the layer is read outside its own call")
+        kept = [(layer, rule) for layer, rule in the_plan.layers if layer not in outside]
+        plan = ghost.Plan(model, kept, the_plan.variables) if kept else None
+        object.__setattr__(model, _PLAN_ATTR, (model.__dict__[_PLAN_ATTR][0], plan))
+        return _per_example_clipped_sum(model, optimizer, trainable, non_trainable, x, y, sample_weight)
+    grads, losses, y_pred, new_values, _ = _per_example(model, trainable, non_trainable, x, y, sample_weight)
+    summed, finite = _clipped_sum(optimizer, grads)
+    return summed, finite, losses, y_pred, new_values
 
 
 def _release(optimizer, summed, num_examples: float, reg_grads, variables) -> None:
@@ -264,10 +355,10 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
     variables = list(self.trainable_variables)
     trainable = [v.value.detach() for v in variables]
     non_trainable = [v.value.detach() for v in self.non_trainable_variables]
-    grads, losses, y_pred, new_values = _per_example(self, trainable, non_trainable, x, y, sample_weight)
-    summed, nonfinite = _clipped_sum(optimizer, grads)
-    del grads
-    optimizer._dp.nonfinite.assign_add(nonfinite)
+    summed, finite, losses, y_pred, new_values = _per_example_clipped_sum(
+        self, optimizer, trainable, non_trainable, x, y, sample_weight
+    )
+    optimizer._dp.nonfinite.assign_add(int((~finite).sum()))
     regularization, reg_grads = _regularization(self, trainable)
     with torch.no_grad():
         for variable, value in zip(self.non_trainable_variables, new_values):

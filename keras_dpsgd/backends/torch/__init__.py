@@ -1,6 +1,7 @@
 """The torch backend of keras_dpsgd (Keras 3 with ``KERAS_BACKEND=torch``).
 
-Per-example gradients under ``torch.func.vmap`` (``_per_example``), the library's Gaussian sampler on random words
+Per-example gradients under ``torch.func.vmap`` (``_per_example``), with norm rules for the common layers (ghost
+norms and book-keeping sums: ``ghost``, ``_rules``, the JAX backend's rule interface), the library's Gaussian sampler on random words
 of a keyed counter generator (``_noise``) and the table of array operations the DP core runs over (``_ops``). The
 private train step is the Keras 3 front end's (``keras_dpsgd.keras3._torch_train_step``, installed by
 ``keras_dpsgd.keras3.make_private`` when ``keras.config.backend() == "torch"``). What is not built on torch yet is
@@ -9,6 +10,7 @@ refused by name (:func:`unsupported`), never run on another path.
 
 from typing import Any
 
+from keras_dpsgd.backends.torch import _ghost as ghost
 from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, finite_rows, per_example_grads, sq_norms
@@ -22,6 +24,7 @@ __all__ = [
     "add_gaussian",
     "clipped_sum",
     "finite_rows",
+    "ghost",
     "per_example",
     "per_example_grads",
     "seeded_key",
@@ -32,8 +35,10 @@ __all__ = [
 
 TORCH_UNSUPPORTED = "is not supported on the torch backend yet; use KERAS_BACKEND=tensorflow or jax"
 
-# The seam's interface (keras_dpsgd.backends): "reference" (and "auto", the same today): every variable's
-# gradient under torch.func.vmap, each example its own batch of one. "fast" names TensorFlow's graph analysis.
+# The seam's interface (keras_dpsgd.backends). "auto": the layers with norm rules (``ghost``, ``_rules``) take their
+# norms and clipped sums from their inputs and output gradients, every other variable its gradient under
+# torch.func.vmap; "reference": every variable's gradient under torch.func.vmap (each example a batch of one).
+# "fast" names TensorFlow's graph analysis and is refused here.
 PER_EXAMPLE_CHOICES = ("auto", "reference")
 
 

@@ -30,7 +30,7 @@ class BatchWrite(ValueError):
 
 
 @contextlib.contextmanager
-def _contiguous_layout():
+def contiguous_layout():
     """Keras's torch convolutions keep their inputs' memory layout (no ``channels_last`` copy) for the duration.
 
     Keras copies a convolution's input and kernel to the ``channels_last`` memory format, a layout hint with
@@ -59,7 +59,7 @@ def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *ba
         randomness="different",
     )
     try:
-        with _contiguous_layout():
+        with contiguous_layout():
             return step(list(params), *batched)
     except ValueError as err:
         if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
