@@ -348,7 +348,8 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed on a torch-backend model by ``keras_dpsgd.keras3.make_private``."""
     from keras_dpsgd.keras3._train_step import _check_dp_optimizer
 
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    data = keras.tree.map_structure(lambda a: None if a is None else ops.convert_to_tensor(a), data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)  # train_on_batch hands numpy arrays
     optimizer = _check_dp_optimizer(self.optimizer)
     if self.__dict__.get(_PREPARED_ATTR) is not optimizer:  # train_on_batch, or a new optimizer
         prepare_fit(self)

@@ -55,6 +55,7 @@ class Plan:
         self.others = [v for v in variables if id(v) not in covered]
         self.shapes: list | None = None  # the pre-activation shape of each covered call, in call order
         self.owners: list = []  # the layer of each call
+        self.signature = None  # the input signature the shapes were probed on
         self._mode = None
         self._calls: list = []
         self._raw: dict = {}
@@ -110,11 +111,16 @@ def plan(model, per_example: bool) -> Plan | None:
 
 
 def probe(the_plan: Plan, trainable, non_trainable, x_one, kwargs) -> None:
-    """The covered calls' pre-activation shapes on one example (a forward pass, no gradient)."""
-    the_plan.owners = []
+    """The covered calls' pre-activation shapes on one example (a forward pass, no gradient), once per input
+    signature (the shapes and dtypes of one example's inputs)."""
+    signature = tuple((tuple(a.shape[1:]), str(a.dtype)) for a in torch.utils._pytree.tree_leaves(x_one))
+    if the_plan.signature == signature:
+        return
+    owners = []
+    the_plan.owners = owners
     with torch.no_grad(), the_plan.tapped("probe") as calls:
         the_plan.model.stateless_call(trainable, non_trainable, x_one, **kwargs)
-    the_plan.shapes = list(calls)
+    the_plan.shapes, the_plan.signature = list(calls), signature
 
 
 def directions(the_plan: Plan) -> list:

@@ -101,6 +101,12 @@ class _Dense(Rule):
 
 
 class _EinsumDense(_Dense):
+    def covers(self, layer) -> bool:
+        """The equation keeps the input's first axis (the batch) as the output's first: rows stay apart."""
+        inputs, output = layer.equation.split("->")
+        first = inputs.split(",")[0].strip()[:1]
+        return first.isalpha() and output.strip()[:1] == first and first not in inputs.split(",")[1]
+
     def pre(self, layer, inputs):
         x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
         return x if layer.bias is None else keras.ops.add(x, layer.bias)
@@ -159,6 +165,11 @@ class _Embedding(Rule):
 
 
 class _LayerNorm(Rule):
+    def covers(self, layer) -> bool:
+        """Normalized over axes other than the batch's (positive axes, or the last)."""
+        axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        return all(a > 0 or a == -1 for a in axes)
+
     def pre(self, layer, inputs):
         return keras.layers.LayerNormalization.call(layer, inputs)
 
@@ -216,22 +227,28 @@ def per_example_grads(layer, rule, calls, values, variables) -> list:
     return total
 
 
+def _merged(x):
+    """[B, 1, *rest] -> [B, *rest]: the examples' batches of one as one batch."""
+    return x.reshape((x.shape[0],) + tuple(x.shape[2:]))
+
+
 def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) -> dict:
     """{id(v): Σ_i f_iv g_iv} for the layer's trainable variables: one vjp over the batch per clip group.
 
-    The pre-activation is recomputed under ``torch.func.vmap`` on each example's input (batches of one) and
-    transposed at cotangents ``f_i δ_i``; rows with factor 0 (or non-finite) are exact zeros first.
+    The pre-activation is recomputed on the examples' inputs as one batch (a covered layer's ``pre`` keeps the
+    rows apart: ``Rule.covers`` declines an EinsumDense or LayerNormalization over the batch axis) and transposed at cotangents ``f_i δ_i``, so no example's gradient is
+    materialized; rows with factor 0 (or non-finite) are exact zeros first.
     """
     variables = layer.trainable_variables
     current = [values[id(v)] for v in variables]
     masked = []
     for a, _ in calls:
         keep = finite.reshape((-1,) + (1,) * (a.dim() - 1))
-        masked.append(torch.where(keep, a, torch.zeros((), dtype=a.dtype)))
+        masked.append(_merged(torch.where(keep, a, torch.zeros((), dtype=a.dtype))))
 
     def batched(w):
         at = _with(values, variables, w)
-        return [torch.func.vmap(lambda a: pre_at(layer, rule, a, at))(a) for a in masked]
+        return [pre_at(layer, rule, a, at) for a in masked]
 
     _, vjp = torch.func.vjp(batched, current)
     out = {}
@@ -240,7 +257,7 @@ def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) ->
         cotangents = []
         for _, d in calls:
             fb = f.reshape((-1,) + (1,) * (d.dim() - 1))
-            cotangents.append(torch.where(fb > 0, d.to(torch.float32) * fb, 0.0))
+            cotangents.append(_merged(torch.where(fb > 0, d.to(torch.float32) * fb, 0.0)))
         sums = vjp(cotangents)[0]
         out.update({id(u): s for u, s in zip(variables, sums) if groups[index[id(u)]] == group})
     return out
