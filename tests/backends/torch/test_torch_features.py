@@ -1,0 +1,59 @@
+"""Features around the torch step: BackupAndRestore resumes a seeded run exactly (the ledger and the DP state
+restored), and Keras's own checkpoint files carry the ledger."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dpsgd.keras3 as k3
+from keras_dpsgd import model_epsilon
+from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
+from tests._behaviour import built, keras3_front
+
+FRONT = keras3_front()
+Q, SIGMA, DELTA = 0.5, 1.1, 1e-3
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            raise KeyboardInterrupt
+
+
+class _Steps(keras.callbacks.Callback):
+    taken = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        _Steps.taken += 1
+
+
+def _run(callbacks):
+    model, x, y = built(FRONT, "dense")
+    x, y = x[:4], y[:4]
+    FRONT.compiled(
+        model,
+        l2_norm_clip=1.0,
+        noise_multiplier=SIGMA,
+        learning_rate=0.1,
+        sampling_rate=Q,
+        assume_poisson=True,
+        gradient_accumulation_steps=1,
+        seed=5,
+    )
+    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    return model
+
+
+def test_backup_and_restore_resumes_a_seeded_run_exactly(tmp_path):
+    whole = _run([])
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        _run([k3.BackupAndRestore(backup), _Interrupt()])  # the backup holds epoch 0
+    _Steps.taken = 0
+    resumed = _run([k3.BackupAndRestore(backup), _Steps()])
+    assert _Steps.taken == 2  # epoch 1 only
+    assert int(resumed.optimizer.noised_steps.numpy()) == 4
+    for a, b in zip(whole.trainable_variables, resumed.trainable_variables):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
+    eps, _ = model_epsilon(resumed, target_delta=DELTA)
+    assert eps == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(Q, SIGMA, 4), DELTA), rel=1e-9)
