@@ -32,6 +32,7 @@ from keras import ops
 from keras_dpsgd import ledger
 from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
+from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
 from keras_dpsgd.keras3._torch_loss import per_example_loss_at
 
 __all__ = ["private_train_step", "prepare_fit", "check_optimizer", "noise_keys"]
@@ -50,8 +51,6 @@ _BATCH_WRITE = (
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on torch."""
-    from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
-
     cls = type(optimizer)
     if getattr(optimizer, "_adaptive", None) is not None:
         raise torch_backend.unsupported(f"{cls.__name__}: adaptive clipping")
@@ -79,9 +78,8 @@ def noise_keys(optimizer: Any) -> torch_backend.EntropyKeys:
 def prepare_fit(model: keras.Model) -> None:
     """Before a fit or a step outside fit: checks, the ledger attached, the lot boundaries watched."""
     from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing
-    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
 
-    optimizer = _check_dp_optimizer(model.optimizer)
+    optimizer = check_dp_optimizer(model.optimizer)
     check_optimizer(optimizer)
     if model.jit_compile is True:
         raise torch_backend.unsupported("compile(jit_compile=True) (torch.compile of the private step)")
@@ -346,11 +344,9 @@ def _log(model, x, y, y_pred, sample_weight, losses, regularization) -> dict:
 
 def private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed on a torch-backend model by ``keras_dpsgd.keras3.make_private``."""
-    from keras_dpsgd.keras3._train_step import _check_dp_optimizer
-
     data = keras.tree.map_structure(lambda a: None if a is None else ops.convert_to_tensor(a), data)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)  # train_on_batch hands numpy arrays
-    optimizer = _check_dp_optimizer(self.optimizer)
+    optimizer = check_dp_optimizer(self.optimizer)
     if self.__dict__.get(_PREPARED_ATTR) is not optimizer:  # train_on_batch, or a new optimizer
         prepare_fit(self)
     variables = list(self.trainable_variables)

@@ -10,7 +10,7 @@ refused by name (:func:`unsupported`), never run on another path.
 
 from typing import Any
 
-from keras_dpsgd.backends.torch import _ghost as ghost
+from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, finite_rows, per_example_grads, sq_norms

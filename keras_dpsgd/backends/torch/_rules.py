@@ -1,4 +1,4 @@
-"""The layers with per-example norm rules on torch, and the vector-Jacobian products the rules share (``_ghost``).
+"""The layers with per-example norm rules on torch, and the vector-Jacobian products the rules share (``ghost``).
 
 The rule interface is the JAX backend's (``keras_dpsgd.backends.jax._rules``): a :class:`Rule` serves a layer
 whose output before its activation, ``pre(layer, inputs)``, is computed from its own variables and its input.

@@ -3,7 +3,7 @@
 The exact path (``_per_example``) differentiates each example's loss, on a batch of one under ``torch.func.vmap``,
 with respect to every trainable variable: B full gradients. Here the same vmapped backward pass is taken with
 respect to a zero perturbation ``z`` added to the pre-activation output of each *covered* layer call (and to the
-other trainable variables, as before), as on JAX (``keras_dpsgd.backends.jax._ghost``). It returns, per example i
+other trainable variables, as before), as on JAX (``keras_dpsgd.backends.jax.ghost``). It returns, per example i
 and call c, the layer's input ``a_ic`` and its output gradient ``δ_ic = ∂ℓ_i/∂z_c``; the layer's norms and clipped
 sum come from them (``_rules``: closed forms, or a vector-Jacobian product of the layer alone). Mixing is
 impossible by construction: the forward and backward passes run under ``torch.func.vmap`` on batches of one.
