@@ -57,3 +57,26 @@ def test_backup_and_restore_resumes_a_seeded_run_exactly(tmp_path):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-6, atol=1e-7)
     eps, _ = model_epsilon(resumed, target_delta=DELTA)
     assert eps == pytest.approx(compute_epsilon(PoissonSampledGaussianEvent(Q, SIGMA, 4), DELTA), rel=1e-9)
+
+
+def test_cli_trains_on_torch_in_this_process(capsys):
+    """``KERAS_BACKEND=torch keras-dpsgd train --dp-normalize`` on the bundled digits: the planned lots run, ε is
+    the accountant's over the normalization's release (recorded exactly: float64 on torch) and the steps."""
+    import json
+
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent, event_from_dict
+    from keras_dpsgd.cli import main
+
+    argv = ["train", "--epochs", "1", "--lot-size", "256", "--width", "8", "--seed", "0", "--json"]
+    assert main(argv + ["--dp-normalize", "3.2"]) == 0, capsys.readouterr().err[-3000:]
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["dataset"] == "digits" and result["backend"] == "torch"
+    assert f"Keras {keras.__version__} on torch" in err  # the plan line
+    assert result["steps"] == result["planned_steps"] == 6  # ceil(1347 / 256) lots
+    release = event_from_dict(result["dp_normalize"]["event"])
+    assert release.noise_multiplier == 3.2
+    event = PoissonSampledGaussianEvent(result["sampling_rate"], result["noise_multiplier"], result["steps"])
+    assert result["epsilon"] == pytest.approx(compute_epsilon([release, event], result["delta"]), rel=1e-9)
+    assert result["epsilon"] <= result["target_epsilon"]
+    assert result["test_accuracy"] > 0.2  # 10 classes: above chance after 6 noisy lots
