@@ -270,7 +270,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per round of each run (their median counts)")
     parser.add_argument("--out", default=None, help="also write the JSON object here")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads for every run (default 1: on a shared 2-core machine torch's thread pool "
+        "waits on the other processes at every kernel)",
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     import opacus
 
     with open("/proc/loadavg") as f:
