@@ -99,8 +99,14 @@ def plan(model, per_example: bool) -> Plan | None:
         return None
     layers, uncovered = [], []
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not layer.trainable_variables or list(layer._flatten_layers(include_self=False, recursive=False)):
-            continue  # a container: its sublayers are visited
+        if not layer.trainable_variables:
+            continue
+        sublayers = list(layer._flatten_layers(include_self=False, recursive=True))
+        if sublayers:  # a container: its sublayers are visited; weights of its own take the vmap path
+            inner = {id(v) for sub in sublayers for v in sub.trainable_variables}
+            if any(id(v) not in inner for v in layer.trainable_variables):
+                uncovered.append(f"{layer.name} ({type(layer).__name__})")
+            continue
         rule = rule_for(layer)
         if rule is None:
             uncovered.append(f"{layer.name} ({type(layer).__name__})")
