@@ -78,6 +78,11 @@ class Rule:
     def sq_norms(self, layer, calls, trainable) -> dict | None:
         return None
 
+    def sums(self, layer, inputs, weighted) -> dict | None:
+        """{id(v): Σ_i f_iv g_iv} in closed form from the calls' `inputs` ([B, 1, ...] each, zero where the factor
+        is) and ``weighted(v)`` = f_iv δ_i as rows [B, T, j], or None (the vector-Jacobian product over the batch)."""
+        return None
+
 
 class _Dense(Rule):
     def pre(self, layer, inputs):
@@ -98,6 +103,20 @@ class _Dense(Rule):
         if layer.bias is not None:
             out[id(layer.bias)] = bias
         return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
+
+    def sums(self, layer, inputs, weighted):
+        """Kernel ``Σ_i Σ_t a_itᵀ (f_i δ_it)`` (one product, no recomputed forward pass), bias ``Σ_i Σ_t f_i δ_it``."""
+        if layer.lora_enabled or type(layer) is not keras.layers.Dense:
+            return None
+        a = torch.cat([x.reshape(x.shape[0], -1, x.shape[-1]) for x in inputs], dim=1)
+        out = {}
+        for v in layer.trainable_variables:
+            d = weighted(v)
+            if v is layer._kernel:
+                out[id(v)] = torch.einsum("bti,btj->ij", a.to(torch.float32), d)
+            else:
+                out[id(v)] = torch.sum(d, dim=(0, 1))
+        return out
 
 
 class _EinsumDense(_Dense):
@@ -244,7 +263,17 @@ def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) ->
     masked = []
     for a, _ in calls:
         keep = finite.reshape((-1,) + (1,) * (a.dim() - 1))
-        masked.append(_merged(torch.where(keep, a, torch.zeros((), dtype=a.dtype))))
+        masked.append(torch.where(keep, a, torch.zeros((), dtype=a.dtype)))
+
+    def weighted(v):
+        f = factors[:, index[id(v)]]
+        rows = [d.reshape(d.shape[0], -1, d.shape[-1]).to(torch.float32) for _, d in calls]
+        return torch.where(f[:, None, None] > 0, torch.cat(rows, dim=1) * f[:, None, None], 0.0)
+
+    closed = rule.sums(layer, masked, weighted)
+    if closed is not None:
+        return closed
+    masked = [_merged(a) for a in masked]
 
     def batched(w):
         at = _with(values, variables, w)
