@@ -280,8 +280,8 @@ def _release(optimizer, summed, num_examples: float, reg_grads, variables) -> No
         s if dp.sigmas[v] == 0 else torch_backend.add_gaussian(s, dp.sigmas[v] * float(bounds[groups[v]]), key_for(v))
         for v, s in enumerate(summed)
     ]
-    lot = float(dp.lot.numpy())
-    denominator = lot if lot > 0 else float(num_examples)
+    lot = dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
+    denominator = float(lot) if lot else float(num_examples)
     grads = [n / denominator for n in noised]
     if reg_grads is not None:
         grads = [g + r.to(g.dtype) for g, r in zip(grads, reg_grads)]
@@ -355,7 +355,9 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
     summed, finite, losses, y_pred, new_values = _per_example_clipped_sum(
         self, optimizer, trainable, non_trainable, x, y, sample_weight
     )
-    optimizer._dp.nonfinite.assign_add(int((~finite).sum()))
+    nonfinite = int((~finite).sum())
+    if nonfinite:
+        optimizer._dp.nonfinite.assign_add(nonfinite)
     regularization, reg_grads = _regularization(self, trainable)
     with torch.no_grad():
         for variable, value in zip(self.non_trainable_variables, new_values):

@@ -56,6 +56,7 @@ class Plan:
         self.shapes: list | None = None  # the pre-activation shape of each covered call, in call order
         self.owners: list = []  # the layer of each call
         self.signature = None  # the input signature the shapes were probed on
+        self.directions: list | None = None  # the watch's r per covered variable
         self._mode = None
         self._calls: list = []
         self._raw: dict = {}
@@ -130,9 +131,13 @@ def probe(the_plan: Plan, trainable, non_trainable, x_one, kwargs) -> None:
 
 
 def directions(the_plan: Plan) -> list:
-    """A fixed random direction r per covered variable (the watch on reads outside the layer's call)."""
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randn(tuple(v.shape), generator=generator).to(v.value.device) for v in the_plan.covered]
+    """A fixed random direction r per covered variable (the watch on reads outside the layer's call), made once."""
+    if the_plan.directions is None:
+        generator = torch.Generator().manual_seed(0)
+        the_plan.directions = [
+            torch.randn(tuple(v.shape), generator=generator).to(v.value.device) for v in the_plan.covered
+        ]
+    return the_plan.directions
 
 
 def clipped_sums(the_plan: Plan, calls_by_layer, values, factors_of, groups, other_grads):
