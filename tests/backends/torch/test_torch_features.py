@@ -80,3 +80,28 @@ def test_cli_trains_on_torch_in_this_process(capsys):
     assert result["epsilon"] == pytest.approx(compute_epsilon([release, event], result["delta"]), rel=1e-9)
     assert result["epsilon"] <= result["target_epsilon"]
     assert result["test_accuracy"] > 0.2  # 10 classes: above chance after 6 noisy lots
+
+
+def test_membership_callback_and_input_canary_audit_run_on_torch():
+    """The membership-inference callback reads the model's losses (its AUC in [0, 1]); the one-run audit with input
+    canaries: its ε is the accountant's for the lots it ran, its lower bound does not exceed it."""
+    from keras_dpsgd.audit.one_run import canary_audit, mlp_builder
+
+    model, x, y = built(FRONT, "dense")
+    audit = k3.MembershipInferenceCallback((x[:3], y[:3]), (x[3:], y[3:]), methods=("loss",), verbose=0)
+    FRONT.compiled(model, l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1)
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0, callbacks=[audit])
+    ((epoch, reports),) = audit.history
+    assert epoch == 1 and 0.0 <= reports["loss"].auc <= 1.0
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(192, 6)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    result = canary_audit(
+        mlp_builder((6,), 2, width=8), (x, y), num_classes=2, canaries=16, kind="ood",
+        noise_multiplier=1.0, lot_size=50, epochs=1, seed=0,
+    )  # fmt: skip
+    n = len(x) + 16 // 2  # the public size: N + m/2
+    event = PoissonSampledGaussianEvent(50 / n, 1.0, result.steps)
+    assert result.steps >= 1 and result.epsilon == pytest.approx(compute_epsilon([event], result.delta), rel=1e-9)
+    assert 0.0 <= result.epsilon_lower_bound <= result.epsilon
