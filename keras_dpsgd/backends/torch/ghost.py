@@ -158,6 +158,7 @@ def _clipped_sums(the_plan, calls_by_layer, values, factors_of, groups, other_gr
 
     index = {id(v): i for i, v in enumerate(the_plan.variables)}
     columns: dict = {}
+    materialized: dict = {}  # id -> [B, *shape]: a layer's per-example gradients where no closed form served
     for layer, rule in the_plan.layers:
         calls = calls_by_layer[id(layer)]
         found = rule.sq_norms(layer, calls, layer.trainable_variables) or {}
@@ -165,6 +166,7 @@ def _clipped_sums(the_plan, calls_by_layer, values, factors_of, groups, other_gr
         if missing:
             grads = per_example_grads(layer, rule, calls, values, missing)
             found.update({id(v): _rounding.positive_upper(*staged_sq_norms(g)) for v, g in zip(missing, grads)})
+            materialized.update({id(v): g for v, g in zip(missing, grads)})
         columns.update(found)
     for v, g in zip(the_plan.others, other_grads):
         columns[id(v)] = _rounding.positive_upper(*staged_sq_norms(g))
@@ -172,6 +174,13 @@ def _clipped_sums(the_plan, calls_by_layer, values, factors_of, groups, other_gr
     factors, finite = factors_of(sq)
     summed: dict = {}
     for layer, rule in the_plan.layers:
+        variables = layer.trainable_variables
+        if all(id(v) in materialized for v in variables):  # book-keeping: the sum of what is already there
+            cols = factors[:, [index[id(v)] for v in variables]]
+            summed.update(
+                {id(v): s for v, s in zip(variables, clipped_sum([materialized[id(v)] for v in variables], cols))}
+            )
+            continue
         calls = calls_by_layer[id(layer)]
         summed.update(weighted_sums(layer, rule, calls, values, factors, finite[:, 0], index, groups))
     if the_plan.others:
