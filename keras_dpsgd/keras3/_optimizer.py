@@ -379,7 +379,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         else:
             super().load_own_variables(store)
         if backends.is_torch():
-            from keras_dpsgd.keras3._torch_train_step import noise_keys
+            from keras_dpsgd.keras3._torch_front import noise_keys
 
             noise_keys(self).renew()  # fresh OS entropy: a file restored twice never replays noise
             self._dp.nonfinite.assign(0)

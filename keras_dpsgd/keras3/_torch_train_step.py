@@ -32,13 +32,14 @@ from keras import ops
 from keras_dpsgd import ledger
 from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
+from keras_dpsgd.dp.step import private_step
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
+from keras_dpsgd.keras3._torch_front import TorchFront
 from keras_dpsgd.keras3._torch_loss import per_example_loss_at
 
-__all__ = ["private_train_step", "prepare_fit", "check_optimizer", "noise_keys"]
+__all__ = ["private_train_step", "prepare_fit", "check_optimizer"]
 
 _HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step", "_noise_key", "standard_normal")
-_KEYS_ATTR = "_dp_torch_keys"
 _PREPARED_ATTR = "_dp_torch_prepared"
 
 _BATCH_WRITE = (
@@ -64,15 +65,6 @@ def check_optimizer(optimizer: Any) -> None:
             f"per_example_backend={optimizer.per_example_backend!r} (torch takes 'auto' or 'reference': "
             "torch.func.vmap gradients)"
         )
-
-
-def noise_keys(optimizer: Any) -> torch_backend.EntropyKeys:
-    """The optimizer's OS-entropy keys (made on first use, renewed on load; never saved)."""
-    keys = optimizer.__dict__.get(_KEYS_ATTR)
-    if keys is None:
-        keys = torch_backend.EntropyKeys()
-        object.__setattr__(optimizer, _KEYS_ATTR, keys)
-    return keys
 
 
 def prepare_fit(model: keras.Model) -> None:
@@ -175,47 +167,6 @@ def _regularization(model, trainable):
     return value, grads
 
 
-def _clip_factors(sq, bounds, groups, finite, stability):
-    """[B, V]: ``min(1, C_g/||g_i[g]||)`` (or ``C_g/(||g_i[g]|| + γ)``), 0 on every column of a non-finite row."""
-    num_groups = max(groups) + 1
-    if groups == list(range(num_groups)):
-        group_sq = sq
-    else:
-        member = torch.zeros(len(groups), num_groups, dtype=sq.dtype, device=sq.device)
-        member[torch.arange(len(groups)), torch.as_tensor(groups)] = 1.0
-        group_sq = sq @ member
-    norms = torch.sqrt(group_sq)
-    bounds = bounds.to(sq.dtype)
-    if stability is not None:
-        per_group = bounds / (norms + stability)
-    else:
-        per_group = torch.where(norms > bounds, bounds / torch.where(norms > bounds, norms, 1.0), 1.0)
-    return torch.where(finite, per_group[:, torch.as_tensor(groups)], 0.0)
-
-
-def _bounds(optimizer) -> torch.Tensor:
-    bounds = optimizer.clip_bounds.value
-    return bounds if optimizer.per_layer_clipping else bounds[:1]
-
-
-def _factors_of(optimizer):
-    """sq [B, V] -> (clip factors [B, V], finite rows [B, 1]) under the optimizer's clipping."""
-    stability = optimizer.stability if optimizer.clipping == "normalize" else None
-    bounds, groups = _bounds(optimizer), optimizer._clip_groups()
-
-    def factors_of(sq):
-        finite = torch_backend.finite_rows(sq)
-        return _clip_factors(sq, bounds, groups, finite, stability), finite
-
-    return factors_of
-
-
-def _clipped_sum(optimizer, grads):
-    """(Σ_i clip(g_i) per variable, finite rows [B, 1]) of one batch from per-example gradients."""
-    factors, finite = _factors_of(optimizer)(torch_backend.sq_norms(grads))
-    return torch_backend.clipped_sum(grads, factors), finite
-
-
 _PLAN_ATTR = "_dp_torch_plan"
 
 
@@ -231,8 +182,9 @@ def _plan_of(model, optimizer, batch: int):
     return cached[1]
 
 
-def _per_example_clipped_sum(model, optimizer, trainable, non_trainable, x, y, sample_weight):
-    """(Σ_i clip(g_i) per variable, finite rows, losses, y_pred, new non-trainable values): steps 1-2."""
+def _per_example_clipped_sum(model, optimizer, clip, trainable, non_trainable, x, y, sample_weight):
+    """(Σ_i clip(g_i) per variable, losses, y_pred, new non-trainable values): steps 1-3 (`clip`: the core's
+    ``dp.step.Clip``, squared norms -> factors)."""
     batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
     the_plan = _plan_of(model, optimizer, batch)
     if the_plan is not None:
@@ -247,69 +199,19 @@ def _per_example_clipped_sum(model, optimizer, trainable, non_trainable, x, y, s
                 calls[id(layer)].append((a, d))
             values = {id(v): t for v, t in zip(model.trainable_variables, trainable)}
             values.update({id(v): t for v, t in zip(model.non_trainable_variables, non_trainable)})
-            summed, finite, _ = ghost.clipped_sums(
-                the_plan, calls, values, _factors_of(optimizer), optimizer._clip_groups(), others
+            summed, _, _ = ghost.clipped_sums(
+                the_plan, calls, values, lambda sq: (clip(sq), clip.finite), optimizer._clip_groups(), others
             )
-            return summed, finite, losses, y_pred, new_values
+            return summed, losses, y_pred, new_values
         names = [f"{layer.name} ({type(layer).__name__})" for layer in outside]
         ghost.announce_uncovered(names, "a variable of the layer is read outside its own call")
         kept = [(layer, rule) for layer, rule in the_plan.layers if layer not in outside]
         plan = ghost.Plan(model, kept, the_plan.variables) if kept else None
         object.__setattr__(model, _PLAN_ATTR, (model.__dict__[_PLAN_ATTR][0], plan))
-        return _per_example_clipped_sum(model, optimizer, trainable, non_trainable, x, y, sample_weight)
+        return _per_example_clipped_sum(model, optimizer, clip, trainable, non_trainable, x, y, sample_weight)
     grads, losses, y_pred, new_values, _ = _per_example(model, trainable, non_trainable, x, y, sample_weight)
-    summed, finite = _clipped_sum(optimizer, grads)
-    return summed, finite, losses, y_pred, new_values
-
-
-def _release(optimizer, summed, num_examples: float, reg_grads, variables) -> None:
-    """Noise, normalization, regularization gradient, ``noised_steps`` + 1 and the descent rule."""
-    dp = optimizer._dp
-    groups = optimizer._clip_groups()
-    bounds = _bounds(optimizer)
-    steps = int(optimizer.noised_steps.numpy())
-    if dp.seed is not None:
-        position = steps + int(dp.ledger_offset.numpy())  # the release's position in the model's ledger
-
-        def key_for(index):
-            return torch_backend.seeded_key(dp.seed, position, index)
-
-    else:
-        key_for = noise_keys(optimizer).next_release()
-    noised = [
-        s if dp.sigmas[v] == 0 else torch_backend.add_gaussian(s, dp.sigmas[v] * float(bounds[groups[v]]), key_for(v))
-        for v, s in enumerate(summed)
-    ]
-    lot = dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
-    denominator = float(lot) if lot else float(num_examples)
-    grads = [n / denominator for n in noised]
-    if reg_grads is not None:
-        grads = [g + r.to(g.dtype) for g, r in zip(grads, reg_grads)]
-    grads = [g.to(v.value.dtype) for g, v in zip(grads, variables)]
-    optimizer.noised_steps.assign(steps + 1)
-    dp.pending[:] = grads  # the only gradients its apply accepts
-    with torch.no_grad():
-        optimizer.apply(grads, variables)
-
-
-def _take_batch(optimizer, summed, num_examples: int, reg_grads, variables) -> None:
-    """Steps 3-5: the release of a lot of one batch, or one batch of a lot of k (released on its k-th)."""
-    k = optimizer._dp.accumulation
-    if k == 1:
-        _release(optimizer, summed, num_examples, reg_grads, variables)
-        return
-    for acc, s in zip(optimizer._accumulators, summed):
-        acc.assign(acc.value + s.to(acc.value.dtype))
-    optimizer._accum_examples.assign(float(optimizer._accum_examples.numpy()) + num_examples)
-    optimizer._accum_batches.assign(int(optimizer._accum_batches.numpy()) + 1)
-    if int(optimizer._accum_batches.numpy()) < k:
-        return
-    sums = [acc.value.to(torch.float32) for acc in optimizer._accumulators]
-    _release(optimizer, sums, float(optimizer._accum_examples.numpy()), reg_grads, variables)
-    for acc in optimizer._accumulators:
-        acc.assign(torch.zeros_like(acc.value))
-    optimizer._accum_examples.assign(0.0)
-    optimizer._accum_batches.assign(0)
+    summed = torch_backend.clipped_sum(grads, clip(torch_backend.sq_norms(grads)))
+    return summed, losses, y_pred, new_values
 
 
 def _real_rows(sample_weight):
@@ -352,16 +254,20 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
     variables = list(self.trainable_variables)
     trainable = [v.value.detach() for v in variables]
     non_trainable = [v.value.detach() for v in self.non_trainable_variables]
-    summed, finite, losses, y_pred, new_values = _per_example_clipped_sum(
-        self, optimizer, trainable, non_trainable, x, y, sample_weight
-    )
-    nonfinite = int((~finite).sum())
-    if nonfinite:
-        optimizer._dp.nonfinite.assign_add(nonfinite)
     regularization, reg_grads = _regularization(self, trainable)
+    out = {}
+
+    def clipped_sum(clip):  # steps 1-3 (the core's private_step runs them, then the lot and the release)
+        summed, out["losses"], out["y_pred"], out["new_values"] = _per_example_clipped_sum(
+            self, optimizer, clip, trainable, non_trainable, x, y, sample_weight
+        )
+        return summed
+
+    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
+    private_step(TorchFront(optimizer, variables, reg_grads), clipped_sum, torch.tensor(float(batch)))
     with torch.no_grad():
-        for variable, value in zip(self.non_trainable_variables, new_values):
+        for variable, value in zip(self.non_trainable_variables, out["new_values"]):
             if value is not variable.value:
                 variable.assign(value)
-    _take_batch(optimizer, summed, losses.shape[0], reg_grads, variables)
+    losses, y_pred = out["losses"], out["y_pred"]
     return _log(self, x, y, y_pred, sample_weight, losses, regularization)

@@ -5,19 +5,24 @@ norms and book-keeping sums: ``ghost``, ``_rules``, the JAX backend's rule inter
 of a keyed counter generator (``_noise``) and the table of array operations the DP core runs over (``_ops``). The
 private train step is the Keras 3 front end's (``keras_dpsgd.keras3._torch_train_step``, installed by
 ``keras_dpsgd.keras3.make_private`` when ``keras.config.backend() == "torch"``). What is not built on torch yet is
-refused by name (:func:`unsupported`), never run on another path.
+refused by name (:func:`unsupported`), never run on another path. The optimizer's local state (the lot size's
+mirror, the non-finite count, the ledger offset: never saved) is TensorFlow's (``make_local_state``), which the
+eager step reads.
 """
 
 from typing import Any
 
 from keras_dpsgd.backends.torch import ghost
+from keras_dpsgd.backends.tensorflow.ops import make_local_state
 from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
+from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
 from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, finite_rows, per_example_grads, sq_norms
 
 __all__ = [
     "BatchWrite",
     "EntropyKeys",
+    "OPS",
     "PER_EXAMPLE_CHOICES",
     "TORCH_OPS",
     "TORCH_UNSUPPORTED",
@@ -25,6 +30,7 @@ __all__ = [
     "clipped_sum",
     "finite_rows",
     "ghost",
+    "make_local_state",
     "per_example",
     "per_example_grads",
     "seeded_key",

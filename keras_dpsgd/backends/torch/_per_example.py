@@ -6,7 +6,7 @@ example. The contract is the other backends' (``keras_dpsgd.backends``):
 
     summed[v] = Σ_i factors[i, v] · g_i[v],   sq_norms[i, v] = ||g_i[v]||²
 
-with the squared norms certified upper bounds of the float32 sums (``keras_dpsgd.step._rounding``), and an example
+with the squared norms certified upper bounds of the float32 sums (``keras_dpsgd.dp.rounding``), and an example
 whose factor is 0 contributing exactly 0, even when its gradient holds NaN or Inf (replaced by 0 before the
 product). The clip factors themselves are the core's, not this module's.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 from keras.src.backend.torch import nn as keras_torch_nn
 
-from keras_dpsgd.step import _rounding
+from keras_dpsgd.dp import rounding as _rounding
 
 __all__ = ["per_example_grads", "sq_norms", "staged_sq_norms", "finite_rows", "clipped_sum", "BatchWrite"]
 

@@ -8,7 +8,7 @@ vector-Jacobian product of ``pre`` alone, not of the model) and :func:`weighted_
 ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may
 replace the former by closed forms (Dense: ``||a||²·||δ||²`` on one row, the Gram form or the direct product on
 sequences, Li et al. 2022's ghost norm; Embedding: the Gram form with id equality). A closed form is a certified
-upper bound of the squared norm (``keras_dpsgd.step._rounding``, shared by every backend).
+upper bound of the squared norm (``keras_dpsgd.dp.rounding``, shared by every backend).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_dpsgd.backends.torch._per_example import staged_sq_norms
-from keras_dpsgd.step import _rounding
+from keras_dpsgd.dp import rounding as _rounding
 
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 

@@ -154,7 +154,7 @@ def clipped_sums(the_plan: Plan, calls_by_layer, values, factors_of, groups, oth
 
 def _clipped_sums(the_plan, calls_by_layer, values, factors_of, groups, other_grads):
     from keras_dpsgd.backends.torch._per_example import clipped_sum, staged_sq_norms
-    from keras_dpsgd.step import _rounding
+    from keras_dpsgd.dp import rounding as _rounding
 
     index = {id(v): i for i, v in enumerate(the_plan.variables)}
     columns: dict = {}

@@ -7,7 +7,7 @@ import numpy as np
 import scipy.stats
 import torch
 
-from keras_dpsgd.backends.torch import _noise
+from keras_dpsgd.backends.torch import _noise, _ops
 
 
 def _draw(n, seed=3, step=0, index=0):
@@ -15,15 +15,16 @@ def _draw(n, seed=3, step=0, index=0):
 
 
 def test_the_words_make_the_tf_samplers_values():
-    """The same words through the TF sampler's Box–Muller (refined where x0 = 0): the same normals."""
+    """The core's Box–Muller over TensorFlow's table on the same words (stream 0 of the key): the same normals."""
     import tensorflow as tf
 
-    from keras_dpsgd.step import _noise as tf_noise
+    from keras_dpsgd.backends.tensorflow.ops import TF_OPS
+    from keras_dpsgd.dp.noise import box_muller
 
     key = _noise.seeded_key(3, 0, 0)
-    words = _noise.words(key, 2 * 2048).reshape(2, 2048)
+    words = _ops.NOISE_OPS.random_words(key, (2, 2048), 0)
     z = _noise.standard_normal((4096,), key).numpy()
-    want = tf_noise.box_muller(*[tf.constant(w) for w in words]).numpy().reshape(-1)
+    want = box_muller(TF_OPS, *[tf.constant(w) for w in words]).numpy().reshape(-1)
     np.testing.assert_allclose(z, want, rtol=2e-6, atol=2e-6)
 
 
@@ -44,16 +45,16 @@ def test_matches_the_standard_normal_with_full_tails():
 
 def test_pairs_with_a_zero_word_are_refined(monkeypatch):
     """Pairs with x0 == 0 (prob. 2^-32) get the refined radius from two more words: past sqrt(2·32·ln 2)."""
-    real, calls = _noise.words, []
+    real, calls = _ops.words, []
 
     def words(key, n):
-        w = real(key, n)
+        w = real(key, n).copy()
         if not calls:
             w[[0, 1, 3]] = 0  # x0 of pairs 0, 1 and 3
         calls.append(n)
         return w
 
-    monkeypatch.setattr(_noise, "words", words)
+    monkeypatch.setattr(_ops, "words", words)
     z = _noise.standard_normal((10,), _noise.seeded_key(7, 0, 0)).numpy()
     radius = np.hypot(z[:5], z[5:])
     assert len(calls) == 2
