@@ -1,21 +1,23 @@
 """The private train step of a Keras 3 model on the torch backend (eager: ``train_step(data)``).
 
-Abadi et al. 2016, Algorithm 1, as on TensorFlow and JAX, for one batch:
+Abadi et al. 2016, Algorithm 1, as on TensorFlow and JAX: the DP core's ``keras_dpsgd.dp.step.private_step``
+with this backend's front end (``keras3._torch_front.TorchFront``), for one batch:
 
 1. per-example gradients: ``torch.func.vmap`` over the batch of ``torch.func.grad`` of one example's compiled
    loss through ``model.stateless_call`` on a batch of one (no layer can mix examples;
-   ``keras_dpsgd.backends.torch.per_example_grads``);
-2. clip (flat or per group) and sum, non-finite examples zeroed and counted (``nonfinite_examples``);
-3. with ``gradient_accumulation_steps`` = k > 1 the clipped sums of k batches are accumulated in the optimizer's
-   ``dp_accumulator`` variables and the lot is released on its k-th batch only: one noise draw per lot;
-4. release: noise N(0, σ_v² C_v²) from the library's sampler (``keras_dpsgd.backends.torch``: Box–Muller on
-   keyed random words), divided by L (``expected_lot_size``, else the realized number of examples), plus the
-   gradient of the weight regularizers (data-independent: no clip, no noise); ``noised_steps`` counts it;
+   ``keras_dpsgd.backends.torch.per_example_grads``), with norm rules for the covered layers (``ghost``);
+2. the core's clip factors (flat or per group) and the clipped sum, non-finite examples zeroed and counted;
+3. with ``gradient_accumulation_steps`` = k > 1 the core's lot of k batches, kept in the optimizer's
+   ``dp_accumulator`` variables, released on its k-th batch only: one noise draw per lot;
+4. the core's release: noise N(0, σ_v² S_v²) (S_v the sensitivity the clipped sum carries) from the core's
+   sampler over this backend's words, divided by L (``expected_lot_size``, else the realized number of
+   examples), plus the gradient of the weight regularizers (data-independent: no clip, no noise);
+   ``noised_steps`` counts it;
 5. the optimizer's descent rule (``optimizer.apply``, which takes the release only) and the metrics (the logged
    loss: the mean over the real rows, padding of Poisson lots excluded).
 
 The step is eager (Keras's torch trainer runs ``train_step`` as Python; ``jit_compile=True``, i.e.
-``torch.compile``, is refused), so the lot's state machine is plain Python over the optimizer's variables. Refused
+``torch.compile``, is refused), so the core's ``cond`` on the lot's completion is a Python ``if``. Refused
 before any weight changes: a non-trainable variable written from an example's data (BatchNormalization in
 training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own,
 adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.unsupported``).
