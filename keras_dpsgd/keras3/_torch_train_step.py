@@ -263,10 +263,9 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
         summed, out["losses"], out["y_pred"], out["new_values"] = _per_example_clipped_sum(
             self, optimizer, clip, trainable, non_trainable, x, y, sample_weight
         )
-        return summed
+        return summed, torch.tensor(float(out["losses"].shape[0]))
 
-    batch = next(leaf for leaf in keras.tree.flatten(x) if leaf is not None).shape[0]
-    private_step(TorchFront(optimizer, variables, reg_grads), clipped_sum, torch.tensor(float(batch)))
+    private_step(TorchFront(optimizer, variables, reg_grads), clipped_sum)
     with torch.no_grad():
         for variable, value in zip(self.non_trainable_variables, out["new_values"]):
             if value is not variable.value:
