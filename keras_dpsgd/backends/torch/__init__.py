@@ -17,7 +17,7 @@ from keras_dpsgd.backends.tensorflow.ops import make_local_state
 from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
-from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, finite_rows, per_example_grads, sq_norms
+from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, per_example_grads, sq_norms
 
 __all__ = [
     "BatchWrite",
@@ -28,7 +28,6 @@ __all__ = [
     "TORCH_UNSUPPORTED",
     "add_gaussian",
     "clipped_sum",
-    "finite_rows",
     "ghost",
     "make_local_state",
     "per_example",

@@ -22,7 +22,7 @@ from keras.src.backend.torch import nn as keras_torch_nn
 
 from keras_dpsgd.dp import rounding as _rounding
 
-__all__ = ["per_example_grads", "sq_norms", "staged_sq_norms", "finite_rows", "clipped_sum", "BatchWrite"]
+__all__ = ["per_example_grads", "sq_norms", "staged_sq_norms", "clipped_sum", "BatchWrite"]
 
 
 class BatchWrite(ValueError):
@@ -86,11 +86,6 @@ def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     if not grads:
         raise ValueError("no trainable variables: nothing to clip")
     return torch.stack([_rounding.positive_upper(*staged_sq_norms(g)) for g in grads], dim=1)
-
-
-def finite_rows(sq: torch.Tensor) -> torch.Tensor:
-    """[B, 1] bool: the examples whose squared norms are all finite."""
-    return torch.all(torch.isfinite(sq), dim=1, keepdim=True)
 
 
 def clipped_sum(grads: Sequence[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
