@@ -1,7 +1,8 @@
 """The one oracle of the DP step: a one-example-at-a-time clipped mean (Keras 3 on TF or JAX, and tf_keras).
 
 Each example's gradient is taken alone, on a batch of one: ``tf.GradientTape`` on TensorFlow
-(tf_keras, Keras 3 + TF), ``jax.grad`` of ``model.stateless_call`` on JAX (no ``vmap``); the clip is numpy.
+(tf_keras, Keras 3 + TF), ``jax.grad`` of ``model.stateless_call`` on JAX (no ``vmap``), ``torch.autograd.grad``
+of the model's call on torch (no ``torch.func``); the clip is numpy.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def loop_clipped_mean(model, x, y, loss_fn, clip, per_layer=False, sample_weight
 
 def example_grads(model, x, y, loss_fn, sample_weight=None) -> list:
     """[∇ℓ_i per trainable variable (float64) for each example i], one example at a time (a batch of one)."""
-    gradient = _jax_gradient(model, loss_fn) if _on_jax(model) else _tf_gradient(model, loss_fn)
+    backend = _backend(model)
+    gradient = {"jax": _jax_gradient, "torch": _torch_gradient}.get(backend, _tf_gradient)(model, loss_fn)
     out = []
     for i in range(len(x)):
         y_i = tf.nest.map_structure(lambda a: a[i : i + 1], y)  # y may be a list or dict (several outputs)
@@ -40,10 +42,21 @@ def example_grads(model, x, y, loss_fn, sample_weight=None) -> list:
     return out
 
 
-def _on_jax(model) -> bool:
+def _backend(model) -> str:
     from keras_dpsgd.backends import keras_backend_of
 
-    return keras_backend_of(model) == "jax"
+    return keras_backend_of(model)
+
+
+def _torch_gradient(model, loss_fn):
+    import torch
+
+    def gradient(x_i, y_i, weight):
+        params = [v.value for v in model.trainable_variables]
+        loss = torch.mean(loss_fn(y_i, model(x_i, training=True))) * weight
+        return [g.detach().cpu().numpy() for g in torch.autograd.grad(loss, params)]
+
+    return gradient
 
 
 def _tf_gradient(model, loss_fn):

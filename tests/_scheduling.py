@@ -32,6 +32,7 @@ DISTRIBUTION = "distribution"
 LONGEST_FIRST = (
     "test_backend_jax.py",  # the whole JAX suite in one subprocess (~3.5 min)
     DISTRIBUTION,  # the one launch of tf.distribute processes (~2.5 min) and the four modules' tests
+    "test_backend_torch.py",  # the whole torch suite in one subprocess (~60 s at load 6-9; 17 s of CPU)
     "test_ledger_resume.py",  # kill-and-resume subprocesses (~55 s)
     "test_examples_frozen_backbone.py",  # example smokes in subprocesses (~75 s)
     "test_fail_closed_resume.py",  # ~45 s

@@ -115,19 +115,19 @@ def test_epsilon_reaches_tensorboard_history_and_progress_bar_whatever_the_order
 
 
 # ------------------------------------------------------------------ item 9: messages
-def test_make_private_refuses_a_backend_other_than_tensorflow_or_jax(monkeypatch):
+def test_make_private_refuses_a_backend_other_than_tensorflow_jax_or_torch(monkeypatch):
     """KERAS_BACKEND=torch failed with a TypeError inside the train step; make_private names the backend
-    and the supported ones (torch is not installed here: the backend's name is what the check reads).
-    JAX is supported since issue 29 (tests/backends/jax)."""
+    and the supported ones (the backend's name is what the check reads). JAX is supported since issue 29
+    (tests/backends/jax), torch since issue 39 (tests/backends/torch): numpy stands for the refused ones."""
     import keras
 
     import keras_dpsgd.keras3 as k3
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
     with pytest.raises(
         ValueError,
-        match=r"TensorFlow and JAX backends, got the 'torch' backend.*torch is planned.*KERAS_BACKEND=tensorflow",
+        match=r"TensorFlow, JAX and torch backends, got the 'numpy' backend.*KERAS_BACKEND=tensorflow",
     ):
         k3.make_private(model)
     monkeypatch.undo()

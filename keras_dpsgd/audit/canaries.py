@@ -261,5 +261,6 @@ def per_example_loss(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024
     out = []
     for i in range(0, len(x), batch):
         logits = model(x[i : i + batch], training=False)
+        logits = logits.detach().cpu().numpy() if hasattr(logits, "detach") else logits  # torch: off the tape
         out.append(tf.nn.sparse_softmax_cross_entropy_with_logits(y[i : i + batch], logits).numpy())
     return np.concatenate(out).astype(np.float64) if out else np.zeros([0])

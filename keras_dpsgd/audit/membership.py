@@ -83,7 +83,9 @@ def attack_features(model: Any, x: np.ndarray, y: np.ndarray, batch: int = 1024)
 
     rows = []
     for i in range(0, len(x), batch):
-        logits = tf.convert_to_tensor(model(x[i : i + batch], training=False), tf.float32)
+        logits = model(x[i : i + batch], training=False)
+        logits = logits.detach().cpu().numpy() if hasattr(logits, "detach") else logits  # torch: off the tape
+        logits = tf.convert_to_tensor(logits, tf.float32)
         log_p = tf.nn.log_softmax(logits).numpy().astype(np.float64)
         p = np.exp(log_p)
         label = np.asarray(y[i : i + batch], np.int64)

@@ -7,15 +7,15 @@ norms of a per-example loss") and the noise source's random words and keys. A ba
 them; :func:`load` picks it by the Keras backend, as Keras picks its own backend modules
 (``keras.config.backend()``), and imports it only when it is chosen.
 
-============== ==================================== =============================================
-Keras          keras_dpsgd backend                  module
-============== ==================================== =============================================
-tf_keras       ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
-Keras 3 + TF   ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
-Keras 3 + JAX  ``jax``                              ``keras_dpsgd.backends.jax``
-torch, numpy,  refused by name (:func:`name_for`: ValueError naming the supported backends)
-openvino
-============== ==================================== =============================================
+=============== ==================================== =============================================
+Keras           keras_dpsgd backend                  module
+=============== ==================================== =============================================
+tf_keras        ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
+Keras 3 + TF    ``tensorflow``                       :mod:`keras_dpsgd.backends.tensorflow`
+Keras 3 + JAX   ``jax``                              ``keras_dpsgd.backends.jax``
+Keras 3 + torch ``torch``                            ``keras_dpsgd.backends.torch``
+numpy, openvino refused by name (:func:`name_for`: ValueError naming the supported backends)
+=============== ==================================== =============================================
 
 The interface (module attributes of a backend, :data:`INTERFACE`; :func:`load` checks them):
 
@@ -62,14 +62,18 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-__all__ = ["BACKENDS", "INTERFACE", "is_jax", "keras_backend_of", "load", "name_for", "per_example"]
+__all__ = ["BACKENDS", "INTERFACE", "is_jax", "is_torch", "keras_backend_of", "load", "name_for", "per_example"]
 
 # keras_dpsgd backend -> its module, imported only when chosen.
-BACKENDS = {"tensorflow": "keras_dpsgd.backends.tensorflow", "jax": "keras_dpsgd.backends.jax"}
+BACKENDS = {
+    "tensorflow": "keras_dpsgd.backends.tensorflow",
+    "jax": "keras_dpsgd.backends.jax",
+    "torch": "keras_dpsgd.backends.torch",
+}
 # Keras backend -> keras_dpsgd backend ("tf_keras" stands for tf_keras, which runs on TensorFlow).
-_FOR_KERAS = {"tensorflow": "tensorflow", "tf_keras": "tensorflow", "jax": "jax"}
+_FOR_KERAS = {"tensorflow": "tensorflow", "tf_keras": "tensorflow", "jax": "jax", "torch": "torch"}
 # Keras 3 backends without a keras_dpsgd backend, refused by name.
-_REFUSED = ("torch", "numpy", "openvino")
+_REFUSED = ("numpy", "openvino")
 INTERFACE = (
     "PER_EXAMPLE_CHOICES",
     "per_example",
@@ -88,7 +92,7 @@ def name_for(keras_backend: str | None = None) -> str:
       keras_backend: a Keras 3 backend name ("tensorflow", "jax", ...) or "tf_keras".
 
     Raises:
-      ValueError: a Keras backend keras_dpsgd has no backend for (torch, numpy, openvino refused by
+      ValueError: a Keras backend keras_dpsgd has no backend for (numpy, openvino refused by
         name), naming the supported ones and how to choose one.
     """
     if keras_backend is None:
@@ -101,13 +105,13 @@ def name_for(keras_backend: str | None = None) -> str:
     raise ValueError(
         f"keras_dpsgd has no DP-SGD backend for the Keras backend {keras_backend!r} ({known}): its per-example "
         f"gradients and noise are written for {sorted(set(_FOR_KERAS) - {'tf_keras'})}. Set KERAS_BACKEND="
-        "tensorflow or KERAS_BACKEND=jax before importing keras, or use tf_keras (TF_USE_LEGACY_KERAS=1)."
+        "tensorflow, jax or torch before importing keras, or use tf_keras (TF_USE_LEGACY_KERAS=1)."
     )
 
 
 def is_jax(keras_backend: str | None = None) -> bool:
     """Whether `keras_backend` (default: ``keras.config.backend()``) is JAX: the JAX backend's train step,
-    state and refusals apply. Never raises (torch, numpy and openvino are refused by :func:`name_for`
+    state and refusals apply. Never raises (numpy and openvino are refused by :func:`name_for`
     where a DP step is built, not here).
     """
     if keras_backend is None:
@@ -115,6 +119,16 @@ def is_jax(keras_backend: str | None = None) -> bool:
 
         keras_backend = keras.config.backend()
     return keras_backend == "jax"
+
+
+def is_torch(keras_backend: str | None = None) -> bool:
+    """Whether `keras_backend` (default: ``keras.config.backend()``) is torch: the torch train step (eager)
+    and its refusals apply. Never raises."""
+    if keras_backend is None:
+        import keras
+
+        keras_backend = keras.config.backend()
+    return keras_backend == "torch"
 
 
 def keras_backend_of(obj: Any) -> str:

@@ -295,7 +295,8 @@ def _accuracy(model, x, y, batch: int = 1024) -> float:
 
     correct = 0
     for i in range(0, len(x), batch):
-        logits = np.asarray(model(x[i : i + batch], training=False))
+        logits = model(x[i : i + batch], training=False)
+        logits = np.asarray(logits.detach().cpu() if hasattr(logits, "detach") else logits)  # torch: off the tape
         correct += int(np.sum(np.argmax(logits, axis=-1) == y[i : i + batch]))
     return correct / max(1, len(x))
 

@@ -72,8 +72,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._write_dir: str | None = None
 
     def _strategy(self) -> tf.distribute.Strategy | None:
-        """The model's tf.distribute strategy; None on JAX (one process: Keras's callback as it is)."""
-        if backends.is_jax():
+        """The model's tf.distribute strategy; None on JAX and torch (one process: Keras's callback as it is)."""
+        if backends.is_jax() or backends.is_torch():
             return None
         return self.model.distribute_strategy
 

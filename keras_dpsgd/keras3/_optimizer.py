@@ -378,6 +378,11 @@ class DPKeras3Mixin(LotReleaseMixin):
             _state.after_load(self)
         else:
             super().load_own_variables(store)
+        if backends.is_torch():
+            from keras_dpsgd.keras3._torch_front import noise_keys
+
+            noise_keys(self).renew()  # fresh OS entropy: a file restored twice never replays noise
+            self._dp.nonfinite.assign(0)
         self.discard_partial_lot("saved in the loaded file")
 
     def _fit_locals(self, model: Any) -> dict:
@@ -410,8 +415,8 @@ def _refuse_callable_on_jax(method: str) -> None:
 
 
 def _ledger_variable(variable: Any) -> Any:
-    """The ledger's view of a saved bound: the tf.Variable (TensorFlow), the Keras variable (JAX)."""
-    return variable if _on_jax() else variable.value
+    """The ledger's view of a saved bound: the tf.Variable (TensorFlow), the Keras variable (JAX, torch)."""
+    return variable if _on_jax() or backends.is_torch() else variable.value
 
 
 _DP_DOC = """

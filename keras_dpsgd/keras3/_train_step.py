@@ -56,6 +56,7 @@ _AUGMENTATION_ATTR = "_keras_dpsgd_augmentation"
 _LOSS_HOOKS = {
     "tensorflow": ("train_step", "compute_loss", "_compute_loss"),
     "jax": ("train_step", "compute_loss_and_updates", "stateless_compute_loss", "compute_loss", "_compute_loss"),
+    "torch": ("train_step", "compute_loss", "_compute_loss"),
 }
 
 _OWN_STEP_MESSAGE = (
@@ -115,7 +116,7 @@ def sanitized_gradients(
       ValueError: a non-DP optimizer, a reduced (scalar) loss, a regularization loss with a
         non-persistent tape, or gradient_accumulation_steps > 1 (use :func:`private_update`).
     """
-    _refuse_jax("keras_dpsgd.keras3.sanitized_gradients (a model's own train step)")
+    _refuse_off_tensorflow("keras_dpsgd.keras3.sanitized_gradients (a model's own train step)")
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     return optimizer.sanitize(loss, variables, tape, reg_grads)
 
@@ -136,7 +137,7 @@ def private_update(
     and applied once (``DPKeras3Mixin.minimize``). `model` (default: the model whose method calls
     this, found on the call stack) marks the lot boundaries of its ``fit``.
     """
-    _refuse_jax("keras_dpsgd.keras3.private_update (a model's own train step)")
+    _refuse_off_tensorflow("keras_dpsgd.keras3.private_update (a model's own train step)")
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     if model is None:
         model = ledger.saving_model(optimizer)
@@ -195,6 +196,11 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
     """
     if is_lots_dataset(x) and len(args) < _BEFORE_SHUFFLE + 1:
         kwargs.setdefault("shuffle", False)
+    if backends.is_torch():
+        from keras_dpsgd.keras3._torch_train_step import prepare_fit
+
+        prepare_fit(self)  # host-side checks before Keras's own build
+        return type(self).fit(self, x, *args, **kwargs)
     if backends.is_jax():
         from keras_dpsgd.keras3._jax_train_step import prepare_fit, values_kept_on_refusal
 
@@ -269,25 +275,30 @@ def _overridden(model: keras.Model, method: str) -> bool:
 
 
 def check_backend() -> str:
-    """The Keras 3 backend, refused unless it is TensorFlow or JAX (``keras_dpsgd.backends.jax``).
+    """The Keras 3 backend, refused unless it is TensorFlow, JAX or torch (``keras_dpsgd.backends``).
 
     Raises:
-      ValueError: naming the backend and the way out (KERAS_BACKEND=tensorflow or jax).
+      ValueError: naming the backend and the way out (KERAS_BACKEND=tensorflow, jax or torch).
     """
     backend = keras.backend.backend()
-    if backend not in ("tensorflow", "jax"):
+    if backend not in _LOSS_HOOKS:
         raise ValueError(
-            f"keras_dpsgd supports Keras 3 with the TensorFlow and JAX backends, got the {backend!r} backend "
-            f"(KERAS_BACKEND={backend}; torch is planned): its per-example gradients, clipping and noise are "
-            "written for TensorFlow and JAX. Set KERAS_BACKEND=tensorflow or KERAS_BACKEND=jax before importing "
-            "keras (or unset it), or use tf_keras (TF_USE_LEGACY_KERAS=1)."
+            f"keras_dpsgd supports Keras 3 with the TensorFlow, JAX and torch backends, got the {backend!r} backend "
+            f"(KERAS_BACKEND={backend}): its per-example gradients, clipping and noise are written for TensorFlow, "
+            "JAX and torch. Set KERAS_BACKEND=tensorflow, jax or torch before importing keras (or unset it), or "
+            "use tf_keras (TF_USE_LEGACY_KERAS=1)."
         )
     return backend
 
 
-def _refuse_jax(what: str) -> None:
+def _refuse_off_tensorflow(what: str) -> None:
+    """Refuses `what` on the stateless backends (JAX, torch), where it is not built, by name."""
     if backends.is_jax():
         from keras_dpsgd.backends.jax import unsupported
+
+        raise unsupported(what)
+    if backends.is_torch():
+        from keras_dpsgd.backends.torch import unsupported
 
         raise unsupported(what)
 
@@ -341,8 +352,10 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
     augmentation, multiplicity = check_augmentation(augmentation, augmentation_multiplicity)
     views = Augmentation(augmentation, multiplicity, _call_in_training)
     backend = check_backend()
-    if backends.is_jax(backend) and views.active:
-        _refuse_jax("augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))")
+    if not backend == "tensorflow" and views.active:
+        _refuse_off_tensorflow(
+            "augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))"
+        )
     for method in _LOSS_HOOKS[backend]:
         if _overridden(model, method):
             raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method, backend=backend))
@@ -350,6 +363,11 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         from keras_dpsgd.keras3._jax_train_step import private_train_step
 
         model.train_step = types.MethodType(private_train_step, model)
+    elif backends.is_torch(backend):
+        from keras_dpsgd.keras3._torch_train_step import private_train_step as torch_train_step
+
+        model.train_step = types.MethodType(torch_train_step, model)
+        model._resolve_auto_jit_compile = lambda: False  # torch.compile of the private step is refused
     else:
         model.train_step = types.MethodType(_private_train_step, model)
         _reduce_first_batch_per_leaf(model)

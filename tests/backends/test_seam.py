@@ -16,13 +16,14 @@ from keras_dpsgd.backends import tensorflow as tf_backend
 
 
 @pytest.mark.parametrize(
-    "keras_backend, expected", [("tensorflow", "tensorflow"), ("tf_keras", "tensorflow"), ("jax", "jax")]
+    "keras_backend, expected",
+    [("tensorflow", "tensorflow"), ("tf_keras", "tensorflow"), ("jax", "jax"), ("torch", "torch")],
 )
 def test_each_keras_backend_has_its_keras_dpsgd_backend(keras_backend, expected):
     assert backends.name_for(keras_backend) == expected
 
 
-@pytest.mark.parametrize("keras_backend", ["torch", "numpy", "openvino", "mxnet"])
+@pytest.mark.parametrize("keras_backend", ["numpy", "openvino", "mxnet"])
 def test_other_keras_backends_are_refused_by_name(keras_backend):
     with pytest.raises(ValueError, match=rf"Keras backend '{keras_backend}'.*KERAS_BACKEND=tensorflow"):
         backends.name_for(keras_backend)
@@ -30,8 +31,9 @@ def test_other_keras_backends_are_refused_by_name(keras_backend):
 
 @pytest.mark.parametrize("keras_backend", ["jax", "tensorflow", "tf_keras", "torch", "numpy", "openvino", "mxnet"])
 def test_is_jax_names_jax_only_and_never_raises(keras_backend):
-    """One predicate for "the JAX train step applies" (it was written six times); torch is refused elsewhere."""
+    """One predicate for "the JAX train step applies" (it was written six times), one for torch's."""
     assert backends.is_jax(keras_backend) is (keras_backend == "jax")
+    assert backends.is_torch(keras_backend) is (keras_backend == "torch")
 
 
 def test_is_jax_defaults_to_keras3s_backend():
@@ -92,8 +94,8 @@ def test_optimizers_take_their_per_example_computation_and_noise_from_the_seam()
     assert isinstance(
         tk.DPSGDOptimizer(1.0, 1.1, per_example_backend="reference")._backend, tf_backend.ReferenceBackend
     )
-    with pytest.raises(ValueError, match="Keras backend 'torch'"):
-        check_settings(1.0, 1.1, keras_backend="torch")
+    with pytest.raises(ValueError, match="Keras backend 'numpy'"):
+        check_settings(1.0, 1.1, keras_backend="numpy")
 
 
 def test_the_jax_backend_is_imported_only_when_chosen():

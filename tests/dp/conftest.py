@@ -1,4 +1,4 @@
-"""The array tables every test of the DP core runs over: NumPy (the reference), TensorFlow and JAX.
+"""The array tables every test of the DP core runs over: NumPy (the reference), TensorFlow, JAX and torch.
 
 Each test of ``keras_dpsgd.dp`` takes the ``table`` fixture and runs once per table; JAX is imported
 lazily, inside the fixture (the Keras of this process is Keras 3 on TensorFlow).
@@ -85,6 +85,15 @@ def _numpy() -> Table:
     return Table(NUMPY_OPS, np.asarray, lambda s, p, i: noise_key(NUMPY_OPS, s, p, i))
 
 
-@pytest.fixture(scope="module", params=["numpy", "tensorflow", "jax"])
+def _torch() -> Table:
+    torch = pytest.importorskip("torch")
+
+    from keras_dpsgd.backends.torch import TORCH_OPS
+    from keras_dpsgd.dp.noise import noise_key
+
+    return Table(TORCH_OPS, torch.as_tensor, lambda s, p, i: noise_key(TORCH_OPS, s, p, i))
+
+
+@pytest.fixture(scope="module", params=["numpy", "tensorflow", "jax", "torch"])
 def table(request) -> Table:
-    return {"numpy": _numpy, "tensorflow": _tensorflow, "jax": _jax}[request.param]()
+    return {"numpy": _numpy, "tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[request.param]()

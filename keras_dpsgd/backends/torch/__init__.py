@@ -1,0 +1,59 @@
+"""The torch backend of keras_dpsgd (Keras 3 with ``KERAS_BACKEND=torch``).
+
+Per-example gradients under ``torch.func.vmap`` (``_per_example``), with norm rules for the common layers (ghost
+norms and book-keeping sums: ``ghost``, ``_rules``, the JAX backend's rule interface), the library's Gaussian sampler on random words
+of a keyed counter generator (``_noise``) and the table of array operations the DP core runs over (``_ops``). The
+private train step is the Keras 3 front end's (``keras_dpsgd.keras3._torch_train_step``, installed by
+``keras_dpsgd.keras3.make_private`` when ``keras.config.backend() == "torch"``). What is not built on torch yet is
+refused by name (:func:`unsupported`), never run on another path. The optimizer's local state (the lot size's
+mirror, the non-finite count, the ledger offset: never saved) is TensorFlow's (``make_local_state``), which the
+eager step reads.
+"""
+
+from typing import Any
+
+from keras_dpsgd.backends.torch import ghost
+from keras_dpsgd.backends.tensorflow.ops import make_local_state
+from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.torch._ops import TORCH_OPS
+from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
+from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, per_example_grads, sq_norms
+
+__all__ = [
+    "BatchWrite",
+    "EntropyKeys",
+    "OPS",
+    "PER_EXAMPLE_CHOICES",
+    "TORCH_OPS",
+    "TORCH_UNSUPPORTED",
+    "add_gaussian",
+    "clipped_sum",
+    "ghost",
+    "make_local_state",
+    "per_example",
+    "per_example_grads",
+    "seeded_key",
+    "sq_norms",
+    "standard_normal",
+    "unsupported",
+]
+
+TORCH_UNSUPPORTED = "is not supported on the torch backend yet; use KERAS_BACKEND=tensorflow or jax"
+
+# The seam's interface (keras_dpsgd.backends). "auto": the layers with norm rules (``ghost``, ``_rules``) take their
+# norms and clipped sums from their inputs and output gradients, every other variable its gradient under
+# torch.func.vmap; "reference": every variable's gradient under torch.func.vmap (each example a batch of one).
+# "fast" names TensorFlow's graph analysis and is refused here.
+PER_EXAMPLE_CHOICES = ("auto", "reference")
+
+
+def unsupported(feature: str) -> ValueError:
+    """The refusal of a feature not built on torch, naming it."""
+    return ValueError(f"{feature} {TORCH_UNSUPPORTED} (KERAS_BACKEND=torch is set)")
+
+
+def per_example(name: str, jacobian_fallback: str) -> Any:
+    """The per-example computation: ``_per_example`` (vmap); `jacobian_fallback` has nothing to fall back from."""
+    from keras_dpsgd.backends.torch import _per_example
+
+    return _per_example

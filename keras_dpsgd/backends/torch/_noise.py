@@ -1,0 +1,64 @@
+"""The torch backend's noise source: the DP core's Gaussian sampler (:mod:`keras_dpsgd.dp.noise`) over its tables.
+
+The sampler (Box–Muller with the radius refined where a word is 0, tails to 11.6: why the libraries' own normals
+do not serve the Gaussian mechanism is in :mod:`keras_dpsgd.dp.noise`) is written once; here it runs over
+``_ops.NOISE_OPS`` (numpy, the Philox words under hashed keys) and the noise is added to the tensor on its device.
+
+Keys: a seeded optimizer's noise is a function of (seed, the release's position in the model's ledger, tensor
+index) (:func:`seeded_key`), so reproducible, resumable and never repeated within a model's ledger; without a seed
+the key hashes 16 bytes of OS entropy (``os.urandom``, drawn per optimizer and again on every load, never saved)
+with a per-process release counter (:class:`EntropyKeys`), so restoring a file twice never replays noise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from keras_dpsgd.backends.torch._ops import NOISE_OPS, digest
+from keras_dpsgd.dp.noise import noise_key, scaled_normal
+
+__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys"]
+
+
+def seeded_key(seed: int, step, index: int) -> int:
+    """The key of tensor `index` of the release at ledger position `step` under an integer `seed`."""
+    return noise_key(NOISE_OPS, seed, int(step), index)
+
+
+class EntropyKeys:
+    """The keys of an optimizer without a seed: OS entropy (16 bytes, never saved) and a release counter."""
+
+    def __init__(self):
+        self.renew()
+
+    def renew(self) -> None:
+        """Fresh entropy (a new optimizer, or after a load): no key of the old stream comes again."""
+        self._entropy = os.urandom(16)
+        self._releases = 0
+
+    def next_release(self):
+        """The key function ``index -> key`` of the next release (each release its own keys)."""
+        key = digest(b"entropy", self._entropy, self._releases)
+        self._releases += 1
+        return lambda index: NOISE_OPS.fold_in(key, index)
+
+
+def _normal(n: int, key: int, scale: float) -> torch.Tensor:
+    return torch.from_numpy(scaled_normal(NOISE_OPS, n, key, float(scale)).astype("float32", copy=False))
+
+
+def standard_normal(shape, key: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """N(0, 1) samples of `shape`, a function of `key` (computed in float32)."""
+    shape = tuple(int(s) for s in shape)
+    z = _normal(math.prod(shape), key, 1.0) if math.prod(shape) else torch.zeros(0)
+    return z.reshape(shape).to(device=device or "cpu", dtype=dtype)
+
+
+def add_gaussian(x: torch.Tensor, stddev, key: int) -> torch.Tensor:
+    """``x + N(0, stddev² I)`` with the scale folded into the radius (float32 noise)."""
+    if x.numel() == 0:
+        return x
+    return x + _normal(x.numel(), key, float(stddev)).to(x.device).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,130 @@
+"""The torch backend's tables of array operations (``keras_dpsgd.dp.ops.ArrayOps``), which the DP core runs over.
+
+:data:`TORCH_OPS` serves the core's math on torch tensors (clip factors, the lot, the release). Eager: ``cond``
+runs the branch its (concrete) predicate picks. :data:`NOISE_OPS` is the same table over numpy arrays, on which
+the core's Gaussian sampler (``keras_dpsgd.dp.noise``) runs for this backend (``_noise``): numpy is
+single-threaded, where torch's many elementwise kernels wait on its thread pool on a CPU shared with other work.
+
+Random words (both tables): numpy's Philox-4x64 under a 128-bit key, its raw 64-bit outputs read as word pairs. A
+key is a Python int, a BLAKE2b digest of its parts (``seed_key``: the seed and the release's position in the
+model's ledger; ``fold_in``: a key and an index; ``random_words``: a key and a stream), so two keys agree only if
+all their parts do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from keras_dpsgd.dp.noise import circle_by_trig
+from keras_dpsgd.dp.ops import ArrayOps
+
+__all__ = ["TORCH_OPS", "NOISE_OPS", "digest", "words"]
+
+
+def digest(*parts: int | bytes) -> int:
+    """A 128-bit key: BLAKE2b of the parts (ints as signed 32-byte words, bytes as they are)."""
+    h = hashlib.blake2b(b"keras_dpsgd/torch-noise", digest_size=16)
+    for part in parts:
+        h.update(part if isinstance(part, bytes) else int(part).to_bytes(32, "little", signed=True))
+    return int.from_bytes(h.digest(), "little")
+
+
+def words(key: int, n: int) -> np.ndarray:
+    """n uniform uint32 words (all 2³² values), a function of `key`: the raw 64-bit outputs of numpy's Philox under
+    the 128-bit key, each read as two words (in the machine's byte order)."""
+    return np.random.Philox(key=key).random_raw((n + 1) // 2).view(np.uint32)[:n]
+
+
+def _numpy_words(key, shape, stream: int):
+    shape = tuple(int(s) for s in shape)
+    return words(digest(b"stream", int(key), int(stream)), math.prod(shape)).reshape(shape)
+
+
+def _fold_in(key, index):
+    return digest(b"fold", int(key), int(index))
+
+
+def _seed_key(seed, position):
+    return digest(b"seeded", int(seed), int(position))
+
+
+def _numpy_group_sum(x, groups, num_groups):
+    member = np.zeros((len(groups), num_groups), x.dtype)
+    member[np.arange(len(groups)), list(groups)] = 1
+    return x @ member
+
+
+NOISE_OPS = ArrayOps(
+    name="numpy (torch's noise)",
+    minimum=np.minimum,
+    maximum=np.maximum,
+    exp=np.exp,
+    where=np.where,
+    zeros_like=np.zeros_like,
+    ones_like=np.ones_like,
+    log=np.log,
+    sqrt=np.sqrt,
+    is_finite=np.isfinite,
+    cast=lambda x, dtype: np.asarray(x).astype(dtype, copy=False),
+    reshape=np.reshape,
+    reduce_all=lambda x, axis=None, keepdims=False: np.all(x, axis=axis, keepdims=keepdims),
+    group_sum=_numpy_group_sum,
+    gather_columns=lambda x, index: x[:, list(index)],
+    cond=lambda pred, true_fn, false_fn: true_fn() if bool(pred) else false_fn(),
+    random_words=_numpy_words,
+    fold_in=_fold_in,
+    seed_key=_seed_key,
+    unit_circle=circle_by_trig(np.cos, np.sin, np.stack),
+)
+
+
+def _where(condition, x, y):
+    """``torch.where`` that takes Python numbers for either branch (as ``numpy.where`` does)."""
+    like = next((t for t in (x, y, condition) if isinstance(t, torch.Tensor)), None)
+    dtype = next((t.dtype for t in (x, y) if isinstance(t, torch.Tensor)), torch.float32)
+    device = None if like is None else like.device
+    x, y = (t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=dtype, device=device) for t in (x, y))
+    return torch.where(torch.as_tensor(condition, device=device), x, y)
+
+
+def _cast(x, dtype):
+    return torch.as_tensor(x).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+
+
+def _reduce_all(x, axis=None, keepdims=False):
+    return torch.all(x) if axis is None else torch.all(x, dim=axis, keepdim=keepdims)
+
+
+def _group_sum(x, groups, num_groups):
+    """[B, G] as a product with the 0/1 membership matrix [V, G]."""
+    member = torch.zeros(len(groups), num_groups, dtype=x.dtype, device=x.device)
+    member[torch.arange(len(groups)), torch.as_tensor(list(groups))] = 1.0
+    return x @ member
+
+
+TORCH_OPS = ArrayOps(
+    name="torch",
+    minimum=torch.minimum,
+    maximum=torch.maximum,
+    exp=torch.exp,
+    where=_where,
+    zeros_like=torch.zeros_like,
+    ones_like=torch.ones_like,
+    log=torch.log,
+    sqrt=torch.sqrt,
+    is_finite=torch.isfinite,
+    cast=_cast,
+    reshape=torch.reshape,
+    reduce_all=_reduce_all,
+    group_sum=_group_sum,
+    gather_columns=lambda x, index: x[:, torch.as_tensor(list(index))],
+    cond=lambda pred, true_fn, false_fn: true_fn() if bool(pred) else false_fn(),
+    random_words=lambda key, shape, stream: torch.from_numpy(_numpy_words(key, shape, stream).astype(np.int64)),
+    fold_in=_fold_in,
+    seed_key=_seed_key,
+    unit_circle=circle_by_trig(torch.cos, torch.sin, torch.stack),
+)

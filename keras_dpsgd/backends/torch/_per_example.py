@@ -1,0 +1,98 @@
+"""Per-example gradients on the torch backend: ``torch.func.vmap`` of one example's gradient, and their norms.
+
+Each example's loss is computed on its own (``torch.func.vmap`` over the batch axis of ``torch.func.grad`` of a
+function that sees a batch of one), so no layer can mix examples: a layer that reduces over the batch sees one
+example. The contract is the other backends' (``keras_dpsgd.backends``):
+
+    summed[v] = Σ_i factors[i, v] · g_i[v],   sq_norms[i, v] = ||g_i[v]||²
+
+with the squared norms certified upper bounds of the float32 sums (``keras_dpsgd.dp.rounding``), and an example
+whose factor is 0 contributing exactly 0, even when its gradient holds NaN or Inf (replaced by 0 before the
+product). The clip factors themselves are the core's, not this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Sequence
+
+import torch
+from keras.src.backend.torch import nn as keras_torch_nn
+
+from keras_dpsgd.dp import rounding as _rounding
+
+__all__ = ["per_example_grads", "sq_norms", "staged_sq_norms", "clipped_sum", "BatchWrite"]
+
+
+class BatchWrite(ValueError):
+    """A value the step would keep (a non-trainable variable's new value) depends on the example."""
+
+
+@contextlib.contextmanager
+def contiguous_layout():
+    """Keras's torch convolutions keep their inputs' memory layout (no ``channels_last`` copy) for the duration.
+
+    Keras copies a convolution's input and kernel to the ``channels_last`` memory format, a layout hint with
+    the same values, which ``torch.func.vmap`` cannot batch (``Tensor.clone(memory_format)`` is not
+    implemented inside vmap); the convolution computes the same values from the contiguous tensors.
+    """
+    convert = keras_torch_nn._maybe_convert_to_channels_last
+    keras_torch_nn._maybe_convert_to_channels_last = lambda tensor: tensor
+    try:
+        yield
+    finally:
+        keras_torch_nn._maybe_convert_to_channels_last = convert
+
+
+def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *batched) -> tuple:
+    """(per-example gradients [B, *shape] per parameter, aux) of ``loss_of_one(params, *example) -> (loss, aux)``.
+
+    `aux` is ``(batched, shared)``: ``batched`` is stacked over the examples, ``shared`` must not depend on the
+    example (each example's new non-trainable values: a value that does raises :class:`BatchWrite`). Each example
+    draws its own randomness (``randomness="different"``: a Dropout mask of its own).
+    """
+    step = torch.func.vmap(
+        torch.func.grad(loss_of_one, has_aux=True),
+        in_dims=(None,) + tuple(None if b is None else 0 for b in batched),
+        out_dims=(0, (0, None)),
+        randomness="different",
+    )
+    try:
+        with contiguous_layout():
+            return step(list(params), *batched)
+    except ValueError as err:
+        if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
+            raise
+        raise BatchWrite(str(err)) from err
+
+
+def staged_sq_norms(g: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(``||g_i||²`` per row i of g [B, ...] in float32, how many terms each rounded sum adds at most).
+
+    Summed over the last axis, then over the rest: a rounding bound of ``γ_{last + rest}``.
+    """
+    g = g.to(torch.float32)
+    shape = tuple(g.shape[1:])
+    if len(shape) < 2:
+        return torch.sum(torch.square(g).reshape(g.shape[0], -1), dim=1), max(1, math.prod(shape))
+    last, rest = shape[-1], math.prod(shape[:-1])
+    rows = torch.sum(torch.square(g).reshape(g.shape[0], rest, last), dim=2)
+    return torch.sum(rows, dim=1), last + rest
+
+
+def sq_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """float32 [B, V]: certified upper bounds of ``||g_i[v]||²`` of per-example gradients (each [B, *shape])."""
+    if not grads:
+        raise ValueError("no trainable variables: nothing to clip")
+    return torch.stack([_rounding.positive_upper(*staged_sq_norms(g)) for g in grads], dim=1)
+
+
+def clipped_sum(grads: Sequence[torch.Tensor], factors: torch.Tensor) -> list[torch.Tensor]:
+    """Σ_i factors[i, v] g_i[v] for each v (float32); a zero factor contributes exactly 0 (NaN or Inf included)."""
+    summed = []
+    for v, g in enumerate(grads):
+        f = factors[:, v].reshape((-1,) + (1,) * (g.dim() - 1))
+        g32 = torch.where(f > 0, g.to(torch.float32), torch.zeros((), dtype=torch.float32, device=g.device))
+        summed.append(torch.sum(g32 * f, dim=0))
+    return summed

@@ -1,0 +1,104 @@
+"""The front end the DP core's Algorithm 1 runs with in the torch train step (``keras_dpsgd.dp.step.FrontEnd``).
+
+Torch's train step is eager: the lot of k batches lives in the optimizer's ``dp_accumulator`` variables, the
+count in ``noised_steps``, the noise keys of an unseeded optimizer in the process (``EntropyKeys``: OS entropy,
+never saved). What is torch's is here: that state, a Python ``if`` around a lot's release, the keys, the
+regularization gradient and the optimizer's ``apply``. The math (clip factors, the lot, the noise σ·S, the
+normalization) is the core's, over ``TORCH_OPS``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from keras_dpsgd.backends import torch as torch_backend
+from keras_dpsgd.dp import lot as dp_lot, release as dp_release
+
+__all__ = ["TorchFront", "noise_keys"]
+
+_KEYS_ATTR = "_dp_torch_keys"
+
+
+def noise_keys(optimizer: Any) -> torch_backend.EntropyKeys:
+    """The optimizer's OS-entropy keys (made on first use, renewed on load; never saved)."""
+    keys = optimizer.__dict__.get(_KEYS_ATTR)
+    if keys is None:
+        keys = torch_backend.EntropyKeys()
+        object.__setattr__(optimizer, _KEYS_ATTR, keys)
+    return keys
+
+
+class TorchFront:
+    """``dp.step.private_step``'s front end on torch (module docstring)."""
+
+    ops = torch_backend.TORCH_OPS
+
+    def __init__(self, optimizer: Any, variables: list, reg_grads: Any):
+        self.optimizer, self.variables, self.reg_grads = optimizer, list(variables), reg_grads
+        self.accumulation = optimizer._dp.accumulation
+
+    def clipping(self):
+        optimizer = self.optimizer
+        bounds = optimizer.clip_bounds.value
+        stability = optimizer.stability if optimizer.clipping == "normalize" else None
+        return (bounds if optimizer.per_layer_clipping else bounds[:1]), optimizer._clip_groups(), stability
+
+    def observe(self, clip) -> None:
+        """The non-finite count (local to the process, never saved)."""
+        nonfinite = int((~clip.finite).sum())
+        if nonfinite:
+            self.optimizer._dp.nonfinite.assign_add(nonfinite)
+
+    def load_lot(self) -> dp_lot.Lot:
+        optimizer = self.optimizer
+        sums = tuple(acc.value for acc in optimizer._accumulators)
+        return dp_lot.Lot(sums, optimizer._accum_examples.value, optimizer._accum_batches.value)
+
+    def store_lot(self, lot: dp_lot.Lot) -> None:
+        optimizer = self.optimizer
+        for acc, s in zip(optimizer._accumulators, lot.sums):
+            acc.assign(s)
+        optimizer._accum_examples.assign(lot.examples)
+        optimizer._accum_batches.assign(lot.batches)
+
+    def _keys(self) -> Callable[[int], Any]:
+        """The key of each noise tensor of this release: seeded, a function of (seed, ledger position, index);
+        else of the process's OS entropy and the release's count."""
+        optimizer, dp = self.optimizer, self.optimizer._dp
+        if dp.seed is None:
+            return noise_keys(optimizer).next_release()
+        position = int(optimizer.noised_steps.numpy()) + int(dp.ledger_offset.numpy())  # in the model's ledger
+        return lambda index: torch_backend.seeded_key(dp.seed, position, index)
+
+    def add_noise(self, clipped) -> list:
+        key_for = self._keys()
+
+        def gaussian(x, stddev, index):
+            return torch_backend.add_gaussian(x, float(stddev), key_for(index))
+
+        return dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+
+    def normalize(self, noised: list, num_examples) -> list:
+        lot = self.optimizer._dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
+        denominator = dp_release.lot_denominator(self.ops, num_examples, float(lot or 0.0))
+        return dp_release.normalize(self.ops, noised, denominator)
+
+    def count(self, num_examples) -> None:
+        self.optimizer.noised_steps.assign(int(self.optimizer.noised_steps.numpy()) + 1)
+
+    def when_complete(self, complete, release: Callable[[], list], reset: Callable[[], None]) -> list | None:
+        """On a lot's last batch: the release, the regularization gradient (un-noised), the optimizer's apply
+        (which takes the release only) and a new lot; the gradients applied, or None."""
+        if not bool(complete):
+            return None
+        grads = release()
+        if self.reg_grads is not None:
+            grads = [g + r.to(g.dtype) for g, r in zip(grads, self.reg_grads)]
+        grads = [g.to(v.value.dtype) for g, v in zip(grads, self.variables)]
+        self.optimizer._dp.pending[:] = grads  # the only gradients its apply accepts
+        with torch.no_grad():
+            self.optimizer.apply(grads, self.variables)
+        reset()
+        return grads
