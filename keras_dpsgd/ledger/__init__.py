@@ -83,6 +83,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _validate
@@ -112,15 +113,20 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
 )
 from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd.accounting import (
+    DEFAULT_ORDERS,
     GaussianEvent,
     PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyLedger,
+    RdpAccountant,
+    TuningEvent,
     check_delta,
     compute_epsilon,
     default_delta,
+    event_from_dict,
     max_steps_within_budget,
 )
+from keras_dpsgd.accounting.tuning import rdp_trial
 from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
 
 __all__ = [
@@ -139,6 +145,7 @@ __all__ = [
     "note_fit_sampling",
     "noised_steps",
     "optimizer_events",
+    "record_search",
     "recorded_sampling_rate",
     "refuse_lost_history",
     "resolve_delta",
@@ -357,7 +364,46 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
         or any(s["sampling_rate"] is None and s["count"] for s in data["segments"])
     ):
         q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
-    return [step_event(*segment) for segment in S.events(data, q)]
+    searches = [event_from_dict(e) for e in S.searches(data)]
+    return searches + [step_event(*segment) for segment in S.events(data, q)]
+
+
+def record_search(model: Any, event: TuningEvent) -> None:
+    """Records that `model` is the released (best) trial of the hyperparameter search `event`.
+
+    From now on the model's ledger charges the whole search (:class:`~keras_dpsgd.accounting.TuningEvent`,
+    Papernot & Steinke 2022) instead of its optimizer's steps so far, which the search covers; steps taken
+    later are charged as before. The record lives in the ledger's state, so it travels with the model
+    wherever the ledger does (checkpoints, SavedModels, Keras 3 files); a tf_keras ``.keras``/h5 model,
+    which keeps only the optimizer's counter, is refused (:func:`refuse_lost_history`).
+
+    Fail closed: the steps so far must be within the search's trial bound, at every RDP order of
+    :data:`~keras_dpsgd.accounting.DEFAULT_ORDERS` (a model that spent more than a trial may is refused).
+
+    Raises:
+      TypeError: `event` is not a TuningEvent.
+      ValueError: the model has no DP optimizer, or its steps exceed the search's trial bound.
+    """
+    if not isinstance(event, TuningEvent):
+        raise TypeError(f"event must be a TuningEvent, got {type(event).__name__}")
+    optimizer = getattr(model, "optimizer", None)
+    if not is_dp_optimizer(optimizer):
+        raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+    spent = optimizer_events(model)
+    trial = rdp_trial(event, DEFAULT_ORDERS)
+    used = RdpAccountant(DEFAULT_ORDERS).compose(spent).rdp
+    if not np.all(used <= trial):
+        worst = int(np.argmax(used - trial))
+        raise ValueError(
+            f"the model's ledger ({len(spent)} events) spends more than one trial of the search may: RDP "
+            f"{used[worst]:.6g} > {trial[worst]:.6g} at order {DEFAULT_ORDERS[worst]:g}; record a search only on "
+            "the model of one of its trials"
+        )
+    with tf.init_scope():
+        holders = ledger_state_holders(model, optimizer)
+        state = S.record_search(S.merge(*[_read_state(h) for h in holders]), event.to_dict())
+        for holder in holders:
+            holder.state.assign(S.dumps(state))
 
 
 def _releasing_layers(model: Any) -> list:

@@ -327,7 +327,15 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
     if holder is None:
         return
     with tf.init_scope():
-        earlier = S.earlier_steps(_read_state(holder))
+        state = _read_state(holder)
+        earlier = S.earlier_steps(state)
+    if state["searches"]:
+        raise ValueError(
+            f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and the "
+            "model's ledger also records the hyperparameter search it was selected by (a TuningEvent); a model "
+            "loaded from it would under-report epsilon. Save a SavedModel (model.save(directory)) or a "
+            "tf.train.Checkpoint, which keep the whole ledger"
+        )
     if earlier > 0:
         raise ValueError(
             f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
