@@ -135,6 +135,7 @@ __all__ = [
     "assume_poisson",
     "assumes_poisson",
     "attach",
+    "check_trial",
     "fit_frame",
     "fit_training_size",
     "is_dp_optimizer",
@@ -368,6 +369,34 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
     return searches + [step_event(*segment) for segment in S.events(data, q)]
 
 
+def check_trial(model: Any, event: TuningEvent) -> None:
+    """Refuses a model whose ledger spends more than one trial of the search `event` may, at some RDP order.
+
+    A search's bound (Papernot & Steinke 2022) holds only if every trial is within one RDP bound (their
+    Sec. 3.3): the model's whole ledger (its layers' events and its optimizer's steps) is composed at
+    :data:`~keras_dpsgd.accounting.DEFAULT_ORDERS` and must not exceed the search's trial curve
+    (:func:`keras_dpsgd.accounting.tuning.rdp_trial`) at any of them. A model whose layers release too
+    (DP-PCA, ...) or that trained more than planned is refused.
+
+    Raises:
+      TypeError: `event` is not a TuningEvent.
+      ValueError: naming the order where the model's RDP exceeds the trial's.
+    """
+    if not isinstance(event, TuningEvent):
+        raise TypeError(f"event must be a TuningEvent, got {type(event).__name__}")
+    ledger = model_privacy_ledger(model)
+    used = RdpAccountant(DEFAULT_ORDERS).compose(ledger).rdp
+    bound = rdp_trial(event, DEFAULT_ORDERS)
+    if not np.all(used <= bound):
+        with np.errstate(invalid="ignore"):  # ∞ − ∞ at orders where both are ∞
+            worst = int(np.argmax(np.where(used <= bound, -np.inf, np.nan_to_num(used - bound, nan=np.inf))))
+        raise ValueError(
+            f"the model's ledger ({len(ledger)} events) spends more than one trial of the search may: RDP "
+            f"{used[worst]:.6g} > {bound[worst]:.6g} at order {DEFAULT_ORDERS[worst]:g}; a trial runs only its "
+            "planned DP-SGD steps (no layer that releases, no training before or after)"
+        )
+
+
 def record_search(model: Any, event: TuningEvent) -> None:
     """Records that `model` is the released (best) trial of the hyperparameter search `event`.
 
@@ -377,28 +406,16 @@ def record_search(model: Any, event: TuningEvent) -> None:
     wherever the ledger does (checkpoints, SavedModels, Keras 3 files); a tf_keras ``.keras``/h5 model,
     which keeps only the optimizer's counter, is refused (:func:`refuse_lost_history`).
 
-    Fail closed: the steps so far must be within the search's trial bound, at every RDP order of
-    :data:`~keras_dpsgd.accounting.DEFAULT_ORDERS` (a model that spent more than a trial may is refused).
+    Fail closed: the model must be within one trial of the search (:func:`check_trial`).
 
     Raises:
       TypeError: `event` is not a TuningEvent.
-      ValueError: the model has no DP optimizer, or its steps exceed the search's trial bound.
+      ValueError: the model has no DP optimizer, or its ledger exceeds the search's trial bound.
     """
-    if not isinstance(event, TuningEvent):
-        raise TypeError(f"event must be a TuningEvent, got {type(event).__name__}")
     optimizer = getattr(model, "optimizer", None)
     if not is_dp_optimizer(optimizer):
         raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
-    spent = optimizer_events(model)
-    trial = rdp_trial(event, DEFAULT_ORDERS)
-    used = RdpAccountant(DEFAULT_ORDERS).compose(spent).rdp
-    if not np.all(used <= trial):
-        worst = int(np.argmax(used - trial))
-        raise ValueError(
-            f"the model's ledger ({len(spent)} events) spends more than one trial of the search may: RDP "
-            f"{used[worst]:.6g} > {trial[worst]:.6g} at order {DEFAULT_ORDERS[worst]:g}; record a search only on "
-            "the model of one of its trials"
-        )
+    check_trial(model, event)
     with tf.init_scope():
         holders = ledger_state_holders(model, optimizer)
         state = S.record_search(S.merge(*[_read_state(h) for h in holders]), event.to_dict())
