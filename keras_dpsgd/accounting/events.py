@@ -436,6 +436,14 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
     return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
 
 
+def _walk(events: Iterable[PrivacyEvent]) -> Iterator[PrivacyEvent]:
+    """Every event, composed ones and their parts included."""
+    for e in events:
+        yield e
+        if isinstance(e, ComposedEvent):
+            yield from _walk(e.events)
+
+
 def flatten_events(events: Iterable[PrivacyEvent]) -> Iterator[PrivacyEvent]:
     """Yields the leaf (non-composed) events, in order."""
     for e in events:
@@ -482,10 +490,12 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 3, "events": [...]}``."""
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search)."""
+        # The lowest version that holds these events, so that a reader of version 2 reads a ledger without a search.
+        searched = any(isinstance(e, TuningEvent) for e in _walk(self._events))
         return {
             "format": LEDGER_FORMAT,
-            "version": LEDGER_VERSION,
+            "version": LEDGER_VERSION if searched else 2,
             "events": [e.to_dict() for e in self._events],
         }
 

@@ -320,4 +320,7 @@ def loads(raw: str) -> dict:
 
 
 def dumps(state: dict) -> str:
+    """The JSON of a state: version 2 (which earlier releases read) unless it records a search."""
+    if not state["searches"] and not state["covered"]:
+        state = dict({k: v for k, v in state.items() if k not in ("searches", "covered")}, version=2)
     return json.dumps(state, sort_keys=True)
