@@ -5,14 +5,22 @@ of Papernot & Steinke 2022's theorems); here: the returned model's ledger report
 within the budget, through a save and a load, and charges later steps on top.
 """
 
+import importlib.util
 import math
+import os
 
 import keras
 import numpy as np
 import pytest
 
 import keras_dpsgd
-from keras_dpsgd.accounting import PoissonSampledGaussianEvent, TuningEvent, compute_epsilon, lots_per_epoch
+from keras_dpsgd.accounting import (
+    PoissonSampledGaussianEvent,
+    TuningEvent,
+    compute_epsilon,
+    lots_per_epoch,
+    rdp_poisson_subsampled_gaussian,
+)
 from keras_dpsgd.ledger import check_trial, model_privacy_ledger
 from keras_dpsgd.tools.tuning import tune
 
@@ -69,6 +77,30 @@ def test_the_returned_models_ledger_is_the_search_within_the_budget(result):
     # one trial alone costs less than the search: the selection is charged
     alone = compute_epsilon([PoissonSampledGaussianEvent(128 / n, result.noise_multiplier, 6)], DELTA)
     assert alone < epsilon
+
+
+def _second_implementation():
+    """tests/accounting/test_tuning.py: Papernot & Steinke's bound written again in mpmath."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "accounting", "test_tuning.py")
+    spec = importlib.util.spec_from_file_location("accounting_test_tuning", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_tuners_epsilon_is_the_papers_bound_computed_independently(result):
+    # the trial's curve: the larger, at every order, of the two plans (lots of 64 and 128, one epoch) at σ
+    n, sigma = 700, result.noise_multiplier
+    curves = [lots_per_epoch(n, lot) * rdp_poisson_subsampled_gaussian(lot / n, sigma) for lot in (64, 128)]
+    expected = _second_implementation()._paper_epsilon(
+        np.max(curves, axis=0), "truncated_negative_binomial", DELTA, eta=1.0, gamma=0.5
+    )
+    assert result.epsilon == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_file_that_would_lose_the_search_is_refused(result, tmp_path):
+    with pytest.raises(ValueError, match="also records the hyperparameter search"):
+        result.model.save(str(tmp_path / "best.h5"))
 
 
 def test_the_search_travels_with_a_keras_file_and_later_steps_are_charged_on_top(result, tmp_path):
