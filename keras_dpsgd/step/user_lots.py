@@ -120,7 +120,8 @@ class UserPoissonLots(PoissonLots):
         xb, yb, counts, users = _group(x, y, user_ids, max_examples_per_user)
         self._examples_per_user = counts
         self._users = users
-        super().__init__(xb, yb, expected_lot_size=expected_users_per_lot, seed=seed, **kwargs)
+        lot = _validate.in_range(0, len(users), "(]", expected_users_per_lot=expected_users_per_lot)
+        super().__init__(xb, yb, expected_lot_size=lot, seed=seed, **kwargs)
 
     @property
     def num_users(self) -> int:

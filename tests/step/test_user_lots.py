@@ -88,6 +88,7 @@ def test_epsilon_is_reported_over_users():
         ({"max_examples_per_user": 39}, r"max_examples_per_user must be at least .* \(40, user 0\), got 39"),
         ({"y": -np.ones(120, int)}, r"y must be integer class labels >= 0"),
         ({"sampling_rate": 0.5}, r"UserPoissonLots takes expected_users_per_lot"),
+        ({"expected_users_per_lot": 22}, r"expected_users_per_lot must be in \(0, 21\], got 22"),
     ],
 )
 def test_unprovable_grouping_is_refused(change, match):
