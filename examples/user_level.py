@@ -8,8 +8,11 @@ a user's whole contribution to a release is at most C, and the noise σC is adde
 calibrated so that the run spends ``--target-epsilon`` at ``--delta`` over users (q = expected users per
 lot / number of users).
 
-    python examples/user_level.py             # 10 epochs over 200 users
-    python examples/user_level.py --smoke     # tiny
+    python examples/user_level.py             # 5 epochs over 200 users
+    python examples/user_level.py --smoke     # 3 epochs
+
+Measured (--seed 0, ε = 3 over users, δ = 1e-4): test accuracy 0.68 after 3 epochs (the smoke), 0.69 after 5,
+0.66 after 10 (chance 0.1; 200 users are few for user-level DP).
 
 The model sees one user's block of M digits at a time (``keras.Input((M, 64))``); Dense layers act on
 each digit. Keras 3.
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--users", type=int, default=200)
     parser.add_argument("--max-per-user", type=int, default=32)
     parser.add_argument("--users-per-lot", type=float, default=20.0)
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--target-epsilon", type=float, default=3.0)
     parser.add_argument("--delta", type=float, default=1e-4)
     parser.add_argument("--learning-rate", type=float, default=1.0)
