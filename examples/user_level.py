@@ -3,7 +3,7 @@
 Offline, on scikit-learn's 8×8 digits (bundled), with synthetic user ids: each training digit is given to
 one of ``--users`` users, with a skewed number of digits per user (a few users own many). Users, not
 digits, are sampled into Poisson lots (``keras_dpsgd.UserPoissonLots``); each user's loss is the mean of
-their digits' losses (``keras_dpsgd.user_mean_loss``), so the step clips each user's mean gradient to C once:
+their digits' losses (``keras_dpsgd.UserMeanLoss``), so the step clips each user's mean gradient to C once:
 a user's whole contribution to a release is at most C, and the noise σC is added once per lot. σ is
 calibrated so that the run spends ``--target-epsilon`` at ``--delta`` over users (q = expected users per
 lot / number of users).
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         keras.Sequential([keras.Input((m, 64)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
     )
     optimizer = lots.configure(keras_dpsgd.DPSGDOptimizer(1.0, sigma, learning_rate=args.learning_rate))
-    loss = keras_dpsgd.user_mean_loss(lambda t, p: keras.losses.sparse_categorical_crossentropy(t, p, from_logits=True))
+    loss = keras_dpsgd.UserMeanLoss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.compile(optimizer=optimizer, loss=loss)
     model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=args.epochs, verbose=0)
 

@@ -45,6 +45,7 @@ _KEYS = {"version", "segments", "open_start", "seen", "searches", "covered"}
 DPSGD_LABEL = "dp-sgd"
 CHANGED_LABEL = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
 UNSAVED_LABEL = f"{DPSGD_LABEL} (segments not saved: worst case)"
+USER_LEVEL_LABEL = f"{DPSGD_LABEL} (user-level)"  # steps on lots of users (keras_dpsgd.UserPoissonLots)
 
 
 def initial() -> dict:
@@ -113,8 +114,8 @@ def close_segment(state: dict) -> dict:
     return new
 
 
-def _open_at(state: dict, sampling_rate, noise_multipliers, start: int) -> None:
-    state["segments"].append(segment(sampling_rate, noise_multipliers, 0))
+def _open_at(state: dict, sampling_rate, noise_multipliers, start: int, label: str = DPSGD_LABEL) -> None:
+    state["segments"].append(segment(sampling_rate, noise_multipliers, 0, label))
     state["open_start"] = int(start)
 
 
@@ -126,6 +127,7 @@ def advance(
     noise_multipliers: Sequence[float],
     counter_is_new: bool = False,
     saved_worst_case: Optional[tuple] = None,
+    label: str = DPSGD_LABEL,
 ) -> dict:
     """The state after reading the counter at `steps`, the last steps run under (q, releases).
 
@@ -140,6 +142,8 @@ def advance(
         A counter below ``seen`` is new too.
       saved_worst_case: (largest q, smallest σ_eff) charged so far, as kept where the segments
         were not (a ``.keras`` file), or None. Used only when the state holds no segment.
+      label: the label of the steps from now on (a new label opens a new segment, as a new (q, σ)
+        does): ``DPSGD_LABEL``, or :data:`USER_LEVEL_LABEL` for lots of users.
 
     Returns:
       A new state; `state` is not modified.
@@ -158,17 +162,17 @@ def advance(
         if worst is not None and tuple(worst) != (q, _sigma(sigmas)):
             # Segments lost, counter and worst case kept (.keras): never under-report.
             new["segments"].append(segment(worst[0], [worst[1]], steps, UNSAVED_LABEL))
-            _open_at(new, q, sigmas, steps)
+            _open_at(new, q, sigmas, steps, label)
         else:
             # Nothing known about earlier steps: they ran with the current values.
-            _open_at(new, q, sigmas, 0)
+            _open_at(new, q, sigmas, 0, label)
     elif opened is None:
-        _open_at(new, q, sigmas, new["seen"] if steps >= new["seen"] and not counter_is_new else 0)
+        _open_at(new, q, sigmas, new["seen"] if steps >= new["seen"] and not counter_is_new else 0, label)
     else:
         if q is None:
             q = opened["sampling_rate"]  # the optimizer does not know q: nothing new about it
         old = (opened["sampling_rate"], tuple(opened["noise_multipliers"]))
-        changed = old != (q, sigmas)
+        changed = old != (q, sigmas) or opened["label"] != label
         reset = steps < new["seen"] or (counter_is_new and recorded_steps(new) > 0)
         first_unread = 0 if reset else new["seen"]
         if changed or reset:
@@ -179,7 +183,7 @@ def advance(
                 sigma = min(_sigma(sigmas), _sigma(old[1]))
                 new["segments"].append(segment(worst_q, [sigma], steps - first_unread, CHANGED_LABEL, floor))
                 start = steps
-            _open_at(new, q, sigmas, start)
+            _open_at(new, q, sigmas, start, label)
     new["seen"] = steps
     new["segments"][-1]["count"] = steps - new["open_start"]
     return new

@@ -80,7 +80,6 @@ warning says, once, that this ε assumes Poisson sampling.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
@@ -367,10 +366,7 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
     ):
         q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     searches = [event_from_dict(e) for e in S.searches(data)]
-    steps = [step_event(*segment) for segment in S.events(data, q)]
-    if getattr(optimizer, "privacy_unit", None) == "user":  # UserPoissonLots: one user per lot entry
-        steps = [dataclasses.replace(e, label=f"{e.label} (user-level)") for e in steps]
-    return searches + steps
+    return searches + [step_event(*segment) for segment in S.events(data, q)]
 
 
 def check_trial(model: Any, event: TuningEvent) -> None:

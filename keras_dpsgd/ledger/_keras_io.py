@@ -565,6 +565,7 @@ def sync_ledger_state(
             noise_multipliers=step_noise_multipliers(optimizer, sigma),
             counter_is_new=not raw[0],
             saved_worst_case=S.saved_worst_case(bounds, sampling_rate, sigma),
+            label=S.USER_LEVEL_LABEL if getattr(optimizer, "privacy_unit", None) == "user" else S.DPSGD_LABEL,
         )
         if bounds is not None:
             _write_bounds(bound_variables, S.fold_bounds(data, bounds))

@@ -8,7 +8,7 @@ lot, is clipped and is counted is the user.
 the largest number of examples of one user; shorter blocks padded with zeros and label -1), and samples
 users: each user enters a lot independently with probability q (Poisson over users), with all of their
 examples. The DP step then sees one "example" per user. Its per-example loss is
-:func:`user_mean_loss`, the mean of the user's per-example losses (padding rows excluded), so its
+:class:`UserMeanLoss`, the mean of the user's per-example losses (padding rows excluded), so its
 per-example gradient is the user's mean gradient, g_u = (1/n_u) Σ_{i ∈ u} ∇ℓ_i, which the step clips to C
 once: the user's combined contribution has norm at most C, whatever the number of their examples (this is
 "clip the user's mean", not "mean of clipped examples": both have sensitivity C; this one needs no change
@@ -29,14 +29,15 @@ Keras 3 (TensorFlow and JAX backends).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
+import keras
 import numpy as np
 
 from keras_dpsgd import _validate
 from keras_dpsgd.step.lots import PoissonLots
 
-__all__ = ["UserPoissonLots", "user_mean_loss"]
+__all__ = ["UserMeanLoss", "UserPoissonLots"]
 
 PADDING_LABEL = -1
 
@@ -83,7 +84,7 @@ class UserPoissonLots(PoissonLots):
 
     A :class:`~keras_dpsgd.PoissonLots` over user blocks (see the module docstring): ``dataset()``
     yields ``(x [U, M, ...], y [U, M], weight [U])``; ``configure(optimizer)`` sets the optimizer's
-    sampling rate and expected lot size over users. Compile with ``loss=user_mean_loss(...)``.
+    sampling rate and expected lot size over users. Compile with ``loss=UserMeanLoss(...)``.
 
     Args:
       x: inputs, an array of shape (N, ...) (one row per example).
@@ -150,25 +151,40 @@ class UserPoissonLots(PoissonLots):
         return optimizer
 
 
-def user_mean_loss(per_example_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+@keras.saving.register_keras_serializable(package="keras_dpsgd")
+class UserMeanLoss(keras.losses.Loss):
     """A user's loss: the mean of their examples' losses, padding rows (label -1) excluded.
 
+    With :class:`UserPoissonLots` each row of the step's batch is one user's block ``[M, ...]``; this loss
+    gives one value per user, so the step's per-example gradient is the user's mean gradient, clipped
+    once. Keras 3 (``keras.ops``: TensorFlow and JAX backends); saved with the model.
+
     Args:
-      per_example_loss: ``(y_true [U, M], y_pred [U, M, ...]) -> [U, M]``, e.g.
-        ``lambda y, p: keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)``.
-
-    Returns:
-      ``loss(y_true, y_pred) -> [U]`` (Keras 3 ``keras.ops``: TensorFlow and JAX backends).
+      loss: a Keras 3 loss object whose ``call(y_true [U, M], y_pred [U, M, ...])`` gives the examples'
+        losses ``[U, M]``, e.g. ``keras.losses.SparseCategoricalCrossentropy(from_logits=True)``.
+      name: the loss's name.
     """
-    if not callable(per_example_loss):
-        raise TypeError(f"per_example_loss must be callable, got {type(per_example_loss).__name__}")
-    import keras
 
-    def loss(y_true, y_pred):
+    def __init__(self, loss: Any, name: str = "user_mean_loss", **kwargs: Any):
+        super().__init__(name=name, **kwargs)
+        if not isinstance(loss, keras.losses.Loss):
+            raise TypeError(
+                "loss must be a Keras 3 loss object (e.g. keras.losses.SparseCategoricalCrossentropy("
+                f"from_logits=True)), got {type(loss).__name__}"
+            )
+        self.loss = loss
+
+    def call(self, y_true, y_pred):
         y_true = keras.ops.cast(y_true, "int32")
         real = keras.ops.cast(keras.ops.greater_equal(y_true, 0), y_pred.dtype)
-        rows = per_example_loss(keras.ops.maximum(y_true, 0), y_pred)
+        rows = self.loss.call(keras.ops.maximum(y_true, 0), y_pred)
         count = keras.ops.maximum(keras.ops.sum(real, axis=1), 1.0)
         return keras.ops.sum(rows * real, axis=1) / count
 
-    return loss
+    def get_config(self) -> dict:
+        return {**super().get_config(), "loss": keras.losses.serialize(self.loss)}
+
+    @classmethod
+    def from_config(cls, config: dict) -> "UserMeanLoss":
+        config = dict(config)
+        return cls(keras.losses.deserialize(config.pop("loss")), **config)

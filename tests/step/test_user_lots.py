@@ -1,4 +1,4 @@
-"""User-level DP-SGD (UserPoissonLots, user_mean_loss): a user's whole contribution moves the release by at
+"""User-level DP-SGD (UserPoissonLots, UserMeanLoss): a user's whole contribution moves the release by at
 most C, and ε is reported over users (q over users, N = the number of users)."""
 
 import keras
@@ -7,10 +7,10 @@ import pytest
 
 import keras_dpsgd
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon, default_delta
-from keras_dpsgd.step.user_lots import UserPoissonLots, user_mean_loss
+from keras_dpsgd.step.user_lots import UserMeanLoss, UserPoissonLots
 
 C, M = 0.5, 40
-LOSS = user_mean_loss(lambda y, p: keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True))
+LOSS = UserMeanLoss(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
 def _data():
@@ -62,7 +62,7 @@ def test_removing_a_user_with_many_examples_moves_the_release_by_at_most_c(relea
     assert np.linalg.norm(releases["as examples"] - releases["without user 0"]) > 5 * C
 
 
-def test_epsilon_is_reported_over_users():
+def test_epsilon_is_reported_over_users(tmp_path):
     x, y, users = _data()
     lots = UserPoissonLots(x, y, users, expected_users_per_lot=5, max_examples_per_user=M)
     assert lots.num_users == 21 and lots.sampling_rate == 5 / 21
@@ -75,6 +75,11 @@ def test_epsilon_is_reported_over_users():
     expected = compute_epsilon(PoissonSampledGaussianEvent(5 / 21, 1.1, 2 * lots.lots_per_epoch), delta)
     assert epsilon == expected
     assert [e.label for e in keras_dpsgd.model_privacy_ledger(model).events] == ["dp-sgd (user-level)"]
+    path = str(tmp_path / "user_level.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)  # the label is in the saved ledger
+    assert [e.label for e in keras_dpsgd.model_privacy_ledger(loaded).events] == ["dp-sgd (user-level)"]
+    assert keras_dpsgd.model_epsilon(loaded)[0] == epsilon
 
 
 @pytest.mark.parametrize(
