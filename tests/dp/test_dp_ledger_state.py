@@ -198,3 +198,12 @@ def test_version_2_states_load_without_searches():
     old = {k: v for k, v in state.items() if k not in ("searches", "covered")}
     loaded = S.loads(json.dumps(dict(old, version=2)))
     assert loaded == state and S.searches(loaded) == []
+
+
+def test_a_new_label_opens_a_new_segment():
+    user = S.USER_LEVEL_LABEL
+    state = S.advance(S.initial(), steps=3, sampling_rate=0.1, noise_multipliers=[1.1], label=user)
+    state = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1], label=user)
+    state = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1])  # read at once under the new label
+    state = S.advance(state, steps=7, sampling_rate=0.1, noise_multipliers=[1.1])
+    assert _segments(state) == [_seg(0.1, [1.1], 5, user), _seg(0.1, [1.1], 2)]
