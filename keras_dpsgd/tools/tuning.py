@@ -49,13 +49,15 @@ class TuningResult:
     """What :func:`tune` releases: the best trial, and the search's privacy.
 
     Only the best trial is released (the theorem covers that and nothing more): the other trials'
-    models, hyperparameters and scores are not returned.
+    models, hyperparameters and scores are not returned, and neither is K: the bound holds for the best
+    trial with K unknown (given K = k, the best of k runs can cost as much as k runs). Do not publish
+    how many trials ran, nor how long the search took (which tells K).
 
     Attributes:
-      model: the best trial's model (its ledger records the search), or None when K = 0 (Poisson).
+      model: the best trial's model (its ledger records the search), or None when K = 0 (Poisson: the
+        search released nothing, an outcome the bound covers).
       hyperparameters: the best trial's settings (a dict of :data:`SEARCH_KEYS`), or None.
       score: the best trial's score on the validation data, or None.
-      num_trials: K, the number of trials run (drawn independently of the data).
       noise_multiplier: σ of every trial.
       event: the search's :class:`~keras_dpsgd.accounting.TuningEvent`.
       epsilon: ε of the search at `delta` (the model's ``model_epsilon``).
@@ -65,7 +67,6 @@ class TuningResult:
     model: Any
     hyperparameters: Optional[dict]
     score: Optional[float]
-    num_trials: int
     noise_multiplier: float
     event: TuningEvent
     epsilon: float
@@ -193,7 +194,8 @@ def tune(
       mode: "max" (default; a higher score is better) or "min".
       optimizer: "sgd" (``DPSGDOptimizer``) or "adam" (``DPAdamOptimizer``).
       seed: for tests only: seeds K, the trials' settings and their lots (not the noise). Anyone who
-        knows it knows them; default None draws them from the operating system's entropy (``secrets``).
+        knows it knows them (K included, which the bound needs secret); default None draws them from the
+        operating system's entropy (``secrets``).
 
     Returns:
       A :class:`TuningResult`.
@@ -237,8 +239,10 @@ def tune(
         )
     sigma = calibrate_noise_multiplier(search, target_epsilon=target_epsilon, target_delta=target_delta)
     event = search(sigma)
-    rng = np.random.default_rng(secrets.randbits(128) if seed is None else seed)
-    k = sample_trials(event, rng)
+    # K from a generator of its own (the released settings say nothing of it), both seeded from OS entropy.
+    k_seed, settings_seed = np.random.SeedSequence(secrets.randbits(128) if seed is None else seed).spawn(2)
+    k = sample_trials(event, np.random.default_rng(k_seed))
+    rng = np.random.default_rng(settings_seed)
     best = None
     for trial in range(k):
         settings = {key: space[key][int(rng.integers(len(space[key])))] for key in SEARCH_KEYS}
@@ -262,10 +266,10 @@ def tune(
             best = (model, value, settings)
     epsilon = compute_epsilon(event, target_delta)
     if best is None:
-        return TuningResult(None, None, None, 0, sigma, event, epsilon, target_delta)
+        return TuningResult(None, None, None, sigma, event, epsilon, target_delta)
     model, value, settings = best
     record_search(model, event)
     recorded, _ = model_epsilon(model, target_delta=target_delta)
     if recorded != epsilon:  # fail closed: the model must report the search's ε
         raise RuntimeError(f"the returned model's ledger reports epsilon {recorded!r}, the search {epsilon!r}")
-    return TuningResult(model, dict(settings), value, k, sigma, event, epsilon, target_delta)
+    return TuningResult(model, dict(settings), value, sigma, event, epsilon, target_delta)
