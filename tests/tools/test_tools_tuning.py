@@ -180,3 +180,16 @@ def test_bad_arguments_are_refused_before_any_training(change, match):
     kwargs.update(change)
     with pytest.raises(ValueError, match=match):
         tune(lambda: pytest.fail("trained before refusing"), x, y, **kwargs)
+
+
+def test_check_trial_refuses_a_model_that_trained_beyond_its_plan():
+    x, y, _, _ = _data()
+    lots = keras_dpsgd.PoissonLots(x, y, expected_lot_size=128)
+    model = keras_dpsgd.make_private(_build())
+    model.compile(optimizer=lots.configure(keras_dpsgd.DPSGDOptimizer(1.0, 1.5, learning_rate=0.5)), loss=LOSS)
+    model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=2, verbose=0)
+    planned = PoissonSampledGaussianEvent(lots.sampling_rate, 1.5, 2 * lots.lots_per_epoch)
+    check_trial(model, TuningEvent("poisson", planned, mu=2.0))  # within its plan: accepted
+    one_epoch = PoissonSampledGaussianEvent(lots.sampling_rate, 1.5, lots.lots_per_epoch)
+    with pytest.raises(ValueError, match="spends more than one trial of the search may"):
+        check_trial(model, TuningEvent("poisson", one_epoch, mu=2.0))
