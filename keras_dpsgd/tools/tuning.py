@@ -111,12 +111,18 @@ def _trial_candidates(lots_of: Callable[[int], Any], space: dict, sigma: float) 
 
 
 def _run_trial(build_model, x, y, validation_data, settings, sigma, *, loss, score, optimizer, lots_seed):
-    """One DP training run (the docs' step-by-step way) and its score on the validation data."""
+    """One DP training run (the docs' step-by-step way, on the model's Keras) and its score on the validation data."""
     import keras_dpsgd
+    from keras_dpsgd.ledger import is_keras3
 
-    model = keras_dpsgd.make_private(build_model())
+    model = build_model()
+    if is_keras3(model):  # the model's Keras decides the front end
+        from keras_dpsgd import keras3 as front
+    else:
+        from keras_dpsgd import tf_keras as front
+    model = front.make_private(model)
     lots = keras_dpsgd.PoissonLots(x, y, expected_lot_size=settings["expected_lot_size"], seed=lots_seed)
-    optimizer_class = {"sgd": keras_dpsgd.DPSGDOptimizer, "adam": keras_dpsgd.DPAdamOptimizer}[optimizer]
+    optimizer_class = {"sgd": front.DPSGDOptimizer, "adam": front.DPAdamOptimizer}[optimizer]
     clip = settings["l2_norm_clip"]
     dp_optimizer = optimizer_class(
         None if clip == "normalize" else clip,
@@ -185,7 +191,7 @@ def tune(
         "expected_lot_size" and "epochs" (integers >= 1).
       target_epsilon: ε > 0 of the whole search.
       target_delta: δ in (0, 1/N).
-      loss: the loss for ``model.compile``.
+      loss: the loss for ``model.compile`` (tf_keras: with ``reduction="none"``).
       distribution: "truncated_negative_binomial" (default) or "poisson".
       mu: the Poisson mean (>= 1).
       eta: η of the truncated negative binomial (> -1).
