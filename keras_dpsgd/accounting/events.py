@@ -257,7 +257,7 @@ class TuningEvent:
     """A hyperparameter search that releases only its best trial (Papernot & Steinke 2022).
 
     The number of trials K is random: Poisson with mean ``mu`` (their Theorem 6), or the truncated
-    negative binomial D_{η,γ} (their Definition 1 and Theorem 2; η = 0 is the logarithmic
+    negative binomial D_{η,γ} (their Theorem 2; η = 0 is the logarithmic
     distribution, η = 1 the geometric). Each trial is one DP training run whose settings are drawn
     at random from a search space; its privacy is bounded uniformly over the settings it may draw:
     ``candidates`` holds one event (or composition) per distinct privacy setting (q, σ, steps), and

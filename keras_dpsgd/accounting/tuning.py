@@ -6,7 +6,7 @@ at random from a search space, and release only the best run (by a score that is
 output, e.g. the accuracy of Q's model on held-out data). Their bounds, for Q (λ, ε(λ))-RDP at
 every order of a grid:
 
-* **Truncated negative binomial** K ~ D_{η,γ} (their Definition 1: P[K = k] ∝ C(k + η − 1, k)(1 − γ)^k
+* **Truncated negative binomial** K ~ D_{η,γ} (as the paper defines it: P[K = k] ∝ C(k + η − 1, k)(1 − γ)^k
   for k >= 1; η = 0 is the logarithmic distribution P[K = k] = (1 − γ)^k / (k log(1/γ)), η = 1 the
   geometric), their **Theorem 2**: for every λ > 1 and λ̂ >= 1 the search is (λ, ε')-RDP with ::
 
@@ -132,7 +132,7 @@ def _poisson_delta_hat(trial: np.ndarray, orders: tuple[float, ...]) -> np.ndarr
 
 
 def trial_probabilities(event: TuningEvent, k_max: int) -> np.ndarray:
-    """P[K = k] for k = 0..k_max (Papernot & Steinke 2022, Definition 1; Poisson: e^-μ μ^k / k!)."""
+    """P[K = k] for k = 0..k_max (the truncated negative binomial of Papernot & Steinke 2022; Poisson: e^-μ μ^k / k!)."""
     k_max = V.integer_at_least(1, k_max=k_max)
     k = np.arange(k_max + 1, dtype=np.float64)
     if event.distribution == "poisson":

@@ -36,7 +36,7 @@ SUBSAMPLED = PoissonSampledGaussianEvent(0.01, 1.0, 1000)  # ε ≈ 2.1 at δ = 
 
 # ---------------------------------------------------------------- a second implementation, in mpmath
 def _mean_by_sum(distribution, mu=None, eta=None, gamma=None):
-    """E[K] = Σ k P[K = k], the probabilities of Definition 1 summed (not the closed form)."""
+    """E[K] = Σ k P[K = k], the truncated negative binomial probabilities summed (not the closed form)."""
     if distribution == "poisson":
         return mpmath.mpf(mu)
     eta, gamma = mpmath.mpf(eta), mpmath.mpf(gamma)
