@@ -41,6 +41,8 @@ _NEUTRAL = {
     # data sampling, callbacks and the ledger
     "PoissonLots": "keras_dpsgd.step.lots",
     "StreamingPoissonLots": "keras_dpsgd.step.streaming",
+    "UserPoissonLots": "keras_dpsgd.step.user_lots",
+    "UserMeanLoss": "keras_dpsgd.step.user_lots",
     "PrivacyLogger": "keras_dpsgd.callbacks",
     "WithinLimit": "keras_dpsgd.callbacks",
     "model_privacy_ledger": "keras_dpsgd.ledger",

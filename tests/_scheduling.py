@@ -44,6 +44,8 @@ LONGEST_FIRST = (
     "test_keras3_cli.py",
     "test_fast_transformers.py",
     "test_examples_tools.py",
+    "test_tools_tuning.py",  # a tiny random search (~45 s)
+    "test_examples_user_level.py",  # an example smoke in a subprocess (~30 s)
     "test_tools_memorization.py",
     "test_clip_no_tuning.py",
     "test_behaviour.py",

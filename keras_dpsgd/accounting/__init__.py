@@ -2,7 +2,8 @@
 
 Events (:mod:`events`) record every access to the data; accountants
 (:mod:`accountants`) compose them and convert to (ε, δ); :mod:`planning` turns
-a budget into a noise multiplier, a number of steps or a lot-size table.
+a budget into a noise multiplier, a number of steps or a lot-size table; :mod:`tuning` bounds a
+hyperparameter search that releases its best trial (:class:`TuningEvent`, Papernot & Steinke 2022).
 
 Accountants are registered by name (``@register_accountant("rdp")``); every
 ``accountant=`` argument takes a registered name or an accountant object.
@@ -27,6 +28,7 @@ from keras_dpsgd.accounting.events import (
     PoissonSampledGaussianEvent,
     PrivacyEvent,
     PrivacyLedger,
+    TuningEvent,
     composed_noise_multiplier,
     event_from_dict,
     flatten_events,
@@ -46,6 +48,7 @@ from keras_dpsgd.accounting.planning import (
     max_steps_within_budget,
     steps_for_epochs,
 )
+from keras_dpsgd.accounting.tuning import expected_trials, rdp_tuning, sample_trials
 from keras_dpsgd.accounting.rdp import (
     DEFAULT_ORDERS,
     MOMENTS_ORDERS,
@@ -70,6 +73,7 @@ __all__ = [
     "PrivacyLedger",
     "RdpAccountant",
     "TF_PRIVACY_LEGACY_ORDERS",
+    "TuningEvent",
     "accountant_names",
     "batch_table",
     "calibrate_noise_multiplier",
@@ -83,6 +87,7 @@ __all__ = [
     "effective_noise_multiplier",
     "epsilon_from_rdp",
     "event_from_dict",
+    "expected_trials",
     "flatten_events",
     "lots_per_epoch",
     "make_accountant",
@@ -91,6 +96,8 @@ __all__ = [
     "max_steps_within_budget",
     "rdp_gaussian",
     "rdp_poisson_subsampled_gaussian",
+    "rdp_tuning",
     "register_accountant",
+    "sample_trials",
     "steps_for_epochs",
 ]

@@ -28,11 +28,12 @@ from typing import Callable, Iterable, Sequence, TypeVar
 import numpy as np
 
 from keras_dpsgd import _validate as V
-from keras_dpsgd.accounting import conversions, rdp
+from keras_dpsgd.accounting import conversions, rdp, tuning
 from keras_dpsgd.accounting.events import (
     LEAF_EVENT_TYPES,
     ComposedEvent,
     PrivacyLedger,
+    TuningEvent,
     flatten_events,
 )
 
@@ -55,10 +56,10 @@ _PLD_HINT = "the PLD accountant needs dp_accounting: pip install keras-dpsgd[pld
 
 
 def as_event_list(events) -> list:
-    """Leaf events of a PrivacyLedger, one event, or an iterable of events."""
+    """Leaf events of a PrivacyLedger, one event, or an iterable of events (a TuningEvent is a leaf)."""
     if isinstance(events, PrivacyLedger):
         events = events.events
-    elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent,)):
+    elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent, TuningEvent)):
         events = (events,)
     elif not isinstance(events, Iterable) or isinstance(events, (str, bytes, dict)):
         raise TypeError(
@@ -66,7 +67,7 @@ def as_event_list(events) -> list:
         )
     out = []
     for e in flatten_events(events):
-        if not isinstance(e, LEAF_EVENT_TYPES):
+        if not isinstance(e, LEAF_EVENT_TYPES + (TuningEvent,)):
             raise TypeError(f"events must be privacy events, got {type(e).__name__}")
         out.append(e)
     return out
@@ -135,7 +136,9 @@ class PrivacyAccountant(abc.ABC):
         """
         count = V.integer_at_least(0, count=count)
         for e in as_event_list(event):
-            if e.count and count:
+            if e.count and count and isinstance(e, TuningEvent):
+                self._compose_tuning(e, e.count * count)
+            elif e.count and count:
                 self._compose_leaf(e.sampling_rate, e.noise_multiplier, e.count * count)
                 self.threshold_delta += e.count * count * getattr(e, "threshold_delta", 0.0)
         return self
@@ -143,6 +146,18 @@ class PrivacyAccountant(abc.ABC):
     @abc.abstractmethod
     def _compose_leaf(self, sampling_rate: float, noise_multiplier: float, count: int) -> None:
         """Adds `count` steps of one (sub-sampled) Gaussian mechanism."""
+
+    def _compose_tuning(self, event: TuningEvent, count: int) -> None:
+        """Adds `count` searches that release their best trial; an accountant without a bound for them refuses.
+
+        Raises:
+          ValueError: always, here (the RDP accountants implement it: Papernot & Steinke 2022).
+        """
+        raise ValueError(
+            f"the {self.name or type(self).__name__!r} accountant has no bound for a hyperparameter search "
+            f"({event.label!r}: the best of a random number of trials); use accountant='rdp' (or 'moments'), "
+            "which compose it by Papernot & Steinke 2022"
+        )
 
     @abc.abstractmethod
     def get_epsilon_and_order(self, delta: float) -> tuple[float, float | None]:
@@ -202,6 +217,12 @@ class RdpAccountant(PrivacyAccountant):
         step = rdp.rdp_poisson_subsampled_gaussian(sampling_rate, noise_multiplier, self._orders)
         with np.errstate(invalid="ignore"):
             self._rdp = self._rdp + count * step
+
+    def _compose_tuning(self, event, count):
+        """Papernot & Steinke 2022, Theorems 2 and 6, at this accountant's orders (:mod:`tuning`)."""
+        search = tuning.rdp_tuning(event, self._orders)
+        with np.errstate(invalid="ignore"):
+            self._rdp = self._rdp + count * search
 
     def get_epsilon_and_order(self, delta):
         delta = V.in_range(0, 1, "()", delta=delta)

@@ -15,7 +15,8 @@ This module is pure Python: it must import without TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator, Sequence, Union
+import math
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 from keras_dpsgd import _validate as V
 
@@ -25,6 +26,7 @@ __all__ = [
     "GaussianThresholdingEvent",
     "PoissonSampledGaussianEvent",
     "PrivacyLedger",
+    "TuningEvent",
     "event_from_dict",
     "flatten_events",
 ]
@@ -242,23 +244,117 @@ LEAF_EVENT_TYPES = (
     GaussianEvent,
     GaussianThresholdingEvent,
 )
+# The leaves a tuning's trial may hold (events with a Rényi DP curve).
+_TRIAL_LEAF_TYPES = (PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent)
 _EVENT_TYPES = LEAF_EVENT_TYPES + (ComposedEvent,)
+
+
+TUNING_DISTRIBUTIONS = ("poisson", "truncated_negative_binomial")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningEvent:
+    """A hyperparameter search that releases only its best trial (Papernot & Steinke 2022).
+
+    The number of trials K is random: Poisson with mean ``mu`` (their Theorem 6), or the truncated
+    negative binomial D_{η,γ} (their Theorem 2; η = 0 is the logarithmic
+    distribution, η = 1 the geometric). Each trial is one DP training run whose settings are drawn
+    at random from a search space; its privacy is bounded uniformly over the settings it may draw:
+    ``candidates`` holds one event (or composition) per distinct privacy setting (q, σ, steps), and
+    the RDP of a trial at each order is the largest of the candidates' (a trial is a mixture of the
+    candidates with public weights, and a Rényi divergence of mixtures is at most the largest of the
+    components'). The RDP accountants compose it by :func:`keras_dpsgd.accounting.tuning.rdp_tuning`.
+
+    Args:
+      distribution: "poisson" or "truncated_negative_binomial".
+      candidates: the events of one trial, one per privacy setting a trial may draw (at least one);
+        each a (composition of) sub-sampled or plain Gaussian event(s).
+      mu: the Poisson mean μ >= 1 ("poisson" only; below 1 the bound of Theorem 6 is not valid, see
+        :mod:`keras_dpsgd.accounting.tuning`).
+      eta: η in (-1, ∞) ("truncated_negative_binomial" only).
+      gamma: γ in (0, 1) ("truncated_negative_binomial" only).
+      count: number of such searches, an integer >= 0.
+      label: free text naming the source.
+    """
+
+    distribution: str
+    candidates: tuple
+    mu: Optional[float] = None
+    eta: Optional[float] = None
+    gamma: Optional[float] = None
+    count: int = 1
+    label: str = "tuning"
+
+    def __post_init__(self):
+        distribution = V.one_of(TUNING_DISTRIBUTIONS, distribution=self.distribution)
+        given = {"mu": self.mu, "eta": self.eta, "gamma": self.gamma}
+        wanted = ("mu",) if distribution == "poisson" else ("eta", "gamma")
+        extra = sorted(k for k, v in given.items() if v is not None and k not in wanted)
+        missing = sorted(k for k in wanted if given[k] is None)
+        if extra or missing:
+            raise ValueError(
+                f"a {distribution!r} tuning takes the parameters {list(wanted)}, got {given} "
+                f"(missing {missing}, not used {extra})"
+            )
+        if distribution == "poisson":
+            # μ >= 1: below, the bound's log μ term is negative and the bound fails (module `tuning`).
+            object.__setattr__(self, "mu", V.in_range(1, math.inf, "[)", mu=self.mu))
+        else:
+            object.__setattr__(self, "eta", V.in_range(-1, math.inf, "()", eta=self.eta))
+            object.__setattr__(self, "gamma", V.in_range(0, 1, "()", gamma=self.gamma))
+        candidates = self.candidates
+        if isinstance(candidates, _EVENT_TYPES) or not isinstance(candidates, Iterable) or isinstance(candidates, str):
+            candidates = (candidates,)
+        candidates = tuple(candidates)
+        if not candidates:
+            raise ValueError("candidates must hold at least one event (the events of one trial), got none")
+        for i, c in enumerate(candidates):
+            leaves = list(flatten_events((c,))) if isinstance(c, _EVENT_TYPES) else [c]
+            bad = [e for e in leaves if not isinstance(e, _TRIAL_LEAF_TYPES)]
+            if bad:
+                raise TypeError(
+                    f"candidates[{i}] must be a (composition of) Gaussian event(s) (sub-sampled or not), got "
+                    f"{type(bad[0]).__name__}: a tuning bound needs the trial's Rényi DP curve"
+                )
+        object.__setattr__(self, "candidates", candidates)
+        object.__setattr__(self, "count", _check_count(self.count))
+        object.__setattr__(self, "label", str(self.label))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "tuning",
+            "distribution": self.distribution,
+            "mu": self.mu,
+            "eta": self.eta,
+            "gamma": self.gamma,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "count": self.count,
+            "label": self.label,
+        }
+
+
+_EVENT_TYPES = _EVENT_TYPES + (TuningEvent,)
 PrivacyEvent = Union[
     PoissonSampledGaussianEvent,
     PoissonSampledComposedGaussianEvent,
     GaussianEvent,
     GaussianThresholdingEvent,
     ComposedEvent,
+    TuningEvent,
 ]
 
 
 LEDGER_FORMAT = "keras_dpsgd.ledger"
-# Version 2 added "poisson_sampled_composed_gaussian" and "gaussian_thresholding" events; version 1 files load
-# unchanged.
-LEDGER_VERSION = 2
-_READABLE_VERSIONS = (1, 2)
-# Event kinds a file of each version may hold (a version 1 file names no event kind added later).
-_VERSION_1_KINDS = frozenset({"poisson_sampled_gaussian", "gaussian", "composed"})
+# Version 2 added "poisson_sampled_composed_gaussian" and "gaussian_thresholding" events, version 3 "tuning";
+# earlier files load unchanged.
+LEDGER_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+# Event kinds a file of each version may hold (a file names no event kind added after its version).
+_VERSION_KINDS = {
+    1: frozenset({"poisson_sampled_gaussian", "gaussian", "composed"}),
+    2: frozenset({"poisson_sampled_gaussian", "gaussian", "composed", "poisson_sampled_composed_gaussian"})
+    | frozenset({"gaussian_thresholding"}),
+}
 
 # The fields each serialized event kind carries, exactly as `to_dict` writes them.
 _EVENT_FIELDS = {
@@ -267,8 +363,10 @@ _EVENT_FIELDS = {
     "gaussian": ("noise_multiplier", "count", "label"),
     "gaussian_thresholding": ("noise_multiplier", "threshold_delta", "count", "label"),
     "composed": ("events",),
+    "tuning": ("distribution", "mu", "eta", "gamma", "candidates", "count", "label"),
 }
 _NUMBER_FIELDS = ("sampling_rate", "noise_multiplier", "threshold_delta")
+_OPTIONAL_NUMBER_FIELDS = ("mu", "eta", "gamma")
 
 
 def _check_serialized_fields(kind: str, data: dict) -> None:
@@ -293,6 +391,14 @@ def _check_serialized_fields(kind: str, data: dict) -> None:
         raise TypeError(f"noise_multipliers of a serialized event must be a list of numbers, got {multipliers!r}")
     if "events" in data and not isinstance(data["events"], (list, tuple)):
         raise TypeError(f"events of a serialized composed event must be a list, got {data['events']!r}")
+    for name in _OPTIONAL_NUMBER_FIELDS:
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"{name} of a serialized event must be a number or null, got {value!r}")
+    if "candidates" in data and not isinstance(data["candidates"], (list, tuple)):
+        raise TypeError(f"candidates of a serialized tuning event must be a list, got {data['candidates']!r}")
+    if "distribution" in data and not isinstance(data["distribution"], str):
+        raise TypeError(f"distribution of a serialized tuning event must be a string, got {data['distribution']!r}")
 
 
 def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
@@ -325,7 +431,17 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
         return GaussianEvent(**fields)
     if kind == "gaussian_thresholding":
         return GaussianThresholdingEvent(**fields)
+    if kind == "tuning":
+        return TuningEvent(**dict(fields, candidates=tuple(event_from_dict(c) for c in fields["candidates"])))
     return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
+
+
+def _walk(events: Iterable[PrivacyEvent]) -> Iterator[PrivacyEvent]:
+    """Every event, composed ones and their parts included."""
+    for e in events:
+        yield e
+        if isinstance(e, ComposedEvent):
+            yield from _walk(e.events)
 
 
 def flatten_events(events: Iterable[PrivacyEvent]) -> Iterator[PrivacyEvent]:
@@ -374,10 +490,12 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}``."""
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search)."""
+        # The lowest version that holds these events, so that a reader of version 2 reads a ledger without a search.
+        searched = any(isinstance(e, TuningEvent) for e in _walk(self._events))
         return {
             "format": LEDGER_FORMAT,
-            "version": LEDGER_VERSION,
+            "version": LEDGER_VERSION if searched else 2,
             "events": [e.to_dict() for e in self._events],
         }
 
@@ -423,16 +541,16 @@ class PrivacyLedger:
             raise TypeError(
                 f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}"
             )
-        if version == 1:
-            _refuse_later_kinds(events)
+        if version in _VERSION_KINDS:
+            _refuse_later_kinds(events, version)
         return cls(event_from_dict(e) for e in events)
 
 
-def _refuse_later_kinds(events: Iterable[Any]) -> None:
-    """A version 1 ledger holds only the event kinds version 1 knew."""
+def _refuse_later_kinds(events: Iterable[Any], version: int) -> None:
+    """A ledger of an earlier version holds only the event kinds that version knew."""
     for e in events:
         kind = e.get("type") if isinstance(e, dict) else None
-        if kind is not None and kind in _EVENT_FIELDS and kind not in _VERSION_1_KINDS:
-            raise ValueError(f"a version 1 ledger holds no {kind!r} event (added in version 2): {e!r}")
+        if kind is not None and kind in _EVENT_FIELDS and kind not in _VERSION_KINDS[version]:
+            raise ValueError(f"a version {version} ledger holds no {kind!r} event (added in a later version): {e!r}")
         if kind == "composed" and isinstance(e.get("events"), (list, tuple)):
-            _refuse_later_kinds(e["events"])
+            _refuse_later_kinds(e["events"], version)

@@ -2,10 +2,12 @@
 
 A state is plain JSON-able data with one schema::
 
-    {"version": 2,
+    {"version": 3,
      "segments": [segment, ...],   # runs of steps with one (q, releases), in order
      "open_start": int | None,      # counter value at which the last segment began; None: it is closed
-     "seen": int}                   # the optimizer's step counter when last read
+     "seen": int,                   # the optimizer's step counter when last read
+     "searches": [event dict, ...], # hyperparameter searches whose best trial this run is (TuningEvent)
+     "covered": int}                # the first steps of the segments, charged inside those searches
 
     segment = {"sampling_rate": q | None,         # None: the reader's q (B·k/N) applies
                "q_floor": float | None,           # with q None: charge at least this q
@@ -17,6 +19,10 @@ with the counter. A step is a Poisson-sampled composition of Gaussian releases: 
 group (flat clipping is one group) plus, for adaptive clipping, one per norm query; each release
 is recorded by its noise multiplier (noise standard deviation over its ℓ2 sensitivity), and the
 accountant derives σ_eff (:func:`keras_dpsgd.accounting.composed_noise_multiplier`).
+
+A search (:func:`record_search`, Papernot & Steinke 2022) charges the trial it released, and the other
+trials, through one :class:`~keras_dpsgd.accounting.TuningEvent`: the steps it covers stay in the
+segments (they are releases: a seeded noise key counts them) but are not charged again.
 
 Every transition returns a new state and never mutates its argument. :mod:`keras_dpsgd.ledger`
 does the I/O (the string variables, the optimizer's counter and its saved worst-case bounds).
@@ -34,15 +40,17 @@ from typing import Optional, Sequence
 
 from keras_dpsgd.accounting.events import composed_noise_multiplier
 
-VERSION = 2
+VERSION = 3
+_KEYS = {"version", "segments", "open_start", "seen", "searches", "covered"}
 DPSGD_LABEL = "dp-sgd"
 CHANGED_LABEL = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
 UNSAVED_LABEL = f"{DPSGD_LABEL} (segments not saved: worst case)"
+USER_LEVEL_LABEL = f"{DPSGD_LABEL} (user-level)"  # steps on lots of users (keras_dpsgd.UserPoissonLots)
 
 
 def initial() -> dict:
     """The state of a run that has recorded nothing."""
-    return {"version": VERSION, "segments": [], "open_start": None, "seen": 0}
+    return {"version": VERSION, "segments": [], "open_start": None, "seen": 0, "searches": [], "covered": 0}
 
 
 def segment(
@@ -106,8 +114,8 @@ def close_segment(state: dict) -> dict:
     return new
 
 
-def _open_at(state: dict, sampling_rate, noise_multipliers, start: int) -> None:
-    state["segments"].append(segment(sampling_rate, noise_multipliers, 0))
+def _open_at(state: dict, sampling_rate, noise_multipliers, start: int, label: str = DPSGD_LABEL) -> None:
+    state["segments"].append(segment(sampling_rate, noise_multipliers, 0, label))
     state["open_start"] = int(start)
 
 
@@ -119,6 +127,7 @@ def advance(
     noise_multipliers: Sequence[float],
     counter_is_new: bool = False,
     saved_worst_case: Optional[tuple] = None,
+    label: str = DPSGD_LABEL,
 ) -> dict:
     """The state after reading the counter at `steps`, the last steps run under (q, releases).
 
@@ -133,6 +142,8 @@ def advance(
         A counter below ``seen`` is new too.
       saved_worst_case: (largest q, smallest σ_eff) charged so far, as kept where the segments
         were not (a ``.keras`` file), or None. Used only when the state holds no segment.
+      label: the label of the steps from now on (a new label opens a new segment, as a new (q, σ)
+        does): ``DPSGD_LABEL``, or :data:`USER_LEVEL_LABEL` for lots of users.
 
     Returns:
       A new state; `state` is not modified.
@@ -151,17 +162,17 @@ def advance(
         if worst is not None and tuple(worst) != (q, _sigma(sigmas)):
             # Segments lost, counter and worst case kept (.keras): never under-report.
             new["segments"].append(segment(worst[0], [worst[1]], steps, UNSAVED_LABEL))
-            _open_at(new, q, sigmas, steps)
+            _open_at(new, q, sigmas, steps, label)
         else:
             # Nothing known about earlier steps: they ran with the current values.
-            _open_at(new, q, sigmas, 0)
+            _open_at(new, q, sigmas, 0, label)
     elif opened is None:
-        _open_at(new, q, sigmas, new["seen"] if steps >= new["seen"] and not counter_is_new else 0)
+        _open_at(new, q, sigmas, new["seen"] if steps >= new["seen"] and not counter_is_new else 0, label)
     else:
         if q is None:
             q = opened["sampling_rate"]  # the optimizer does not know q: nothing new about it
         old = (opened["sampling_rate"], tuple(opened["noise_multipliers"]))
-        changed = old != (q, sigmas)
+        changed = old != (q, sigmas) or opened["label"] != label
         reset = steps < new["seen"] or (counter_is_new and recorded_steps(new) > 0)
         first_unread = 0 if reset else new["seen"]
         if changed or reset:
@@ -172,7 +183,7 @@ def advance(
                 sigma = min(_sigma(sigmas), _sigma(old[1]))
                 new["segments"].append(segment(worst_q, [sigma], steps - first_unread, CHANGED_LABEL, floor))
                 start = steps
-            _open_at(new, q, sigmas, start)
+            _open_at(new, q, sigmas, start, label)
     new["seen"] = steps
     new["segments"][-1]["count"] = steps - new["open_start"]
     return new
@@ -184,10 +195,34 @@ def discard_partial_lot(state: dict) -> dict:
 
 
 def merge(*states: dict) -> dict:
-    """Of several saved copies of one run's state, the one that recorded more (a lost copy never lowers ε)."""
+    """Of several saved copies of one run's state, the one that recorded more (a lost copy never lowers ε).
+
+    The searches are those of the copy that holds the most; the steps they cover, the fewest any copy says.
+    """
     if not states:
         raise ValueError("merge needs at least one state")
-    return copy(max(states, key=recorded_steps))
+    new = copy(max(states, key=recorded_steps))
+    searched = max(states, key=lambda s: len(s["searches"]))
+    new["searches"] = [dict(e) for e in searched["searches"]]
+    new["covered"] = min(s["covered"] for s in states if s["searches"]) if new["searches"] else 0
+    return new
+
+
+def record_search(state: dict, event: dict) -> dict:
+    """The state after the run so far is recorded as the released trial of a search (a TuningEvent's dict).
+
+    Every step recorded so far becomes covered by the search (the caller checks that the search's
+    trial bound covers them); later steps are charged as before.
+    """
+    new = copy(state)
+    new["searches"].append(dict(event))
+    new["covered"] = recorded_steps(new)
+    return new
+
+
+def searches(state: dict) -> list:
+    """The searches' event dicts, in order."""
+    return [dict(e) for e in state["searches"]]
 
 
 def resume(state: dict, restored: dict) -> dict:
@@ -196,12 +231,16 @@ def resume(state: dict, restored: dict) -> dict:
 
 
 def events(state: dict, reader_sampling_rate: float) -> list:
-    """The segments with steps, as ``(q, noise_multipliers, count, label)``; q None resolved.
+    """The segments with steps not covered by a search, as ``(q, noise_multipliers, count, label)``; q None resolved.
 
     A segment of unknown q is charged at the reader's q, at least its floor.
     """
     out = []
+    covered = state["covered"]
     for s in state["segments"]:
+        skipped = min(covered, s["count"])
+        covered -= skipped
+        s = dict(s, count=s["count"] - skipped)
         if s["count"] == 0:
             continue
         q = s["sampling_rate"]
@@ -246,6 +285,8 @@ def copy(state: dict) -> dict:
         "segments": [dict(s, noise_multipliers=list(s["noise_multipliers"])) for s in state["segments"]],
         "open_start": state["open_start"],
         "seen": state["seen"],
+        "searches": [dict(e) for e in state.get("searches", [])],
+        "covered": int(state.get("covered", 0)),
     }
 
 
@@ -275,10 +316,15 @@ def loads(raw: str) -> dict:
         raise ValueError(f"a saved ledger state must be a JSON object, got {raw[:200]!r}")
     if set(data) == {"closed", "open", "seen"}:
         return _from_version_1(data)
-    if data.get("version") != VERSION or set(data) != {"version", "segments", "open_start", "seen"}:
-        raise ValueError(f"not a keras_dpsgd ledger state (version {VERSION} or 1): {raw[:200]!r}")
+    if data.get("version") == 2 and set(data) == _KEYS - {"searches", "covered"}:
+        return copy(data)  # version 2: no search
+    if data.get("version") != VERSION or set(data) != _KEYS:
+        raise ValueError(f"not a keras_dpsgd ledger state (version {VERSION}, 2 or 1): {raw[:200]!r}")
     return copy(data)
 
 
 def dumps(state: dict) -> str:
+    """The JSON of a state: version 2 (which earlier releases read) unless it records a search."""
+    if not state["searches"] and not state["covered"]:
+        state = dict({k: v for k, v in state.items() if k not in ("searches", "covered")}, version=2)
     return json.dumps(state, sort_keys=True)

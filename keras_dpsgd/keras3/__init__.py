@@ -21,6 +21,7 @@ from keras_dpsgd.tools._adaptive_core import initial_clip_bounds, initial_flat_c
 from keras_dpsgd.keras3._loss import per_example_loss
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
 from keras_dpsgd.keras3._train_step import is_private, make_private, private_update, sanitized_gradients
+from keras_dpsgd.step import user_lots as _user_lots  # noqa: F401 (registers UserMeanLoss for loading)
 
 __all__ = [
     "AdaptiveDPSGDOptimizer",

@@ -83,6 +83,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _validate
@@ -112,15 +113,20 @@ from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: 
 )
 from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd.accounting import (
+    DEFAULT_ORDERS,
     GaussianEvent,
     PoissonSampledComposedGaussianEvent,
     PoissonSampledGaussianEvent,
     PrivacyLedger,
+    RdpAccountant,
+    TuningEvent,
     check_delta,
     compute_epsilon,
     default_delta,
+    event_from_dict,
     max_steps_within_budget,
 )
+from keras_dpsgd.accounting.tuning import rdp_trial
 from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
 
 __all__ = [
@@ -129,6 +135,7 @@ __all__ = [
     "assume_poisson",
     "assumes_poisson",
     "attach",
+    "check_trial",
     "fit_frame",
     "fit_training_size",
     "is_dp_optimizer",
@@ -139,6 +146,7 @@ __all__ = [
     "note_fit_sampling",
     "noised_steps",
     "optimizer_events",
+    "record_search",
     "recorded_sampling_rate",
     "refuse_lost_history",
     "resolve_delta",
@@ -357,7 +365,62 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
         or any(s["sampling_rate"] is None and s["count"] for s in data["segments"])
     ):
         q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
-    return [step_event(*segment) for segment in S.events(data, q)]
+    searches = [event_from_dict(e) for e in S.searches(data)]
+    return searches + [step_event(*segment) for segment in S.events(data, q)]
+
+
+def check_trial(model: Any, event: TuningEvent) -> None:
+    """Refuses a model whose ledger spends more than one trial of the search `event` may, at some RDP order.
+
+    A search's bound (Papernot & Steinke 2022) holds only if every trial is within one RDP bound (their
+    Sec. 3.3): the model's whole ledger (its layers' events and its optimizer's steps) is composed at
+    :data:`~keras_dpsgd.accounting.DEFAULT_ORDERS` and must not exceed the search's trial curve
+    (:func:`keras_dpsgd.accounting.tuning.rdp_trial`) at any of them. A model whose layers release too
+    (DP-PCA, ...) or that trained more than planned is refused.
+
+    Raises:
+      TypeError: `event` is not a TuningEvent.
+      ValueError: naming the order where the model's RDP exceeds the trial's.
+    """
+    if not isinstance(event, TuningEvent):
+        raise TypeError(f"event must be a TuningEvent, got {type(event).__name__}")
+    ledger = model_privacy_ledger(model)
+    used = RdpAccountant(DEFAULT_ORDERS).compose(ledger).rdp
+    bound = rdp_trial(event, DEFAULT_ORDERS)
+    if not np.all(used <= bound):
+        with np.errstate(invalid="ignore"):  # ∞ − ∞ at orders where both are ∞
+            worst = int(np.argmax(np.where(used <= bound, -np.inf, np.nan_to_num(used - bound, nan=np.inf))))
+        raise ValueError(
+            f"the model's ledger ({len(ledger)} events) spends more than one trial of the search may: RDP "
+            f"{used[worst]:.6g} > {bound[worst]:.6g} at order {DEFAULT_ORDERS[worst]:g}; a trial runs only its "
+            "planned DP-SGD steps (no layer that releases, no training before or after)"
+        )
+
+
+def record_search(model: Any, event: TuningEvent) -> None:
+    """Records that `model` is the released (best) trial of the hyperparameter search `event`.
+
+    From now on the model's ledger charges the whole search (:class:`~keras_dpsgd.accounting.TuningEvent`,
+    Papernot & Steinke 2022) instead of its optimizer's steps so far, which the search covers; steps taken
+    later are charged as before. The record lives in the ledger's state, so it travels with the model
+    wherever the ledger does (checkpoints, SavedModels, Keras 3 files); a tf_keras ``.keras``/h5 model,
+    which keeps only the optimizer's counter, is refused (:func:`refuse_lost_history`).
+
+    Fail closed: the model must be within one trial of the search (:func:`check_trial`).
+
+    Raises:
+      TypeError: `event` is not a TuningEvent.
+      ValueError: the model has no DP optimizer, or its ledger exceeds the search's trial bound.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not is_dp_optimizer(optimizer):
+        raise ValueError(f"the model's optimizer must be a keras_dpsgd DP optimizer, got {type(optimizer).__name__}")
+    check_trial(model, event)
+    with tf.init_scope():
+        holders = ledger_state_holders(model, optimizer)
+        state = S.record_search(S.merge(*[_read_state(h) for h in holders]), event.to_dict())
+        for holder in holders:
+            holder.state.assign(S.dumps(state))
 
 
 def _releasing_layers(model: Any) -> list:

@@ -327,7 +327,15 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
     if holder is None:
         return
     with tf.init_scope():
-        earlier = S.earlier_steps(_read_state(holder))
+        state = _read_state(holder)
+        earlier = S.earlier_steps(state)
+    if state["searches"]:
+        raise ValueError(
+            f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and the "
+            "model's ledger also records the hyperparameter search it was selected by (a TuningEvent); a model "
+            "loaded from it would under-report epsilon. Save a SavedModel (model.save(directory)) or a "
+            "tf.train.Checkpoint, which keep the whole ledger"
+        )
     if earlier > 0:
         raise ValueError(
             f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
@@ -557,6 +565,7 @@ def sync_ledger_state(
             noise_multipliers=step_noise_multipliers(optimizer, sigma),
             counter_is_new=not raw[0],
             saved_worst_case=S.saved_worst_case(bounds, sampling_rate, sigma),
+            label=S.USER_LEVEL_LABEL if getattr(optimizer, "privacy_unit", None) == "user" else S.DPSGD_LABEL,
         )
         if bounds is not None:
             _write_bounds(bound_variables, S.fold_bounds(data, bounds))

@@ -7,6 +7,9 @@
 3. :mod:`~keras_dpsgd.tools.large_lots`: large lots with a linearly scaled
    learning rate and gradient accumulation.
 
+And :mod:`~keras_dpsgd.tools.tuning`: a hyperparameter search with one budget for the
+whole search (Papernot & Steinke 2022).
+
 Names are imported lazily: the pure-Python parts (large lots, the adaptive
 clipping arithmetic) do not import TensorFlow.
 """
@@ -41,6 +44,9 @@ _LAZY = {
     "plan_gradient_accumulation": "keras_dpsgd.tools.large_lots",
     "large_lot_table": "keras_dpsgd.tools.large_lots",
     "plot_noise_per_example": "keras_dpsgd.tools.large_lots",
+    # hyperparameter tuning (Papernot & Steinke 2022)
+    "tune": "keras_dpsgd.tools.tuning",
+    "TuningResult": "keras_dpsgd.tools.tuning",
 }
 
 __all__ = sorted(_LAZY)

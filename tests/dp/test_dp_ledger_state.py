@@ -176,3 +176,34 @@ def test_bad_reads_are_refused(kwargs):
 
 
 # Imports without TensorFlow: tests/test_keras_switch.py::test_keras_neutral_modules_import_without_tensorflow.
+
+
+def test_a_recorded_search_covers_the_steps_so_far_and_later_steps_are_charged():
+    search = {"type": "tuning", "distribution": "poisson", "mu": 2.0}  # the state stores the dict as given
+    state = _run([(3, 0.1, [1.1]), (6, 0.2, [1.3])])
+    searched = S.record_search(state, search)
+    assert S.searches(searched) == [search] and searched["covered"] == 6
+    assert S.events(searched, 0.5) == []  # the search charges them
+    later = _run([(10, 0.2, [1.3])], searched)
+    assert S.events(later, 0.5) == [(0.2, (1.3,), 4, "dp-sgd")]
+    assert S.recorded_steps(later) == 10  # the covered steps stay releases (seeded noise keys count them)
+    assert S.loads(S.dumps(later)) == later
+    # a copy that lost the search never wins: the merge keeps it, and covers the fewest steps any copy says
+    merged = S.merge(_run([(12, 0.2, [1.3])], state), later)
+    assert S.searches(merged) == [search] and merged["covered"] == 6 and S.recorded_steps(merged) == 12
+
+
+def test_version_2_states_load_without_searches():
+    state = _run([(3, 0.1, [1.1])])
+    old = {k: v for k, v in state.items() if k not in ("searches", "covered")}
+    loaded = S.loads(json.dumps(dict(old, version=2)))
+    assert loaded == state and S.searches(loaded) == []
+
+
+def test_a_new_label_opens_a_new_segment():
+    user = S.USER_LEVEL_LABEL
+    state = S.advance(S.initial(), steps=3, sampling_rate=0.1, noise_multipliers=[1.1], label=user)
+    state = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1], label=user)
+    state = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1])  # read at once under the new label
+    state = S.advance(state, steps=7, sampling_rate=0.1, noise_multipliers=[1.1])
+    assert _segments(state) == [_seg(0.1, [1.1], 5, user), _seg(0.1, [1.1], 2)]

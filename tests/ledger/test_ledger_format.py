@@ -69,7 +69,7 @@ NOT_LEDGERS = {
     "extra top-level key": {"events": [_PSG], "epsilon": 0.0},
     "extra key with format": {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSG], "closed": []},
     "unknown format": {"format": "opacus", "version": 1, "events": [_PSG]},
-    "future version": {"format": "keras_dpsgd.ledger", "version": 3, "events": [_PSG]},
+    "future version": {"format": "keras_dpsgd.ledger", "version": 4, "events": [_PSG]},
     "version 1 with a version 2 event": {"format": "keras_dpsgd.ledger", "version": 1, "events": [_PSCG]},
     "0.1.0 shape with a version 2 event": {"events": [_PSCG]},
     "version 1 composed of a version 2 event": {
@@ -118,8 +118,8 @@ def test_the_error_says_what_was_expected_and_what_was_got():
         PrivacyLedger.from_dict({"history": [(1.1, 0.01, 100)], "mechanism": "rdp"})
     with pytest.raises(TypeError, match="must be a dict.*got NoneType"):
         PrivacyLedger.from_dict(None)
-    with pytest.raises(ValueError, match=r"ledger version must be one of \[1, 2\].*got 3"):
-        PrivacyLedger.from_dict({"format": "keras_dpsgd.ledger", "version": 3, "events": []})
+    with pytest.raises(ValueError, match=r"ledger version must be one of \[1, 2, 3\].*got 4"):
+        PrivacyLedger.from_dict({"format": "keras_dpsgd.ledger", "version": 4, "events": []})
     with pytest.raises(ValueError, match="count must be an integer >= 0, got -5"):
         PrivacyLedger.from_dict({"events": [{**_PSG, "count": -5}]})
     with pytest.raises(ValueError, match="exactly the fields.*got"):
