@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from keras_dpsgd.dp import ledger_state as S
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.accounting import (
     GaussianEvent,
     PoissonSampledComposedGaussianEvent,
@@ -91,7 +92,8 @@ def refuse_shared_layer_seeds(model: Any) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool):
             continue
         if seed in by_seed:
-            raise ValueError(
+            raise refuse(
+                "shared-layer-seeds",
                 f"layers {by_seed[seed].name!r} and {layer.name!r} of this model were adapted with the same seed "
                 f"({seed}): a seeded layer draws the noise of its k-th adapt from (seed, k), so both released the "
                 "same noise, which epsilon would count as independent releases. Give each DP layer its own seed "

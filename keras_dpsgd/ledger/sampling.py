@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd import _validate
 from keras_dpsgd._frames import fit_frame
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.ledger._keras_io import (
     _FIT_SAMPLING_ATTR,
     _fit_sampling,
@@ -198,7 +199,8 @@ def resolve_sampling_rate(
     if n is None or b is None:
         if fitted is not None:
             return fitted[2]
-        raise ValueError(
+        raise refuse(
+            "unknown-sampling-rate",
             "the optimizer's sampling_rate is unknown and its fit's data have no known size: train on "
             "keras_dpsgd.PoissonLots and call lots.configure(optimizer), or pass num_examples and batch_size "
             f"(then Poisson sampling is assumed), got num_examples={num_examples!r}, batch_size={batch_size!r}",
