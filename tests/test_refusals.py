@@ -71,8 +71,8 @@ def test_register_refuses_a_second_registration_and_bad_ids():
 
 
 def test_a_routed_check_raises_a_refusal_with_its_former_message():
-    """step/mixing.py: a layer that declares mixes_examples (no TensorFlow graph needed)."""
-    from keras_dpsgd.step import mixing
+    """backends/tensorflow/mixing.py: a layer that declares mixes_examples (no TensorFlow graph needed)."""
+    from keras_dpsgd.backends.tensorflow import mixing
 
     class Layer:
         name = "mixer"

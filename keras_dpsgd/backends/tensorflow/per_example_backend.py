@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.step import mixing as _mixing
+from keras_dpsgd.backends.tensorflow import mixing as _mixing
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
 from keras_dpsgd.backends.tensorflow._reference import ClipFactorsFn, ReferenceBackend
 from keras_dpsgd.dp.refusals import refuse
@@ -83,7 +83,7 @@ def _is_batch_norm(layer: Any) -> bool:
 
 
 def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable], loss: tf.Tensor | None) -> None:
-    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.step.mixing``).
+    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.backends.tensorflow.mixing``).
 
     With BatchNormalization in training mode one example changes every other example's output
     (batch statistics), so per-example clipping no longer bounds its influence. A frozen
