@@ -180,6 +180,16 @@ register(
     "tf_keras h5 weights of a model with a ledger: they hold the layers' weights only, so a run resumed from "
     "them would restart epsilon at 0",
 )
+register(
+    "foreign-ledger",
+    "PrivacyLedger.from_dict of a state that is not a keras_dpsgd ledger (another format, an unknown version): "
+    "loading it as an empty ledger would report epsilon = 0 for a trained model",
+)
+register(
+    "ledger-version-kinds",
+    "a version 1 ledger file naming an event kind added in version 2: version 1 never wrote one, so the file "
+    "was edited or is not ours and its epsilon cannot be trusted",
+)
 
 # Callbacks: decisions on the training data.
 register(
@@ -227,6 +237,11 @@ register(
     "the sanitized gradients",
 )
 register(
+    "crossentropy-from-data",
+    'loss="crossentropy" or "ce" in the Keras 3 private step: Keras picks that loss from the data, so no '
+    "per-example loss can be derived from the compiled one",
+)
+register(
     "keras-accumulation",
     "Keras's own gradient_accumulation_steps on a Keras 3 DP optimizer: Keras would average separately noised "
     "batches, which is not one DP-SGD lot",
@@ -234,6 +249,11 @@ register(
 register(
     "sanitize-lot",
     "sanitized_gradients with gradient_accumulation_steps > 1: a lot is several batches and must be released once",
+)
+register(
+    "multi-output-mismatch",
+    "Keras 3 multi-output losses whose losses, weights, targets or sample weights do not match the model's "
+    "outputs: a per-example loss cannot be derived",
 )
 register(
     "lots-py-dataset-workers",
@@ -282,4 +302,35 @@ register(
     "lots-sharded-dataset",
     "PoissonLots.dataset() or as_py_dataset() with num_workers > 1: the strategy's input splitting would spread "
     "each worker's lot over several steps, so a step would no longer be one Poisson lot",
+)
+register(
+    "tf-keras-replica-lot-options",
+    "tf_keras gradient_accumulation_steps > 1 with weight_decay or use_ema under several replicas: tf_keras "
+    "applies them at every batch there, not once per lot",
+)
+register(
+    "tf-keras-adaptive-replicas",
+    "tf_keras adaptive clipping under several replicas: its noised norm queries are not split across replicas "
+    "and the next bounds would not be set identically on every replica",
+)
+register(
+    "worker-dataset",
+    "a tf_keras fit under MultiWorkerMirroredStrategy on a per-worker dataset handed over as is: fit would "
+    "release each lot in parts, each charged as a Poisson lot",
+)
+register(
+    "backup-workers-differ",
+    "keras_dpsgd.keras3.BackupAndRestore when the workers restored different training states: a worker would "
+    "train other weights and count other steps than the others",
+)
+
+# Auditing.
+register(
+    "audit-save",
+    "keras-dpsgd audit --save: an audit's model was trained with canaries and is not a model to release",
+)
+register(
+    "canaries-not-installed",
+    "a GradientCanaryMixin step before install_gradient_canaries(...): a canary optimizer without its canaries "
+    "would audit nothing while looking like an audit",
 )
