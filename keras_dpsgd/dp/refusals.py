@@ -215,6 +215,11 @@ register(
     "would count as independent releases",
 )
 
+register(
+    "delta-above-one-over-n",
+    "delta >= 1/N where N is known: such a guarantee allows publishing an example in the clear",
+)
+
 # Keras 3.
 register(
     "no-private-step",
