@@ -219,6 +219,28 @@ register(
     "delta-above-one-over-n",
     "delta >= 1/N where N is known: such a guarantee allows publishing an example in the clear",
 )
+register(
+    "save-dir-unwritable",
+    "keras-dpsgd train --save DIR when DIR is a file, lies under a file or cannot be written: the run would be "
+    "lost after training",
+)
+register(
+    "lot-size-above-n",
+    "a --lot-size larger than the training rows: a lot cannot exceed N",
+)
+register(
+    "data-source-ambiguous",
+    "--data with --dataset/--data-dir, or options of --data without it: the source of the data is ambiguous",
+)
+register(
+    "cnn-on-flat-features",
+    "--model cnn on flat (N, F) features: the convnet needs images",
+)
+register(
+    "dp-normalize-sigma",
+    "keras-dpsgd train --dp-normalize 0 (or a non-finite sigma), or --dp-normalize-bounds without it: sigma = 0 "
+    "would publish the exact statistics (epsilon = infinity), and bounds alone would do nothing asked for",
+)
 
 # Keras 3.
 register(
