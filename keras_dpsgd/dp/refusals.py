@@ -225,6 +225,26 @@ register(
     "lost after training",
 )
 register(
+    "data-file-unreadable",
+    "a --data file that is missing, of unknown type, malformed or without training arrays: nothing to train on",
+)
+register(
+    "csv-label-column",
+    "a CSV without --label-column, or naming a column that is not in its header: the labels cannot be guessed",
+)
+register(
+    "csv-cells",
+    "a non-numeric or empty CSV cell, or a ragged row: features must be numbers",
+)
+register(
+    "non-finite-data",
+    "NaN or infinite features or labels, or values float32 cannot hold: they break clipping and training silently",
+)
+register(
+    "labels-not-classes",
+    "labels that are not integer classes 0..K-1: not a classification task",
+)
+register(
     "lot-size-above-n",
     "a --lot-size larger than the training rows: a lot cannot exceed N",
 )
