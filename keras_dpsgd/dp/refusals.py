@@ -141,6 +141,16 @@ register(
 
 # The ledger: every step counted, in every save format.
 register(
+    "lot-steps-per-epoch",
+    "steps_per_epoch not a multiple of gradient_accumulation_steps with a known sampling rate: the incomplete lot "
+    "discarded at every epoch end would shift every later Poisson lot",
+)
+register(
+    "epoch-inside-lot",
+    "an epoch of fit that ends inside a lot with a known sampling rate: the lots no longer align with the "
+    "Poisson stream",
+)
+register(
     "fit-not-on-lots",
     "a fit of a DP model on other data than the Poisson lots its optimizer's sampling rate was set for: "
     "epsilon at that rate is no proven bound for them",
@@ -282,6 +292,11 @@ register(
     "loss-scaling",
     "loss scaling (loss_scale_factor, a LossScaleOptimizer) around a Keras 3 DP optimizer: it would rescale "
     "the sanitized gradients",
+)
+register(
+    "num-microbatches",
+    "num_microbatches other than None: keras_dpsgd clips each example, not microbatches (microbatch clipping "
+    "adds more noise per example for the same epsilon)",
 )
 register(
     "crossentropy-from-data",
