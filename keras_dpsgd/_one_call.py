@@ -244,7 +244,7 @@ def make_private_with_epsilon(
         import tf_keras as keras
 
         from keras_dpsgd.tf_keras import make_dp_optimizer, make_private as _make_private
-        from keras_dpsgd.tf_keras._train_step import weight_regularization_terms
+        from keras_dpsgd.tf_keras import weight_regularization_terms
 
         def make_private(m):  # needed (and only allowed) for weight regularizers
             return _make_private(m) if weight_regularization_terms(m) else m

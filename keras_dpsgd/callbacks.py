@@ -42,6 +42,7 @@ from keras_dpsgd.ledger import (
     sync_ledger_state,
 )
 from keras_dpsgd.step.fed_data import check_fed_data
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["PrivacyLogger", "WithinLimit"]
 
@@ -59,16 +60,18 @@ def _check_training_size(model: Any, optimizer: Any, num_examples: Optional[int]
         return
     n_train = fit_training_size(frame)
     if n_train is None:
-        raise ValueError(
+        raise refuse(
+            "num-examples-above-split",
             f"validation_split={split!r} with num_examples={num_examples}: the size of the training split "
             "is unknown, so epsilon cannot be computed at q = B/N_train; split the data yourself and pass "
-            "num_examples = the training set's size"
+            "num_examples = the training set's size",
         )
     if num_examples > n_train:
-        raise ValueError(
+        raise refuse(
+            "num-examples-above-split",
             f"num_examples must be the size of the training set, at most {n_train} with "
             f"validation_split={split!r}, got num_examples={num_examples}: epsilon at q = B/N of the full "
-            f"data is under-reported; pass num_examples={n_train}"
+            f"data is under-reported; pass num_examples={n_train}",
         )
 
 
@@ -102,12 +105,13 @@ class _PrivacyCallback(keras.callbacks.Callback):
     def _optimizer(self):
         optimizer = getattr(self.model, "optimizer", None)
         if not is_dp_optimizer(optimizer):
-            raise ValueError(
+            raise refuse(
+                "callback-plain-optimizer",
                 f"{type(self).__name__} needs a keras_dpsgd DP optimizer (one with noised_steps), got "
                 f"{type(optimizer).__name__}: the model was compiled with a plain optimizer. After "
                 "run = make_private_with_epsilon(...), compile with run.optimizer "
                 "(run.model.compile(optimizer=run.optimizer, ...)); else make the optimizer private "
-                "(keras_dpsgd.keras3.DPSGDOptimizer, keras_dpsgd.tf_keras.DPSGDOptimizer)"
+                "(keras_dpsgd.keras3.DPSGDOptimizer, keras_dpsgd.tf_keras.DPSGDOptimizer)",
             )
         return optimizer
 

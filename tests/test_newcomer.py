@@ -34,7 +34,7 @@ def _eps(*segments):
 def test_plain_fit_reports_epsilon_at_b_over_n_and_says_it_assumes_poisson(make_front, caplog, monkeypatch):
     """fit(x, y, batch_size=B) then model_epsilon(model, δ), as in docs/keras3.md: q = B/N of fit's own
     training set (after validation_split), announced as an assumption; a later fit adds its own q."""
-    monkeypatch.setattr(keras_dpsgd.ledger, "_WARNED", set())  # said once per process and q
+    monkeypatch.setattr(keras_dpsgd.ledger.sampling, "_WARNED", set())  # said once per process and q
     model = _model(make_front())
     with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
         model.fit(X, Y, batch_size=40, epochs=2, validation_split=0.2, verbose=0)  # N = 160, 4 steps/epoch

@@ -19,6 +19,7 @@ import math
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "ComposedEvent",
@@ -524,17 +525,19 @@ class PrivacyLedger:
             version = 1
         elif keys == {"format", "version", "events"}:
             if data["format"] != LEDGER_FORMAT:
-                raise ValueError(f"ledger format must be {LEDGER_FORMAT!r}, got {data['format']!r}")
+                raise refuse("foreign-ledger", f"ledger format must be {LEDGER_FORMAT!r}, got {data['format']!r}")
             version = data["version"]
             if isinstance(version, bool) or not isinstance(version, int) or version not in _READABLE_VERSIONS:
-                raise ValueError(
+                raise refuse(
+                    "foreign-ledger",
                     f"ledger version must be one of {list(_READABLE_VERSIONS)} (this keras_dpsgd reads versions "
-                    f"up to {LEDGER_VERSION}), got {version!r}"
+                    f"up to {LEDGER_VERSION}), got {version!r}",
                 )
         else:
-            raise ValueError(
+            raise refuse(
+                "foreign-ledger",
                 "not a keras_dpsgd ledger: expected a dict with keys ['events', 'format', 'version'] "
-                f"(format {LEDGER_FORMAT!r}) or the 0.1.0 shape {{'events': [...]}}, got keys {sorted(keys, key=str)}"
+                f"(format {LEDGER_FORMAT!r}) or the 0.1.0 shape {{'events': [...]}}, got keys {sorted(keys, key=str)}",
             )
         events = data["events"]
         if not isinstance(events, (list, tuple)):
@@ -551,6 +554,9 @@ def _refuse_later_kinds(events: Iterable[Any], version: int) -> None:
     for e in events:
         kind = e.get("type") if isinstance(e, dict) else None
         if kind is not None and kind in _EVENT_FIELDS and kind not in _VERSION_KINDS[version]:
-            raise ValueError(f"a version {version} ledger holds no {kind!r} event (added in a later version): {e!r}")
+            raise refuse(
+                "ledger-version-kinds",
+                f"a version {version} ledger holds no {kind!r} event (added in a later version): {e!r}",
+            )
         if kind == "composed" and isinstance(e.get("events"), (list, tuple)):
             _refuse_later_kinds(e["events"], version)

@@ -19,6 +19,7 @@ import numpy as np
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import accountants as A
 from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent, composed_noise_multiplier
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "batch_table",
@@ -442,7 +443,9 @@ def check_delta(delta: float, num_examples: int) -> float:
     delta = V.in_range(0, 1, "()", delta=delta)
     n = V.integer_at_least(1, num_examples=num_examples)
     if delta >= 1.0 / n:
-        raise ValueError(f"delta must be < 1/num_examples = {1.0 / n:.3g} (N = {n}), got {delta!r}")
+        raise refuse(
+            "delta-above-one-over-n", f"delta must be < 1/num_examples = {1.0 / n:.3g} (N = {n}), got {delta!r}"
+        )
     return delta
 
 

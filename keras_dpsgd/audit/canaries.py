@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["GradientCanaryMixin", "make_input_canaries", "per_example_loss", "with_gradient_canaries"]
 
@@ -134,8 +135,9 @@ class GradientCanaryMixin:
         """Included canaries join the lot at rate q: (the sum with them, the lot's signs)."""
         c = getattr(self, "_canaries", None)
         if c is None:
-            raise ValueError(
-                f"{type(self).__name__}: call install_gradient_canaries(model.trainable_variables, ...) before training"
+            raise refuse(
+                "canaries-not-installed",
+                f"{type(self).__name__}: call install_gradient_canaries(model.trainable_variables, ...) before training",
             )
         m = c.scores.shape[0]
         joined = tf.cast(tf.logical_and(c.included, c.generator.uniform([m]) < c.rate), tf.float32)

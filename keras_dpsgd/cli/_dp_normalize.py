@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from keras_dpsgd.dp.refusals import refuse
+
 
 __all__ = ["register", "check", "adapted_layer", "describe", "prepend", "public_transform", "summary"]
 
@@ -71,11 +73,11 @@ def check(args) -> None:
     sigma = args.dp_normalize
     if sigma is None:
         if args.dp_normalize_bounds is not None:
-            raise ValueError("--dp-normalize-bounds applies to --dp-normalize SIGMA only")
+            raise refuse("dp-normalize-sigma", "--dp-normalize-bounds applies to --dp-normalize SIGMA only")
         return
     if not (math.isfinite(sigma) and sigma > 0):
         # σ = 0 would publish the exact statistics (ε = ∞): refused here, where nobody means it.
-        raise ValueError(f"dp_normalize must be a finite noise multiplier > 0, got {sigma}")
+        raise refuse("dp-normalize-sigma", f"dp_normalize must be a finite noise multiplier > 0, got {sigma}")
     _bounds(args.dp_normalize_bounds or DEFAULT_BOUNDS)
 
 

@@ -33,6 +33,7 @@ import sys
 
 from keras_dpsgd import _validate
 from keras_dpsgd.cli import fit_verbosity, positive_int
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["audit", "register", "run"]
 
@@ -108,7 +109,9 @@ def _check(args) -> None:
     from keras_dpsgd.cli import train as train_cli
 
     if args.save is not None:
-        raise ValueError("--save is not supported by audit: an audit's model holds canaries and is not for release")
+        raise refuse(
+            "audit-save", "--save is not supported by audit: an audit's model holds canaries and is not for release"
+        )
     if args.physical_batch_size is not None:
         raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
     if args.clipping != "clip":

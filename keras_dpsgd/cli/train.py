@@ -40,6 +40,7 @@ import numpy as np
 from keras_dpsgd import _validate
 from keras_dpsgd.step.clipping import CLIPPING_CHOICES, DEFAULT_STABILITY
 from keras_dpsgd.cli import CommandFailed, _dp_normalize, add_json_flag, fit_verbosity, positive_float, positive_int
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["check_save_destination", "register", "run", "train"]
 
@@ -205,10 +206,12 @@ def _load_data(args):
             if v is not None
         ]
         if local_only:
-            raise ValueError(f"{', '.join(local_only)} apply to --data PATH only")
+            raise refuse("data-source-ambiguous", f"{', '.join(local_only)} apply to --data PATH only")
         return _datasets.load_dataset(args.dataset, data_dir=args.data_dir)
     if args.dataset != DEFAULTS["dataset"] or args.data_dir is not None:
-        raise ValueError("give either --data PATH (your own data) or --dataset/--data-dir, not both")
+        raise refuse(
+            "data-source-ambiguous", "give either --data PATH (your own data) or --dataset/--data-dir, not both"
+        )
     data = _datasets.load_local(
         args.data,
         label_column=args.label_column,
@@ -217,8 +220,9 @@ def _load_data(args):
         num_classes=args.num_classes,
     )
     if args.model == "cnn" and len(data.input_shape) != 3:
-        raise ValueError(
-            f"model cnn needs images of shape (H, W, C), got examples of shape {data.input_shape}; use --model mlp"
+        raise refuse(
+            "cnn-on-flat-features",
+            f"model cnn needs images of shape (H, W, C), got examples of shape {data.input_shape}; use --model mlp",
         )
     return data
 
@@ -327,7 +331,7 @@ def train(args) -> dict:
             f"{DEFAULTS['lot_size']}); --lot-size L to choose"
         )
     if args.lot_size > n:
-        raise ValueError(f"lot_size must be in [1, N = {n}], got {args.lot_size}")
+        raise refuse("lot-size-above-n", f"lot_size must be in [1, N = {n}], got {args.lot_size}")
     delta = default_delta(n) if args.delta is None else check_delta(args.delta, n)
     for note in notes:  # after every check: a refused run prints one line
         print(f"data: {note}")
@@ -504,17 +508,17 @@ def check_save_destination(directory: str) -> None:
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
         what = "is an existing file" if existing == path else f"is under {existing!r}, which is not a directory"
-        raise ValueError(f"--save {directory!r} {what}: give a directory")
+        raise refuse("save-dir-unwritable", f"--save {directory!r} {what}: give a directory")
     for name in SAVED_FILES:
         target = os.path.join(path, name)
         if os.path.lexists(target) and not os.path.isfile(target):
-            raise ValueError(f"--save {directory!r}: {target!r} exists and is not a regular file")
+            raise refuse("save-dir-unwritable", f"--save {directory!r}: {target!r} exists and is not a regular file")
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".keras-dpsgd-probe-")
         os.close(fd)
         os.remove(probe)
     except OSError as err:
-        raise ValueError(f"--save {directory!r} is not writable: {err.strerror or err}") from None
+        raise refuse("save-dir-unwritable", f"--save {directory!r} is not writable: {err.strerror or err}") from None
 
 
 def _umask() -> int:

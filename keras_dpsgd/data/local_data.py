@@ -37,6 +37,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from keras_dpsgd.dp.refusals import refuse
+
 # The fixed split of data without a test set. Public and data-independent:
 # which rows are held out depends only on N, not on the values.
 _SPLIT_SEED = 0
@@ -148,29 +150,33 @@ def check_finite(x: np.ndarray, what: str, names: Optional[Sequence[str]] = None
     """
     bad = ~np.isfinite(x)
     if bad.any():
-        raise ValueError(
+        raise refuse(
+            "non-finite-data",
             f"{what} holds NaN or infinite values ({int(bad.sum())} in all; first at {_location(x, bad, names)}): "
-            f"remove or impute them before training"
+            f"remove or impute them before training",
         )
     big = np.abs(x) > np.finfo(np.float32).max
     if big.any():
-        raise ValueError(
+        raise refuse(
+            "non-finite-data",
             f"{what} holds values that do not fit float32 (|value| > {np.finfo(np.float32).max:.4g}; "
             f"{int(big.sum())} in all; first {float(x[tuple(np.argwhere(big)[0])]):g} at "
-            f"{_location(x, big, names)}): rescale or remove them before training"
+            f"{_location(x, big, names)}): rescale or remove them before training",
         )
 
 
 def check_labels(y: np.ndarray, what: str) -> np.ndarray:
     """Integer class labels >= 0 as int64, or ValueError."""
     if y.ndim != 1:
-        raise ValueError(f"{what} must be one integer label per row (shape (N,)), got shape {y.shape}")
+        raise refuse(
+            "labels-not-classes", f"{what} must be one integer label per row (shape (N,)), got shape {y.shape}"
+        )
     if not np.issubdtype(y.dtype, np.number) or np.issubdtype(y.dtype, np.complexfloating):
-        raise ValueError(f"{what} must be integer class labels, got dtype {y.dtype}")
+        raise refuse("labels-not-classes", f"{what} must be integer class labels, got dtype {y.dtype}")
     check_finite(y.astype(np.float64), what)
     if np.any(y < 0) or np.any(y != np.round(y)):
         bad = y[(y < 0) | (y != np.round(y))][0]
-        raise ValueError(f"{what} must be integer class labels 0, 1, ..., K-1, got {bad!r}")
+        raise refuse("labels-not-classes", f"{what} must be integer class labels 0, 1, ..., K-1, got {bad!r}")
     return y.astype(np.int64)
 
 
@@ -207,18 +213,21 @@ def read_npz(path: str) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray], O
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as err:
-        raise ValueError(f"cannot read {path!r} as an .npz file ({type(err).__name__}: {err})") from None
+        raise refuse(
+            "data-file-unreadable", f"cannot read {path!r} as an .npz file ({type(err).__name__}: {err})"
+        ) from None
     with archive:
         keys = set(archive.files)
         if not {"x_train", "y_train"} <= keys or ("x_test" in keys) != ("y_test" in keys):
-            raise ValueError(
+            raise refuse(
+                "data-file-unreadable",
                 f"{path!r} must hold arrays x_train and y_train (and optionally both x_test and "
-                f"y_test), found keys {sorted(keys)}"
+                f"y_test), found keys {sorted(keys)}",
             )
         try:
             arrays = {k: archive[k] for k in ("x_train", "y_train", "x_test", "y_test") if k in keys}
         except ValueError as err:  # object arrays need pickle: refused
-            raise ValueError(f"{path!r} holds an array that is not numeric ({err})") from None
+            raise refuse("data-file-unreadable", f"{path!r} holds an array that is not numeric ({err})") from None
     return arrays["x_train"], arrays["y_train"], arrays.get("x_test"), arrays.get("y_test")
 
 
@@ -278,14 +287,15 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
     with open(path, newline="", encoding="utf-8") as f:
         header = next(csv.reader(f), None)
     if not header:
-        raise ValueError(f"{path!r} is empty: a CSV needs a header row naming its columns")
+        raise refuse("data-file-unreadable", f"{path!r} is empty: a CSV needs a header row naming its columns")
     header = [h.strip() for h in header]
     if label_column is None:
-        raise ValueError(f"a CSV needs --label-column NAME (label_column), one of {_preview(header)}")
+        raise refuse("csv-label-column", f"a CSV needs --label-column NAME (label_column), one of {_preview(header)}")
     if label_column not in header:
-        raise ValueError(
+        raise refuse(
+            "csv-label-column",
             f"label_column {label_column!r} is not a column of {path!r}{_suggest(label_column, header)}; "
-            f"columns: {_preview(header)}"
+            f"columns: {_preview(header)}",
         )
     if len(set(header)) != len(header):
         raise ValueError(f"{path!r} repeats a column name in its header")
@@ -303,9 +313,11 @@ def read_csv(path: str, label_column: Optional[str]) -> tuple[np.ndarray, np.nda
         features = _load_columns(path, [i for i in range(len(header)) if i != j], np.float64)
         table = np.insert(features, j, y, axis=1)
     if table.shape[0] == 0:
-        raise ValueError(f"{path!r} has a header but no rows")
+        raise refuse("data-file-unreadable", f"{path!r} has a header but no rows")
     if table.shape[1] != len(header):
-        raise ValueError(f"{path!r}: the rows have {table.shape[1]} cells but the header names {len(header)} columns")
+        raise refuse(
+            "csv-cells", f"{path!r}: the rows have {table.shape[1]} cells but the header names {len(header)} columns"
+        )
     check_finite(table, repr(path), header)
     drop = [j]
     if j != 0 and header[0] == "":
@@ -338,18 +350,19 @@ def _raise_bad_cell(path: str, header: list[str], skip: Optional[int] = None) ->
             if not row:
                 continue
             if len(row) != len(header):
-                raise ValueError(f"{path!r} line {line} has {len(row)} cells, the header has {len(header)}")
+                raise refuse("csv-cells", f"{path!r} line {line} has {len(row)} cells, the header has {len(header)}")
             for i, (name, cell) in enumerate(zip(header, row)):
                 if i == skip:
                     if not cell.strip():
-                        raise ValueError(f"{path!r} line {line}, column {name!r}: the label is empty")
+                        raise refuse("csv-cells", f"{path!r} line {line}, column {name!r}: the label is empty")
                     continue
                 try:
                     float(cell)
                 except ValueError:
-                    raise ValueError(
+                    raise refuse(
+                        "csv-cells",
                         f"{path!r} line {line}, column {name!r}: {cell.strip()[:40]!r} is not a "
-                        f"number (all feature cells must be numeric; encode categories as numbers)"
+                        f"number (all feature cells must be numeric; encode categories as numbers)",
                     ) from None
 
 
@@ -367,19 +380,22 @@ def read_idx(path: str) -> np.ndarray:
         with opener(path, "rb") as f:
             raw = f.read()
     except (OSError, EOFError) as err:
-        raise ValueError(f"cannot read {path!r} ({type(err).__name__}: {err})") from None
+        raise refuse("data-file-unreadable", f"cannot read {path!r} ({type(err).__name__}: {err})") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES or raw[3] == 0:
-        raise ValueError(f"{path!r} is not an IDX file (its first bytes must be 0, 0, a type code, a rank)")
+        raise refuse(
+            "data-file-unreadable", f"{path!r} is not an IDX file (its first bytes must be 0, 0, a type code, a rank)"
+        )
     ndim = raw[3]
     dtype = np.dtype(_IDX_TYPES[raw[2]])
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise ValueError(f"{path!r} is truncated (IDX header of {ndim} dimensions)")
+        raise refuse("data-file-unreadable", f"{path!r} is truncated (IDX header of {ndim} dimensions)")
     shape = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
     size = int(np.prod(shape)) * dtype.itemsize
     if len(raw) != header + size:
-        raise ValueError(
-            f"{path!r}: the IDX header announces shape {shape} ({header + size} bytes), the file has {len(raw)} bytes"
+        raise refuse(
+            "data-file-unreadable",
+            f"{path!r}: the IDX header announces shape {shape} ({header + size} bytes), the file has {len(raw)} bytes",
         )
     return np.frombuffer(raw, dtype, offset=header).reshape(shape)
 
@@ -389,7 +405,9 @@ def _idx_file(directory: str, split: str, kind: str, rank: int) -> Optional[str]
     pattern = re.compile(rf"^{split}-{kind}[-.]idx{rank}-ubyte(\.gz)?$")
     found = sorted(n for n in os.listdir(directory) if pattern.match(n))
     if len(found) > 1:
-        raise ValueError(f"{directory!r} holds more than one {split} {kind} file: {found}; keep one")
+        raise refuse(
+            "data-file-unreadable", f"{directory!r} holds more than one {split} {kind} file: {found}; keep one"
+        )
     return os.path.join(directory, found[0]) if found else None
 
 
@@ -407,9 +425,10 @@ def idx_files(directory: str) -> Optional[dict]:
         return None
     for split, (images, labels) in pairs.items():
         if (images is None) != (labels is None) or (split == "train" and images is None):
-            raise ValueError(
+            raise refuse(
+                "data-file-unreadable",
                 f"{directory!r} must hold {split}-images-idx3-ubyte and {split}-labels-idx1-ubyte "
-                f"(plain or .gz) together; found {sorted(os.listdir(directory))[:8]}"
+                f"(plain or .gz) together; found {sorted(os.listdir(directory))[:8]}",
             )
     test = pairs["t10k"] if pairs["t10k"][0] else None
     return {"train": pairs["train"], "test": test}

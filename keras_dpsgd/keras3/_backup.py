@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from keras_dpsgd import backends
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["BackupAndRestore"]
 
@@ -110,11 +111,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if isinstance(optimizer, DPKeras3Mixin):
             counts["noised_steps"] = float(optimizer.noised_steps.numpy())
         if not _same_on_every_replica(strategy, list(counts.values())):
-            raise ValueError(
+            raise refuse(
+                "backup-workers-differ",
                 f"BackupAndRestore: the workers restored different training states from {self.backup_dir!r} "
                 "(epoch, steps): every worker must read the chief's backup directory (a shared file system, "
                 "or a copy of the chief's directory on each machine). This worker restored "
-                f"({', '.join(counts)}) = {tuple(int(c) for c in counts.values())}."
+                f"({', '.join(counts)}) = {tuple(int(c) for c in counts.values())}.",
             )
 
     def _save_model(self):

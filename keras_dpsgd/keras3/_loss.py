@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate
 from keras_dpsgd.step.loss import regularization_sum
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["per_example_loss", "weight_regularization"]
 
@@ -37,9 +38,10 @@ class _FunctionLoss(keras.losses.Loss):
 def _unreduced(identifier: Any) -> keras.losses.Loss:
     """The compiled loss with reduction None (per-element values times the sample weights)."""
     if isinstance(identifier, str) and identifier.lower() in ("crossentropy", "ce"):
-        raise ValueError(
+        raise refuse(
+            "crossentropy-from-data",
             f"loss={identifier!r} is resolved by Keras from the data; name the loss instead, e.g. "
-            "loss='sparse_categorical_crossentropy'"
+            "loss='sparse_categorical_crossentropy'",
         )
     loss = keras.losses.get(identifier)
     if isinstance(loss, keras.losses.Loss):
@@ -77,7 +79,7 @@ def _pick(value: Any, name: Any, index: int, count: int, what: str) -> Any:
         return value.get(name)
     if isinstance(value, (list, tuple)):
         if len(value) != count:
-            raise ValueError(f"{what} has {len(value)} entries for the model's {count} outputs")
+            raise refuse("multi-output-mismatch", f"{what} has {len(value)} entries for the model's {count} outputs")
         return value[index]
     return value
 
@@ -110,7 +112,7 @@ def _outputs(model: keras.Model, y: Any, y_pred: Any, sample_weight: Any) -> lis
         weighting = sample_weight if count == 1 else _pick(sample_weight, name, i, count, "sample_weight")
         outputs.append((fn, 1.0 if weight is None else float(weight), target, pred, weighting))
     if not outputs:
-        raise ValueError(f"the compiled loss {loss!r} names none of the model's outputs {names}")
+        raise refuse("multi-output-mismatch", f"the compiled loss {loss!r} names none of the model's outputs {names}")
     return outputs
 
 

@@ -41,6 +41,7 @@ from keras_dpsgd.step.classes import make_dp_class
 from keras_dpsgd.step.eager import recorded, traced_eagerly, traced_step
 from keras_dpsgd.step.settings import DPState
 from keras_dpsgd.step.release import LotReleaseMixin
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "DPKeras3Mixin",
@@ -78,9 +79,10 @@ class DPKeras3Mixin(LotReleaseMixin):
     def _init_dp(self, state: DPState) -> None:
         """Stores the checked DP settings (`state`) and makes the optimizer's saved variables."""
         if self.loss_scale_factor is not None:
-            raise ValueError(
+            raise refuse(
+                "loss-scaling",
                 f"loss_scale_factor must be None for a DP optimizer, got {self.loss_scale_factor!r}: "
-                "the DP train step does not scale the loss"
+                "the DP train step does not scale the loss",
             )
         self._init_dp_state(state)
         # Counted once per step under a strategy (the replicas are in sync).
@@ -127,10 +129,11 @@ class DPKeras3Mixin(LotReleaseMixin):
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: Any) -> None:
         if value:  # Keras's __init__ assigns its own argument here: None for a DP optimizer.
-            raise ValueError(
+            raise refuse(
+                "keras-accumulation",
                 "Keras's own gradient_accumulation_steps would average k separately noised batches, which "
                 "is not one DP-SGD lot: pass gradient_accumulation_steps to the keras_dpsgd DP optimizer's "
-                f"constructor (the DP step accumulates the clipped sums), got {value!r} for Keras's"
+                f"constructor (the DP step accumulates the clipped sums), got {value!r} for Keras's",
             )
 
     @contextlib.contextmanager
@@ -210,10 +213,11 @@ class DPKeras3Mixin(LotReleaseMixin):
             :meth:`minimize`), other variables than the optimizer's, or a multi-replica strategy.
         """
         if self._dp.accumulation > 1:
-            raise ValueError(
+            raise refuse(
+                "sanitize-lot",
                 f"with gradient_accumulation_steps = {self._dp.accumulation} a lot is several batches: call "
                 "keras_dpsgd.keras3.private_update(optimizer, per_example_loss, variables, tape) (or "
-                "optimizer.minimize), which accumulates the lot and applies it once"
+                "optimizer.minimize), which accumulates the lot and applies it once",
             )
         if traced_eagerly(per_example_loss, tape):
             _refuse_callable_on_jax("sanitize")
@@ -332,33 +336,37 @@ class DPKeras3Mixin(LotReleaseMixin):
             }
             for option, fix in fixes.items():
                 if getattr(self, option):
-                    raise ValueError(
+                    raise refuse(
+                        "replica-lot-options",
                         f"{name}({option}={getattr(self, option)!r}, gradient_accumulation_steps="
                         f"{self._dp.accumulation}) under {_distribute.num_replicas()} replicas: the lot's update, "
                         "gated to its last batch inside the cross-replica update, applies the descent rule only, "
-                        f"not Keras's {option}; set {fix}, gradient_accumulation_steps=1, or train on one device"
+                        f"not Keras's {option}; set {fix}, gradient_accumulation_steps=1, or train on one device",
                     )
             if getattr(self, "_adaptive", None) is not None:
-                raise ValueError(
+                raise refuse(
+                    "replica-lot-options",
                     f"{name}(gradient_accumulation_steps={self._dp.accumulation}) under "
                     f"{_distribute.num_replicas()} replicas: adaptive clipping's norm query is released inside "
                     "the lot's conditional, where the replicas cannot sum it, so the bounds would never move; set "
-                    "gradient_accumulation_steps=1 (a larger global batch), or train on one device"
+                    "gradient_accumulation_steps=1 (a larger global batch), or train on one device",
                 )
         for option in ("clipnorm", "clipvalue", "global_clipnorm"):
             if getattr(self, option, None) is not None:
-                raise ValueError(
+                raise refuse(
+                    "replica-clipping",
                     f"{name}({option}={getattr(self, option)!r}) under {_distribute.num_replicas()} replicas: Keras "
                     "clips each replica's gradient before the cross-replica sum, where it holds only 1/R of the "
-                    f"noise; set {option}=None (the DP step clips per example with l2_norm_clip)"
+                    f"noise; set {option}=None (the DP step clips per example with l2_norm_clip)",
                 )
         for hook in ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step"):
             if getattr(type(self), hook) not in (getattr(DPKeras3Mixin, hook), SPLIT_HOOKS.get(hook)):
-                raise ValueError(
+                raise refuse(
+                    "replica-own-release",
                     f"{name} overrides {hook} (gradient canaries, a hook of its own, ...): its own release is not "
                     f"split across the {_distribute.num_replicas()} replicas of the strategy, which is supported "
                     "for the plain DP optimizers and adaptive clipping only; train it on one device (no strategy, "
-                    "or OneDeviceStrategy)"
+                    "or OneDeviceStrategy)",
                 )
 
     def apply(self, grads, trainable_variables=None):
@@ -488,15 +496,17 @@ def check_dp_optimizer(optimizer: Any) -> DPKeras3Mixin:
         return optimizer
     inner = getattr(optimizer, "inner_optimizer", None)
     if isinstance(inner, DPKeras3Mixin):
-        raise ValueError(
+        raise refuse(
+            "loss-scaling",
             "the DP optimizer is wrapped in a LossScaleOptimizer (the 'mixed_float16' policy): loss "
             "scaling would rescale the sanitized gradients and is not supported; use the 'float32' "
             "or 'mixed_bfloat16' policy, or compile(..., auto_scale_loss=False) to train in "
             "'mixed_float16' without loss scaling (float16 gradients may underflow; an example whose "
-            "gradient overflows is zeroed and counted in nonfinite_examples)"
+            "gradient overflows is zeroed and counted in nonfinite_examples)",
         )
-    raise ValueError(
+    raise refuse(
+        "no-private-step",
         "a private train step needs a keras_dpsgd Keras 3 DP optimizer (e.g. "
         f"keras_dpsgd.keras3.DPSGDOptimizer), got {type(optimizer).__name__}: training on would not be "
-        "private. Compile with a DP optimizer."
+        "private. Compile with a DP optimizer.",
     )

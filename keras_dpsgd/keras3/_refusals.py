@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.preprocessing.normalization import refuse_fitted_layers
-from keras_dpsgd.step import mixing as _mixing
+from keras_dpsgd.backends.tensorflow import mixing as _mixing
 
 __all__ = ["refuse_example_mixing", "refuse_adapted_preprocessing"]
 
@@ -22,7 +22,7 @@ def refuse_example_mixing(model: keras.Model, loss: tf.Tensor | None = None) -> 
     (batch statistics), so clipping each example's gradient no longer bounds its influence. A frozen
     ``keras.layers.BatchNormalization`` (``trainable = False``: inference mode) or a subclass is
     accepted when the traced step of `loss` (the per-example loss) proves it: no write to its moving
-    statistics, no batch statistics upstream of the loss (``keras_dpsgd.step.mixing``). Without `loss`
+    statistics, no batch statistics upstream of the loss (``keras_dpsgd.backends.tensorflow.mixing``). Without `loss`
     nothing is proven and every BatchNormalization layer is refused; a layer whose
     ``mixes_examples`` attribute is true always is.
     """

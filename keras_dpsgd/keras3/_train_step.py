@@ -37,6 +37,7 @@ from keras_dpsgd.keras3._loss import per_example_loss, weight_regularization
 from keras_dpsgd.keras3._optimizer import check_dp_optimizer
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
 from keras_dpsgd.step.lots import is_lots_dataset
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "make_private",
@@ -358,7 +359,9 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
         )
     for method in _LOSS_HOOKS[backend]:
         if _overridden(model, method):
-            raise ValueError(_OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method, backend=backend))
+            raise refuse(
+                "own-loss-hook", _OWN_STEP_MESSAGE.format(cls=type(model).__name__, method=method, backend=backend)
+            )
     if backends.is_jax(backend):
         from keras_dpsgd.keras3._jax_train_step import private_train_step
 

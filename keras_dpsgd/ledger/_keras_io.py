@@ -19,6 +19,7 @@ from tensorflow.python.ops import resource_variable_ops
 from keras_dpsgd._frames import calling_frame
 from keras_dpsgd.accounting import composed_noise_multiplier
 from keras_dpsgd.dp import ledger_state as S
+from keras_dpsgd.dp.refusals import refuse
 
 
 _STATE_ATTR = "_dpsgd_ledger_state"
@@ -244,12 +245,13 @@ def refuse_h5_weights(where: str) -> None:
     Raises:
       ValueError: always, naming `where` and the formats that keep the ledger.
     """
-    raise ValueError(
+    raise refuse(
+        "h5-weights",
         f"{where} is refused: h5 weights hold the layers' weights only, not the privacy ledger nor the "
         "optimizer's noised_steps, so a run resumed from them would restart epsilon at 0. Save TF-format "
         "weights (a path without .h5), a tf.train.Checkpoint, BackupAndRestore or a SavedModel (model.save("
         "directory)), which keep the whole ledger, or a .keras model (its counter and worst case); for "
-        "inference, model.get_weights() holds the layers' weights only"
+        "inference, model.get_weights() holds the layers' weights only",
     )
 
 
@@ -337,11 +339,12 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
             "tf.train.Checkpoint, which keep the whole ledger"
         )
     if earlier > 0:
-        raise ValueError(
+        raise refuse(
+            "save-loses-history",
             f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and "
             f"the model's ledger also holds {earlier} steps of an earlier optimizer (the model was compiled "
             "again, or loaded from a SavedModel); a run resumed from it would under-report epsilon. Save "
-            "a SavedModel (model.save(directory)) or a tf.train.Checkpoint, which keep the whole ledger"
+            "a SavedModel (model.save(directory)) or a tf.train.Checkpoint, which keep the whole ledger",
         )
 
 

@@ -30,6 +30,7 @@ import tensorflow as tf
 from keras_dpsgd.preprocessing import adapt as _adapt
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import PrivacyLedger
+from keras_dpsgd.dp.refusals import refuse
 
 if TYPE_CHECKING:
     import tf_keras as keras  # imported where used: the Keras 3 front end must not load tf_keras
@@ -170,7 +171,7 @@ def refuse_fitted_layers(layers: Iterable[Any], fitted_state: Callable[[Any], Op
             continue
         state = fitted_state(layer)
         if state is not None:
-            raise ValueError(fitted_state_message(layer, state))
+            raise refuse("adapted-preprocessing", fitted_state_message(layer, state))
 
 
 def fitted_state_message(layer, state: str) -> str:

@@ -43,6 +43,7 @@ import keras
 from keras_dpsgd import ledger
 from keras_dpsgd.step.fed_data import check_fed_data
 from keras_dpsgd.step._held_out import validation_overlap
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["refuse_private_decisions", "watch_fits"]
 
@@ -128,16 +129,18 @@ def refuse_private_decisions(model: Any) -> None:
                 continue  # held-out validation data
         model.train_function = None  # a fit after the fix traces afresh (Keras 3 cannot retrace a failed trace)
         if monitor.startswith(VALIDATION_PREFIX):
-            raise ValueError(
+            raise refuse(
+                "validation-not-held-out",
                 f"{type(callback).__name__}(monitor={monitor!r}) is refused in a DP fit: the callback {action}, a "
-                f"decision on the validation data without noise, and {overlap[0]}."
+                f"decision on the validation data without noise, and {overlap[0]}.",
             )
-        raise ValueError(
+        raise refuse(
+            "private-decision",
             f"{type(callback).__name__}(monitor={monitor!r}) is refused in a DP fit: {monitor!r} is computed on "
             f"the private training lots without noise, and the callback {action}, a decision on the private "
             "data that epsilon does not count. Monitor a 'val_' quantity computed on data outside the training "
             "set (validation_data=... or validation_split=...), or a quantity keras_dpsgd releases with noise "
-            "('epsilon' from PrivacyLogger, 'clip_bound/...' from ClipBoundsLogger); or remove the callback."
+            "('epsilon' from PrivacyLogger, 'clip_bound/...' from ClipBoundsLogger); or remove the callback.",
         )
 
 

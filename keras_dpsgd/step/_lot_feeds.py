@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.step._poisson import PoissonSampling, check_num_lots
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["LOTS_ATTR", "PoissonLotsPyDataset", "is_lots_dataset", "lots_of", "read_examples"]
 
@@ -92,9 +93,10 @@ class PoissonLotsPyDataset(keras.utils.PyDataset):
     @workers.setter
     def workers(self, value: int) -> None:
         if value != 1:
-            raise ValueError(
+            raise refuse(
+                "lots-py-dataset-workers",
                 f"workers must be 1 for Poisson lots, got {value!r}: several workers would draw lots out of "
-                "order or, as processes, the same lots"
+                "order or, as processes, the same lots",
             )
 
     @property
@@ -104,9 +106,10 @@ class PoissonLotsPyDataset(keras.utils.PyDataset):
     @use_multiprocessing.setter
     def use_multiprocessing(self, value: bool) -> None:
         if value:
-            raise ValueError(
+            raise refuse(
+                "lots-py-dataset-workers",
                 "use_multiprocessing must be False for Poisson lots, got True: each process would copy the "
-                "sampler's generator and draw the same lots"
+                "sampler's generator and draw the same lots",
             )
 
     @property

@@ -21,6 +21,7 @@ from scipy import stats
 
 from keras_dpsgd import _validate, ledger
 from keras_dpsgd.accounting.planning import lots_per_epoch
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["PoissonSampling", "check_num_lots", "check_workers", "strategy_workers"]
 
@@ -56,11 +57,12 @@ def check_workers(num_workers: int, strategy: Any) -> None:
         return
     workers = strategy_workers(strategy)
     if workers != num_workers:
-        raise ValueError(
+        raise refuse(
+            "lots-num-workers",
             f"PoissonLots has num_workers={num_workers} but the optimizer's {type(strategy).__name__} runs "
             f"{workers} worker(s): each worker must sample its own shard (PoissonLots(..., "
             f"num_workers={workers}, worker_index=<this worker's index>)), so that the union of the workers' "
-            "lots is one Poisson lot of the data set"
+            "lots is one Poisson lot of the data set",
         )
 
 

@@ -38,6 +38,7 @@ import math
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "SUPPORTED",
@@ -85,11 +86,12 @@ def check_strategy(caller: str, strategy: tf.distribute.Strategy | None = None) 
         return  # The default strategy: one replica, no distribution.
     if isinstance(strategy, _supported_classes()):
         return
-    raise ValueError(
+    raise refuse(
+        "unsupported-strategy",
         f"{caller} does not support {type(strategy).__name__}: the DP step adds its noise split across "
         f"replicas and relies on a cross-replica SUM of the gradients, derived and tested for {SUPPORTED} "
         "only (TPUStrategy, ParameterServerStrategy and CentralStorageStrategy are not supported). "
-        "Use MirroredStrategy (one machine) or MultiWorkerMirroredStrategy (several)."
+        "Use MirroredStrategy (one machine) or MultiWorkerMirroredStrategy (several).",
     )
 
 

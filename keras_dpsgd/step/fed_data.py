@@ -37,6 +37,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_dpsgd import ledger
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.step.lots import PoissonLots, lots_of
 
 __all__ = ["check_fed_data"]
@@ -68,10 +69,10 @@ def _describe(frame: Any) -> str:
     return f"a {type(x).__name__} (data that keras_dpsgd did not sample)"
 
 
-def _refuse(model: Any, message: str) -> None:
+def _refuse(model: Any, refusal: ValueError) -> None:
     if model is not None:
         model.train_function = None  # a fit after the fix traces afresh (Keras 3 cannot retrace a failed trace)
-    raise ValueError(message)
+    raise refusal
 
 
 def _adopt(model: Any, optimizer: Any, lots: PoissonLots) -> None:
@@ -82,9 +83,12 @@ def _adopt(model: Any, optimizer: Any, lots: PoissonLots) -> None:
     if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
         _refuse(
             model,
-            f"fit is fed PoissonLots with q = {lots.sampling_rate:.6g} but the optimizer was told q = {told_q}: "
-            "under a tf.distribute strategy the optimizer must be configured for these lots before fit: call "
-            "lots.configure(optimizer) first",
+            refuse(
+                "lots-rate-under-strategy",
+                f"fit is fed PoissonLots with q = {lots.sampling_rate:.6g} but the optimizer was told q = {told_q}: "
+                "under a tf.distribute strategy the optimizer must be configured for these lots before fit: call "
+                "lots.configure(optimizer) first",
+            ),
         )
     if model is not None:
         ledger.attach(model, optimizer)  # the steps so far, at the rate they ran with
@@ -138,7 +142,7 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: bool = False) -> 
     frame = None if model is None else ledger.fit_frame(model)
     if frame is None:
         if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
-            _refuse(model, _unseen_data(model, q))
+            _refuse(model, refuse("step-outside-fit", _unseen_data(model, q)))
         return
     lots = lots_of(frame.f_locals.get("x"))
     if lots is not None:
@@ -147,11 +151,14 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: bool = False) -> 
     if q is not None and not ledger.assumes_poisson(optimizer):
         _refuse(
             model,
-            f"fit of a DP model on {_describe(frame)} is refused: the optimizer holds the Poisson sampling rate "
-            f"q = {q:.6g} (set by PoissonLots.configure, make_private_with_epsilon, its sampling_rate argument or "
-            "a saved model), and these batches are not Poisson lots drawn at that rate: epsilon at q would be no "
-            f"proven bound for them (shuffled fixed-size batches are a different mechanism). {_WAY_OUT}. (For a "
-            "sampler of your own, keras_dpsgd.ledger.assume_poisson(optimizer) states, unchecked, that its batches "
-            "are Poisson lots at q.)",
+            refuse(
+                "fit-not-on-lots",
+                f"fit of a DP model on {_describe(frame)} is refused: the optimizer holds the Poisson sampling rate "
+                f"q = {q:.6g} (set by PoissonLots.configure, make_private_with_epsilon, its sampling_rate argument or "
+                "a saved model), and these batches are not Poisson lots drawn at that rate: epsilon at q would be no "
+                f"proven bound for them (shuffled fixed-size batches are a different mechanism). {_WAY_OUT}. (For a "
+                "sampler of your own, keras_dpsgd.ledger.assume_poisson(optimizer) states, unchecked, that its batches "
+                "are Poisson lots at q.)",
+            ),
         )
     ledger.note_fit_sampling(model, optimizer)  # no rate known: q = B·k/N, with its warning

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
+from keras_dpsgd.dp.refusals import refuse
 
 SCALAR_LOSS_MESSAGE = (
     "{cls} needs the per-example loss (shape [batch_size]) but got a loss of shape {shape}: "
@@ -53,9 +54,9 @@ def per_example_values(
     loss = tf.convert_to_tensor(loss)
     rank = loss.shape.rank
     if rank == 0 or (rank is None and unknown_rank is None):
-        raise ValueError(reduced(loss.shape))
+        raise refuse("loss-entries", reduced(loss.shape))
     if rank is None:
-        raise ValueError(unknown_rank(loss.shape))
+        raise refuse("loss-entries", unknown_rank(loss.shape))
     if rank > 1:
         with tape:
             loss = tf.reduce_mean(loss, axis=list(range(1, rank)))
@@ -104,4 +105,4 @@ def refuse_data_losses(num_losses: int, num_weight_terms: int, own_step: str) ->
     on the data. `own_step` names the way out (the front end's own train step)."""
     extra = num_losses - num_weight_terms
     if extra > 0:
-        raise ValueError(_DATA_LOSSES_MESSAGE.format(extra=extra, own_step=own_step))
+        raise refuse("data-losses", _DATA_LOSSES_MESSAGE.format(extra=extra, own_step=own_step))

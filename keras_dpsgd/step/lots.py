@@ -113,6 +113,7 @@ from keras_dpsgd.step._lot_feeds import PoissonLotsPyDataset, read_examples
 from keras_dpsgd.step._lot_feeds import is_lots_dataset, lots_of  # noqa: F401 (the package reads them here)
 from keras_dpsgd.step._poisson import PoissonSampling, check_num_lots, check_workers
 from keras_dpsgd.step._poisson import strategy_workers  # noqa: F401 (the package reads it here)
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["PoissonLots"]
 
@@ -317,10 +318,11 @@ class PoissonLots(PoissonSampling):
 
     def _refuse_shards(self, method: str) -> None:
         if self.num_workers > 1:
-            raise ValueError(
+            raise refuse(
+                "lots-sharded-dataset",
                 f"lots.{method}() with num_workers={self.num_workers}: under MultiWorkerMirroredStrategy the strategy "
                 "would cut each worker's lot into as many parts as there are replicas in all and spread it over "
-                "several steps, so a step would no longer be one Poisson lot; use fit(lots.distribute(strategy))"
+                "several steps, so a step would no longer be one Poisson lot; use fit(lots.distribute(strategy))",
             )
 
     def _dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
@@ -418,11 +420,12 @@ class PoissonLots(PoissonSampling):
         check_num_lots(num_lots)
         self._refuse_shards("as_py_dataset")
         if self._accum != 1:
-            raise ValueError(
+            raise refuse(
+                "lots-physical-batches",
                 f"as_py_dataset needs one physical batch per lot, got gradient_accumulation_steps={self._accum} "
                 f"(physical_batch_size={self._physical}): Keras reads batches ahead to learn their shapes "
                 "and skips them, so the physical batches would straddle two lots; use lots.dataset() (it "
-                "accumulates exactly), or leave physical_batch_size None"
+                "accumulates exactly), or leave physical_batch_size None",
             )
         return PoissonLotsPyDataset(self, num_lots)
 

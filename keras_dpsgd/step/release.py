@@ -43,6 +43,7 @@ from keras_dpsgd.dp import lot as dp_lot, step as dp_step
 from keras_dpsgd.step import distribute as _distribute
 from keras_dpsgd.step.fed_data import check_fed_data
 from keras_dpsgd.step.settings import DPSettingsMixin
+from keras_dpsgd.dp.refusals import refuse
 
 _LOG = logging.getLogger("keras_dpsgd")
 
@@ -182,11 +183,12 @@ class LotReleaseMixin(DPSettingsMixin):
         k = self._dp.accumulation
         steps = self._fit_steps_per_epoch(model)
         if self._dp.sampling_rate is not None and steps is not None and steps % k:
-            raise ValueError(
+            raise refuse(
+                "lot-steps-per-epoch",
                 f"steps_per_epoch must be a multiple of gradient_accumulation_steps = {k} when the "
                 f"sampling rate is known (Poisson lots), got {steps}: the incomplete lot at the end of "
                 "every epoch would be discarded and shift every later lot of the stream; pass "
-                "steps_per_epoch=lots.steps_per_epoch"
+                "steps_per_epoch=lots.steps_per_epoch",
             )
 
     def _on_fit_epoch_begin(self, model: Any) -> None:
@@ -197,11 +199,12 @@ class LotReleaseMixin(DPSettingsMixin):
             self.discard_partial_lot("left before this fit (interrupted, or restored mid-lot)")
             return
         if self.discard_partial_lot("at the end of an epoch") and self._dp.sampling_rate is not None:
-            raise ValueError(
+            raise refuse(
+                "epoch-inside-lot",
                 "an epoch of fit ended inside a lot while the sampling rate is known (Poisson lots): "
                 "the lots no longer align with the Poisson stream. Use steps_per_epoch=lots.steps_per_epoch "
                 "and save BackupAndRestore checkpoints at epoch ends or every multiple of "
-                f"gradient_accumulation_steps = {self._dp.accumulation} batches"
+                f"gradient_accumulation_steps = {self._dp.accumulation} batches",
             )
 
     def _watch_lot_boundaries(self, model: Any, check_data: bool = True) -> None:
@@ -276,7 +279,7 @@ class LotReleaseMixin(DPSettingsMixin):
         pending = self._dp.pending
         for grad in grads:
             if grad is not None and not any(grad is g for g in pending):
-                raise ValueError(message)
+                raise refuse("no-private-step", message)
         del pending[:]
 
     # ------------------------------------------------ hooks for subclasses

@@ -11,6 +11,9 @@ from keras_dpsgd._which_keras import import_tf_keras
 _tf_keras = import_tf_keras()  # first: without tf_keras, an ImportError that names the extra to install
 
 from keras_dpsgd.tf_keras._train_step import make_private  # noqa: E402
+
+# Not in __all__: the one-call API asks it whether a model needs make_private (weight regularizers).
+from keras_dpsgd.tf_keras._train_step import weight_regularization_terms  # noqa: E402, F401
 from keras_dpsgd.preprocessing.normalization import DPNormalization  # noqa: E402
 from keras_dpsgd.tf_keras._optimizer import DPAdamOptimizer, DPSGDOptimizer, make_dp_optimizer  # noqa: E402
 from keras_dpsgd.preprocessing.pca import DPPCA  # noqa: E402

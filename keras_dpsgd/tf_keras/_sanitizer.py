@@ -81,6 +81,7 @@ from keras_dpsgd.backends.tensorflow.graph import refuse_grouped_convolution_lay
 from keras_dpsgd.step.loss import SCALAR_LOSS_MESSAGE, per_example_values, regularization_gradients
 from keras_dpsgd.backends.tensorflow.per_example_backend import refuse_example_mixing
 from keras_dpsgd.step.eager import traced_eagerly, traced_step
+from keras_dpsgd.dp.refusals import refuse
 
 
 _NOT_PRIVATE_MESSAGE = (
@@ -208,16 +209,17 @@ class DPSanitizerMixin(LotReleaseMixin):
         if replicas == 1:
             return
         if self.gradient_accumulation_steps > 1 and (self.use_ema or self.weight_decay):
-            raise ValueError(
+            raise refuse(
+                "tf-keras-replica-lot-options",
                 f"{name} with gradient_accumulation_steps = {self.gradient_accumulation_steps}, "
                 f"weight_decay={self.weight_decay!r} and use_ema={self.use_ema!r} is not supported with "
                 f"{replicas} replicas: tf_keras applies weight decay and the moving average at every batch "
                 "there, not once per lot. Use weight_decay=None and use_ema=False (a kernel_regularizer with "
-                "keras_dpsgd.tf_keras.make_private instead of weight decay), or gradient_accumulation_steps=1."
+                "keras_dpsgd.tf_keras.make_private instead of weight decay), or gradient_accumulation_steps=1.",
             )
         refused = getattr(self, "_refused_under_replicas", None)
         if refused:
-            raise ValueError(f"{name} is not supported with {replicas} replicas: {refused}")
+            raise refuse("tf-keras-adaptive-replicas", f"{name} is not supported with {replicas} replicas: {refused}")
 
     def _refuse_split_worker_lots(self, model: Any) -> None:
         """Under MultiWorkerMirroredStrategy, refuses a fit on a per-worker dataset handed over as is.
@@ -238,12 +240,13 @@ class DPSanitizerMixin(LotReleaseMixin):
         if isinstance(data, tf.data.Dataset) and data.options().experimental_distribute.auto_shard_policy == off:
             workers = strategy_workers(strategy)
             if workers > 1:
-                raise ValueError(
+                raise refuse(
+                    "worker-dataset",
                     f"fit got a per-worker dataset (tf.data auto-sharding off, e.g. PoissonLots.dataset()) under "
                     f"MultiWorkerMirroredStrategy with {workers} workers: fit would split each of its batches "
                     f"over {workers} steps, so one lot would be released in parts. Pass "
                     "lots.distribute(strategy) to fit instead (PoissonLots with num_workers), or a dataset made by "
-                    "strategy.distribute_datasets_from_function with one batch per local replica."
+                    "strategy.distribute_datasets_from_function with one batch per local replica.",
                 )
 
     def _prepare(self, loss, var_list, tape):

@@ -26,6 +26,7 @@ import tf_keras
 from keras_dpsgd.step import display as _display, distribute as _distribute
 from keras_dpsgd.step.augment import Augmentation, check_augmentation
 from keras_dpsgd.step.loss import refuse_data_losses, regularization_sum
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["make_private", "weight_regularization_terms"]
 
@@ -118,10 +119,11 @@ def make_private(model: tf_keras.Model, *, augmentation=None, augmentation_multi
     augmentation, multiplicity = check_augmentation(augmentation, augmentation_multiplicity)
     views = Augmentation(augmentation, multiplicity, _call_in_training)
     if type(model).compute_loss is not tf_keras.Model.compute_loss:
-        raise ValueError(
+        raise refuse(
+            "own-loss-hook",
             f"make_private cannot make {type(model).__name__} private: it overrides compute_loss. Return "
             "(per_example_loss, regularization_fn) from it, where regularization_fn() computes the weight "
-            "regularization; the DP optimizer adds its gradient un-noised."
+            "regularization; the DP optimizer adds its gradient un-noised.",
         )
     if views.active and type(model).train_step is not tf_keras.Model.train_step:
         raise ValueError(

@@ -138,7 +138,7 @@ def test_an_unconfigured_optimizer_on_arrays_still_trains(front, caplog, monkeyp
     """Control: no rate known, arrays: the documented q = B/N with its warning (unchanged)."""
     import keras_dpsgd.ledger
 
-    monkeypatch.setattr(keras_dpsgd.ledger, "_WARNED", set())  # the warning is said once per process
+    monkeypatch.setattr(keras_dpsgd.ledger.sampling, "_WARNED", set())  # the warning is said once per process
     x, y = _data()
     model = _model(front)
     model.fit(x, y, batch_size=4, epochs=1, verbose=0, shuffle=False)

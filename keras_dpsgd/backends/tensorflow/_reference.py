@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
+from keras_dpsgd.dp.refusals import refuse
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -196,4 +197,4 @@ EAGER_MESSAGE = (
 
 def refuse_eager() -> None:
     """Raises ValueError: a DP step that runs eagerly cannot be checked (``EAGER_MESSAGE``)."""
-    raise ValueError(EAGER_MESSAGE)
+    raise refuse("eager-step", EAGER_MESSAGE)

@@ -25,6 +25,7 @@ from keras_dpsgd.backends.tensorflow.eager_loss import eager_batch
 
 from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
+from keras_dpsgd.dp.refusals import refuse
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
@@ -135,25 +136,29 @@ def analyze(loss: tf.Tensor) -> _rows.Analysis:
         analysis = _rows.Analysis({ref: _rows.Rows() for ref in analysis.rows}, analysis.sources, [])
     status = analysis.rows.get(loss.ref())
     if status is None:
-        raise ValueError(_NO_INPUT_MESSAGE.format(loss=loss.name))
+        raise refuse("no-input", _NO_INPUT_MESSAGE.format(loss=loss.name))
     if status.kind == "mixed":
-        raise ValueError(mixing_message(status.reason))
+        raise refuse("mixing-op", mixing_message(status.reason))
     if status.kind == "opaque":
-        raise ValueError(_UNKNOWN_OP_MESSAGE.format(ops=", ".join(unknown_ops(loss, analysis)) or "unknown ops"))
+        raise refuse(
+            "unknown-op", _UNKNOWN_OP_MESSAGE.format(ops=", ".join(unknown_ops(loss, analysis)) or "unknown ops")
+        )
     if status.kind == "rows" and status.k not in (None, 1):
-        raise ValueError(
+        raise refuse(
+            "loss-entries",
             f"The per-example loss must have one entry per example; it has {status.k} per example "
-            f"(loss shape {loss.shape}). Average the entries of each example (shape [batch_size])."
+            f"(loss shape {loss.shape}). Average the entries of each example (shape [batch_size]).",
         )
     _state.refuse_state_reads(loss)  # A statistic of the batch kept in a variable, then read back.
     for source in analysis.sources:
         n, b = loss.shape[0], source.shape[0]
         if n is not None and b is not None and n != b:
-            raise ValueError(
+            raise refuse(
+                "loss-entries",
                 f"The per-example loss must have one entry per example of the batch: the loss has "
                 f"shape {loss.shape} but the input {source.name!r} has {b} examples (shape "
                 f"{source.shape}). Return the unreduced loss, shape [batch_size] (no "
-                f"reduce_mean(..., keepdims=True) over the batch)."
+                f"reduce_mean(..., keepdims=True) over the batch).",
             )
     return analysis
 
@@ -360,7 +365,9 @@ def refuse_grouped_convolutions(loss: tf.Tensor) -> None:
     """Raises ValueError if a per-example jacobian of ``loss`` would go through a grouped convolution."""
     ops = grouped_convolutions(loss)
     if ops:
-        raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=f"op {ops[0].name!r}", why=_NO_RULE))
+        raise refuse(
+            "grouped-convolution", GROUPED_CONVOLUTION_MESSAGE.format(what=f"op {ops[0].name!r}", why=_NO_RULE)
+        )
 
 
 def grouped_convolution_layers(model: Any) -> list:
@@ -407,7 +414,7 @@ def refuse_grouped_convolution_layers(model: Any, backend: Any = None) -> None:
     else:
         return
     what = f"layer {layers[0].name!r} ({type(layers[0]).__name__}, groups={layers[0].groups})"
-    raise ValueError(GROUPED_CONVOLUTION_MESSAGE.format(what=what, why=why))
+    raise refuse("grouped-convolution", GROUPED_CONVOLUTION_MESSAGE.format(what=what, why=why))
 
 
 set_walker(find_sites)  # the rules that look through an op walk on from it (``_handlers.walk_sites``)

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import tensorflow as tf
 
-from keras_dpsgd.step import mixing as _mixing
+from keras_dpsgd.backends.tensorflow import mixing as _mixing
 from keras_dpsgd.backends.tensorflow._backend import FastBackend
 from keras_dpsgd.backends.tensorflow._reference import ClipFactorsFn, ReferenceBackend
+from keras_dpsgd.dp.refusals import refuse
 
 # "auto" and "fast": FastBackend; "reference": ReferenceBackend.
 PER_EXAMPLE_CHOICES = ("auto", "reference", "fast")
@@ -82,7 +83,7 @@ def _is_batch_norm(layer: Any) -> bool:
 
 
 def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Variable], loss: tf.Tensor | None) -> None:
-    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.step.mixing``).
+    """Raises ValueError if a layer mixes the examples of a batch in this step (``keras_dpsgd.backends.tensorflow.mixing``).
 
     With BatchNormalization in training mode one example changes every other example's output
     (batch statistics), so per-example clipping no longer bounds its influence. A frozen
@@ -100,8 +101,9 @@ def refuse_example_mixing(model: keras.Model | None, var_list: Sequence[tf.Varia
         return
     for var in var_list:
         if "batch_normalization" in var.name or "batchnorm" in var.name.lower():
-            raise ValueError(
+            raise refuse(
+                "batch-statistics",
                 f"Variable {var.name!r} is trained and belongs to a batch normalization layer, which mixes the "
                 "examples of a batch in training (batch statistics): DP-SGD clips each example's gradient, "
-                "which bounds nothing then. " + _mixing.FREEZE_HINT
+                "which bounds nothing then. " + _mixing.FREEZE_HINT,
             )

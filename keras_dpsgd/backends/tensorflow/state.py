@@ -30,6 +30,7 @@ from typing import Any, Iterable, Optional
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _calls, _rows
+from keras_dpsgd.dp.refusals import refuse
 
 # Ops that take a resource and only read it (variables; lookup tables: StringLookup, IntegerLookup;
 # the gradient of a function call, which tf.gradients builds for a call without a registered one).
@@ -274,7 +275,7 @@ def refuse_state_reads(loss: tf.Tensor, taint: Optional[dict] = None, variables:
     write = (scan(loss.graph)[1] if taint is None else taint).get(loss.ref())
     if isinstance(write, Write):
         named = handles_of(loss.graph, _watched(loss.graph) + list(variables))
-        raise ValueError(_READ_BACK_MESSAGE.format(var=_name(write, named), write=write.describe()))
+        raise refuse("batch-statistic-read", _READ_BACK_MESSAGE.format(var=_name(write, named), write=write.describe()))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -296,4 +297,6 @@ def refuse_batch_writes(loss: tf.Tensor, own: Iterable[Any], model: Any = None) 
     named = handles_of(graph, _watched(graph) + variables)
     for write in writes:
         if _root(write.handle).ref() not in exempt:
-            raise ValueError(_WRITE_MESSAGE.format(var=_name(write, named), write=write.describe()))
+            raise refuse(
+                "batch-statistic-stored", _WRITE_MESSAGE.format(var=_name(write, named), write=write.describe())
+            )

@@ -1,5 +1,5 @@
 """A frozen BatchNormalization backbone (``trainable = False``: inference mode) trains a DP head, on
-both Kerases; BatchNormalization in training mode is still refused (``keras_dpsgd.step.mixing``).
+both Kerases; BatchNormalization in training mode is still refused (``keras_dpsgd.backends.tensorflow.mixing``).
 
 The backbone is a MobileNetV2-style block (BN after every convolution, DepthwiseConv2D, ReLU6, a
 residual add; ``benchmarks/overhead.py --models frozen-mobilenet`` and ``examples/frozen_backbone.py``

@@ -1,4 +1,5 @@
-"""Layers that may mix the examples of a batch: the refusal shared by both front ends.
+"""Layers that may mix the examples of a batch: the refusal shared by both front ends (read from the traced
+TensorFlow graph of the step).
 
 A BatchNormalization layer in training mode normalizes each example with the statistics of the
 whole batch, so one example changes every other example's output and per-example clipping bounds
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterable
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow.state import internal_handles
+from keras_dpsgd.dp.refusals import refuse
 
 # Ops on a variable's handle that only read it.
 _READS = frozenset({"ReadVariableOp", "VarIsInitializedOp", "VariableShape"})
@@ -88,15 +90,15 @@ def refuse_example_mixing(layers: Iterable[Any], loss: Any, is_batch_norm: Calla
     for layer in layers:
         what = f"{layer.name!r} ({type(layer).__name__})"
         if getattr(layer, "mixes_examples", False):
-            raise ValueError(_DECLARED.format(what=what))
+            raise refuse("batch-statistics", _DECLARED.format(what=what))
         if not is_batch_norm(layer):
             continue
         if graph is None:
-            raise ValueError(_EAGER.format(what=what))
+            raise refuse("batch-statistics", _EAGER.format(what=what))
         written = written_in_step(graph, layer.non_trainable_weights)
         if written is not None:
             op, var = written
-            raise ValueError(_TRAINING.format(what=what, op=op.name, var=_name(var)))
+            raise refuse("batch-statistics", _TRAINING.format(what=what, op=op.name, var=_name(var)))
 
 
 def _name(var: Any) -> str:
