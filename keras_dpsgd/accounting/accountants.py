@@ -29,6 +29,7 @@ import numpy as np
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import conversions, rdp, tuning
+from keras_dpsgd.accounting.bandmf import BandMFEvent
 from keras_dpsgd.accounting.events import (
     LEAF_EVENT_TYPES,
     ComposedEvent,
@@ -56,7 +57,11 @@ _PLD_HINT = "the PLD accountant needs dp_accounting: pip install keras-dpsgd[pld
 
 
 def as_event_list(events) -> list:
-    """Leaf events of a PrivacyLedger, one event, or an iterable of events (a TuningEvent is a leaf)."""
+    """Leaf events of a PrivacyLedger, one event, or an iterable of events (a TuningEvent is a leaf).
+
+    A :class:`~keras_dpsgd.accounting.BandMFEvent` comes out as the DP-SGD event with its guarantees
+    (``dpsgd_equivalent``): every accountant composes that.
+    """
     if isinstance(events, PrivacyLedger):
         events = events.events
     elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent, TuningEvent)):
@@ -69,7 +74,7 @@ def as_event_list(events) -> list:
     for e in flatten_events(events):
         if not isinstance(e, LEAF_EVENT_TYPES + (TuningEvent,)):
             raise TypeError(f"events must be privacy events, got {type(e).__name__}")
-        out.append(e)
+        out.append(e.dpsgd_equivalent() if isinstance(e, BandMFEvent) else e)
     return out
 
 
