@@ -44,10 +44,15 @@ class CyclicPoissonLots(PoissonLots):
         model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=...)
 
     Args:
-      x, y, sample_weight, max_lot_size, overflow_probability, seed: as :class:`keras_dpsgd.PoissonLots`.
+      x: inputs (as :class:`keras_dpsgd.PoissonLots`).
+      y: targets.
       bands: b >= 1, the parts (the strategy's bands); 1 gives :class:`PoissonLots`' lots.
       sampling_rate: q in (0, 1], the probability that an example of the step's part enters its lot.
       expected_lot_size: L = q·N/b (the mean over the parts), in (0, N/b]; exactly one of the two.
+      sample_weight: optional per-example weights (as :class:`keras_dpsgd.PoissonLots`).
+      max_lot_size: the lot capacity; None for the Binomial(⌈N/b⌉, q) quantile with tail `overflow_probability`.
+      overflow_probability: per-step probability that a lot exceeds the default capacity, in (0, 1).
+      seed: None (OS entropy) or an integer (reproducible; whoever knows it knows every lot).
 
     Raises:
       ValueError: on invalid arguments (the message names the argument), `bands` > N.

@@ -190,3 +190,19 @@ def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
     id_lots.follow(Follower())  # the next dataset starts at the part of step 7, whatever was drawn before
     (bx, _, bw), *_ = list(id_lots.dataset(2).as_numpy_iterator())
     assert np.all((bx[bw > 0, 0].astype(int) - 1) % 3 == 7 % 3)
+
+
+def test_an_earlier_optimizers_steps_keep_their_dpsgd_events():
+    x, y = _data(40)
+    model = _model()
+    plain = PoissonLots(x, y, sampling_rate=0.1, seed=0)
+    _compile(model, plain.configure(k3.DPSGDOptimizer(1.0, 1.5, learning_rate=0.1, seed=1)))
+    model.fit(plain.dataset(3), epochs=1, verbose=0)
+    strategy = optimize_banded_toeplitz(4, 2, cache_dir=None)
+    cyclic = CyclicPoissonLots(x, y, bands=2, sampling_rate=0.2, seed=0)
+    _compile(model, cyclic.configure(k3.BandMFSGDOptimizer(1.0, 1.2, strategy=strategy, learning_rate=0.1, seed=2)))
+    model.fit(cyclic.dataset(4), epochs=1, verbose=0)
+    events = model_privacy_ledger(model).events
+    assert [type(e).__name__ for e in events] == ["PoissonSampledGaussianEvent", "BandMFEvent"]
+    assert (events[0].sampling_rate, events[0].noise_multiplier, events[0].count) == (0.1, 1.5, 3)
+    assert events[1] == BandMFEvent(0.2, 1.2, steps=4, bands=2, column_norm=strategy.column_norm)
