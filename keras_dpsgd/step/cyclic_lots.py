@@ -119,6 +119,21 @@ class CyclicPoissonLots(PoissonLots):
             self._next_step, self._anchor = self._anchor, None
         yield from super()._index_batches(num_lots)
 
+    def as_py_dataset(self, num_lots: Optional[int] = None) -> Any:
+        """Refused for b > 1: Keras reads a ``PyDataset`` ahead (lots drawn, not trained on), which would shift
+        the cycle against the steps; use :meth:`dataset`."""
+        self._refuse_out_of_step("as_py_dataset", "Keras reads a PyDataset's batches ahead without training on them")
+        return super().as_py_dataset(num_lots)
+
+    def distribute(self, strategy: Any, num_lots: Optional[int] = None) -> Any:
+        """Refused for b > 1: BandMF runs on one device (its noise history is not split across replicas)."""
+        self._refuse_out_of_step("distribute", "BandMF's noise history is not split across replicas")
+        return super().distribute(strategy, num_lots)
+
+    def _refuse_out_of_step(self, method: str, why: str) -> None:
+        if self._bands > 1:
+            raise ValueError(f"CyclicPoissonLots(bands={self._bands}).{method}() is refused: {why}; use lots.dataset()")
+
     def follow(self, optimizer: Any) -> None:
         """The next iteration's first lot feeds `optimizer`'s next step: its part is ``noised_steps`` mod b (read
         now; call it where no step runs, before the iteration starts)."""

@@ -172,6 +172,16 @@ def test_refuses_bad_arguments():
         CyclicPoissonLots(x, y, bands=11, sampling_rate=0.5)
     with pytest.raises(ValueError, match=r"expected_lot_size must be in \(0, 5\], got 6"):
         CyclicPoissonLots(x, y, bands=2, expected_lot_size=6)
+    with pytest.raises(ValueError, match=r"CyclicPoissonLots\(bands=2\).as_py_dataset\(\) is refused"):
+        CyclicPoissonLots(x, y, bands=2, sampling_rate=0.5).as_py_dataset(3)
+
+
+def test_refuses_the_jax_backend(monkeypatch):
+    from keras_dpsgd import backends
+
+    monkeypatch.setattr(backends, "is_jax", lambda: True)
+    with pytest.raises(ValueError, match="TensorFlow backend only for now"):
+        k3.BandMFSGDOptimizer(1.0, 1.0, strategy=optimize_banded_toeplitz(6, 2, cache_dir=None))
 
 
 def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
