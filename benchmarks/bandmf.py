@@ -155,7 +155,8 @@ def main(argv=None) -> dict:
     steps = args.epochs * math.ceil(n / args.lot_size)
     plan, ratios, sigma_dpsgd = _plan(args, n, steps)
     result = _mnist.record("bandmf.py", args, argv, n)
-    for path, placeholder in ((args.data_dir, "MNIST_DIR"), (args.cache, "scatter.npz")):  # no local paths
+    paths = ((args.data_dir, "MNIST_DIR"), (args.cache, "scatter.npz"), (args.log or "\0", "runs.jsonl"))
+    for path, placeholder in paths:  # no local paths
         result["command"] = result["command"].replace(path, placeholder)
     result["settings"]["cache"] = "scatter.npz"
     result.update(
