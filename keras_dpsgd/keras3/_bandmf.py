@@ -8,7 +8,7 @@ implementation of the recursion), with the b − 1 last w kept in optimizer vari
 repeats a draw. With b = 1 (C = I) the release is DP-SGD's, bit for bit.
 
 The accounting needs cyclic Poisson lots (:class:`keras_dpsgd.CyclicPoissonLots` with the strategy's bands):
-a fit fed anything else is refused (``keras_dpsgd.step._fed_data``), and the model's ledger records the steps as
+a fit fed anything else is refused (``keras_dpsgd.step.fed_data``), and the model's ledger records the steps as
 :class:`keras_dpsgd.accounting.BandMFEvent` (``keras_dpsgd.ledger``).
 
 Not supported (refused by name): per-layer clipping, several replicas (a ``tf.distribute`` strategy with R > 1:

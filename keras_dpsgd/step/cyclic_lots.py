@@ -10,7 +10,7 @@ strategy C with b bands.
 The part of a lot is tied to the step it feeds, not to how many lots were drawn: the first lot of each iteration
 of a dataset of these lots is drawn from the part of the optimizer's step count (``noised_steps``) read by
 :meth:`CyclicPoissonLots.follow`, which ``configure`` and every DP ``fit`` call before the iteration starts (at the
-start of ``fit`` and of every epoch, before Keras makes the epoch's iterator: ``keras_dpsgd.step._fed_data``), in
+start of ``fit`` and of every epoch, before Keras makes the epoch's iterator: ``keras_dpsgd.step.fed_data``), in
 the main thread while no step runs. Lots prefetched and dropped at the end of a ``fit`` therefore never shift the
 cycle. (The count is not read from the data pipeline's thread: a running step may have counted itself before its
 lot is read.) Without an anchor the sampler continues its own count.
