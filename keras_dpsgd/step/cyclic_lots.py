@@ -93,6 +93,7 @@ class CyclicPoissonLots(PoissonLots):
         self._physical = self._capacity = capacity
         self._next_step = 0
         self._anchor: Optional[int] = None  # the step the next iteration's first lot feeds (follow)
+        self._unanchored_start: Optional[int] = None  # the first step of an iteration that began without an anchor
 
     @property
     def bands(self) -> int:
@@ -116,7 +117,9 @@ class CyclicPoissonLots(PoissonLots):
 
     def _index_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
         if self._anchor is not None:  # the cycle follows the steps the optimizer took, not the lots drawn
-            self._next_step, self._anchor = self._anchor, None
+            self._next_step, self._anchor, self._unanchored_start = self._anchor, None, None
+        else:
+            self._unanchored_start = self._next_step
         yield from super()._index_batches(num_lots)
 
     def as_py_dataset(self, num_lots: Optional[int] = None) -> Any:
@@ -136,8 +139,21 @@ class CyclicPoissonLots(PoissonLots):
 
     def follow(self, optimizer: Any) -> None:
         """The next iteration's first lot feeds `optimizer`'s next step: its part is ``noised_steps`` mod b (read
-        now; call it where no step runs, before the iteration starts)."""
-        self._anchor = int(optimizer.noised_steps.numpy())
+        now; call it where no step runs, before the iteration starts).
+
+        Raises:
+          ValueError: an iteration began without an anchor at another part than the optimizer's next step (a
+            restored optimizer whose fit started drawing lots before ``configure``): its lots would break the cycle.
+        """
+        position = int(optimizer.noised_steps.numpy())
+        start = self._unanchored_start
+        if start is not None and start % self._bands != position % self._bands:
+            raise ValueError(
+                f"CyclicPoissonLots began drawing lots at the part of step {start} but the optimizer's next step is "
+                f"{position}: each example's steps would no longer be {self._bands} apart. Call "
+                "lots.configure(optimizer) before fit (a restored optimizer too)"
+            )
+        self._anchor = position
 
     def configure(self, optimizer: Any) -> Any:
         """:meth:`PoissonLots.configure` (q and L), and the cycle follows `optimizer`'s steps; returns it.

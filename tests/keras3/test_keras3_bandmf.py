@@ -197,7 +197,8 @@ def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
     class Follower:
         noised_steps = tf.Variable(7, dtype=tf.int64)
 
-    id_lots.follow(Follower())  # the next dataset starts at the part of step 7, whatever was drawn before
+    id_lots = CyclicPoissonLots(ids, y, bands=3, sampling_rate=0.6, seed=0)
+    id_lots.follow(Follower())  # the next dataset starts at the part of step 7
     (bx, _, bw), *_ = list(id_lots.dataset(2).as_numpy_iterator())
     assert np.all((bx[bw > 0, 0].astype(int) - 1) % 3 == 7 % 3)
 
@@ -216,3 +217,19 @@ def test_an_earlier_optimizers_steps_keep_their_dpsgd_events():
     assert [type(e).__name__ for e in events] == ["PoissonSampledGaussianEvent", "BandMFEvent"]
     assert (events[0].sampling_rate, events[0].noise_multiplier, events[0].count) == (0.1, 1.5, 3)
     assert events[1] == BandMFEvent(0.2, 1.2, steps=4, bands=2, column_norm=strategy.column_norm)
+
+
+def test_an_unanchored_iteration_at_another_part_is_refused():
+    """A restored optimizer (noised_steps = 5) whose fit began drawing lots before configure: refused, since
+    the sampler's own count (0) would put example i's next step out of its cycle."""
+    x, y = _data(30)
+    lots = CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5, seed=0)
+    next(iter(lots.dataset(1)))  # an iteration that began without an anchor, at step 0
+
+    class Restored:
+        noised_steps = tf.Variable(5, dtype=tf.int64)
+
+    with pytest.raises(ValueError, match="began drawing lots at the part of step 0 but the optimizer's next step is 5"):
+        lots.follow(Restored())
+    Restored.noised_steps.assign(6)  # the same part: its lots stay in the cycle
+    lots.follow(Restored())
