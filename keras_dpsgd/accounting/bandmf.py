@@ -1,9 +1,9 @@
 """The privacy event of amplified banded matrix factorization (BandMF) with cyclic Poisson sampling.
 
 Choquette-Choo et al. 2023 ("(Amplified) Banded Matrix Factorization: A unified approach to private training",
-NeurIPS 2023, arXiv:2306.08153, Section 4, Theorem 4 with the sampling of their Algorithm 2, "b-min-sep"
-participation) reduce BandMF to DP-SGD. The reduction, derived here for the strategies of
-:mod:`keras_dpsgd.dp.bandmf`:
+NeurIPS 2023, arXiv:2306.08153; their amplification theorem, Theorem 4 as we recall the numbering (not checked
+against the paper's text here), with the cyclic Poisson sampling of their Algorithm 2) reduce BandMF to DP-SGD. The
+reduction, derived here independently for the strategies of :mod:`keras_dpsgd.dp.bandmf`:
 
 * Sampling (:class:`keras_dpsgd.CyclicPoissonLots`): the examples are split into b fixed parts; the lot of step
   t is a Poisson sample, at rate q, of part t mod b only. An example takes part in at most ⌈n/b⌉ of n steps,
