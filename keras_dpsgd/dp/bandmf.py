@@ -34,7 +34,7 @@ import tempfile
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from scipy import optimize, signal
+from scipy import linalg, optimize  # not scipy.signal: it imports array backends (torch, jax) when present
 
 from keras_dpsgd import _validate as V
 
@@ -124,9 +124,7 @@ class BandedToeplitzStrategy:
     def inverse_coefficients(self, steps: Optional[int] = None) -> np.ndarray:
         """d_0..d_{n−1}: C⁻¹ is the lower-triangular Toeplitz matrix of d (the power series of 1/c(x))."""
         n = self.steps if steps is None else V.integer_at_least(1, steps=steps)
-        impulse = np.zeros(n)
-        impulse[0] = 1.0
-        return signal.lfilter([1.0], np.asarray(self.coefficients), impulse)
+        return _first_column_of_inverse(np.asarray(self.coefficients), n)
 
     def error(self, workload: Optional[np.ndarray] = None) -> float:
         """‖A C⁻¹‖_F²: the total noise variance of the workload per coordinate, per unit of σ·clip.
@@ -137,16 +135,32 @@ class BandedToeplitzStrategy:
         return _error(np.asarray(self.coefficients), self.steps, workload)
 
 
+def _band_storage(c: np.ndarray, steps: int, *, transposed: bool) -> np.ndarray:
+    """C (lower, b − 1 subdiagonals) or Cᵀ (upper) in LAPACK's band storage, for ``scipy.linalg.solve_banded``."""
+    b = min(len(c), steps)
+    ab = np.zeros((b, steps))
+    for k in range(b):
+        ab[b - 1 - k if transposed else k, :] = c[k]  # entries outside the matrix are not read
+    return ab
+
+
+def _first_column_of_inverse(c: np.ndarray, steps: int) -> np.ndarray:
+    """d with C d = e_0: the coefficients of C⁻¹ (lower-triangular Toeplitz)."""
+    b = min(len(c), steps)
+    rhs = np.zeros(steps)
+    rhs[0] = 1.0
+    return linalg.solve_banded((b - 1, 0), _band_storage(c, steps, transposed=False), rhs, check_finite=False)
+
+
 def _error(c: np.ndarray, steps: int, workload: Optional[np.ndarray]) -> float:
     """‖A C⁻¹‖_F² for Toeplitz C of coefficients c (not normalized)."""
     if workload is None:
-        impulse = np.zeros(steps)
-        impulse[0] = 1.0
-        e = np.cumsum(signal.lfilter([1.0], c, impulse))  # A C⁻¹ is Toeplitz with coefficients cumsum(d)
+        e = np.cumsum(_first_column_of_inverse(c, steps))  # A C⁻¹ is Toeplitz with coefficients cumsum(d)
         return float(np.sum((steps - np.arange(steps)) * e * e))
-    # Row r of X = A C⁻¹ solves x C = a: x_j = (a_j − Σ_{k>=1} c_k x_{j+k}) / c_0, an IIR filter run backwards.
-    x = signal.lfilter([1.0], c, workload[:, ::-1], axis=1)
-    return float(np.sum(x * x))
+    # X = A C⁻¹ solves Cᵀ Xᵀ = Aᵀ, Cᵀ upper-triangular with b − 1 superdiagonals.
+    b = min(len(c), steps)
+    xt = linalg.solve_banded((0, b - 1), _band_storage(c, steps, transposed=True), workload.T, check_finite=False)
+    return float(np.sum(xt * xt))
 
 
 def _check_workload(workload: Any, steps: int) -> Optional[np.ndarray]:
