@@ -12,8 +12,8 @@ a fit fed anything else is refused (``keras_dpsgd.step.fed_data``), and the mode
 :class:`keras_dpsgd.accounting.BandMFEvent` (``keras_dpsgd.ledger``).
 
 Not supported (refused by name): per-layer clipping, several replicas (a ``tf.distribute`` strategy with R > 1:
-the overridden ``add_noise`` is refused there), JAX (its stateless train step carries no noise history yet), and
-tf_keras.
+the overridden ``add_noise`` is refused there), the JAX and PyTorch backends (their train steps carry no noise
+history yet), and tf_keras.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ class BandMFMixin:
     def _init_bandmf(self, strategy: Any) -> None:
         strategy = check_strategy(strategy)
         name = type(self).__name__
-        if backends.is_jax():
+        if backends.is_jax() or keras.config.backend() != "tensorflow":
             raise ValueError(
-                f"{name} runs on Keras 3 with the TensorFlow backend only for now: the JAX train step is stateless "
-                "and carries no noise history; use KERAS_BACKEND=tensorflow"
+                f"{name} runs on Keras 3 with the TensorFlow backend only for now (got {keras.config.backend()!r}): "
+                "the JAX and PyTorch train steps carry no noise history; use KERAS_BACKEND=tensorflow"
             )
         if self.per_layer_clipping:
             raise ValueError(
