@@ -500,12 +500,13 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search)."""
-        # The lowest version that holds these events, so that a reader of version 2 reads a ledger without a search.
-        searched = any(isinstance(e, TuningEvent) for e in _walk(self._events))
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search
+        or a BandMF event)."""
+        # The lowest version that holds these events, so that a reader of version 2 reads a ledger of its kinds.
+        later = any(isinstance(e, (TuningEvent, BandMFEvent)) for e in _walk(self._events))
         return {
             "format": LEDGER_FORMAT,
-            "version": LEDGER_VERSION if searched else 2,
+            "version": LEDGER_VERSION if later else 2,
             "events": [e.to_dict() for e in self._events],
         }
 
