@@ -17,7 +17,7 @@ reduction, derived here independently for the strategies of :mod:`keras_dpsgd.dp
 
 So the run satisfies every guarantee of DP-SGD run for ⌈n/b⌉ steps with sampling rate q and noise multiplier
 σ/ζ (add/remove adjacency), which is what every accountant composes for this event
-(:meth:`BandMFEvent.dpsgd_equivalent`). At b = 1 (C = I, ζ = 1) it is DP-SGD's event itself.
+(:meth:`BandMFEvent.dpsgd_parameters`). At b = 1 (C = I, ζ = 1) it is DP-SGD's event itself.
 
 Pure Python: imports without TensorFlow.
 """
@@ -78,13 +78,10 @@ class BandMFEvent:
         """σ/ζ: the noise multiplier of each participation's Gaussian mechanism."""
         return self.noise_multiplier / self.column_norm
 
-    def dpsgd_equivalent(self):
-        """The DP-SGD event with the same guarantees: ⌈n/b⌉ steps at (q, σ/ζ) (Theorem 4, module docstring)."""
-        from keras_dpsgd.accounting.events import PoissonSampledGaussianEvent  # events.py imports this module
-
-        return PoissonSampledGaussianEvent(
-            self.sampling_rate, self.effective_noise_multiplier, count=self.rounds, label=self.label
-        )
+    def dpsgd_parameters(self) -> tuple[float, float, int]:
+        """(q, σ/ζ, ⌈n/b⌉): DP-SGD with these has the run's guarantees (the module docstring's reduction);
+        accountants compose that event (``keras_dpsgd.accounting.accountants.as_event_list``)."""
+        return self.sampling_rate, self.effective_noise_multiplier, self.rounds
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "bandmf", **dataclasses.asdict(self)}

@@ -133,10 +133,13 @@ def _bandmf_lots(model: Any, optimizer: Any, lots: Any, bands: int, fed: str) ->
         return
     _refuse(
         model,
-        f"{type(optimizer).__name__} has a strategy of {bands} bands: its sensitivity and its accounting need each "
-        f"example's steps at least {bands} apart, which {fed} does not guarantee. Feed fit "
-        f"keras_dpsgd.CyclicPoissonLots(x, y, bands={bands}, expected_lot_size=...).dataset() "
-        "(lots.configure(optimizer) first); keras_dpsgd.ledger.assume_poisson does not apply to BandMF",
+        refuse(
+            "bandmf-participation",
+            f"{type(optimizer).__name__} has a strategy of {bands} bands: its sensitivity and its accounting need each "
+            f"example's steps at least {bands} apart, which {fed} does not guarantee. Feed fit "
+            f"keras_dpsgd.CyclicPoissonLots(x, y, bands={bands}, expected_lot_size=...).dataset() "
+            "(lots.configure(optimizer) first); keras_dpsgd.ledger.assume_poisson does not apply to BandMF",
+        ),
     )
 
 
