@@ -19,6 +19,7 @@ from keras_dpsgd.accounting.accountants import (
     make_accountant,
     register_accountant,
 )
+from keras_dpsgd.accounting.bandmf import BandMFEvent
 from keras_dpsgd.accounting.conversions import delta_from_rdp, epsilon_from_rdp
 from keras_dpsgd.accounting.events import (
     ComposedEvent,
@@ -59,6 +60,7 @@ from keras_dpsgd.accounting.rdp import (
 
 __all__ = [
     "ACCOUNTANTS",
+    "BandMFEvent",
     "ComposedEvent",
     "DEFAULT_ORDERS",
     "GaussianEvent",

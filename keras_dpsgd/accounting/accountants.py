@@ -29,9 +29,11 @@ import numpy as np
 
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import conversions, rdp, tuning
+from keras_dpsgd.accounting.bandmf import BandMFEvent
 from keras_dpsgd.accounting.events import (
     LEAF_EVENT_TYPES,
     ComposedEvent,
+    PoissonSampledGaussianEvent,
     PrivacyLedger,
     TuningEvent,
     flatten_events,
@@ -56,7 +58,11 @@ _PLD_HINT = "the PLD accountant needs dp_accounting: pip install keras-dpsgd[pld
 
 
 def as_event_list(events) -> list:
-    """Leaf events of a PrivacyLedger, one event, or an iterable of events (a TuningEvent is a leaf)."""
+    """Leaf events of a PrivacyLedger, one event, or an iterable of events (a TuningEvent is a leaf).
+
+    A :class:`~keras_dpsgd.accounting.BandMFEvent` comes out as the DP-SGD event with its guarantees
+    (``BandMFEvent.dpsgd_parameters``): every accountant composes that.
+    """
     if isinstance(events, PrivacyLedger):
         events = events.events
     elif isinstance(events, LEAF_EVENT_TYPES + (ComposedEvent, TuningEvent)):
@@ -69,8 +75,14 @@ def as_event_list(events) -> list:
     for e in flatten_events(events):
         if not isinstance(e, LEAF_EVENT_TYPES + (TuningEvent,)):
             raise TypeError(f"events must be privacy events, got {type(e).__name__}")
-        out.append(e)
+        out.append(_dpsgd_equivalent(e) if isinstance(e, BandMFEvent) else e)
     return out
+
+
+def _dpsgd_equivalent(event: BandMFEvent) -> PoissonSampledGaussianEvent:
+    """The DP-SGD event with a BandMF event's guarantees: ⌈n/b⌉ steps at (q, σ/ζ)."""
+    q, sigma, rounds = event.dpsgd_parameters()
+    return PoissonSampledGaussianEvent(q, sigma, count=rounds, label=event.label)
 
 
 def register_accountant(name: str) -> Callable[[_A], _A]:

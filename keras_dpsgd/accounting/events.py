@@ -19,9 +19,11 @@ import math
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd.accounting.bandmf import BandMFEvent
 from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
+    "BandMFEvent",
     "ComposedEvent",
     "GaussianEvent",
     "GaussianThresholdingEvent",
@@ -244,6 +246,7 @@ LEAF_EVENT_TYPES = (
     PoissonSampledComposedGaussianEvent,
     GaussianEvent,
     GaussianThresholdingEvent,
+    BandMFEvent,
 )
 # The leaves a tuning's trial may hold (events with a Rényi DP curve).
 _TRIAL_LEAF_TYPES = (PoissonSampledGaussianEvent, PoissonSampledComposedGaussianEvent, GaussianEvent)
@@ -340,14 +343,15 @@ PrivacyEvent = Union[
     PoissonSampledComposedGaussianEvent,
     GaussianEvent,
     GaussianThresholdingEvent,
+    BandMFEvent,
     ComposedEvent,
     TuningEvent,
 ]
 
 
 LEDGER_FORMAT = "keras_dpsgd.ledger"
-# Version 2 added "poisson_sampled_composed_gaussian" and "gaussian_thresholding" events, version 3 "tuning";
-# earlier files load unchanged.
+# Version 2 added "poisson_sampled_composed_gaussian" and "gaussian_thresholding" events, version 3 "tuning" and
+# "bandmf"; earlier files load unchanged.
 LEDGER_VERSION = 3
 _READABLE_VERSIONS = (1, 2, 3)
 # Event kinds a file of each version may hold (a file names no event kind added after its version).
@@ -363,11 +367,13 @@ _EVENT_FIELDS = {
     "poisson_sampled_composed_gaussian": ("sampling_rate", "noise_multipliers", "count", "label"),
     "gaussian": ("noise_multiplier", "count", "label"),
     "gaussian_thresholding": ("noise_multiplier", "threshold_delta", "count", "label"),
+    "bandmf": ("sampling_rate", "noise_multiplier", "steps", "bands", "column_norm", "label"),
     "composed": ("events",),
     "tuning": ("distribution", "mu", "eta", "gamma", "candidates", "count", "label"),
 }
-_NUMBER_FIELDS = ("sampling_rate", "noise_multiplier", "threshold_delta")
+_NUMBER_FIELDS = ("sampling_rate", "noise_multiplier", "threshold_delta", "column_norm")
 _OPTIONAL_NUMBER_FIELDS = ("mu", "eta", "gamma")
+_INTEGER_FIELDS = ("count", "steps", "bands")
 
 
 def _check_serialized_fields(kind: str, data: dict) -> None:
@@ -381,8 +387,9 @@ def _check_serialized_fields(kind: str, data: dict) -> None:
     for name in _NUMBER_FIELDS:
         if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float))):
             raise TypeError(f"{name} of a serialized event must be a number, got {data[name]!r}")
-    if "count" in data and (isinstance(data["count"], bool) or not isinstance(data["count"], int)):
-        raise TypeError(f"count of a serialized event must be an integer, got {data['count']!r}")
+    for name in _INTEGER_FIELDS:
+        if name in data and (isinstance(data[name], bool) or not isinstance(data[name], int)):
+            raise TypeError(f"{name} of a serialized event must be an integer, got {data[name]!r}")
     if "label" in data and not isinstance(data["label"], str):
         raise TypeError(f"label of a serialized event must be a string, got {data['label']!r}")
     multipliers = data.get("noise_multipliers", [])
@@ -434,6 +441,8 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
         return GaussianThresholdingEvent(**fields)
     if kind == "tuning":
         return TuningEvent(**dict(fields, candidates=tuple(event_from_dict(c) for c in fields["candidates"])))
+    if kind == "bandmf":
+        return BandMFEvent(**fields)
     return ComposedEvent(tuple(event_from_dict(e) for e in fields["events"]))
 
 
@@ -491,12 +500,13 @@ class PrivacyLedger:
         return f"PrivacyLedger({self._events!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search)."""
-        # The lowest version that holds these events, so that a reader of version 2 reads a ledger without a search.
-        searched = any(isinstance(e, TuningEvent) for e in _walk(self._events))
+        """Plain data: ``{"format": "keras_dpsgd.ledger", "version": 2, "events": [...]}`` (version 3 with a search
+        or a BandMF event)."""
+        # The lowest version that holds these events, so that a reader of version 2 reads a ledger of its kinds.
+        later = any(isinstance(e, (TuningEvent, BandMFEvent)) for e in _walk(self._events))
         return {
             "format": LEDGER_FORMAT,
-            "version": LEDGER_VERSION if searched else 2,
+            "version": LEDGER_VERSION if later else 2,
             "events": [e.to_dict() for e in self._events],
         }
 

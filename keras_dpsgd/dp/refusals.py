@@ -161,6 +161,11 @@ register(
     "nothing shows which data reach the step",
 )
 register(
+    "bandmf-participation",
+    "a BandMF optimizer of b > 1 bands fed anything but cyclic Poisson lots of b parts in step with its steps: its "
+    "sensitivity and its accounting need each example's steps at least b apart",
+)
+register(
     "lots-rate-under-strategy",
     "a fit on PoissonLots whose rate differs from the optimizer's when the step is traced in a replica of a "
     "tf.distribute strategy: the optimizer cannot take the lots' rate there",

@@ -14,6 +14,7 @@ The loss may be given reduced or not (the private step takes it unreduced). A mo
 
 from keras_dpsgd.keras3._adaptive import AdaptiveDPSGDOptimizer, ClipBoundsLogger, make_adaptive_optimizer
 from keras_dpsgd.keras3._backup import BackupAndRestore
+from keras_dpsgd.keras3._bandmf import BandMFAdamOptimizer, BandMFSGDOptimizer, make_bandmf_optimizer
 from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
@@ -26,6 +27,8 @@ from keras_dpsgd.step import user_lots as _user_lots  # noqa: F401 (registers Us
 __all__ = [
     "AdaptiveDPSGDOptimizer",
     "BackupAndRestore",
+    "BandMFAdamOptimizer",
+    "BandMFSGDOptimizer",
     "ClipBoundsLogger",
     "DPAdamOptimizer",
     "DPKeras3Mixin",
@@ -36,6 +39,7 @@ __all__ = [
     "initial_flat_clip_bound",
     "is_private",
     "make_adaptive_optimizer",
+    "make_bandmf_optimizer",
     "make_dp_optimizer",
     "make_private",
     "MembershipInferenceCallback",

@@ -18,6 +18,7 @@ from keras_dpsgd.accounting import (
     PoissonSampledGaussianEvent,
     event_from_dict,
 )
+from keras_dpsgd.ledger._bandmf import bandmf_events
 from keras_dpsgd.ledger._keras_io import attach, is_dp_optimizer, recorded_sampling_rate, sync_ledger_state
 from keras_dpsgd.ledger.sampling import resolve_sampling_rate
 
@@ -59,6 +60,9 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
     ):
         q = resolve_sampling_rate(optimizer, num_examples=num_examples, batch_size=batch_size)
     searches = [event_from_dict(e) for e in S.searches(data)]
+    if getattr(optimizer, "bandmf_bands", None) is not None and not searches:
+        # Correlated noise on cyclic lots (issue 42); after a search, DP-SGD's events (an upper bound).
+        return bandmf_events(data, S.events(data, q), optimizer, step_event)
     return searches + [step_event(*segment) for segment in S.events(data, q)]
 
 

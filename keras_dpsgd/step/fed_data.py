@@ -26,6 +26,9 @@ on Keras 3 with TensorFlow or JAX and on tf_keras):
 * a call of the train step outside ``fit`` (``train_on_batch``, a custom training loop) with a rate
   known: refused, since nothing shows which data reach the step (a loop over ``lots.dataset()``
   says so with :func:`keras_dpsgd.ledger.assume_poisson`).
+* a BandMF optimizer (``bandmf_bands`` b > 1, issue 42): only :class:`keras_dpsgd.CyclicPoissonLots` with
+  ``bands=b`` fed to ``fit``, whose cycle then follows the optimizer's steps; anything else, ``assume_poisson``
+  and steps outside ``fit`` included, is refused (its sensitivity needs each example's steps b apart).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 import tensorflow as tf
 
 from keras_dpsgd import ledger
+from keras_dpsgd.step.cyclic_lots import CyclicPoissonLots
 from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.step.lots import PoissonLots, lots_of
 
@@ -121,6 +125,24 @@ def _unseen_data(model: Any, q: float) -> str:
     )
 
 
+def _bandmf_lots(model: Any, optimizer: Any, lots: Any, bands: int, fed: str) -> None:
+    """A BandMF optimizer of b > 1 bands takes cyclic lots of b parts only, whose cycle then follows its steps."""
+    if isinstance(lots, CyclicPoissonLots) and lots.bands == bands:
+        with tf.init_scope():  # at trace time too: the count before this fit's first step
+            lots.follow(optimizer)
+        return
+    _refuse(
+        model,
+        refuse(
+            "bandmf-participation",
+            f"{type(optimizer).__name__} has a strategy of {bands} bands: its sensitivity and its accounting need each "
+            f"example's steps at least {bands} apart, which {fed} does not guarantee. Feed fit "
+            f"keras_dpsgd.CyclicPoissonLots(x, y, bands={bands}, expected_lot_size=...).dataset() "
+            "(lots.configure(optimizer) first); keras_dpsgd.ledger.assume_poisson does not apply to BandMF",
+        ),
+    )
+
+
 def check_fed_data(model: Any, optimizer: Any, *, outside_fit: bool = False) -> None:
     """Checks the data `model`'s running fit feeds `optimizer`'s step (module docstring), before its first step.
 
@@ -139,12 +161,17 @@ def check_fed_data(model: Any, optimizer: Any, *, outside_fit: bool = False) -> 
     if not ledger.is_dp_optimizer(optimizer):
         return
     q = getattr(optimizer, "sampling_rate", None)
+    bands = getattr(optimizer, "bandmf_bands", 1)
     frame = None if model is None else ledger.fit_frame(model)
     if frame is None:
+        if outside_fit and bands > 1:
+            _bandmf_lots(model, optimizer, None, bands, "a step outside fit (train_on_batch, a custom loop)")
         if outside_fit and q is not None and not ledger.assumes_poisson(optimizer):
             _refuse(model, refuse("step-outside-fit", _unseen_data(model, q)))
         return
     lots = lots_of(frame.f_locals.get("x"))
+    if bands > 1:
+        _bandmf_lots(model, optimizer, lots, bands, "PoissonLots" if lots is not None else _describe(frame))
     if lots is not None:
         _adopt(model, optimizer, lots)
         return

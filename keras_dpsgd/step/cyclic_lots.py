@@ -1,0 +1,173 @@
+"""Cyclic Poisson lots: the participation pattern the accounting of BandMF assumes (TensorFlow side).
+
+Choquette-Choo et al. 2023 (arXiv:2306.08153, Algorithm 2; the sampling of their Theorem 4, see
+:mod:`keras_dpsgd.accounting.bandmf`): the N examples are split into b fixed parts (here example i belongs to
+part i mod b, a split that depends on no data), and the lot of step t is a Poisson sample of part t mod b: each
+of its examples enters independently with probability q. An example then takes part in at most ⌈n/b⌉ of n steps,
+any two of them at least b steps apart, so one participation moves only its own block of b rows of C G for a
+strategy C with b bands.
+
+The part of a lot is tied to the step it feeds, not to how many lots were drawn: the first lot of each iteration
+of a dataset of these lots is drawn from the part of the optimizer's step count (``noised_steps``) read by
+:meth:`CyclicPoissonLots.follow`, which ``configure`` and every DP ``fit`` call before the iteration starts (at the
+start of ``fit`` and of every epoch, before Keras makes the epoch's iterator: ``keras_dpsgd.step.fed_data``), in
+the main thread while no step runs. Lots prefetched and dropped at the end of a ``fit`` therefore never shift the
+cycle. (The count is not read from the data pipeline's thread: a running step may have counted itself before its
+lot is read.) Without an anchor the sampler continues its own count.
+
+Everything else (padding to a static shape with rows of weight 0, overflow buckets, a fixed or OS seed) is
+:class:`keras_dpsgd.PoissonLots`'s, with one physical batch per lot and one worker.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from keras_dpsgd import _validate
+from keras_dpsgd.step._poisson import _lot_capacity
+from keras_dpsgd.step.lots import PoissonLots
+
+__all__ = ["CyclicPoissonLots"]
+
+
+class CyclicPoissonLots(PoissonLots):
+    """Lots for BandMF: step t samples, at rate q, the examples i with i mod b == t mod b (module docstring).
+
+    Usage (Keras 3)::
+
+        lots = CyclicPoissonLots(x, y, bands=4, expected_lot_size=256)
+        optimizer = keras_dpsgd.keras3.BandMFSGDOptimizer(1.0, sigma, strategy=strategy, learning_rate=0.1)
+        lots.configure(optimizer)  # q, the expected lot size, and the cycle follows the optimizer's steps
+        model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=...)
+
+    Args:
+      x: inputs (as :class:`keras_dpsgd.PoissonLots`).
+      y: targets.
+      bands: b >= 1, the parts (the strategy's bands); 1 gives :class:`PoissonLots`' lots.
+      sampling_rate: q in (0, 1], the probability that an example of the step's part enters its lot.
+      expected_lot_size: L = q·N/b (the mean over the parts), in (0, N/b]; exactly one of the two.
+      sample_weight: optional per-example weights (as :class:`keras_dpsgd.PoissonLots`).
+      max_lot_size: the lot capacity; None for the Binomial(⌈N/b⌉, q) quantile with tail `overflow_probability`.
+      overflow_probability: per-step probability that a lot exceeds the default capacity, in (0, 1).
+      seed: None (OS entropy) or an integer (reproducible; whoever knows it knows every lot).
+
+    Raises:
+      ValueError: on invalid arguments (the message names the argument), `bands` > N.
+    """
+
+    def __init__(
+        self,
+        x: Any,
+        y: Any,
+        *,
+        bands: int,
+        sampling_rate: Optional[float] = None,
+        expected_lot_size: Optional[float] = None,
+        sample_weight: Any = None,
+        max_lot_size: Optional[int] = None,
+        overflow_probability: float = 1e-9,
+        seed: Optional[int] = None,
+    ):
+        super().__init__(x, y, sampling_rate=1.0, sample_weight=sample_weight, seed=seed)  # checks x, y, weights
+        n = self._n
+        b = _validate.integer_in_range(1, n, bands=bands)
+        if (sampling_rate is None) == (expected_lot_size is None):
+            raise ValueError(
+                "exactly one of sampling_rate and expected_lot_size must be given, got "
+                f"sampling_rate={sampling_rate!r}, expected_lot_size={expected_lot_size!r}"
+            )
+        if sampling_rate is not None:
+            q = _validate.in_range(0, 1, "(]", sampling_rate=sampling_rate)
+        else:
+            q = _validate.in_range(0, n / b, "(]", expected_lot_size=expected_lot_size) * b / n
+        overflow_probability = _validate.in_range(0, 1, "()", overflow_probability=overflow_probability)
+        largest_part = math.ceil(n / b)
+        if max_lot_size is None:
+            capacity = _lot_capacity(largest_part, q, overflow_probability)
+        else:
+            capacity = _validate.integer_in_range(1, largest_part, max_lot_size=max_lot_size)
+        self._q, self._bands = q, b
+        self._physical = self._capacity = capacity
+        self._next_step = 0
+        self._anchor: Optional[int] = None  # the step the next iteration's first lot feeds (follow)
+        self._unanchored_start: Optional[int] = None  # the first step of an iteration that began without an anchor
+
+    @property
+    def bands(self) -> int:
+        """b, the number of parts: each example is in the lots of one step in b."""
+        return self._bands
+
+    @property
+    def expected_lot_size(self) -> float:
+        """L = q·N/b: the mean lot size over the parts, the optimizer's normalizer."""
+        return self._q * self._n / self._bands
+
+    def part(self, step: int) -> np.ndarray:
+        """The indices of the examples the lot of `step` samples: i mod b == step mod b."""
+        return np.arange(int(step) % self._bands, self._n, self._bands)
+
+    def sample_indices(self) -> np.ndarray:
+        """Draws the lot of the next step: a Poisson(q) sample of its part, in random order."""
+        members = self.part(self._next_step)
+        self._next_step += 1
+        return self._rng.permutation(members[self._rng.random(len(members)) < self._q])
+
+    def _index_batches(self, num_lots: Optional[int]) -> Iterator[tuple]:
+        if self._anchor is not None:  # the cycle follows the steps the optimizer took, not the lots drawn
+            self._next_step, self._anchor, self._unanchored_start = self._anchor, None, None
+        else:
+            self._unanchored_start = self._next_step
+        yield from super()._index_batches(num_lots)
+
+    def as_py_dataset(self, num_lots: Optional[int] = None) -> Any:
+        """Refused for b > 1: Keras reads a ``PyDataset`` ahead (lots drawn, not trained on), which would shift
+        the cycle against the steps; use :meth:`dataset`."""
+        self._refuse_out_of_step("as_py_dataset", "Keras reads a PyDataset's batches ahead without training on them")
+        return super().as_py_dataset(num_lots)
+
+    def distribute(self, strategy: Any, num_lots: Optional[int] = None) -> Any:
+        """Refused for b > 1: BandMF runs on one device (its noise history is not split across replicas)."""
+        self._refuse_out_of_step("distribute", "BandMF's noise history is not split across replicas")
+        return super().distribute(strategy, num_lots)
+
+    def _refuse_out_of_step(self, method: str, why: str) -> None:
+        if self._bands > 1:
+            raise ValueError(f"CyclicPoissonLots(bands={self._bands}).{method}() is refused: {why}; use lots.dataset()")
+
+    def follow(self, optimizer: Any) -> None:
+        """The next iteration's first lot feeds `optimizer`'s next step: its part is ``noised_steps`` mod b (read
+        now; call it where no step runs, before the iteration starts).
+
+        Raises:
+          ValueError: an iteration began without an anchor at another part than the optimizer's next step (a
+            restored optimizer whose fit started drawing lots before ``configure``): its lots would break the cycle.
+        """
+        position = int(optimizer.noised_steps.numpy())
+        start = self._unanchored_start
+        if start is not None and start % self._bands != position % self._bands:
+            raise ValueError(
+                f"CyclicPoissonLots began drawing lots at the part of step {start} but the optimizer's next step is "
+                f"{position}: each example's steps would no longer be {self._bands} apart. Call "
+                "lots.configure(optimizer) before fit (a restored optimizer too)"
+            )
+        self._anchor = position
+
+    def configure(self, optimizer: Any) -> Any:
+        """:meth:`PoissonLots.configure` (q and L), and the cycle follows `optimizer`'s steps; returns it.
+
+        Raises:
+          ValueError: the optimizer is a BandMF optimizer of another number of bands (its sensitivity needs
+            participations at least its b steps apart), or :meth:`PoissonLots.configure`'s.
+        """
+        bands = getattr(optimizer, "bandmf_bands", None)
+        if bands is not None and bands != self._bands:
+            raise ValueError(
+                f"CyclicPoissonLots(bands={self._bands}) cannot feed a BandMF optimizer of {bands} bands: its "
+                f"sensitivity needs each example's steps at least {bands} apart; use bands={bands}"
+            )
+        super().configure(optimizer)
+        self.follow(optimizer)
+        return optimizer
