@@ -65,7 +65,7 @@ _HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step",
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on JAX."""
     from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
-    from keras_dpsgd.tools._adaptive_core import AdaptiveClippingCore
+    from keras_dpsgd.step.adaptive import AdaptiveClippingCore
 
     cls = type(optimizer)
     # The step runs no hook: it does DPKeras3Mixin's release, and adaptive clipping's (``_adaptive``).

@@ -1,19 +1,17 @@
-"""Adaptive clipping on the JAX backend: the stateless plumbing of the bound rules.
+"""Adaptive clipping on the JAX backend: the stateless plumbing of the core's bound rules.
 
-The rules are ``keras_dpsgd.tools._adaptive_rules`` (one implementation, on ``jax.numpy`` here); the
-settings, ``release_noise_multipliers`` and the ledger's σ_eff are the optimizer's
-(``keras_dpsgd.tools._adaptive_core.AdaptiveClippingCore``), so the ledger charges the norm queries
+The settings, the rules and the release of the bound queries are the core's (:mod:`keras_dpsgd.dp.adaptive`,
+one implementation, on ``jax.numpy`` here); ``release_noise_multipliers`` and the ledger's σ_eff are the
+optimizer's (``keras_dpsgd.step.adaptive.AdaptiveClippingCore``), so the ledger charges the norm queries
 exactly as on TensorFlow. What TensorFlow does in the optimizer's hooks (``on_per_example_sq_norms``,
 ``add_noise``, ``on_noised_step``) the JAX train step does here, on the optimizer's variables as
 values of the traced step (``_OptimizerState``):
 
-* every batch: each group's query terms (min(‖g_i^g‖, β C_g) or 1[‖g_i^g‖ <= C_g], 0 for a
-  non-finite example) summed into ``adaptive_norm_sums`` (:func:`accumulate_queries`);
+* every batch: each group's query terms summed into ``adaptive_norm_sums`` (:func:`accumulate_queries`);
 * at the lot's release, after the gradient's noise with the bounds in force: with
   ``divide_by_bound`` each group's noised sum divided by its bound (:func:`divide_by_bound`);
-  then the queries released, Σ + N(0, σ_q,g² · sensitivity_g²) under a key of their own
-  (index ``NORM_NOISE_INDEX``), divided by the gradient's L, the next bounds written to
-  ``clip_bounds`` and the sums zeroed (:func:`release_queries`).
+  then the queries released under a key of their own (index ``NORM_NOISE_INDEX``), the next bounds
+  written to ``clip_bounds`` and the sums zeroed (:func:`release_queries`).
 """
 
 from __future__ import annotations
@@ -23,16 +21,25 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from keras_dpsgd.backends.jax import _noise
-from keras_dpsgd.tools._adaptive_rules import ArrayOps, next_bounds, query_sensitivity, query_terms
+from keras_dpsgd.dp import adaptive as core
+from keras_dpsgd.dp.ops import ArrayOps
 
 __all__ = ["JAX_OPS", "is_adaptive", "accumulate_queries", "divide_by_bound", "release_queries"]
 
-JAX_OPS = ArrayOps(jnp.minimum, jnp.maximum, jnp.exp, jnp.where, jnp.zeros_like, jnp.ones_like)
+JAX_OPS = ArrayOps(
+    name="jax",
+    minimum=jnp.minimum,
+    maximum=jnp.maximum,
+    exp=jnp.exp,
+    where=jnp.where,
+    zeros_like=jnp.zeros_like,
+    ones_like=jnp.ones_like,
+)
 
 
 def is_adaptive(optimizer: Any) -> bool:
     """Whether `optimizer` clips adaptively (``AdaptiveClippingCore``)."""
-    from keras_dpsgd.tools._adaptive_core import AdaptiveClippingCore
+    from keras_dpsgd.step.adaptive import AdaptiveClippingCore
 
     return isinstance(optimizer, AdaptiveClippingCore)
 
@@ -49,7 +56,7 @@ def _group_norms(sq_norms, groups: list[int]):
 def accumulate_queries(optimizer: Any, opt: Any, sq_norms, finite, bounds) -> None:
     """Adds one batch's query terms to ``adaptive_norm_sums`` (`bounds`: [G] in force; `finite`: [B, 1])."""
     norms = _group_norms(sq_norms, optimizer._clip_groups())
-    terms = query_terms(optimizer._adaptive, norms, bounds[None, :], finite, JAX_OPS)
+    terms = core.query_terms(optimizer._adaptive, norms, bounds[None, :], finite, JAX_OPS)
     opt[optimizer._norm_sums] = opt[optimizer._norm_sums] + jnp.sum(terms, axis=0)
 
 
@@ -66,17 +73,16 @@ def release_queries(optimizer: Any, opt: Any, bounds, denominator, key_for: Call
     """Releases the lot's bound queries and writes the next bounds (after the gradient's release).
 
     Args:
-      optimizer, opt: the adaptive DP optimizer and its traced values.
+      optimizer: the adaptive DP optimizer.
+      opt: its traced values.
       bounds: [G] the bounds in force (those the lot was clipped to).
       denominator: the gradient's L (``expected_lot_size``, else the realized lot size).
       key_for: the key of the step's noise tensor of a given index (the gradient's keys are 0..V-1).
     """
-    from keras_dpsgd.tools._adaptive_core import NORM_NOISE_INDEX
-
     settings = optimizer._adaptive
     sigmas = jnp.asarray(settings.norm_sigmas, jnp.float32)
-    noise = _noise.standard_normal(bounds.shape, key_for(NORM_NOISE_INDEX), jnp.float32)
-    noisy = opt[optimizer._norm_sums] + sigmas * query_sensitivity(settings, bounds) * noise
-    new = next_bounds(settings, bounds, noisy / denominator, JAX_OPS)
+    noise = _noise.standard_normal(bounds.shape, key_for(core.NORM_NOISE_INDEX), jnp.float32)
+    sums = opt[optimizer._norm_sums]
+    new = core.next_bounds_from_sums(settings, sums, bounds, sigmas, noise, lambda n: n / denominator, JAX_OPS)
     opt[optimizer.clip_bounds] = new[jnp.asarray(optimizer._clip_groups())]  # flat: C once per variable
-    opt[optimizer._norm_sums] = jnp.zeros_like(noisy)
+    opt[optimizer._norm_sums] = jnp.zeros_like(sums)
