@@ -13,7 +13,7 @@ core functions on the variables' values instead of these hooks.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -83,34 +83,15 @@ class AdaptiveClippingCore:
     after the gradient's groups, so the ledger, which charges the optimizer's σ_eff, charges them too.
     """
 
-    def _init_adaptive(
-        self,
-        norm_noise_multiplier: float | Sequence[float],
-        alpha: float,
-        beta: float,
-        min_clip_bound: float,
-        rule: str = "mean",
-        target_quantile: float = 0.5,
-        quantile_learning_rate: float = 0.2,
-        divide_by_bound: bool = False,
-    ) -> None:
+    def _init_adaptive(self, **settings: Any) -> None:
+        """Checks and keeps the adaptive `settings` (:func:`keras_dpsgd.dp.adaptive.check_settings`'s keywords)."""
         if getattr(self, "clipping", "clip") != "clip":
             raise ValueError(
                 "adaptive clipping adapts the bound C of clipping='clip'; clipping='normalize' has no bound "
                 f"to adapt (use the plain DP optimizer for it), got clipping={self.clipping!r}"
             )
         groups = len(self.l2_norm_clip) if self.per_layer_clipping else 1
-        self._adaptive = core.check_settings(
-            groups,
-            norm_noise_multiplier,
-            alpha,
-            beta,
-            min_clip_bound,
-            rule,
-            target_quantile,
-            quantile_learning_rate,
-            divide_by_bound,
-        )
+        self._adaptive = core.check_settings(groups, **settings)
         # Untracked (no Keras or TensorFlow tracking): the per-replica query sums between two hooks of one step.
         object.__setattr__(self, "_adaptive_replica_state", threading.local())
 
@@ -245,18 +226,11 @@ def adaptive_optimizer_class(
         divide_by_bound=False,
         **kwargs,
     ):
+        given = locals()
+        settings = {name: given[name] for name in core.PUBLIC_SETTINGS}  # the adaptive arguments, as given
         kwargs.setdefault("name", cls_name)
         dp_optimizer_cls.__init__(self, l2_norm_clip, noise_multiplier, **kwargs)
-        self._init_adaptive(
-            norm_noise_multiplier,
-            alpha,
-            beta,
-            min_clip_bound,
-            rule,
-            target_quantile,
-            quantile_learning_rate,
-            divide_by_bound,
-        )
+        self._init_adaptive(**settings)
 
     doc = f"{dp_optimizer_cls.__name__} with adaptive clipping bounds (per layer or flat).\n" + ADAPTIVE_DOC
     cls = type(cls_name, (mixin, dp_optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": module})
