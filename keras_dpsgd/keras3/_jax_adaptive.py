@@ -1,10 +1,10 @@
-"""Adaptive clipping on the JAX backend: the stateless plumbing of the core's bound rules.
+"""Adaptive clipping on Keras 3 with JAX: the stateless train step's plumbing of the core's bound rules.
 
 The settings, the rules and the release of the bound queries are the core's (:mod:`keras_dpsgd.dp.adaptive`,
 one implementation, on ``jax.numpy`` here); ``release_noise_multipliers`` and the ledger's σ_eff are the
 optimizer's (``keras_dpsgd.step.adaptive.AdaptiveClippingCore``), so the ledger charges the norm queries
 exactly as on TensorFlow. What TensorFlow does in the optimizer's hooks (``on_per_example_sq_norms``,
-``add_noise``, ``on_noised_step``) the JAX train step does here, on the optimizer's variables as
+``add_noise``, ``on_noised_step``) the JAX train step (``_jax_train_step``) does here, on the optimizer's variables as
 values of the traced step (``_OptimizerState``):
 
 * every batch: each group's query terms summed into ``adaptive_norm_sums`` (:func:`accumulate_queries`);
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jax.numpy as jnp
 
-from keras_dpsgd.backends.jax import _noise
+from keras_dpsgd.backends.jax import standard_normal
 from keras_dpsgd.dp import adaptive as core
 from keras_dpsgd.dp.ops import ArrayOps
 
@@ -81,7 +81,7 @@ def release_queries(optimizer: Any, opt: Any, bounds, denominator, key_for: Call
     """
     settings = optimizer._adaptive
     sigmas = jnp.asarray(settings.norm_sigmas, jnp.float32)
-    noise = _noise.standard_normal(bounds.shape, key_for(core.NORM_NOISE_INDEX), jnp.float32)
+    noise = standard_normal(bounds.shape, key_for(core.NORM_NOISE_INDEX), jnp.float32)
     sums = opt[optimizer._norm_sums]
     new = core.next_bounds_from_sums(settings, sums, bounds, sigmas, noise, lambda n: n / denominator, JAX_OPS)
     opt[optimizer.clip_bounds] = new[jnp.asarray(optimizer._clip_groups())]  # flat: C once per variable
