@@ -1,7 +1,7 @@
 """Adaptive clipping's saves written by keras_dpsgd 0.2.0 still load, with their bounds, and train on.
 
 tests/fixtures/saved_0_2_0/<front>_adaptive/ was written by 0.2.0 (commit 9d06de3) with
-``tests/fixtures/saved_0_2_0/generate_adaptive.py``: the 3-4-1 Dense model, AdaptiveDPSGDOptimizer with per-layer
+``tests/fixtures/saved_0_2_0/generate.py`` (``<front>_adaptive``): the 3-4-1 Dense model, AdaptiveDPSGDOptimizer with per-layer
 bounds (rule "mean") and with one flat bound (rule "quantile"), one epoch of 8 Poisson lots. ``facts.json`` holds
 what 0.2.0 read back. Loading gives the same steps, bounds (exactly), ε and predictions, and the next lots move
 the bounds on from there. Keras 3 on JAX: tests/backends/jax/test_jax_adaptive.py.

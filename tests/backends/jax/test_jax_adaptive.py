@@ -173,7 +173,7 @@ def test_a_hook_of_ones_own_on_an_adaptive_optimizer_is_refused():
 
 @pytest.mark.parametrize("kind", ["per_layer", "flat"])
 def test_adaptive_model_of_0_2_0_loads_with_its_steps_and_bounds_and_continues(kind):
-    """A .keras file of 0.2.0 (tests/fixtures/saved_0_2_0/generate_adaptive.py) holds every optimizer variable
+    """A .keras file of 0.2.0 (tests/fixtures/saved_0_2_0/generate.py jax_adaptive) holds every optimizer variable
     but dp_ledger_offset, added since before adaptive_norm_sums: the load keeps noised_steps and the bounds."""
     import json
     import pathlib
