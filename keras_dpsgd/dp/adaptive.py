@@ -38,6 +38,7 @@ __all__ = [
     "AdaptiveSettings",
     "check_settings",
     "query_terms",
+    "example_query_terms",
     "query_sensitivity",
     "next_bounds",
     "next_bounds_from_sums",
@@ -136,6 +137,20 @@ def query_terms(settings: AdaptiveSettings, norms: Any, bounds: Any, finite: Any
     else:
         terms = ops.minimum(norms, settings.beta * bounds)
     return ops.where(finite, terms, ops.zeros_like(terms))
+
+
+def example_query_terms(
+    settings: AdaptiveSettings, sq_norms: Any, bounds: Any, finite: Any, groups: Sequence[int], ops: ArrayOps
+) -> Any:
+    """[B, G] each example's term of each group's query (:func:`query_terms`) from its [B, V] squared norms.
+
+    `groups`: the clipping group of each variable (static ints; flat: all 0, the group's squares added up);
+    `bounds` [G] in force; `finite` [B, 1] (``keras_dpsgd.dp.clip.finite_rows``)."""
+    num = max(groups) + 1
+    if num != len(groups):
+        sq_norms = ops.group_sum(sq_norms, groups, num)
+    norms = ops.sqrt(ops.maximum(sq_norms, 0.0))
+    return query_terms(settings, norms, bounds[None, :], finite, ops)
 
 
 def query_sensitivity(settings: AdaptiveSettings, bounds: Any) -> Any:

@@ -21,20 +21,10 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from keras_dpsgd.backends.jax import standard_normal
+from keras_dpsgd.backends.jax.ops import JAX_OPS
 from keras_dpsgd.dp import adaptive as core
-from keras_dpsgd.dp.ops import ArrayOps
 
-__all__ = ["JAX_OPS", "is_adaptive", "accumulate_queries", "divide_by_bound", "release_queries"]
-
-JAX_OPS = ArrayOps(
-    name="jax",
-    minimum=jnp.minimum,
-    maximum=jnp.maximum,
-    exp=jnp.exp,
-    where=jnp.where,
-    zeros_like=jnp.zeros_like,
-    ones_like=jnp.ones_like,
-)
+__all__ = ["is_adaptive", "accumulate_queries", "divide_by_bound", "release_queries"]
 
 
 def is_adaptive(optimizer: Any) -> bool:
@@ -44,19 +34,9 @@ def is_adaptive(optimizer: Any) -> bool:
     return isinstance(optimizer, AdaptiveClippingCore)
 
 
-def _group_norms(sq_norms, groups: list[int]):
-    """[B, G] ‖g_i^g‖ from [B, V] squared norms (flat: the variables' squares added up)."""
-    num = max(groups) + 1
-    if groups != list(range(num)):
-        member = jnp.asarray([[1.0 if g == h else 0.0 for h in range(num)] for g in groups], sq_norms.dtype)
-        sq_norms = sq_norms @ member
-    return jnp.sqrt(jnp.maximum(sq_norms, 0.0))
-
-
 def accumulate_queries(optimizer: Any, opt: Any, sq_norms, finite, bounds) -> None:
     """Adds one batch's query terms to ``adaptive_norm_sums`` (`bounds`: [G] in force; `finite`: [B, 1])."""
-    norms = _group_norms(sq_norms, optimizer._clip_groups())
-    terms = core.query_terms(optimizer._adaptive, norms, bounds[None, :], finite, JAX_OPS)
+    terms = core.example_query_terms(optimizer._adaptive, sq_norms, bounds, finite, optimizer._clip_groups(), JAX_OPS)
     opt[optimizer._norm_sums] = opt[optimizer._norm_sums] + jnp.sum(terms, axis=0)
 
 

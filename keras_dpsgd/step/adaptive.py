@@ -17,11 +17,12 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
+from keras_dpsgd.backends.tensorflow.ops import TF_OPS
 from keras_dpsgd.dp import adaptive as core
-from keras_dpsgd.dp.ops import ArrayOps
+from keras_dpsgd.dp.clip import finite_rows
 from keras_dpsgd.step import distribute as _distribute
 
-__all__ = ["AdaptiveClippingCore", "TF_OPS", "ADAPTIVE_DOC", "adaptive_optimizer_class"]
+__all__ = ["AdaptiveClippingCore", "ADAPTIVE_DOC", "adaptive_optimizer_class"]
 
 ADAPTIVE_DOC = """
     Adaptive clipping arguments (van der Veen et al. 2018, Sec. 3; Andrew et al. 2021):
@@ -50,17 +51,6 @@ ADAPTIVE_DOC = """
     = (Σ_g 1/σ_g² + Σ_g 1/σ_q,g²)^(-1/2) per step over the clipping groups g
     (one group: flat) (the ledger does).
 """
-
-# The bound rules' array functions on TensorFlow (``keras_dpsgd.dp.adaptive``).
-TF_OPS = ArrayOps(
-    name="tensorflow",
-    minimum=tf.minimum,
-    maximum=tf.maximum,
-    exp=tf.exp,
-    where=tf.where,
-    zeros_like=tf.zeros_like,
-    ones_like=tf.ones_like,
-)
 
 
 def _setting(name: str, doc: str) -> property:
@@ -129,13 +119,10 @@ class AdaptiveClippingCore:
 
     def _query_terms(self, sq_norms: tf.Tensor) -> tf.Tensor:
         """[B, G] each example's term of each group's bound query (0 for a non-finite example)."""
-        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1, keepdims=True)
-        groups = self._clip_groups()
-        num = max(groups) + 1
-        if num != len(groups):  # flat: the squared norms of the group's variables add up
-            sq_norms = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(sq_norms), groups, num))
-        norms = tf.sqrt(tf.maximum(sq_norms, 0.0))
-        return core.query_terms(self._adaptive, norms, self._group_bounds()[None, :], finite, TF_OPS)
+        finite = finite_rows(TF_OPS, sq_norms)
+        return core.example_query_terms(
+            self._adaptive, sq_norms, self._group_bounds(), finite, self._clip_groups(), TF_OPS
+        )
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Accumulates each group's query Σ_i term_i over the lot (:meth:`_query_terms`).

@@ -1,7 +1,7 @@
 """The core's adaptive clipping (keras_dpsgd.dp.adaptive), once per array table (numpy, TensorFlow, JAX).
 
-The bound rules and the release of the bound queries against their closed forms, computed one example at a
-time in float64 (Three Tools Sec. 3, rule "mean": C ← max(α (Σ_i min(‖g_i‖, βC) + σ_q βC z) / L, floor);
+The bound rules and the release of the bound queries (tables: the ``table`` fixture of tests/dp/conftest.py)
+against their closed forms, computed one example at a time in float64 (Three Tools Sec. 3, rule "mean": C ← max(α (Σ_i min(‖g_i‖, βC) + σ_q βC z) / L, floor);
 Andrew et al. 2021, rule "quantile": C ← max(C exp(-η (b̃ - q)), floor), b̃ = (Σ_i 1[‖g_i‖ <= C] + σ_q z) / L);
 the settings' refusals; the initial bounds; and the core's import with TensorFlow, JAX and Keras blocked.
 """
@@ -17,33 +17,12 @@ import numpy as np
 import pytest
 
 from keras_dpsgd.dp import adaptive as core
-from keras_dpsgd.dp.ops import ArrayOps
 
 
 def _float32(a: np.ndarray) -> np.ndarray:
     """The step's dtypes: float32 values, bool masks."""
     return a if a.dtype == bool else a.astype(np.float32)
 
-
-def _numpy_table() -> tuple[ArrayOps, object]:
-    table = ArrayOps("numpy", np.minimum, np.maximum, np.exp, np.where, np.zeros_like, np.ones_like)
-    return table, _float32
-
-
-def _tf_table() -> tuple[ArrayOps, object]:
-    tf = pytest.importorskip("tensorflow")
-    from keras_dpsgd.step.adaptive import TF_OPS  # the table the TensorFlow optimizers run the rules over
-
-    return TF_OPS, lambda a: tf.constant(_float32(a))
-
-
-def _jax_table() -> tuple[ArrayOps, object]:
-    jnp = pytest.importorskip("jax.numpy")  # the JAX train step's table is built the same way, from jax.numpy
-    table = ArrayOps("jax", jnp.minimum, jnp.maximum, jnp.exp, jnp.where, jnp.zeros_like, jnp.ones_like)
-    return table, lambda a: jnp.asarray(_float32(a))
-
-
-TABLES = {"numpy": _numpy_table, "tensorflow": _tf_table, "jax": _jax_table}
 
 # Per-example norms ‖g_i^g‖ [B=5, G=3]; example 3 is non-finite (its terms must be 0 in every group).
 NORMS = np.array([[0.1, 2.0, 0.7], [0.5, 0.01, 3.0], [1.5, 0.4, 0.2], [np.nan, 1.0, 1.0], [0.3, 0.3, 0.05]], np.float64)
@@ -78,13 +57,12 @@ def _closed_form(settings) -> np.ndarray:
     return np.array(out)
 
 
-@pytest.mark.parametrize("table", sorted(TABLES))
 @pytest.mark.parametrize("rule", ["mean", "quantile"])
 def test_next_bounds_from_one_lot_match_the_closed_form(table, rule):
-    ops, array = TABLES[table]()
+    ops, array = table.ops, lambda a: table.array(_float32(np.asarray(a)))
     settings = _settings(rule)
-    norms = np.where(FINITE, NORMS, np.nan)
-    terms = core.query_terms(settings, array(norms), array(BOUNDS[None, :]), array(FINITE), ops)
+    groups = [0, 1, 2]  # per layer: one variable per group, its squared norm
+    terms = core.example_query_terms(settings, array(NORMS**2), array(BOUNDS), array(FINITE), groups, ops)
     terms = np.asarray(terms)
     assert terms.shape == NORMS.shape and np.all(terms[3] == 0.0)  # the non-finite example adds nothing
     new = core.next_bounds_from_sums(
@@ -96,13 +74,32 @@ def test_next_bounds_from_one_lot_match_the_closed_form(table, rule):
     np.testing.assert_allclose(np.asarray(new, np.float64), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_quantile_rule_moves_the_bound_geometrically_towards_the_quantile():
+@pytest.mark.parametrize("rule", ["mean", "quantile"])
+def test_flat_query_reads_the_norm_of_the_whole_gradient(table, rule):
+    """One group over three variables: each example's norm is √(Σ_v ‖g_i^v‖²), its term min(‖g_i‖, βC) or
+    1[‖g_i‖ <= C]; the non-finite example adds nothing."""
+    settings = core.check_settings(1, 1.0, 1.3, 2.0, 1e-6, rule=rule)
+    bound = 1.2
+    terms = core.example_query_terms(
+        settings,
+        table.array(_float32(NORMS**2)),
+        table.array(np.float32([bound])),
+        table.array(FINITE),
+        [0, 0, 0],
+        table.ops,
+    )
+    norms = np.sqrt((NORMS**2).sum(axis=1))
+    expected = (norms <= bound).astype(float) if rule == "quantile" else np.minimum(norms, 2.0 * bound)
+    expected = np.where(FINITE[:, 0], expected, 0.0)[:, None]
+    np.testing.assert_allclose(np.asarray(table.numpy(terms), np.float64), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_quantile_rule_moves_the_bound_geometrically_towards_the_quantile(table):
     """b̃ above the target quantile shrinks C by exp(-η (b̃ - q)); below it, grows it; at it, keeps it."""
-    ops, _ = _numpy_table()
     settings = _settings("quantile", min_clip_bound=1e-9)
-    bounds = np.array([1.0, 1.0, 1.0])
-    new = core.next_bounds(settings, bounds, np.array([0.9, 0.6, 0.1]), ops)
-    np.testing.assert_allclose(new, [math.exp(-0.2 * 0.3), 1.0, math.exp(0.2 * 0.5)], rtol=1e-12)
+    bounds = table.array(np.float32([1.0, 1.0, 1.0]))
+    new = core.next_bounds(settings, bounds, table.array(np.float32([0.9, 0.6, 0.1])), table.ops)
+    np.testing.assert_allclose(table.numpy(new), [math.exp(-0.2 * 0.3), 1.0, math.exp(0.2 * 0.5)], rtol=1e-6)
 
 
 @pytest.mark.parametrize("rule, expected", [("mean", 2.0 * BOUNDS), ("quantile", 1.0)])
