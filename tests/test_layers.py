@@ -44,27 +44,14 @@ KERAS_SIDE_UP = "step/, ledger/, preprocessing/, callbacks import no front end n
 FRONT_END_UP = "a front end imports neither the one-call API nor the CLI"
 
 # The only imports that may still break a rule: (importing module, imported module), both below keras_dpsgd.
-# They are the modules two engineers of issue 38 are moving now.
-# TODO(issue 38): emptied when the adaptive clipping's move into the core (tools/_adaptive_*, tools/_initial_bounds,
-# tools/_bounds_logger, backends/jax/_adaptive.py, keras3/_adaptive.py, tf_keras/_adaptive.py) lands ...
-_ADAPTIVE = {
-    ("backends.jax._adaptive", "tools._adaptive_rules"),  # private, and a backend importing layer 4
-    ("backends.jax._adaptive", "tools._adaptive_core"),
-    ("keras3", "tools._adaptive_core"),  # private names of tools/ (initial_clip_bounds, ...)
-    ("keras3._adaptive", "tools._adaptive_core"),
-    ("tf_keras._adaptive", "tools._adaptive_core"),
-    ("keras3._jax_train_step", "tools._adaptive_core"),
-    ("keras3._jax_train_step", "backends.jax._adaptive"),  # a private module of backends/jax
-    ("keras3._jax_distribute", "backends.jax._adaptive"),
-    ("keras3._jax_front", "backends.jax._adaptive"),
-}
-# TODO(issue 38): ... and the one private import the core's landing left: the JAX train step takes the backend's
+# They are the modules an engineer of issue 38 is moving now.
+# TODO(issue 38): the one private import the core's landing left: the JAX train step takes the backend's
 # clipped sum and norms from backends/jax/_per_example (a public name for it in backends/jax; not renamed here
-# while the adaptive move edits the same import block of keras3/_jax_train_step.py).
+# while the adaptive move edited the same import block of keras3/_jax_train_step.py).
 _CORE = {
     ("keras3._jax_train_step", "backends.jax._per_example"),
 }
-ALLOWED: set[tuple[str, str]] = {(f"{PACKAGE}.{a}", f"{PACKAGE}.{b}") for a, b in _ADAPTIVE | _CORE}
+ALLOWED: set[tuple[str, str]] = {(f"{PACKAGE}.{a}", f"{PACKAGE}.{b}") for a, b in _CORE}
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -18,7 +18,7 @@ from keras_dpsgd.keras3._bandmf import BandMFAdamOptimizer, BandMFSGDOptimizer, 
 from keras_dpsgd.keras3._audit import MembershipInferenceCallback
 from keras_dpsgd.keras3._layers import DPNormalization, DPPCA
 from keras_dpsgd.keras3._optimizer import DPAdamOptimizer, DPKeras3Mixin, DPSGDOptimizer, make_dp_optimizer
-from keras_dpsgd.tools._adaptive_core import initial_clip_bounds, initial_flat_clip_bound
+from keras_dpsgd.step.clip_bounds import initial_clip_bounds, initial_flat_clip_bound
 from keras_dpsgd.keras3._loss import per_example_loss
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
 from keras_dpsgd.keras3._train_step import is_private, make_private, private_update, sanitized_gradients

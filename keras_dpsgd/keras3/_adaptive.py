@@ -1,6 +1,7 @@
 """Adaptive per-layer clipping on Keras 3 (Three Tools, tool 2).
 
-The same math and ledger events as on tf_keras (:mod:`keras_dpsgd.tools._adaptive_core`, derivation in
+The same math and ledger events as on tf_keras (the rules: :mod:`keras_dpsgd.dp.adaptive`; the optimizer
+mixin both front ends share: :mod:`keras_dpsgd.step.adaptive`; the derivation:
 :mod:`keras_dpsgd.tools.adaptive_clipping`), through the published hooks of
 :class:`keras_dpsgd.keras3.DPKeras3Mixin`: ``on_per_example_sq_norms`` sums the norm queries,
 ``on_noised_step`` releases them (noise from ``standard_normal``, divided like the gradient by
@@ -13,11 +14,8 @@ from __future__ import annotations
 import keras
 
 from keras_dpsgd.keras3._optimizer import SPLIT_HOOKS, DPKeras3Mixin, DPSGDOptimizer
-from keras_dpsgd.tools._adaptive_core import (
-    AdaptiveClippingCore,
-    ClipBoundsLoggerCore,
-    adaptive_optimizer_class,
-)
+from keras_dpsgd.step.adaptive import AdaptiveClippingCore, adaptive_optimizer_class
+from keras_dpsgd.step.clip_bounds import ClipBoundsLoggerCore
 
 __all__ = ["AdaptiveClippingKeras3Mixin", "AdaptiveDPSGDOptimizer", "make_adaptive_optimizer", "ClipBoundsLogger"]
 

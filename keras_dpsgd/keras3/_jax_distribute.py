@@ -61,7 +61,7 @@ def data_parallel_mesh(model: Any = None) -> DataParallelMesh | None:
         raise unsupported(f"{name} (only keras.distribution.DataParallel is built for the DP step)")
     if jax.process_count() > 1:
         raise unsupported(f"{name} over {jax.process_count()} processes (one process, several devices is built)")
-    from keras_dpsgd.backends.jax import _adaptive
+    from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
 
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and _adaptive.is_adaptive(optimizer):

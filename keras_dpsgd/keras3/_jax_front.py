@@ -4,7 +4,7 @@ JAX's train step is stateless: the optimizer's variables come in as values and g
 (:class:`OptimizerState`), the lot of k batches in its ``dp_accumulator`` variables, the count in
 ``noised_steps``, the noise key of an unseeded optimizer in ``dp_noise_key`` (``backends.jax.state``). What
 is JAX's is here: that state plumbing, ``jax.lax.cond`` around a lot's release, the keys, adaptive
-clipping's queries (``backends.jax._adaptive``), the regularization gradient and ``stateless_apply``. The
+clipping's queries (``keras3._jax_adaptive``), the regularization gradient and ``stateless_apply``. The
 math (clip factors, the lot, the noise σ·S, the normalization) is the core's, over ``JAX_OPS``.
 """
 
@@ -15,9 +15,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from keras_dpsgd.backends.jax import _adaptive, add_gaussian, seeded_key
+from keras_dpsgd.backends.jax import add_gaussian, seeded_key
 from keras_dpsgd.backends.jax.ops import JAX_OPS, key_data
 from keras_dpsgd.dp import lot as dp_lot, release as dp_release
+from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
 
 __all__ = ["JaxFront", "OptimizerState", "clipping_of"]
 

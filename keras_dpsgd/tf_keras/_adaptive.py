@@ -1,7 +1,8 @@
 """Adaptive per-layer clipping on tf_keras: the optimizer mode and the logging callback.
 
-The math and its privacy derivation are in :mod:`keras_dpsgd.tools.adaptive_clipping`; the part
-shared with Keras 3 (:mod:`keras_dpsgd.keras3`) is in :mod:`keras_dpsgd.tools._adaptive_core`.
+The rules are the core's (:mod:`keras_dpsgd.dp.adaptive`), their privacy derivation is in
+:mod:`keras_dpsgd.tools.adaptive_clipping`; the part shared with Keras 3 (:mod:`keras_dpsgd.keras3`) is in
+:mod:`keras_dpsgd.step.adaptive` (the optimizer mixin) and :mod:`keras_dpsgd.step.clip_bounds`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,8 @@ import tf_keras as keras
 
 from keras_dpsgd.tf_keras._sanitizer import DPSanitizerMixin
 from keras_dpsgd.tf_keras._optimizer import DPSGDOptimizer
-from keras_dpsgd.tools._adaptive_core import (
-    AdaptiveClippingCore,
-    ClipBoundsLoggerCore,
-    adaptive_optimizer_class,
-    initial_clip_bounds,
-    initial_flat_clip_bound,
-)
+from keras_dpsgd.step.adaptive import AdaptiveClippingCore, adaptive_optimizer_class
+from keras_dpsgd.step.clip_bounds import ClipBoundsLoggerCore, initial_clip_bounds, initial_flat_clip_bound
 
 __all__ = [
     "AdaptiveClippingMixin",
@@ -32,7 +28,7 @@ __all__ = [
 class AdaptiveClippingMixin(AdaptiveClippingCore):
     """Adaptive per-layer clipping (Three Tools, Sec. 3) for a tf_keras DP optimizer; put before it.
 
-    The shared behaviour is :class:`keras_dpsgd.tools._adaptive_core.AdaptiveClippingCore`. On
+    The shared behaviour is :class:`keras_dpsgd.step.adaptive.AdaptiveClippingCore`. On
     tf_keras it runs inside the traced train step, with any per-example backend (it only needs
     the backend's [B, V] squared norms), and with gradient accumulation (the norm sums are
     accumulated over the lot's physical batches, in a checkpointed optimizer variable).

@@ -55,123 +55,19 @@ diverge (bounds blow up, then collapse to ``min_clip_bound``). Larger lots, a
 smaller learning rate or a smaller model avoid the feedback; watch the bounds
 with :class:`ClipBoundsLogger`.
 
-This module is pure Python; the optimizers, :func:`initial_clip_bounds` and
-:class:`ClipBoundsLogger` are in :mod:`keras_dpsgd.tools` (and
-:mod:`keras_dpsgd.tf_keras`), which import TensorFlow. (This module does not
-re-export them: the TensorFlow module builds on this one, not the reverse.)
+This module is pure Python: its functions are the backend-neutral core's
+(:mod:`keras_dpsgd.dp.adaptive`, which also holds the bound rules and their
+release, written once for every backend). The optimizers,
+:func:`initial_clip_bounds` and :class:`ClipBoundsLogger` are in
+:mod:`keras_dpsgd.tools` (and :mod:`keras_dpsgd.tf_keras`,
+:mod:`keras_dpsgd.keras3`), which import TensorFlow. (This module does not
+re-export them: the TensorFlow modules build on the core, not the reverse.)
 """
 
-from __future__ import annotations
-
-import math
-from typing import Sequence
-
-from keras_dpsgd import _validate
+from keras_dpsgd.dp.adaptive import (
+    adaptive_clipping_event,
+    calibrate_adaptive_noise_multiplier,
+    composed_noise_multiplier,
+)
 
 __all__ = ["adaptive_clipping_event", "calibrate_adaptive_noise_multiplier", "composed_noise_multiplier"]
-
-
-def _check_sigmas(name: str, values: Sequence[float]) -> list[float]:
-    out = [_validate.nonnegative(**{f"{name}[{i}]": s}) for i, s in enumerate(values)]
-    if not out:
-        raise ValueError(f"{name} must be a non-empty sequence of numbers >= 0, got an empty sequence")
-    return out
-
-
-def composed_noise_multiplier(noise_multipliers: Sequence[float], norm_noise_multipliers: Sequence[float]) -> float:
-    """σ_eff = (Σ_l 1/σ_l² + Σ_l 1/σ_l2²)^(-1/2) of one adaptive-clipping step.
-
-    See the module docstring for the derivation. 0 (no privacy) if any σ is 0.
-
-    Args:
-      noise_multipliers: σ_l of each layer's gradient release.
-      norm_noise_multipliers: σ_l2 of each layer's norm query.
-
-    Returns:
-      The effective noise multiplier of the composed step.
-    """
-    from keras_dpsgd.accounting import composed_noise_multiplier as sigma_eff
-
-    sigmas = _check_sigmas("noise_multipliers", noise_multipliers)
-    sigmas += _check_sigmas("norm_noise_multipliers", norm_noise_multipliers)
-    return sigma_eff(sigmas)
-
-
-def adaptive_clipping_event(
-    *, noise_multiplier: float, norm_noise_multiplier: float, num_layers: int, sampling_rate: float, steps: int
-):
-    """The privacy event of `steps` adaptive-clipping steps (one σ, one σ_l2 for all layers).
-
-    Returns:
-      PoissonSampledGaussianEvent(sampling_rate, σ_eff, steps) with σ_eff from
-      :func:`composed_noise_multiplier`.
-    """
-    from keras_dpsgd.accounting import PoissonSampledGaussianEvent
-
-    layers = _validate.integer_at_least(1, num_layers=num_layers)
-    sigma_eff = composed_noise_multiplier([noise_multiplier] * layers, [norm_noise_multiplier] * layers)
-    return PoissonSampledGaussianEvent(sampling_rate, sigma_eff, count=steps, label="dp-sgd adaptive clipping")
-
-
-def calibrate_adaptive_noise_multiplier(
-    *,
-    num_layers: int,
-    norm_noise_multiplier: float,
-    target_epsilon: float,
-    target_delta: float,
-    sampling_rate: float,
-    steps: int,
-    accountant: str = "rdp",
-) -> float:
-    """Per-layer gradient σ that meets (ε, δ) together with the norm queries.
-
-    Uses the accountant's :func:`keras_dpsgd.accounting.calibrate_noise_multiplier`
-    on the composed step of :func:`adaptive_clipping_event`: the returned σ is
-    never below the exact value, so ε(σ, σ_l2) <= target_epsilon.
-
-    Args:
-      num_layers: number of clipped layers (trainable variables) V.
-      norm_noise_multiplier: σ_l2 > 0 of each norm query.
-      target_epsilon: ε > 0.
-      target_delta: δ in (0, 1).
-      sampling_rate: q in (0, 1].
-      steps: number of steps, >= 1.
-      accountant: "rdp", "moments" or "pld".
-
-    Returns:
-      σ for every layer's gradient noise.
-
-    Raises:
-      ValueError: if the norm queries alone already spend the budget (no
-        gradient σ can meet it; raise `norm_noise_multiplier`).
-    """
-    from keras_dpsgd.accounting import (
-        PoissonSampledGaussianEvent,
-        calibrate_noise_multiplier,
-        compute_noise_multiplier,
-    )
-
-    layers = _validate.integer_at_least(1, num_layers=num_layers)
-    s2 = _validate.positive(norm_noise_multiplier=norm_noise_multiplier)
-    # σ_eff needed by the whole step; the norm queries alone give σ_l2/√V.
-    needed = compute_noise_multiplier(
-        target_epsilon=target_epsilon,
-        target_delta=target_delta,
-        sampling_rate=sampling_rate,
-        steps=steps,
-        accountant=accountant,
-    )
-    if s2 / math.sqrt(layers) <= needed:
-        raise ValueError(
-            f"norm_noise_multiplier must be > {needed * math.sqrt(layers):.6g} for {layers} layers: the norm "
-            f"queries alone (sigma_eff {s2 / math.sqrt(layers):.6g}) already spend epsilon "
-            f"{target_epsilon} at delta {target_delta}; got {norm_noise_multiplier!r}"
-        )
-
-    def events(sigma: float):
-        eff = composed_noise_multiplier([sigma] * layers, [s2] * layers) if sigma > 0 else 0.0
-        return [PoissonSampledGaussianEvent(sampling_rate, eff, count=steps, label="dp-sgd adaptive clipping")]
-
-    return calibrate_noise_multiplier(
-        events, target_epsilon=target_epsilon, target_delta=target_delta, accountant=accountant
-    )

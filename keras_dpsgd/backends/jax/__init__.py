@@ -2,10 +2,10 @@
 
 Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for the common layers
 (ghost norms and book-keeping sums: ``_ghost``, ``_rules``), the library's Gaussian sampler on
-``jax.random`` bits (``_noise``), the optimizer's JAX-only state (``_state``) and adaptive clipping's
-plumbing (``_adaptive``). The stateless private train step that ``keras_dpsgd.keras3.make_private``
-installs when ``keras.config.backend() == "jax"`` (``keras_dpsgd.backends.is_jax``) is the Keras 3 front
-end's (``keras_dpsgd.keras3._jax_train_step``, DataParallel's part in ``keras3._jax_distribute``).
+``jax.random`` bits (``_noise``) and the optimizer's JAX-only state (``state``). The stateless private train
+step that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
+(``keras_dpsgd.backends.is_jax``) is the Keras 3 front end's (``keras_dpsgd.keras3._jax_train_step``,
+DataParallel's part in ``keras3._jax_distribute``, adaptive clipping's in ``keras3._jax_adaptive``).
 What is not built on JAX yet is refused by name
 (:func:`unsupported`): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
 the audit callback and a model's own train step

@@ -61,15 +61,17 @@ def save_variables(optimizer: Any, store: Any) -> None:
 
 def saved_store(optimizer: Any, store: Any) -> Any:
     """The store Keras's ``Optimizer.load_own_variables`` reads: a file of 0.2.0 holds every variable but
-    ``dp_ledger_offset`` (the last one, added since), which Keras would answer by skipping every variable
-    (``noised_steps``, the slots) with a warning. Such a store gets the offset 0 appended: the ledger writes the
-    offset before every fit (``keras_dpsgd.ledger``), so 0 here is never used for a key."""
+    ``dp_ledger_offset`` (added since: the last of the DP state, before the variables a mixin builds after it,
+    as adaptive clipping's ``adaptive_norm_sums``), which Keras would answer by skipping every variable
+    (``noised_steps``, the bounds, the slots) with a warning. Such a store gets the offset 0 at its place: the
+    ledger writes the offset before every fit (``keras_dpsgd.ledger``), so 0 here is never used for a key."""
     offset = getattr(optimizer, "_jax_offset", None)
-    if offset is None or len(store.keys()) != len(optimizer.variables) - 1 or optimizer.variables[-1] is not offset:
+    variables = list(optimizer.variables)
+    at = next((i for i, v in enumerate(variables) if v is offset), None)
+    if at is None or len(store.keys()) != len(variables) - 1:
         return store
-    values = {key: store[key] for key in store.keys()}
-    values[str(len(values))] = np.zeros((), np.int32)
-    return values
+    saved = [store[str(i)] for i in range(len(variables) - 1)]  # Keras's keys: the variables' positions
+    return {str(i): value for i, value in enumerate(saved[:at] + [np.zeros((), np.int32)] + saved[at:])}
 
 
 def after_load(optimizer: Any) -> None:

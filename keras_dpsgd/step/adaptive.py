@@ -1,41 +1,28 @@
-"""Adaptive per-layer clipping, the part both front ends share (tf_keras and Keras 3).
+"""Adaptive clipping's optimizer mixin, the part both front ends share (tf_keras and Keras 3 on TensorFlow).
 
-The math and its privacy derivation are in :mod:`keras_dpsgd.tools.adaptive_clipping`. A front end
-puts :class:`AdaptiveClippingCore` before its DP optimizer class and supplies the ``_norm_sums``
-variable (created in ``build``); the rest goes through the published hooks both front ends' DP
-optimizers have: ``on_per_example_sq_norms`` (the lot's norm sums), ``on_noised_step`` (after the
-gradient's release: the norm queries and the next bounds), ``standard_normal`` and ``normalize``.
+The settings, the bound rules and the release of the bound queries are the core's
+(:mod:`keras_dpsgd.dp.adaptive`, written once for every backend; the derivation is in
+:mod:`keras_dpsgd.tools.adaptive_clipping`); here they run on TensorFlow over the optimizer's variables. A front
+end puts :class:`AdaptiveClippingCore` before its DP optimizer class and supplies the ``_norm_sums`` variable
+(created in ``build``); the rest goes through the published hooks both front ends' DP optimizers have:
+``on_per_example_sq_norms`` (the lot's norm sums), ``on_noised_step`` (after the gradient's release: the norm
+queries and the next bounds), ``standard_normal`` and ``normalize``. On JAX the Keras 3 train step runs the same
+core functions on the variables' values instead of these hooks.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import tensorflow as tf
 
-from keras_dpsgd import _validate
+from keras_dpsgd.backends.tensorflow.ops import TF_OPS
+from keras_dpsgd.dp import adaptive as core
+from keras_dpsgd.dp.clip import finite_rows
 from keras_dpsgd.step import distribute as _distribute
-from keras_dpsgd.tools._adaptive_rules import ArrayOps, next_bounds, query_sensitivity, query_terms
-from keras_dpsgd.tools._bounds_logger import ClipBoundsLoggerCore
-from keras_dpsgd.tools._initial_bounds import initial_clip_bounds, initial_flat_clip_bound
-from keras_dpsgd.tools.adaptive_clipping import composed_noise_multiplier
 
-__all__ = [
-    "AdaptiveClippingCore",
-    "TF_OPS",
-    "ADAPTIVE_DOC",
-    "NORM_NOISE_INDEX",
-    "adaptive_optimizer_class",
-    "initial_clip_bounds",
-    "initial_flat_clip_bound",
-    "ClipBoundsLoggerCore",
-]
-
-# Index folded into the seeded noise stream for the norm queries (the gradient noise uses the
-# variable indices 0..V-1).
-NORM_NOISE_INDEX = 1 << 30
+__all__ = ["AdaptiveClippingCore", "ADAPTIVE_DOC", "adaptive_optimizer_class"]
 
 ADAPTIVE_DOC = """
     Adaptive clipping arguments (van der Veen et al. 2018, Sec. 3; Andrew et al. 2021):
@@ -65,80 +52,10 @@ ADAPTIVE_DOC = """
     (one group: flat) (the ledger does).
 """
 
-RULES = ("mean", "quantile")
-
-
-# The bound rules' array functions on TensorFlow (``_adaptive_rules``).
-TF_OPS = ArrayOps(tf.minimum, tf.maximum, tf.exp, tf.where, tf.zeros_like, tf.ones_like)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """The adaptive settings (a plain dataclass: untracked by Keras and TensorFlow)."""
-
-    norm_sigmas: tuple
-    norm_noise_multiplier: Any  # as given: one float or a list (get_config)
-    alpha: float
-    beta: float
-    min_clip_bound: float
-    rule: str = "mean"
-    target_quantile: float = 0.5
-    quantile_learning_rate: float = 0.2
-    divide_by_bound: bool = False
-
-
-def _check_settings(
-    num_bounds: int,
-    norm_noise_multiplier: Any,
-    alpha: Any,
-    beta: Any,
-    min_clip_bound: Any,
-    rule: Any = "mean",
-    target_quantile: Any = 0.5,
-    quantile_learning_rate: Any = 0.2,
-    divide_by_bound: Any = False,
-) -> _Settings:
-    if isinstance(norm_noise_multiplier, (list, tuple)):
-        if len(norm_noise_multiplier) != num_bounds:
-            raise ValueError(
-                f"norm_noise_multiplier must have one entry per clip bound ({num_bounds}), "
-                f"got {len(norm_noise_multiplier)}"
-            )
-        sigmas = [
-            _validate.nonnegative(**{f"norm_noise_multiplier[{i}]": s}) for i, s in enumerate(norm_noise_multiplier)
-        ]
-        given = list(sigmas)
-    else:
-        sigmas = [_validate.nonnegative(norm_noise_multiplier=norm_noise_multiplier)] * num_bounds
-        given = sigmas[0]
-    return _Settings(
-        tuple(sigmas),
-        given,
-        _validate.positive(alpha=alpha),
-        _validate.positive(beta=beta),
-        _validate.positive(min_clip_bound=min_clip_bound),
-        _validate.one_of(RULES, rule=rule),
-        _validate.in_range(0.0, 1.0, target_quantile=target_quantile),
-        _validate.positive(quantile_learning_rate=quantile_learning_rate),
-        _check_bool(divide_by_bound=divide_by_bound),
-    )
-
-
-# The settings an adaptive optimizer shows as read-only attributes and writes in ``get_config`` (its
-# ``__init__`` arguments); ``norm_sigmas`` is internal (one σ_q per group).
-_PUBLIC_SETTINGS = tuple(f.name for f in dataclasses.fields(_Settings) if f.name != "norm_sigmas")
-
 
 def _setting(name: str, doc: str) -> property:
-    """A read-only attribute of the adaptive optimizer: ``_Settings.<name>``."""
+    """A read-only attribute of the adaptive optimizer: ``AdaptiveSettings.<name>``."""
     return property(lambda self: getattr(self._adaptive, name), doc=doc)
-
-
-def _check_bool(**named: Any) -> bool:
-    ((name, value),) = named.items()
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return value
 
 
 class AdaptiveClippingCore:
@@ -147,47 +64,24 @@ class AdaptiveClippingCore:
     The bounds are per clipping group: one per trainable variable (``l2_norm_clip`` a list or
     dict: per-layer) or one for the whole gradient (a number: flat). Per lot: the gradient is
     clipped to the bounds in force C_g (``clip_bounds``), noised and released (the usual
-    sanitizer); in the same step each group's bound query is released and sets the next bound:
-
-    * rule "mean" (Three Tools): Σ_i min(‖g_i^g‖, β C_g) + N(0, σ_q² β² C_g²) (sensitivity β C_g),
-      C_g ← max(α · query / L, min_clip_bound);
-    * rule "quantile" (Andrew et al. 2021): Σ_i 1[‖g_i^g‖ <= C_g] + N(0, σ_q²) (a count,
-      sensitivity 1), b̃ = query / L, C_g ← max(C_g · exp(-η (b̃ - target_quantile)), min_clip_bound).
+    sanitizer); in the same step each group's bound query is released and sets the next bound
+    (the rules: :mod:`keras_dpsgd.dp.adaptive`).
 
     L is the same normalizer as the gradient's (expected_lot_size, else the realized lot).
     ``effective_noise_multiplier`` is (Σ_g 1/σ_g² + Σ_g 1/σ_q,g²)^(-1/2) (see
-    :mod:`keras_dpsgd.tools.adaptive_clipping`), so the ledger, which charges the optimizer's
-    σ_eff, charges the bound queries too.
+    :mod:`keras_dpsgd.tools.adaptive_clipping`): ``release_noise_multipliers`` lists the bound queries
+    after the gradient's groups, so the ledger, which charges the optimizer's σ_eff, charges them too.
     """
 
-    def _init_adaptive(
-        self,
-        norm_noise_multiplier: float | Sequence[float],
-        alpha: float,
-        beta: float,
-        min_clip_bound: float,
-        rule: str = "mean",
-        target_quantile: float = 0.5,
-        quantile_learning_rate: float = 0.2,
-        divide_by_bound: bool = False,
-    ) -> None:
+    def _init_adaptive(self, **settings: Any) -> None:
+        """Checks and keeps the adaptive `settings` (:func:`keras_dpsgd.dp.adaptive.check_settings`'s keywords)."""
         if getattr(self, "clipping", "clip") != "clip":
             raise ValueError(
                 "adaptive clipping adapts the bound C of clipping='clip'; clipping='normalize' has no bound "
                 f"to adapt (use the plain DP optimizer for it), got clipping={self.clipping!r}"
             )
         groups = len(self.l2_norm_clip) if self.per_layer_clipping else 1
-        self._adaptive = _check_settings(
-            groups,
-            norm_noise_multiplier,
-            alpha,
-            beta,
-            min_clip_bound,
-            rule,
-            target_quantile,
-            quantile_learning_rate,
-            divide_by_bound,
-        )
+        self._adaptive = core.check_settings(groups, **settings)
         # Untracked (no Keras or TensorFlow tracking): the per-replica query sums between two hooks of one step.
         object.__setattr__(self, "_adaptive_replica_state", threading.local())
 
@@ -195,7 +89,7 @@ class AdaptiveClippingCore:
         """Size of the bound queries: one per variable (per-layer) or one (flat)."""
         return num_variables if self.per_layer_clipping else 1
 
-    # The settings, read-only (``_Settings``; ``get_config`` writes them all).
+    # The settings, read-only (``AdaptiveSettings``; ``get_config`` writes them all).
     norm_noise_multiplier = _setting(
         "norm_noise_multiplier", "σ_q of the bound queries, as given (one, or one per group)."
     )
@@ -221,27 +115,14 @@ class AdaptiveClippingCore:
     @property
     def release_noise_multipliers(self) -> tuple[float, ...]:
         """σ of each Gaussian release of one step: the gradient groups, then the bound queries."""
-        sigmas = self.noise_multiplier
-        if not isinstance(sigmas, list):
-            sigmas = [sigmas] * len(self._adaptive.norm_sigmas)
-        return tuple(sigmas) + tuple(self._adaptive.norm_sigmas)
-
-    @property
-    def effective_noise_multiplier(self) -> float:
-        """σ_eff of one step: gradient releases and bound queries composed (Three Tools Sec. 3)."""
-        sigmas = self.release_noise_multipliers
-        split = len(sigmas) - len(self._adaptive.norm_sigmas)
-        return composed_noise_multiplier(sigmas[:split], sigmas[split:])
+        return tuple(super().release_noise_multipliers) + tuple(self._adaptive.norm_sigmas)
 
     def _query_terms(self, sq_norms: tf.Tensor) -> tf.Tensor:
         """[B, G] each example's term of each group's bound query (0 for a non-finite example)."""
-        finite = tf.reduce_all(tf.math.is_finite(sq_norms), axis=1, keepdims=True)
-        groups = self._clip_groups()
-        num = max(groups) + 1
-        if num != len(groups):  # flat: the squared norms of the group's variables add up
-            sq_norms = tf.transpose(tf.math.unsorted_segment_sum(tf.transpose(sq_norms), groups, num))
-        norms = tf.sqrt(tf.maximum(sq_norms, 0.0))
-        return query_terms(self._adaptive, norms, self._group_bounds()[None, :], finite, TF_OPS)
+        finite = finite_rows(TF_OPS, sq_norms)
+        return core.example_query_terms(
+            self._adaptive, sq_norms, self._group_bounds(), finite, self._clip_groups(), TF_OPS
+        )
 
     def on_per_example_sq_norms(self, sq_norms: tf.Tensor) -> None:
         """Accumulates each group's query Σ_i term_i over the lot (:meth:`_query_terms`).
@@ -268,18 +149,21 @@ class AdaptiveClippingCore:
         N(0, s_g²), the one-device release), and every replica sets the same next bounds from that sum.
         """
         bounds = self._group_bounds()
-        noise = self.standard_normal(tf.shape(bounds), NORM_NOISE_INDEX)  # this replica's own key
+        noise = self.standard_normal(tf.shape(bounds), core.NORM_NOISE_INDEX)  # this replica's own key
         sigmas = tf.constant(self._adaptive.norm_sigmas, tf.float32) * _distribute.replica_noise_scale()
         if _distribute.num_replicas() > 1:
             state = self._replica_state()
             sums, state.norm_sums = state.norm_sums, None
         else:
             sums = tf.convert_to_tensor(self._norm_sums)
-        noisy = _distribute.global_sum(sums + sigmas * query_sensitivity(self._adaptive, bounds) * noise)
-        new_bounds = next_bounds(self._adaptive, bounds, self.normalize([noisy], num_examples)[0], TF_OPS)
+
+        def normalize(noisy: tf.Tensor) -> tf.Tensor:
+            return self.normalize([_distribute.global_sum(noisy)], num_examples)[0]
+
+        new_bounds = core.next_bounds_from_sums(self._adaptive, sums, bounds, sigmas, noise, normalize, TF_OPS)
         self.clip_bounds.assign(tf.gather(new_bounds, self._clip_groups()))  # flat: C once per variable
         if _distribute.num_replicas() == 1:
-            self._norm_sums.assign(tf.zeros_like(noisy))
+            self._norm_sums.assign(tf.zeros_like(sums))
 
     def discard_partial_lot(self, where: str = "") -> int:
         """Drops an incomplete lot, and its norm sums: a discarded example never enters a later lot's
@@ -298,7 +182,7 @@ class AdaptiveClippingCore:
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
-        config.update({name: getattr(self, name) for name in _PUBLIC_SETTINGS})
+        config.update({name: getattr(self, name) for name in core.PUBLIC_SETTINGS})
         return config
 
 
@@ -329,18 +213,11 @@ def adaptive_optimizer_class(
         divide_by_bound=False,
         **kwargs,
     ):
+        given = locals()
+        settings = {name: given[name] for name in core.PUBLIC_SETTINGS}  # the adaptive arguments, as given
         kwargs.setdefault("name", cls_name)
         dp_optimizer_cls.__init__(self, l2_norm_clip, noise_multiplier, **kwargs)
-        self._init_adaptive(
-            norm_noise_multiplier,
-            alpha,
-            beta,
-            min_clip_bound,
-            rule,
-            target_quantile,
-            quantile_learning_rate,
-            divide_by_bound,
-        )
+        self._init_adaptive(**settings)
 
     doc = f"{dp_optimizer_cls.__name__} with adaptive clipping bounds (per layer or flat).\n" + ADAPTIVE_DOC
     cls = type(cls_name, (mixin, dp_optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": module})
