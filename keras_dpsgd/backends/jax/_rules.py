@@ -1,17 +1,18 @@
 """The layers with per-example norm rules on JAX, and the vector-Jacobian products the rules share (``_ghost``).
 
-A rule (:class:`Rule`) serves a layer whose output before its activation, ``pre(layer, inputs)``, is
-affine in its trainable variables given its input. From each example's inputs ``a_i`` and output gradients
-``δ_i`` (one pair per call, [B, 1, ...]: each example a batch of one), :func:`per_example_grads` gives
-this layer's gradient of one example (``jax.vmap`` of a vector-Jacobian product) and :func:`weighted_sums`
-the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``).
-``Rule.sq_norms`` may replace the former by closed forms (Dense: ``||a||²·||δ||²`` or the Gram form on
-sequences; Embedding: the Gram form with id equality). ``RULES`` maps an exact layer type to its rule.
+The rule interface and the layers' pre-activations are every backend's (``keras_dpsgd.backends._layer_forms``; here
+the JAX array math): a rule (:class:`Rule`) serves a layer whose output before its activation, ``pre(layer,
+inputs)``, is affine in its trainable variables given its input. From each example's inputs ``a_i`` and output
+gradients ``δ_i`` (one pair per call, [B, 1, ...]: each example a batch of one), :func:`per_example_grads` gives
+this layer's gradient of one example (``jax.vmap`` of a vector-Jacobian product) and :func:`weighted_sums` the
+clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms``
+may replace the former by closed forms (Dense: ``||a||²·||δ||²`` or the Gram form on sequences; Embedding: the Gram
+form with id equality). ``RULES`` maps an exact layer type to its rule.
 
 A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
-apart (one product over all rows), so rows that cancel must not round the norm to 0
-(``keras_dpsgd.dp.rounding``, shared with the TensorFlow backend). The norms' products run at full float32
-precision (``Precision.HIGHEST``: on GPUs and TPUs JAX's default is a reduced one).
+apart (one product over all rows), so rows that cancel must not round the norm to 0 (``keras_dpsgd.dp.rounding``,
+shared with the TensorFlow backend). The norms' products run at full float32 precision (``Precision.HIGHEST``: on
+GPUs and TPUs JAX's default is a reduced one).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import keras
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_dpsgd.backends import _layer_forms as _forms
+from keras_dpsgd.backends._layer_forms import Rule, pre_at, with_values
 from keras_dpsgd.backends.jax._per_example import staged_sq_norms
 from keras_dpsgd.dp import rounding as _rounding
 
@@ -70,38 +72,7 @@ def _outer_sq_norms(a, d):
     return _rounding.linear_upper(sq, count, lengths, rows), bias
 
 
-class Rule:
-    """A layer whose output before its activation, ``pre(layer, inputs)``, is affine in its trainable variables.
-
-    ``pre`` reads the layer's variables from the current ``StatelessScope``; ``post`` is what the layer
-    applies after (its activation). ``sq_norms`` may return closed forms per variable (``None``: the
-    vector-Jacobian product of each example).
-    """
-
-    def pre(self, layer, inputs):
-        raise NotImplementedError
-
-    def post(self, layer, outputs):
-        return outputs
-
-    def covers(self, layer) -> bool:
-        return not getattr(layer, "lora_enabled", False)
-
-    def sq_norms(self, layer, calls, trainable) -> dict | None:
-        return None
-
-
-class _Dense(Rule):
-    def pre(self, layer, inputs):
-        x = keras.ops.matmul(inputs, layer.kernel)  # Dense.kernel adds LoRA's product where enabled
-        return x if layer.bias is None else keras.ops.add(x, layer.bias)
-
-    def post(self, layer, outputs):
-        return outputs if layer.activation is None else layer.activation(outputs)
-
-    def covers(self, layer) -> bool:
-        return True
-
+class _Dense(_forms.DenseForm):
     def sq_norms(self, layer, calls, trainable):
         if layer.lora_enabled:
             return None
@@ -114,39 +85,7 @@ class _Dense(Rule):
         return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
 
 
-class _EinsumDense(_Dense):
-    def pre(self, layer, inputs):
-        x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
-        return x if layer.bias is None else keras.ops.add(x, layer.bias)
-
-    def sq_norms(self, layer, calls, trainable):
-        return None
-
-
-class _Conv(Rule):
-    def pre(self, layer, inputs):
-        padding = layer.padding  # BaseConv.call (Conv1D.call with "causal"), before the activation
-        if padding == "causal":
-            inputs, padding = keras.ops.pad(inputs, layer._compute_causal_padding()), "valid"
-        outputs = keras.ops.conv(
-            inputs,
-            layer.kernel,
-            strides=list(layer.strides),
-            padding=padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
-        if not layer.use_bias:
-            return outputs
-        if layer.data_format == "channels_last":
-            shape = (1,) * (layer.rank + 1) + (layer.filters,)
-        else:
-            shape = (1, layer.filters) + (1,) * layer.rank
-        return keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
-
-    def post(self, layer, outputs):
-        return outputs if layer.activation is None else layer.activation(outputs)
-
+class _Conv(_forms.ConvForm):
     def sq_norms(self, layer, calls, trainable):
         """The kernel's norm from the input's patches (one row per output position): Dense's forms on them."""
         if layer.lora_enabled or layer.groups != 1 or layer.data_format != "channels_last":
@@ -176,10 +115,7 @@ class _Conv(Rule):
         return {k: v for k, v in found.items() if k in keep}
 
 
-class _Embedding(Rule):
-    def pre(self, layer, inputs):
-        return keras.layers.Embedding.call(layer, inputs)
-
+class _Embedding(_forms.EmbeddingForm):
     def sq_norms(self, layer, calls, trainable):
         ids = jnp.concatenate([x.reshape(x.shape[0], -1) for x, _ in calls], axis=1)
         if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
@@ -196,52 +132,20 @@ class _Embedding(Rule):
         return {id(layer.embeddings): upper}
 
 
-class _LayerNorm(Rule):
-    def pre(self, layer, inputs):
-        return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
-
-
 class _PReLU(Rule):
     def pre(self, layer, inputs):
         return keras.layers.PReLU.call(layer, inputs)  # relu(x) - alpha·relu(-x): linear in alpha
 
 
 RULES: dict[type, Rule] = {
-    keras.layers.Dense: _Dense(),
-    keras.layers.EinsumDense: _EinsumDense(),
-    keras.layers.Conv1D: _Conv(),
-    keras.layers.Conv2D: _Conv(),
-    keras.layers.Conv3D: _Conv(),
-    keras.layers.Embedding: _Embedding(),
-    keras.layers.LayerNormalization: _LayerNorm(),
+    **_forms.registry(_Dense(), _forms.EinsumDenseForm(), _Conv(), _Embedding(), _forms.LayerNormForm()),
     keras.layers.PReLU: _PReLU(),
 }
 
 
 def rule_for(layer) -> Rule | None:
-    rule = RULES.get(type(layer))  # exact type: a subclass may compute something else
-    if rule is None or not layer.trainable_variables or not rule.covers(layer):
-        return None
-    if "call" in vars(layer):  # a call of its own on the instance (patched by someone): not the class's
-        return None
-    policy = layer.dtype_policy
-    if getattr(policy, "quantization_mode", None) is not None or getattr(layer, "_remat_mode", None) is not None:
-        return None
-    if policy.compute_dtype != "float32" or policy.variable_dtype != "float32":
-        return None
-    return rule
-
-
-def _pre_at(layer, rule, inputs, values):
-    """The layer's pre-activation output on `inputs` with its variables at `values` (id -> value)."""
-    with StatelessScope(state_mapping=[(v, values[id(v)]) for v in layer.variables]):
-        return rule.pre(layer, inputs)
-
-
-def _with(values, variables, new):
-    out = dict(values)
-    out.update({id(v): n for v, n in zip(variables, new)})
-    return out
+    """The rule of `layer` in ``RULES`` (``_layer_forms.rule_for``), or None."""
+    return _forms.rule_for(layer, RULES)
 
 
 def per_example_grads(layer, rule, calls, values, variables) -> list:
@@ -249,7 +153,7 @@ def per_example_grads(layer, rule, calls, values, variables) -> list:
     current = [values[id(v)] for v in variables]
 
     def one(a, d):
-        _, vjp = jax.vjp(lambda w: _pre_at(layer, rule, a, _with(values, variables, w)), current)
+        _, vjp = jax.vjp(lambda w: pre_at(layer, rule, a, with_values(values, variables, w)), current)
         return vjp(d.astype(jnp.float32))[0]
 
     total = None
@@ -273,8 +177,8 @@ def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) ->
         masked.append(jnp.where(keep, a, jnp.zeros((), a.dtype)))
 
     def batched(w):
-        at = _with(values, variables, w)
-        return [jax.vmap(lambda a: _pre_at(layer, rule, a, at))(a) for a in masked]
+        at = with_values(values, variables, w)
+        return [jax.vmap(lambda a: pre_at(layer, rule, a, at))(a) for a in masked]
 
     _, vjp = jax.vjp(batched, current)
     out = {}

@@ -1,22 +1,23 @@
 """The layers with per-example norm rules on torch, and the vector-Jacobian products the rules share (``ghost``).
 
-The rule interface is the JAX backend's (``keras_dpsgd.backends.jax._rules``): a :class:`Rule` serves a layer
-whose output before its activation, ``pre(layer, inputs)``, is computed from its own variables and its input.
-From each example's inputs ``a_i`` and output gradients ``δ_i`` (one pair per call, [B, 1, ...]: each example a
-batch of one), :func:`per_example_grads` gives this layer's gradient of one example (``torch.func.vmap`` of a
-vector-Jacobian product of ``pre`` alone, not of the model) and :func:`weighted_sums` the clipped sum
-``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may
-replace the former by closed forms (Dense: ``||a||²·||δ||²`` on one row, the Gram form or the direct product on
-sequences, Li et al. 2022's ghost norm; Embedding: the Gram form with id equality). A closed form is a certified
-upper bound of the squared norm (``keras_dpsgd.dp.rounding``, shared by every backend).
+The rule interface and the layers' pre-activations are every backend's (``keras_dpsgd.backends._layer_forms``; here
+the torch array math): a :class:`Rule` serves a layer whose output before its activation, ``pre(layer, inputs)``, is
+computed from its own variables and its input. From each example's inputs ``a_i`` and output gradients ``δ_i`` (one
+pair per call, [B, 1, ...]: each example a batch of one), :func:`per_example_grads` gives this layer's gradient of
+one example (``torch.func.vmap`` of a vector-Jacobian product of ``pre`` alone, not of the model) and
+:func:`weighted_sums` the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i
+δ_i``). ``Rule.sq_norms`` may replace the former by closed forms (Dense: ``||a||²·||δ||²`` on one row, the Gram form
+or the direct product on sequences, Li et al. 2022's ghost norm; Embedding: the Gram form with id equality). A
+closed form is a certified upper bound of the squared norm (``keras_dpsgd.dp.rounding``, shared by every backend).
 """
 
 from __future__ import annotations
 
 import keras
 import torch
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_dpsgd.backends import _layer_forms as _forms
+from keras_dpsgd.backends._layer_forms import Rule, pre_at, with_values
 from keras_dpsgd.backends.torch._per_example import staged_sq_norms
 from keras_dpsgd.dp import rounding as _rounding
 
@@ -63,38 +64,7 @@ def _rows(calls, which):
     return torch.cat([c[which].reshape(c[which].shape[0], -1, c[which].shape[-1]) for c in calls], dim=1)
 
 
-class Rule:
-    """A layer whose output before its activation, ``pre(layer, inputs)``, reads its own variables only."""
-
-    def pre(self, layer, inputs):
-        raise NotImplementedError
-
-    def post(self, layer, outputs):
-        return outputs
-
-    def covers(self, layer) -> bool:
-        return not getattr(layer, "lora_enabled", False)
-
-    def sq_norms(self, layer, calls, trainable) -> dict | None:
-        return None
-
-    def sums(self, layer, inputs, weighted) -> dict | None:
-        """{id(v): Σ_i f_iv g_iv} in closed form from the calls' `inputs` ([B, 1, ...] each, zero where the factor
-        is) and ``weighted(v)`` = f_iv δ_i as rows [B, T, j], or None (the vector-Jacobian product over the batch)."""
-        return None
-
-
-class _Dense(Rule):
-    def pre(self, layer, inputs):
-        x = keras.ops.matmul(inputs, layer.kernel)  # Dense.kernel adds LoRA's product where enabled
-        return x if layer.bias is None else keras.ops.add(x, layer.bias)
-
-    def post(self, layer, outputs):
-        return outputs if layer.activation is None else layer.activation(outputs)
-
-    def covers(self, layer) -> bool:
-        return True
-
+class _Dense(_forms.DenseForm):
     def sq_norms(self, layer, calls, trainable):
         if layer.lora_enabled:
             return None
@@ -119,53 +89,20 @@ class _Dense(Rule):
         return out
 
 
-class _EinsumDense(_Dense):
+class _EinsumDense(_forms.EinsumDenseForm):
     def covers(self, layer) -> bool:
         """The equation keeps the input's first axis (the batch) as the output's first: rows stay apart."""
         inputs, output = layer.equation.split("->")
         first = inputs.split(",")[0].strip()[:1]
         return first.isalpha() and output.strip()[:1] == first and first not in inputs.split(",")[1]
 
-    def pre(self, layer, inputs):
-        x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
-        return x if layer.bias is None else keras.ops.add(x, layer.bias)
 
-    def sq_norms(self, layer, calls, trainable):
-        return None
-
-
-class _Conv(Rule):
-    def pre(self, layer, inputs):
-        padding = layer.padding  # BaseConv.call (Conv1D.call with "causal"), before the activation
-        if padding == "causal":
-            inputs, padding = keras.ops.pad(inputs, layer._compute_causal_padding()), "valid"
-        outputs = keras.ops.conv(
-            inputs,
-            layer.kernel,
-            strides=list(layer.strides),
-            padding=padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
-        if not layer.use_bias:
-            return outputs
-        if layer.data_format == "channels_last":
-            shape = (1,) * (layer.rank + 1) + (layer.filters,)
-        else:
-            shape = (1, layer.filters) + (1,) * layer.rank
-        return keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
-
-    def post(self, layer, outputs):
-        return outputs if layer.activation is None else layer.activation(outputs)
-
+class _Conv(_forms.ConvForm):
     def covers(self, layer) -> bool:
         return not layer.lora_enabled and layer.groups == 1
 
 
-class _Embedding(Rule):
-    def pre(self, layer, inputs):
-        return keras.layers.Embedding.call(layer, inputs)
-
+class _Embedding(_forms.EmbeddingForm):
     def sq_norms(self, layer, calls, trainable):
         ids = torch.cat([x.reshape(x.shape[0], -1) for x, _ in calls], dim=1)
         if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
@@ -183,52 +120,19 @@ class _Embedding(Rule):
         }
 
 
-class _LayerNorm(Rule):
+class _LayerNorm(_forms.LayerNormForm):
     def covers(self, layer) -> bool:
         """Normalized over axes other than the batch's (positive axes, or the last)."""
         axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return all(a > 0 or a == -1 for a in axes)
 
-    def pre(self, layer, inputs):
-        return keras.layers.LayerNormalization.call(layer, inputs)
 
-
-RULES: dict[type, Rule] = {
-    keras.layers.Dense: _Dense(),
-    keras.layers.EinsumDense: _EinsumDense(),
-    keras.layers.Conv1D: _Conv(),
-    keras.layers.Conv2D: _Conv(),
-    keras.layers.Conv3D: _Conv(),
-    keras.layers.Embedding: _Embedding(),
-    keras.layers.LayerNormalization: _LayerNorm(),
-}
+RULES: dict[type, Rule] = _forms.registry(_Dense(), _EinsumDense(), _Conv(), _Embedding(), _LayerNorm())
 
 
 def rule_for(layer) -> Rule | None:
-    """The rule of `layer` (its exact type: a subclass may compute something else), or None."""
-    rule = RULES.get(type(layer))
-    if rule is None or not layer.trainable_variables or not rule.covers(layer):
-        return None
-    if "call" in vars(layer):  # a call of its own on the instance (patched by someone): not the class's
-        return None
-    policy = layer.dtype_policy
-    if getattr(policy, "quantization_mode", None) is not None or getattr(layer, "_remat_mode", None) is not None:
-        return None
-    if policy.compute_dtype != "float32" or policy.variable_dtype != "float32":
-        return None
-    return rule
-
-
-def pre_at(layer, rule, inputs, values):
-    """The layer's pre-activation output on `inputs` with its variables at `values` (id -> value)."""
-    with StatelessScope(state_mapping=[(v, values[id(v)]) for v in layer.variables]):
-        return rule.pre(layer, inputs)
-
-
-def _with(values, variables, new):
-    out = dict(values)
-    out.update({id(v): n for v, n in zip(variables, new)})
-    return out
+    """The rule of `layer` in ``RULES`` (``_layer_forms.rule_for``), or None."""
+    return _forms.rule_for(layer, RULES)
 
 
 def per_example_grads(layer, rule, calls, values, variables) -> list:
@@ -236,7 +140,7 @@ def per_example_grads(layer, rule, calls, values, variables) -> list:
     current = [values[id(v)] for v in variables]
 
     def one(a, d):
-        _, vjp = torch.func.vjp(lambda w: pre_at(layer, rule, a, _with(values, variables, w)), current)
+        _, vjp = torch.func.vjp(lambda w: pre_at(layer, rule, a, with_values(values, variables, w)), current)
         return vjp(d.to(torch.float32))[0]
 
     total = None
@@ -276,7 +180,7 @@ def weighted_sums(layer, rule, calls, values, factors, finite, index, groups) ->
     masked = [_merged(a) for a in masked]
 
     def batched(w):
-        at = _with(values, variables, w)
+        at = with_values(values, variables, w)
         return [pre_at(layer, rule, a, at) for a in masked]
 
     _, vjp = torch.func.vjp(batched, current)
