@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from keras_dpsgd.dp import refusals
+from keras_dpsgd.dp import ledger_state, refusals
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "keras_dpsgd"
@@ -247,3 +247,30 @@ def test_refuse_keeps_the_type_a_check_raised():
     assert refusals.refusal_message("loss-entries", "one entry per example") == str(
         refusals.refuse("loss-entries", "one entry per example")
     )
+
+
+def _search_under_pld():
+    from keras_dpsgd.accounting import PoissonSampledGaussianEvent, TuningEvent, compute_epsilon
+
+    search = TuningEvent("poisson", (PoissonSampledGaussianEvent(0.01, 1.0, count=10),), mu=2.0)
+    compute_epsilon(search, 1e-5, accountant="pld")
+
+
+@pytest.mark.parametrize(
+    "check, kind",
+    [
+        (lambda: ledger_state.loads("[1, 2]"), "foreign-ledger-state"),
+        (lambda: ledger_state.loads("{noise"), "foreign-ledger-state"),
+        (
+            lambda: ledger_state.loads('{"version": 9}'),
+            "foreign-ledger-state",
+        ),
+        (_search_under_pld, "search-without-bound"),
+    ],
+)
+def test_a_routed_check_of_the_core_names_its_kind(check, kind):
+    """Checks of the core and the accountant (no Keras needed): a saved ledger state that is no keras_dpsgd state,
+    not even JSON (a bare JSONDecodeError before), and a search under an accountant without a bound for it."""
+    with pytest.raises(ValueError) as err:
+        check()
+    assert type(err.value) is ValueError and refusals.refusal_id(err.value) == kind
