@@ -16,6 +16,7 @@ import warnings
 from typing import Any, Optional
 
 from keras_dpsgd import _validate
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["PrivateTraining", "make_private_with_epsilon"]
 
@@ -109,9 +110,10 @@ class PrivateTraining:
 
         fixed = sorted(set(kwargs) & set(_FIXED_FIT_ARGS))
         if fixed:
-            raise ValueError(
+            raise refuse(
+                "plan-fixed-fit",
                 f"fit arguments {fixed} are fixed by the plan (ε = {self.epsilon:.4g} was calibrated for "
-                f"{self.epochs} epochs of these Poisson lots); call make_private_with_epsilon again to change them"
+                f"{self.epochs} epochs of these Poisson lots); call make_private_with_epsilon again to change them",
             )
         callbacks = list(kwargs.pop("callbacks", None) or [])
         if not any(isinstance(c, PrivacyLogger) for c in callbacks):
@@ -269,11 +271,12 @@ def make_private_with_epsilon(
     prior = model_privacy_ledger(model).events  # e.g. a DPNormalization's release: counted in the budget
     prior_epsilon = compute_epsilon(prior, delta, accountant=accountant) if prior else 0.0
     if prior and prior_epsilon >= target_epsilon:
-        raise ValueError(
+        raise refuse(
+            "epsilon-already-spent",
             f"target_epsilon {target_epsilon:g} is already spent by the model's recorded events "
             f"({', '.join(sorted({e.label or type(e).__name__ for e in prior}))}: ε = "
             f"{prior_epsilon:.4g} at δ = {delta:.3g}); raise the target or "
-            "add more noise to the preprocessing"
+            "add more noise to the preprocessing",
         )
     planned_steps = epochs * lots.lots_per_epoch
     sigma = float(

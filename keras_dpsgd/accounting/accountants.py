@@ -30,6 +30,7 @@ import numpy as np
 from keras_dpsgd import _validate as V
 from keras_dpsgd.accounting import conversions, rdp, tuning
 from keras_dpsgd.accounting.bandmf import BandMFEvent
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.accounting.events import (
     LEAF_EVENT_TYPES,
     ComposedEvent,
@@ -165,10 +166,11 @@ class PrivacyAccountant(abc.ABC):
         Raises:
           ValueError: always, here (the RDP accountants implement it: Papernot & Steinke 2022).
         """
-        raise ValueError(
+        raise refuse(
+            "search-without-bound",
             f"the {self.name or type(self).__name__!r} accountant has no bound for a hyperparameter search "
             f"({event.label!r}: the best of a random number of trials); use accountant='rdp' (or 'moments'), "
-            "which compose it by Papernot & Steinke 2022"
+            "which compose it by Papernot & Steinke 2022",
         )
 
     @abc.abstractmethod

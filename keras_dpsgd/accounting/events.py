@@ -381,32 +381,55 @@ def _check_serialized_fields(kind: str, data: dict) -> None:
     expected = set(_EVENT_FIELDS[kind])
     got = set(data) - {"type"}
     if got != expected:
-        raise ValueError(
-            f"a serialized {kind!r} event has exactly the fields {sorted(expected)}, got {sorted(got)}: {data!r}"
+        raise refuse(
+            "foreign-ledger",
+            f"a serialized {kind!r} event has exactly the fields {sorted(expected)}, got {sorted(got)}: {data!r}",
         )
     for name in _NUMBER_FIELDS:
         if name in data and (isinstance(data[name], bool) or not isinstance(data[name], (int, float))):
-            raise TypeError(f"{name} of a serialized event must be a number, got {data[name]!r}")
+            raise refuse(
+                "foreign-ledger", f"{name} of a serialized event must be a number, got {data[name]!r}", TypeError
+            )
     for name in _INTEGER_FIELDS:
         if name in data and (isinstance(data[name], bool) or not isinstance(data[name], int)):
-            raise TypeError(f"{name} of a serialized event must be an integer, got {data[name]!r}")
+            raise refuse(
+                "foreign-ledger", f"{name} of a serialized event must be an integer, got {data[name]!r}", TypeError
+            )
     if "label" in data and not isinstance(data["label"], str):
-        raise TypeError(f"label of a serialized event must be a string, got {data['label']!r}")
+        raise refuse(
+            "foreign-ledger", f"label of a serialized event must be a string, got {data['label']!r}", TypeError
+        )
     multipliers = data.get("noise_multipliers", [])
     if not isinstance(multipliers, (list, tuple)) or any(
         isinstance(m, bool) or not isinstance(m, (int, float)) for m in multipliers
     ):
-        raise TypeError(f"noise_multipliers of a serialized event must be a list of numbers, got {multipliers!r}")
+        raise refuse(
+            "foreign-ledger",
+            f"noise_multipliers of a serialized event must be a list of numbers, got {multipliers!r}",
+            TypeError,
+        )
     if "events" in data and not isinstance(data["events"], (list, tuple)):
-        raise TypeError(f"events of a serialized composed event must be a list, got {data['events']!r}")
+        raise refuse(
+            "foreign-ledger", f"events of a serialized composed event must be a list, got {data['events']!r}", TypeError
+        )
     for name in _OPTIONAL_NUMBER_FIELDS:
         value = data.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise TypeError(f"{name} of a serialized event must be a number or null, got {value!r}")
+            raise refuse(
+                "foreign-ledger", f"{name} of a serialized event must be a number or null, got {value!r}", TypeError
+            )
     if "candidates" in data and not isinstance(data["candidates"], (list, tuple)):
-        raise TypeError(f"candidates of a serialized tuning event must be a list, got {data['candidates']!r}")
+        raise refuse(
+            "foreign-ledger",
+            f"candidates of a serialized tuning event must be a list, got {data['candidates']!r}",
+            TypeError,
+        )
     if "distribution" in data and not isinstance(data["distribution"], str):
-        raise TypeError(f"distribution of a serialized tuning event must be a string, got {data['distribution']!r}")
+        raise refuse(
+            "foreign-ledger",
+            f"distribution of a serialized tuning event must be a string, got {data['distribution']!r}",
+            TypeError,
+        )
 
 
 def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
@@ -423,12 +446,16 @@ def event_from_dict(data: dict[str, Any]) -> PrivacyEvent:
         value is out of range (e.g. a negative count).
     """
     if not isinstance(data, dict):
-        raise TypeError(f"a serialized privacy event must be a dict, got {type(data).__name__}: {data!r}")
+        raise refuse(
+            "foreign-ledger",
+            f"a serialized privacy event must be a dict, got {type(data).__name__}: {data!r}",
+            TypeError,
+        )
     if "type" not in data:
-        raise ValueError(f"a serialized privacy event has a 'type' key, got {data!r}")
+        raise refuse("foreign-ledger", f"a serialized privacy event has a 'type' key, got {data!r}")
     kind = data["type"]
     if kind not in _EVENT_FIELDS:
-        raise ValueError(f"unknown privacy event type {kind!r} (known: {sorted(_EVENT_FIELDS)})")
+        raise refuse("foreign-ledger", f"unknown privacy event type {kind!r} (known: {sorted(_EVENT_FIELDS)})")
     _check_serialized_fields(kind, data)
     fields = {k: v for k, v in data.items() if k != "type"}
     if kind == "poisson_sampled_gaussian":
@@ -526,9 +553,11 @@ class PrivacyLedger:
             format or version, no events key, a malformed event).
         """
         if not isinstance(data, dict):
-            raise TypeError(
+            raise refuse(
+                "foreign-ledger",
                 f"a serialized PrivacyLedger must be a dict from PrivacyLedger.to_dict(), "
-                f"got {type(data).__name__}: {data!r}"
+                f"got {type(data).__name__}: {data!r}",
+                TypeError,
             )
         keys = set(data)
         if keys == {"events"}:  # written by keras_dpsgd 0.1.0, before the format key
@@ -551,8 +580,10 @@ class PrivacyLedger:
             )
         events = data["events"]
         if not isinstance(events, (list, tuple)):
-            raise TypeError(
-                f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}"
+            raise refuse(
+                "foreign-ledger",
+                f"ledger events must be a list of serialized events, got {type(events).__name__}: {events!r}",
+                TypeError,
             )
         if version in _VERSION_KINDS:
             _refuse_later_kinds(events, version)

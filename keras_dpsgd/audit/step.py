@@ -42,6 +42,7 @@ from keras_dpsgd import _validate as V
 from keras_dpsgd.audit import statistics
 from keras_dpsgd.audit.canaries import GradientCanaryMixin, with_canary_mixin
 from keras_dpsgd.audit.one_run import AuditVerdict, _train_with_canaries
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["STEP_ASSUMPTION", "StepAuditMixin", "StepAuditResult", "step_audit", "with_step_audit"]
 
@@ -76,13 +77,15 @@ class StepAuditMixin(GradientCanaryMixin):
             more than `steps` steps fails the step (``InvalidArgumentError``).
         """
         if self.per_layer_clipping:
-            raise ValueError(
+            raise refuse(
+                "audit-setup",
                 f"{type(self).__name__}: the step audit needs flat clipping (one l2_norm_clip), "
-                "got per-layer clipping; audit with a flat l2_norm_clip"
+                "got per-layer clipping; audit with a flat l2_norm_clip",
             )
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise ValueError(
-                "the step audit runs on one replica (each replica adds part of the noise); run it unsharded"
+            raise refuse(
+                "audit-setup",
+                "the step audit runs on one replica (each replica adds part of the noise); run it unsharded",
             )
         steps = V.integer_at_least(1, steps=steps)
         super().install_gradient_canaries(var_list, included, rng=rng, sampling_rate=sampling_rate)

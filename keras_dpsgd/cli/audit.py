@@ -113,11 +113,11 @@ def _check(args) -> None:
             "audit-save", "--save is not supported by audit: an audit's model holds canaries and is not for release"
         )
     if args.physical_batch_size is not None:
-        raise ValueError("--physical-batch-size is not supported by audit (lots are one physical batch)")
+        raise refuse("audit-setup", "--physical-batch-size is not supported by audit (lots are one physical batch)")
     if args.clipping != "clip":
-        raise ValueError(f"--clipping {args.clipping} is not supported by audit (it audits clipping at C)")
+        raise refuse("audit-setup", f"--clipping {args.clipping} is not supported by audit (it audits clipping at C)")
     if args.dp_normalize is not None or args.dp_normalize_bounds is not None:
-        raise ValueError("--dp-normalize is not supported by audit (it audits the DP-SGD steps alone)")
+        raise refuse("audit-setup", "--dp-normalize is not supported by audit (it audits the DP-SGD steps alone)")
     if args.mode == "one-run":
         if args.canaries is not None:  # None: the mode's default, _ONE_RUN_CANARIES
             _validate.integer_at_least(2, canaries=args.canaries)

@@ -39,6 +39,7 @@ import json
 from typing import Optional, Sequence
 
 from keras_dpsgd.accounting.events import composed_noise_multiplier
+from keras_dpsgd.dp.refusals import refuse
 
 VERSION = 3
 _KEYS = {"version", "segments", "open_start", "seen", "searches", "covered"}
@@ -311,15 +312,20 @@ def loads(raw: str) -> dict:
     """A state from its JSON (empty: the initial state); reads this version and version 1."""
     if not raw:
         return initial()
-    data = json.loads(raw)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
     if not isinstance(data, dict):
-        raise ValueError(f"a saved ledger state must be a JSON object, got {raw[:200]!r}")
+        raise refuse("foreign-ledger-state", f"a saved ledger state must be a JSON object, got {raw[:200]!r}")
     if set(data) == {"closed", "open", "seen"}:
         return _from_version_1(data)
     if data.get("version") == 2 and set(data) == _KEYS - {"searches", "covered"}:
         return copy(data)  # version 2: no search
     if data.get("version") != VERSION or set(data) != _KEYS:
-        raise ValueError(f"not a keras_dpsgd ledger state (version {VERSION}, 2 or 1): {raw[:200]!r}")
+        raise refuse(
+            "foreign-ledger-state", f"not a keras_dpsgd ledger state (version {VERSION}, 2 or 1): {raw[:200]!r}"
+        )
     return copy(data)
 
 

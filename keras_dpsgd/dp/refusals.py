@@ -8,11 +8,14 @@ same id: a test checks that the page and this registry list the same ids). A che
     raise refuse("batch-statistics", f"Layer {name!r} runs in training mode ...")
 
 which builds a plain ``ValueError`` holding the check's own detail (what it found, in this model, and what to do)
-followed by the kind's id, its registered line and the address of its entry. (A plain ``ValueError``, not a subclass:
-TensorFlow re-raises an error from a traced step as a new exception of the same type, which it can do only for the
-built-in types; :func:`refusal_id` reads the kind back from the message.) The check stays where it must
-inspect the model (a front end, a backend's graph analysis, the ledger's I/O); its kind and the text every
-refusal of that kind shares come from here.
+followed by the kind's id, its registered line and the address of its entry. A check that has always raised another
+built-in type keeps it (``refuse(id, detail, TypeError)``: ``TypeError``, ``NotImplementedError``, ``RuntimeError``);
+a run-time check of a traced step, which cannot raise in Python, puts :func:`refusal_message` in its assertion. (A
+plain built-in type, not a subclass: TensorFlow re-raises an error from a traced step as a new exception of the same
+type, which it can do only for the built-in types; :func:`refusal_id` reads the kind back from the message.) The check
+stays where it must inspect the model (a front end, a backend's graph analysis, the ledger's I/O); its kind and the
+text every refusal of that kind shares come from here. ``tests/test_refusals.py`` keeps ``docs/refusals.md`` and this
+registry the same, finds every kind raised by a check, and finds no refusal raised past the registry.
 
 Pure Python: no TensorFlow, JAX or Keras import (the core, ``keras_dpsgd.dp``).
 """
@@ -22,10 +25,24 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["DOCS_PAGE", "RefusalKind", "kind", "kinds", "refusal_id", "refuse", "register"]
+__all__ = [
+    "DOCS_PAGE",
+    "ERROR_TYPES",
+    "RefusalKind",
+    "kind",
+    "kinds",
+    "refusal_id",
+    "refusal_message",
+    "refuse",
+    "register",
+]
 
 # The page of the documentation that lists every kind (its anchors are the ids).
 DOCS_PAGE = "https://keras-dpsgd.github.io/keras-dpsgd/refusals/"
+
+# The types a refusal may be (built-in ones, which TensorFlow can re-raise from a traced step); ValueError unless a
+# check has always raised another.
+ERROR_TYPES = (ValueError, TypeError, NotImplementedError, RuntimeError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,20 +92,42 @@ def kinds() -> tuple[RefusalKind, ...]:
     return tuple(_KINDS.values())
 
 
-def refuse(id: str, detail: str) -> ValueError:
-    """The refusal of kind `id` for the check's `detail` (to ``raise``).
+def refusal_message(id: str, detail: str) -> str:
+    """The message of a refusal of kind `id` for the check's `detail` (one line).
+
+    For a run-time assertion of a traced step (which fails as TensorFlow's own error, with this message); a check in
+    Python raises :func:`refuse`.
 
     Args:
       id: a registered kind.
       detail: what the check found and what to do instead (the model's layer, op, callback, value ...).
 
     Returns:
-      A ``ValueError`` whose message is `detail`, then ``[Refused (id): the kind's line. See its entry]`` (one line).
+      `detail`, then ``[Refused (id): the kind's line. See its entry]``.
     """
     refused = kind(id)
     detail = detail.rstrip()
     end = "" if detail.endswith((".", "!", "?")) else "."
-    return ValueError(f"{detail}{end} [Refused ({refused.id}): {refused.summary}. See {refused.url}]")
+    return f"{detail}{end} [Refused ({refused.id}): {refused.summary}. See {refused.url}]"
+
+
+def refuse(id: str, detail: str, error: type[Exception] = ValueError) -> Exception:
+    """The refusal of kind `id` for the check's `detail` (to ``raise``).
+
+    Args:
+      id: a registered kind.
+      detail: what the check found and what to do instead (the model's layer, op, callback, value ...).
+      error: its type, one of :data:`ERROR_TYPES` (``ValueError`` unless the check has always raised another).
+
+    Returns:
+      An `error` whose message is :func:`refusal_message` (one line).
+
+    Raises:
+      TypeError: `error` is not one of :data:`ERROR_TYPES`.
+    """
+    if error not in ERROR_TYPES:
+        raise TypeError(f"a refusal is one of {[t.__name__ for t in ERROR_TYPES]}, got {error!r}")
+    return error(refusal_message(id, detail))
 
 
 def refusal_id(error: BaseException) -> str | None:
@@ -205,6 +244,51 @@ register(
     "a version 1 ledger file naming an event kind added in version 2: version 1 never wrote one, so the file "
     "was edited or is not ours and its epsilon cannot be trusted",
 )
+register(
+    "foreign-ledger-state",
+    "a saved ledger state (in a checkpoint, a .keras or .weights.h5 file) that is not a keras_dpsgd ledger state: "
+    "loading it as one could drop recorded steps and under-report epsilon",
+)
+register(
+    "search-beyond-trial",
+    "record_search (and each trial of tune) on a model whose ledger spends more, at some RDP order, than one trial "
+    "of the search may: the search's bound holds only for trials within one RDP bound",
+)
+register(
+    "search-without-bound",
+    "a hyperparameter search composed by an accountant that has no bound for it (pld): epsilon would leave out "
+    "the search's cost",
+)
+register(
+    "search-not-recorded",
+    "a tuned model whose ledger does not report the search's epsilon: the model would be released with an epsilon "
+    "that leaves out the search",
+)
+register(
+    "user-grouping",
+    "UserPoissonLots without a user id for every example, with a user of more examples than max_examples_per_user, "
+    "or labels that are not classes >= 0: a user's examples could not be proven to form one block (one clip, one lot)",
+)
+register(
+    "lots-accumulation-mismatch",
+    "PoissonLots whose gradient_accumulation_steps differs from the optimizer's: a release would hold part of a lot, "
+    "or parts of two lots, each charged as one Poisson lot",
+)
+register(
+    "stream-size-changed",
+    "a streamed data set whose size differs from the N its rate q = L/N was set for (num_examples that is not its "
+    "cardinality, a pass that held another number of examples): epsilon would be computed at the wrong rate",
+)
+register(
+    "plan-fixed-fit",
+    "fit arguments of a make_private_with_epsilon run other than its plan's: epsilon was calibrated for the plan's "
+    "Poisson lots and epochs",
+)
+register(
+    "epsilon-already-spent",
+    "make_private_with_epsilon of a model whose recorded releases already spend target_epsilon: no noise keeps the "
+    "total within it",
+)
 
 # Callbacks: decisions on the training data.
 register(
@@ -272,6 +356,11 @@ register(
     "--model cnn on flat (N, F) features: the convnet needs images",
 )
 register(
+    "dp-layer-adapt",
+    "a DP preprocessing layer adapted on labelled data, or again with another (sampling_rate, noise_multiplier): the "
+    "first would release the labels too, the second would make the layer's recorded releases wrong",
+)
+register(
     "dp-normalize-sigma",
     "keras-dpsgd train --dp-normalize 0 (or a non-finite sigma), or --dp-normalize-bounds without it: sigma = 0 "
     "would publish the exact statistics (epsilon = infinity), and bounds alone would do nothing asked for",
@@ -315,12 +404,63 @@ register(
 )
 register(
     "sanitize-lot",
-    "sanitized_gradients with gradient_accumulation_steps > 1: a lot is several batches and must be released once",
+    "sanitized_gradients (tf_keras: compute_gradients) with gradient_accumulation_steps > 1: a lot is several "
+    "batches and must be released once",
+)
+register(
+    "sanitize-variables",
+    "sanitize (a model's own step) with other variables, or in another order, than the optimizer was built with: "
+    "its per-variable clip bounds and state would apply to other variables",
 )
 register(
     "multi-output-mismatch",
     "Keras 3 multi-output losses whose losses, weights, targets or sample weights do not match the model's "
     "outputs: a per-example loss cannot be derived",
+)
+register(
+    "per-example-loss-unknown",
+    "a compiled loss from which no per-example loss can be derived (a custom Loss that its get_config does not rebuild "
+    "with reduction=None, an identifier keras_dpsgd cannot read): clipping needs each example's loss",
+)
+register(
+    "own-train-step",
+    "a DP step of one's own (private_update, sanitized_gradients, minimize with a loss callable) on the JAX or torch "
+    "backend: their per-example clipping, noise and ledger live in keras_dpsgd's private step only",
+)
+register(
+    "own-release-hooks",
+    "an optimizer overriding the sanitizer hooks (gradient canaries, a noise or normalization of its own) on the JAX "
+    "or torch backend: their private steps run keras_dpsgd's release and would silently skip the override",
+)
+register(
+    "adaptive-clipping-backend",
+    "adaptive clipping on the torch backend, or on JAX under keras.distribution: its noised norm queries and bound "
+    "updates are not built there, so the bounds would not adapt and their privacy cost would be missing",
+)
+register(
+    "augmentation-not-applied",
+    "augmentation multiplicity where the private step does not build it (the JAX and torch backends, a tf_keras model "
+    "with its own train_step): the views would be ignored, or clipped as separate examples",
+)
+register(
+    "torch-jit-compile",
+    "jit_compile=True (torch.compile) of the private step on the torch backend: the step decides a lot's release with "
+    "Python control flow, which a compiled graph would fix at trace time",
+)
+register(
+    "keras-distribution",
+    "a keras.distribution the private step does not build (any on torch; on JAX anything but DataParallel in one "
+    "process over a 1-D mesh with replicated variables): the clipping and the noise are not split across its devices",
+)
+register(
+    "per-example-backend-choice",
+    "a per_example_backend the active Keras 3 backend does not build (JAX and torch take 'auto' and 'reference'): "
+    "the step would compute per-example gradients in another way than the one asked for",
+)
+register(
+    "bandmf-setup",
+    "a BandMF optimizer on the JAX or torch backend, or with per-layer clipping: those train steps carry no noise "
+    "history, and BandMF's accounting is for one Gaussian release per step",
 )
 register(
     "lots-py-dataset-workers",
@@ -336,6 +476,12 @@ register(
     "grouped-convolution",
     "a grouped convolution whose per-example gradients would come from TensorFlow's vectorized jacobian, "
     "which computes them wrong: clipping would not bound each example's contribution",
+)
+register(
+    "per-example-check",
+    "a run-time check of the per-example gradients that fails (TensorFlow's vectorized jacobian against the plain "
+    "gradient, a per-example rule against the layer's output, a layer called otherwise than the step was planned "
+    "for): clipping them would not bound each example's contribution",
 )
 
 # Several devices or machines (tf.distribute).
@@ -400,4 +546,10 @@ register(
     "canaries-not-installed",
     "a GradientCanaryMixin step before install_gradient_canaries(...): a canary optimizer without its canaries "
     "would audit nothing while looking like an audit",
+)
+register(
+    "audit-setup",
+    "an audit of a setup it does not measure (the step audit with per-layer clipping or several replicas; "
+    "keras-dpsgd audit with physical batches, clipping normalize or --dp-normalize): its estimate would not be "
+    "of the DP-SGD step as trained",
 )

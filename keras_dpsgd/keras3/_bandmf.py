@@ -24,6 +24,7 @@ import keras
 
 from keras_dpsgd import backends
 from keras_dpsgd.dp.bandmf import BandedToeplitzStrategy, correlated_noise
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.keras3._optimizer import _register, make_dp_optimizer
 
 __all__ = ["BandMFAdamOptimizer", "BandMFSGDOptimizer", "make_bandmf_optimizer"]
@@ -48,14 +49,16 @@ class BandMFMixin:
         strategy = check_strategy(strategy)
         name = type(self).__name__
         if backends.is_jax() or keras.config.backend() != "tensorflow":
-            raise ValueError(
+            raise refuse(
+                "bandmf-setup",
                 f"{name} runs on Keras 3 with the TensorFlow backend only for now (got {keras.config.backend()!r}): "
-                "the JAX and PyTorch train steps carry no noise history; use KERAS_BACKEND=tensorflow"
+                "the JAX and PyTorch train steps carry no noise history; use KERAS_BACKEND=tensorflow",
             )
         if self.per_layer_clipping:
-            raise ValueError(
+            raise refuse(
+                "bandmf-setup",
                 f"{name} takes flat clipping or clipping='normalize', got per-layer l2_norm_clip="
-                f"{self.l2_norm_clip!r}: the accounting of BandMF is for one Gaussian release per step"
+                f"{self.l2_norm_clip!r}: the accounting of BandMF is for one Gaussian release per step",
             )
         self._bandmf_strategy = strategy
         self._bandmf_history: list = []

@@ -33,7 +33,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import keras
 
-from keras_dpsgd.backends.jax import unsupported
+from keras_dpsgd.backends.jax import not_built
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["DataParallelMesh", "check_replicated", "data_parallel_mesh", "per_device", "varying"]
 
@@ -58,17 +59,27 @@ def data_parallel_mesh(model: Any = None) -> DataParallelMesh | None:
         return None
     name = f"keras.distribution.{type(distribution).__name__}"
     if type(distribution) is not keras.distribution.DataParallel:
-        raise unsupported(f"{name} (only keras.distribution.DataParallel is built for the DP step)")
+        raise refuse(
+            "keras-distribution", not_built(f"{name} (only keras.distribution.DataParallel is built for the DP step)")
+        )
     if jax.process_count() > 1:
-        raise unsupported(f"{name} over {jax.process_count()} processes (one process, several devices is built)")
+        raise refuse(
+            "keras-distribution",
+            not_built(f"{name} over {jax.process_count()} processes (one process, several devices is built)"),
+        )
     from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
 
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and _adaptive.is_adaptive(optimizer):
-        raise unsupported(f"adaptive clipping ({type(optimizer).__name__}) under {name}")
+        raise refuse(
+            "adaptive-clipping-backend", not_built(f"adaptive clipping ({type(optimizer).__name__}) under {name}")
+        )
     mesh = distribution.device_mesh
     if len(mesh.shape) != 1:
-        raise unsupported(f"{name} on a {len(mesh.shape)}-D device mesh (a 1-D mesh, the batch axis, is built)")
+        raise refuse(
+            "keras-distribution",
+            not_built(f"{name} on a {len(mesh.shape)}-D device mesh (a 1-D mesh, the batch axis, is built)"),
+        )
     return DataParallelMesh(mesh.backend_mesh, distribution.batch_dim_name)
 
 
@@ -77,7 +88,10 @@ def check_replicated(model: Any) -> None:
     for variable in model.variables:
         layout = getattr(variable, "_layout", None)
         if layout is not None and any(axis is not None for axis in layout.axes):
-            raise unsupported(f"a sharded variable ({variable.path}, layout {layout.axes}) under DataParallel")
+            raise refuse(
+                "keras-distribution",
+                not_built(f"a sharded variable ({variable.path}, layout {layout.axes}) under DataParallel"),
+            )
 
 
 def per_device(

@@ -23,7 +23,7 @@ __all__ = ["per_example_loss", "per_example_loss_at"]
 
 
 def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
-    from keras_dpsgd.keras3._loss import _unreduced, per_example_weight
+    from keras_dpsgd.keras3._loss import _unreduced, per_example_weight, scalar_loss
 
     mask = get_keras_mask(y_pred)
     if mask is not None:
@@ -31,7 +31,7 @@ def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
     loss_fn = _unreduced(identifier)
     values = jnp.asarray(loss_fn(y, y_pred))
     if values.ndim == 0:
-        raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+        raise scalar_loss(loss_fn)
     if sample_weight is not None:
         values = values * per_example_weight(jnp.asarray(sample_weight).astype(values.dtype), values.ndim)
     if values.ndim == 1:

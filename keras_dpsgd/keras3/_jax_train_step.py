@@ -36,10 +36,11 @@ import keras
 from keras.src import backend as keras_backend
 
 from keras_dpsgd import ledger
-from keras_dpsgd.backends.jax import ghost as _ghost, unsupported
+from keras_dpsgd.backends.jax import ghost as _ghost, not_built
 from keras_dpsgd.backends.jax._per_example import clipped_sum, sq_norms
 from keras_dpsgd.backends.jax.ops import JAX_OPS
 from keras_dpsgd.dp.step import Clip, private_step
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
 from keras_dpsgd.keras3._jax_distribute import (
     DataParallelMesh,
@@ -74,13 +75,17 @@ def check_optimizer(optimizer: Any) -> None:
     for hook in _HOOKS:
         allowed = [getattr(DPKeras3Mixin, hook, None)] + ([getattr(AdaptiveClippingCore, hook, None)] * adaptive)
         if not any(getattr(cls, hook, None) is a for a in allowed):
-            raise unsupported(
-                f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
+            raise refuse(
+                "own-release-hooks",
+                not_built(f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"),
             )
     if optimizer.per_example_backend not in ("auto", "reference"):
-        raise unsupported(
-            f"per_example_backend={optimizer.per_example_backend!r} (JAX takes 'auto': norm rules where a layer has "
-            "one, else jax.vmap; or 'reference': jax.vmap for every variable)"
+        raise refuse(
+            "per-example-backend-choice",
+            not_built(
+                f"per_example_backend={optimizer.per_example_backend!r} (JAX takes 'auto': norm rules where a layer has "
+                "one, else jax.vmap; or 'reference': jax.vmap for every variable)"
+            ),
         )
 
 
@@ -180,17 +185,19 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, tap=None,
     except ValueError as err:
         if "out_axes" not in str(err) and "vmap has mapped output" not in str(err):
             raise
-        raise ValueError(
+        raise refuse(
+            "batch-statistic-stored",
             "the private step writes a non-trainable variable from an example's data (e.g. BatchNormalization's "
             "moving statistics in training mode): it would publish a value of the batch outside the ledger, and "
             "batch statistics mix examples. Freeze the layer (layer.trainable = False: inference mode) or use "
-            "LayerNormalization/GroupNormalization"
+            "LayerNormalization/GroupNormalization",
         ) from err
     if data_losses and data_losses[-1] > 0:
-        raise ValueError(
+        raise refuse(
+            "data-losses",
             f"the model added {data_losses[-1]} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
             "depend on the data, so their gradient cannot be added without clipping and noise. Fold them into the "
-            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
+            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised.",
         )
     new_values = list(non_trainable)
     for j, value in zip(other_pos, new_others):

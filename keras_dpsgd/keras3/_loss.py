@@ -19,7 +19,7 @@ from keras_dpsgd import _validate
 from keras_dpsgd.step.loss import regularization_sum
 from keras_dpsgd.dp.refusals import refuse
 
-__all__ = ["per_example_loss", "weight_regularization"]
+__all__ = ["per_example_loss", "scalar_loss", "weight_regularization"]
 
 
 class _FunctionLoss(keras.losses.Loss):
@@ -33,6 +33,13 @@ class _FunctionLoss(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         return self._fn(y_true, y_pred)
+
+
+def scalar_loss(loss_fn: Any) -> ValueError:
+    """The refusal of a loss that returned one value for the whole batch with reduction=None (every backend)."""
+    return refuse(
+        "loss-entries", f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example"
+    )
 
 
 def _unreduced(identifier: Any) -> keras.losses.Loss:
@@ -49,13 +56,14 @@ def _unreduced(identifier: Any) -> keras.losses.Loss:
         try:
             return type(loss).from_config(config)
         except Exception as err:  # A custom Loss without a faithful config: refuse, never guess.
-            raise ValueError(
+            raise refuse(
+                "per-example-loss-unknown",
                 f"cannot rebuild the loss {type(loss).__name__} with reduction=None from its get_config() "
-                f"({err}); give the per-example loss as a function loss(y_true, y_pred) -> [batch]"
+                f"({err}); give the per-example loss as a function loss(y_true, y_pred) -> [batch]",
             ) from err
     if callable(loss):
         return _FunctionLoss(loss)
-    raise ValueError(f"cannot interpret the compiled loss {identifier!r} as a per-example loss")
+    raise refuse("per-example-loss-unknown", f"cannot interpret the compiled loss {identifier!r} as a per-example loss")
 
 
 def _compiled_loss(model: keras.Model) -> Any:
@@ -132,7 +140,7 @@ def _per_example_values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any
     loss_fn = _unreduced(identifier)
     values = tf.convert_to_tensor(loss_fn(y, y_pred))
     if values.shape.rank == 0:
-        raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+        raise scalar_loss(loss_fn)
     if sample_weight is not None:
         values = values * per_example_weight(tf.cast(sample_weight, values.dtype), values.shape.rank)
     if values.shape.rank == 1:

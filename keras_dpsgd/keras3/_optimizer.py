@@ -318,10 +318,11 @@ class DPKeras3Mixin(LotReleaseMixin):
             with tf.init_scope():
                 self.build(variables)
         if [id(v) for v in variables] != [id(v) for v in self._trainable_variables]:
-            raise ValueError(
+            raise refuse(
+                "sanitize-variables",
                 "sanitize needs the variables the optimizer was built with, in the same order (the clip "
                 f"bounds are per variable): got {[getattr(v, 'path', v.name) for v in variables]}, built with "
-                f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}"
+                f"{[getattr(v, 'path', v.name) for v in self._trainable_variables]}",
             )
         return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
@@ -416,9 +417,10 @@ def _on_jax() -> bool:
 def _refuse_callable_on_jax(method: str) -> None:
     """A loss callable is traced with TensorFlow (``keras_dpsgd.step.eager``): refused by name on JAX."""
     if _on_jax():
-        raise ValueError(
+        raise refuse(
+            "own-train-step",
             f"{method}(loss_fn, variables) with a loss callable needs the TensorFlow backend (its step is traced "
-            "in a tf.function); on JAX, train with fit after keras_dpsgd.keras3.make_private(model)"
+            "in a tf.function); on JAX, train with fit after keras_dpsgd.keras3.make_private(model)",
         )
 
 

@@ -15,7 +15,7 @@ from keras import ops
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 
-from keras_dpsgd.keras3._loss import _outputs, _unreduced, per_example_weight
+from keras_dpsgd.keras3._loss import _outputs, _unreduced, per_example_weight, scalar_loss
 
 __all__ = ["per_example_loss", "per_example_loss_at"]
 
@@ -27,7 +27,7 @@ def _values(identifier: Any, y: Any, y_pred: Any, sample_weight: Any):
     loss_fn = _unreduced(identifier)
     values = ops.convert_to_tensor(loss_fn(y, y_pred))
     if len(values.shape) == 0:
-        raise ValueError(f"the loss {loss_fn.name} returned a scalar with reduction=None; it must be per example")
+        raise scalar_loss(loss_fn)
     if sample_weight is not None:
         values = values * per_example_weight(ops.cast(sample_weight, values.dtype), len(values.shape))
     if len(values.shape) == 1:

@@ -20,7 +20,7 @@ The step is eager (Keras's torch trainer runs ``train_step`` as Python; ``jit_co
 ``torch.compile``, is refused), so the core's ``cond`` on the lot's completion is a Python ``if``. Refused
 before any weight changes: a non-trainable variable written from an example's data (BatchNormalization in
 training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own,
-adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.unsupported``).
+adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.not_built``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from keras_dpsgd import ledger
 from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.dp.step import private_step
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
 from keras_dpsgd.keras3._torch_front import TorchFront
 from keras_dpsgd.keras3._torch_loss import per_example_loss_at
@@ -56,16 +57,22 @@ def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on torch."""
     cls = type(optimizer)
     if getattr(optimizer, "_adaptive", None) is not None:
-        raise torch_backend.unsupported(f"{cls.__name__}: adaptive clipping")
+        raise refuse("adaptive-clipping-backend", torch_backend.not_built(f"{cls.__name__}: adaptive clipping"))
     for hook in _HOOKS:
         if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
-            raise torch_backend.unsupported(
-                f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
+            raise refuse(
+                "own-release-hooks",
+                torch_backend.not_built(
+                    f"{cls.__name__} overrides {hook} (gradient canaries, a hook of its own): optimizer hooks"
+                ),
             )
     if optimizer.per_example_backend not in torch_backend.PER_EXAMPLE_CHOICES:
-        raise torch_backend.unsupported(
-            f"per_example_backend={optimizer.per_example_backend!r} (torch takes 'auto' or 'reference': "
-            "torch.func.vmap gradients)"
+        raise refuse(
+            "per-example-backend-choice",
+            torch_backend.not_built(
+                f"per_example_backend={optimizer.per_example_backend!r} (torch takes 'auto' or 'reference': "
+                "torch.func.vmap gradients)"
+            ),
         )
 
 
@@ -76,9 +83,15 @@ def prepare_fit(model: keras.Model) -> None:
     optimizer = check_dp_optimizer(model.optimizer)
     check_optimizer(optimizer)
     if model.jit_compile is True:
-        raise torch_backend.unsupported("compile(jit_compile=True) (torch.compile of the private step)")
+        raise refuse(
+            "torch-jit-compile",
+            torch_backend.not_built("compile(jit_compile=True) (torch.compile of the private step)"),
+        )
     if keras.distribution.distribution() is not None:
-        raise torch_backend.unsupported(f"keras.distribution ({type(keras.distribution.distribution()).__name__})")
+        raise refuse(
+            "keras-distribution",
+            torch_backend.not_built(f"keras.distribution ({type(keras.distribution.distribution()).__name__})"),
+        )
     refuse_adapted_preprocessing(model)
     if not optimizer.built:
         optimizer.build(model.trainable_variables)
@@ -137,12 +150,13 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
             loss_of_one, params, x, y, sample_weight
         )
     except torch_backend.BatchWrite as err:
-        raise ValueError(_BATCH_WRITE) from err
+        raise refuse("batch-statistic-stored", _BATCH_WRITE) from err
     if data_losses and data_losses[-1] > 0:
-        raise ValueError(
+        raise refuse(
+            "data-losses",
             f"the model added {data_losses[-1]} loss term(s) with add_loss (e.g. an activity_regularizer): they may "
             "depend on the data, so their gradient cannot be added without clipping and noise. Fold them into the "
-            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised."
+            "compiled loss, or use weight regularizers (kernel_regularizer), which the private step adds un-noised.",
         )
     y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
     if the_plan is None:

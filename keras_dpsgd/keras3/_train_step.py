@@ -117,7 +117,8 @@ def sanitized_gradients(
       ValueError: a non-DP optimizer, a reduced (scalar) loss, a regularization loss with a
         non-persistent tape, or gradient_accumulation_steps > 1 (use :func:`private_update`).
     """
-    _refuse_off_tensorflow("keras_dpsgd.keras3.sanitized_gradients (a model's own train step)")
+    if detail := _not_built_here("keras_dpsgd.keras3.sanitized_gradients (a model's own train step)"):
+        raise refuse("own-train-step", detail)
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     return optimizer.sanitize(loss, variables, tape, reg_grads)
 
@@ -138,7 +139,8 @@ def private_update(
     and applied once (``DPKeras3Mixin.minimize``). `model` (default: the model whose method calls
     this, found on the call stack) marks the lot boundaries of its ``fit``.
     """
-    _refuse_off_tensorflow("keras_dpsgd.keras3.private_update (a model's own train step)")
+    if detail := _not_built_here("keras_dpsgd.keras3.private_update (a model's own train step)"):
+        raise refuse("own-train-step", detail)
     optimizer, loss, variables, reg_grads = _prepared(optimizer, per_example_loss, variables, tape, regularization_loss)
     if model is None:
         model = ledger.saving_model(optimizer)
@@ -292,16 +294,17 @@ def check_backend() -> str:
     return backend
 
 
-def _refuse_off_tensorflow(what: str) -> None:
-    """Refuses `what` on the stateless backends (JAX, torch), where it is not built, by name."""
+def _not_built_here(what: str) -> str | None:
+    """On the stateless backends (JAX, torch), where `what` is not built: the detail of its refusal, naming it."""
     if backends.is_jax():
-        from keras_dpsgd.backends.jax import unsupported
+        from keras_dpsgd.backends.jax import not_built
 
-        raise unsupported(what)
+        return not_built(what)
     if backends.is_torch():
-        from keras_dpsgd.backends.torch import unsupported
+        from keras_dpsgd.backends.torch import not_built
 
-        raise unsupported(what)
+        return not_built(what)
+    return None
 
 
 def _call_in_training(augmentation: Any, x: Any) -> Any:
@@ -353,10 +356,11 @@ def make_private(model: keras.Model, *, augmentation: Any = None, augmentation_m
     augmentation, multiplicity = check_augmentation(augmentation, augmentation_multiplicity)
     views = Augmentation(augmentation, multiplicity, _call_in_training)
     backend = check_backend()
-    if not backend == "tensorflow" and views.active:
-        _refuse_off_tensorflow(
-            "augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))"
-        )
+    detail = _not_built_here(
+        "augmentation multiplicity (make_private(augmentation=..., augmentation_multiplicity=...))"
+    )
+    if views.active and detail:
+        raise refuse("augmentation-not-applied", detail)
     for method in _LOSS_HOOKS[backend]:
         if _overridden(model, method):
             raise refuse(

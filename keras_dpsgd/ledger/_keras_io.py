@@ -131,7 +131,9 @@ def ledger_state_holders(model: Any, optimizer: Any) -> list:
             continue
         holder = getattr(owner, _STATE_ATTR, None)
         if holder is not None and not isinstance(getattr(holder, "state", None), tf.Variable):
-            raise ValueError(f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'")
+            raise refuse(
+                "foreign-ledger-state", f"{type(owner).__name__}.{_STATE_ATTR} must hold a string tf.Variable 'state'"
+            )
         if not isinstance(holder, LedgerState):
             with tf.init_scope():
                 revived, holder = holder, _holder_class(owner)()
@@ -332,11 +334,12 @@ def refuse_lost_history(model: Any, optimizer: Any, where: str) -> None:
         state = _read_state(holder)
         earlier = S.earlier_steps(state)
     if state["searches"]:
-        raise ValueError(
+        raise refuse(
+            "save-loses-history",
             f"cannot save the privacy ledger to {where}: it keeps only the optimizer's noised_steps, and the "
             "model's ledger also records the hyperparameter search it was selected by (a TuningEvent); a model "
             "loaded from it would under-report epsilon. Save a SavedModel (model.save(directory)) or a "
-            "tf.train.Checkpoint, which keep the whole ledger"
+            "tf.train.Checkpoint, which keep the whole ledger",
         )
     if earlier > 0:
         raise refuse(

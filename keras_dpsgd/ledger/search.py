@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_dpsgd.accounting import DEFAULT_ORDERS, RdpAccountant, TuningEvent
 from keras_dpsgd.accounting.tuning import rdp_trial
 from keras_dpsgd.dp import ledger_state as S
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.ledger._keras_io import _read_state, is_dp_optimizer, ledger_state_holders
 from keras_dpsgd.ledger.queries import model_privacy_ledger
 
@@ -37,10 +38,11 @@ def check_trial(model: Any, event: TuningEvent) -> None:
     if not np.all(used <= bound):
         with np.errstate(invalid="ignore"):  # ∞ − ∞ at orders where both are ∞
             worst = int(np.argmax(np.where(used <= bound, -np.inf, np.nan_to_num(used - bound, nan=np.inf))))
-        raise ValueError(
+        raise refuse(
+            "search-beyond-trial",
             f"the model's ledger ({len(ledger)} events) spends more than one trial of the search may: RDP "
             f"{used[worst]:.6g} > {bound[worst]:.6g} at order {DEFAULT_ORDERS[worst]:g}; a trial runs only its "
-            "planned DP-SGD steps (no layer that releases, no training before or after)"
+            "planned DP-SGD steps (no layer that releases, no training before or after)",
         )
 
 

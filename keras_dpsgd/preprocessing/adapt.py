@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, PrivacyLedger
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.preprocessing.seam import TfOps, outward
 
 DEFAULT_ADAPT_BATCH_SIZE = 1024
@@ -48,13 +49,17 @@ def as_adapt_data(data: Any, owner: str) -> Any:
     """Checks adapt's `data` (features only) and converts lists to arrays; `owner` names the layer."""
     if isinstance(data, tf.data.Dataset):
         if not isinstance(data.element_spec, tf.TensorSpec):
-            raise TypeError(
+            raise refuse(
+                "dp-layer-adapt",
                 f"{owner}.adapt data must hold features only, got dataset elements "
-                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)"
+                f"{data.element_spec}; e.g. pass dataset.map(lambda x, y: x)",
+                TypeError,
             )
         return data
     if isinstance(data, (tuple, dict)):
-        raise TypeError(f"{owner}.adapt data must hold features only, got a {type(data).__name__}")
+        raise refuse(
+            "dp-layer-adapt", f"{owner}.adapt data must hold features only, got a {type(data).__name__}", TypeError
+        )
     if isinstance(data, list):
         data = np.asarray(data)
     if not hasattr(data, "shape"):
@@ -288,9 +293,10 @@ class DPReleaseMixin:
         if int(self.adapt_count.numpy()) > 0 and recorded != self._as_recorded(
             self.sampling_rate, self.noise_multiplier
         ):
-            raise ValueError(
+            raise refuse(
+                "dp-layer-adapt",
                 f"this {type(self).__name__} layer's earlier adapts used (sampling_rate, noise_multiplier) = "
-                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer"
+                f"{recorded}, got {(self.sampling_rate, self.noise_multiplier)}: use a new layer",
             )
         self._write_records(self.sampling_rate, self.noise_multiplier)
 

@@ -414,7 +414,7 @@ class MomentsMechanism(_adapt.DPReleaseMixin):
         """The noisy (n, S, Q) of the accumulated sums (kept in `last_release`), post-processed."""
         acc = self._acc
         if int(acc.nonfinite.numpy()) > 0:
-            raise ValueError("DPNormalization.adapt data must be finite, got NaN or infinite values")
+            raise refuse("non-finite-data", "DPNormalization.adapt data must be finite, got NaN or infinite values")
         self.last_release, mean, variance = release_moments(
             float(acc.count.numpy()),
             acc.total.numpy(),

@@ -21,6 +21,7 @@ from keras_dpsgd.preprocessing import adapt as _adapt
 from keras_dpsgd.preprocessing.seam import TfOps
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import PrivacyLedger
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "DPPCA",  # noqa: F822 (defined at first access, by __getattr__)
@@ -84,7 +85,7 @@ def analyze_gauss(gram: np.ndarray, k: int, noise_multiplier: float, rng: np.ran
       ValueError: if `gram` holds NaN or infinite values (non-finite data).
     """
     if not np.all(np.isfinite(gram)):
-        raise ValueError("DPPCA.adapt data must be finite, got NaN or infinite values")
+        raise refuse("non-finite-data", "DPPCA.adapt data must be finite, got NaN or infinite values")
     gram = 0.5 * (gram + gram.T)  # float32 matmul rounding is not exactly symmetric
     noisy = gram + symmetric_gaussian_noise(gram.shape[0], noise_multiplier, rng)
     return top_k_eigenvectors(noisy, k)

@@ -47,6 +47,7 @@ import numpy as np
 
 from keras_dpsgd import _validate
 from keras_dpsgd.accounting import GaussianThresholdingEvent, event_from_dict
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
     "AccountedVocabularyMixin",
@@ -168,10 +169,11 @@ class AccountedVocabularyMixin:
         return config
 
     def adapt(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(
+        raise refuse(
+            "adapted-preprocessing",
             f"layer {self.name!r} ({type(self).__name__}) holds a vocabulary released by keras_dpsgd.dp_vocabulary: "
             "adapt would replace it by the exact vocabulary of the data, outside the privacy ledger; build a "
-            "new vocabulary with dp_vocabulary(texts, ...) and apply_to(layer)"
+            "new vocabulary with dp_vocabulary(texts, ...) and apply_to(layer)",
         )
 
 

@@ -286,9 +286,10 @@ class PoissonSampling:
         check_workers(self.num_workers, getattr(optimizer, "_distribution_strategy", None))
         accum = ledger.accumulation_steps(optimizer)
         if accum != self._accum:
-            raise ValueError(
+            raise refuse(
+                "lots-accumulation-mismatch",
                 f"optimizer.gradient_accumulation_steps must be {self._accum} (physical batches per "
-                f"lot of this PoissonLots), got {accum}"
+                f"lot of this PoissonLots), got {accum}",
             )
         optimizer.expected_lot_size = self.expected_lot_size
         optimizer.sampling_rate = self._q

@@ -13,6 +13,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from keras_dpsgd.dp.refusals import refuse
+
 _Lot = tuple  # (x, y, sample_weight): numpy structures sharing their first dimension
 
 
@@ -131,10 +133,11 @@ class Stream:
                 pieces.append(tf.nest.map_structure(lambda a, local=local: a[local], chunk))
             start = stop
         if start != self.num_examples:
-            raise ValueError(
+            raise refuse(
+                "stream-size-changed",
                 f"{self._name} held {start} examples in this pass, but its lots are drawn at q = L/N for "
                 f"num_examples N = {self.num_examples}: the data changed, so the rate would be wrong; no lot of "
-                "this pass was used"
+                "this pass was used",
             )
         rows = tf.nest.map_structure(lambda *a: np.concatenate(a), *pieces) if pieces else _empty(self._spec)
         back = np.empty_like(order)

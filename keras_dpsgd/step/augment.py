@@ -34,6 +34,7 @@ from typing import Any, Callable
 import tensorflow as tf
 
 from keras_dpsgd import _validate as V
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["Augmentation", "check_augmentation", "mean_over_views", "repeat", "views"]
 
@@ -137,9 +138,10 @@ def mean_over_views(loss: Any, multiplicity: int) -> tf.Tensor:
         return loss
     loss = tf.convert_to_tensor(loss)
     if loss.shape.rank == 0:
-        raise ValueError(
+        raise refuse(
+            "loss-entries",
             f"augmentation_multiplicity={multiplicity} needs the loss of each view (shape [batch_size·K]) but got "
-            "a scalar: it was reduced over the batch. Compile with an unreduced loss (reduction=None / 'none')."
+            "a scalar: it was reduced over the batch. Compile with an unreduced loss (reduction=None / 'none').",
         )
     shape = tf.concat([[-1, multiplicity], tf.shape(loss)[1:]], axis=0)
     return tf.reduce_mean(tf.reshape(loss, shape), axis=1)

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from keras_dpsgd import _validate
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.step._poisson import _lot_capacity
 from keras_dpsgd.step.lots import PoissonLots
 
@@ -135,7 +136,10 @@ class CyclicPoissonLots(PoissonLots):
 
     def _refuse_out_of_step(self, method: str, why: str) -> None:
         if self._bands > 1:
-            raise ValueError(f"CyclicPoissonLots(bands={self._bands}).{method}() is refused: {why}; use lots.dataset()")
+            raise refuse(
+                "bandmf-participation",
+                f"CyclicPoissonLots(bands={self._bands}).{method}() is refused: {why}; use lots.dataset()",
+            )
 
     def follow(self, optimizer: Any) -> None:
         """The next iteration's first lot feeds `optimizer`'s next step: its part is ``noised_steps`` mod b (read
@@ -148,10 +152,11 @@ class CyclicPoissonLots(PoissonLots):
         position = int(optimizer.noised_steps.numpy())
         start = self._unanchored_start
         if start is not None and start % self._bands != position % self._bands:
-            raise ValueError(
+            raise refuse(
+                "bandmf-participation",
                 f"CyclicPoissonLots began drawing lots at the part of step {start} but the optimizer's next step is "
                 f"{position}: each example's steps would no longer be {self._bands} apart. Call "
-                "lots.configure(optimizer) before fit (a restored optimizer too)"
+                "lots.configure(optimizer) before fit (a restored optimizer too)",
             )
         self._anchor = position
 
@@ -164,9 +169,10 @@ class CyclicPoissonLots(PoissonLots):
         """
         bands = getattr(optimizer, "bandmf_bands", None)
         if bands is not None and bands != self._bands:
-            raise ValueError(
+            raise refuse(
+                "bandmf-participation",
                 f"CyclicPoissonLots(bands={self._bands}) cannot feed a BandMF optimizer of {bands} bands: its "
-                f"sensitivity needs each example's steps at least {bands} apart; use bands={bands}"
+                f"sensitivity needs each example's steps at least {bands} apart; use bands={bands}",
             )
         super().configure(optimizer)
         self.follow(optimizer)

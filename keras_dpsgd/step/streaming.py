@@ -40,6 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd import _validate
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.step._sources import ArrayShards, Stream
 from keras_dpsgd.step.lots import PoissonLots
 
@@ -63,7 +64,9 @@ def _num_examples(dataset: tf.data.Dataset, num_examples: Optional[int], name: s
     if num_examples is not None:
         num_examples = _validate.integer_at_least(1, num_examples=num_examples)
         if known >= 0 and known != num_examples:
-            raise ValueError(f"num_examples must be the {name}'s cardinality {known}, got {num_examples}")
+            raise refuse(
+                "stream-size-changed", f"num_examples must be the {name}'s cardinality {known}, got {num_examples}"
+            )
         return num_examples  # otherwise every pass checks it
     if known >= 0:
         if known < 1:

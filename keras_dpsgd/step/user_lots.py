@@ -35,6 +35,7 @@ import keras
 import numpy as np
 
 from keras_dpsgd import _validate
+from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.step.lots import PoissonLots
 
 __all__ = ["UserMeanLoss", "UserPoissonLots"]
@@ -47,17 +48,19 @@ def _group(x: np.ndarray, y: np.ndarray, user_ids: Any, max_examples_per_user: O
     n = len(x)
     ids = np.asarray(user_ids)
     if ids.shape != (n,):
-        raise ValueError(
+        raise refuse(
+            "user-grouping",
             f"user_ids must give one user id per example, shape ({n},), got shape {ids.shape}: without a user "
-            "for every example the grouping of a user's examples cannot be proven"
+            "for every example the grouping of a user's examples cannot be proven",
         )
     if ids.dtype.kind not in "iuUSO" or (ids.dtype.kind == "O" and not all(isinstance(u, (str, int)) for u in ids)):
         raise ValueError(f"user_ids must be integers or strings, got dtype {ids.dtype}")
     labels = np.asarray(y)
     if labels.shape != (n,) or labels.dtype.kind not in "iu" or (labels < 0).any():
-        raise ValueError(
+        raise refuse(
+            "user-grouping",
             f"y must be integer class labels >= 0 of shape ({n},) (the user-level loss reads {PADDING_LABEL} as "
-            f"padding), got shape {labels.shape} and dtype {labels.dtype}"
+            f"padding), got shape {labels.shape} and dtype {labels.dtype}",
         )
     users, inverse, counts = np.unique(ids, return_inverse=True, return_counts=True)
     longest = int(counts.max())
@@ -66,9 +69,10 @@ def _group(x: np.ndarray, y: np.ndarray, user_ids: Any, max_examples_per_user: O
     else:
         m = _validate.integer_at_least(1, max_examples_per_user=max_examples_per_user)
         if longest > m:
-            raise ValueError(
+            raise refuse(
+                "user-grouping",
                 f"max_examples_per_user must be at least the largest number of examples of one user ({longest}, "
-                f"user {users[int(np.argmax(counts))].tolist()!r}), got {m}: a user's examples are never split across lots"
+                f"user {users[int(np.argmax(counts))].tolist()!r}), got {m}: a user's examples are never split across lots",
             )
     order = np.argsort(inverse, kind="stable")
     slot = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)  # position of each example in its block

@@ -169,7 +169,7 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
             "keras_dpsgd.keras3.make_private(model))."
         )
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, keras.optimizers.Optimizer)):
-        raise ValueError(
+        raise ValueError(  # not a privacy refusal: an argument of the wrong type
             "optimizer_cls must be a subclass of tf_keras.optimizers.Optimizer (legacy "
             f"optimizers are not supported), got {optimizer_cls!r}"
         )

@@ -323,9 +323,10 @@ class DPSanitizerMixin(LotReleaseMixin):
             gradient_accumulation_steps > 1 (use `minimize`).
         """
         if self.gradient_accumulation_steps > 1:
-            raise ValueError(
+            raise refuse(
+                "sanitize-lot",
                 "with gradient_accumulation_steps > 1 call minimize(loss, var_list, tape) "
-                "(Keras fit does): compute_gradients alone cannot accumulate a lot"
+                "(Keras fit does): compute_gradients alone cannot accumulate a lot",
             )
         if traced_eagerly(loss, tape):
             var_list = _variables(var_list)

@@ -126,10 +126,11 @@ def make_private(model: tf_keras.Model, *, augmentation=None, augmentation_multi
             "regularization; the DP optimizer adds its gradient un-noised.",
         )
     if views.active and type(model).train_step is not tf_keras.Model.train_step:
-        raise ValueError(
+        raise refuse(
+            "augmentation-not-applied",
             f"make_private cannot give {type(model).__name__} augmentation multiplicity: it overrides train_step, "
             "which would ignore the views. In your own train_step, average the loss of each example's views "
-            "into one per-example loss before calling optimizer.minimize."
+            "into one per-example loss before calling optimizer.minimize.",
         )
     model.compute_loss = types.MethodType(_private_compute_loss, model)
     if views.active:

@@ -36,6 +36,7 @@ from keras_dpsgd.accounting import (
     sample_trials,
 )
 from keras_dpsgd.accounting.tuning import expected_trials
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["SEARCH_KEYS", "TuningResult", "tune"]
 
@@ -277,5 +278,9 @@ def tune(
     record_search(model, event)
     recorded, _ = model_epsilon(model, target_delta=target_delta)
     if recorded != epsilon:  # fail closed: the model must report the search's ε
-        raise RuntimeError(f"the returned model's ledger reports epsilon {recorded!r}, the search {epsilon!r}")
+        raise refuse(
+            "search-not-recorded",
+            f"the returned model's ledger reports epsilon {recorded!r}, the search {epsilon!r}",
+            RuntimeError,
+        )
     return TuningResult(model, dict(settings), value, sigma, event, epsilon, target_delta)

@@ -24,7 +24,7 @@ def adaptive_table(table):
     """The tables of the backends that clip adaptively: torch refuses adaptive clipping by name
     (``keras3/_torch_train_step.py``), and its table takes no Python numbers where the rules pass them."""
     if table.ops.name == "torch":
-        pytest.skip("adaptive clipping is refused on torch (keras_dpsgd.backends.torch.unsupported)")
+        pytest.skip("adaptive clipping is refused on torch (refusal kind adaptive-clipping-backend)")
     return table
 
 

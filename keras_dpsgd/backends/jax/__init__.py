@@ -7,7 +7,7 @@ step that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backe
 (``keras_dpsgd.backends.is_jax``) is the Keras 3 front end's (``keras_dpsgd.keras3._jax_train_step``,
 DataParallel's part in ``keras3._jax_distribute``, adaptive clipping's in ``keras3._jax_adaptive``).
 What is not built on JAX yet is refused by name
-(:func:`unsupported`): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
+(:func:`not_built` names it in the refusal a front end raises: ``keras_dpsgd.dp.refusals``): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
 the audit callback and a model's own train step
 (``private_update``/``sanitized_gradients``).
 """
@@ -26,8 +26,8 @@ __all__ = [
     "make_local_state",
     "per_example",
     "seeded_key",
+    "not_built",
     "standard_normal",
-    "unsupported",
 ]
 
 JAX_UNSUPPORTED = "is not supported on the JAX backend yet; use KERAS_BACKEND=tensorflow"
@@ -46,6 +46,6 @@ def per_example(name: str, jacobian_fallback: str) -> Any:
     return _per_example
 
 
-def unsupported(feature: str) -> ValueError:
-    """The refusal of a feature not built on JAX, naming it."""
-    return ValueError(f"{feature} {JAX_UNSUPPORTED} (KERAS_BACKEND=jax is set)")
+def not_built(feature: str) -> str:
+    """The detail of the refusal of a feature not built on JAX, naming it (``refuse(kind, not_built(...))``)."""
+    return f"{feature} {JAX_UNSUPPORTED} (KERAS_BACKEND=jax is set)"

@@ -44,6 +44,7 @@ from jax.extend.core import get_opaque_trace_state
 from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_dpsgd.backends.jax._rules import RULES, per_example_grads, rule_for, weighted_sums
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["Plan", "plan"]
 
@@ -80,9 +81,11 @@ def _wrapped_call(layer, rule, taps):
     def call(inputs, *args, **kwargs):
         if taps.trace is not None and get_opaque_trace_state() != taps.trace:  # inside a loop's body (or remat)
             if taps.zs is not None:
-                raise RuntimeError(
+                raise refuse(
+                    "per-example-check",
                     f"keras_dpsgd: layer {layer.name!r} was called inside a JAX loop or traced function, unlike "
-                    "when the step was planned; the per-example gradients cannot be proven exact"
+                    "when the step was planned; the per-example gradients cannot be proven exact",
+                    RuntimeError,
                 )
             taps.looped.add(layer)
             return rule.post(layer, rule.pre(layer, inputs))
@@ -95,9 +98,11 @@ def _wrapped_call(layer, rule, taps):
         taps.calls.append((layer, tuple(pre.shape)))
         if taps.zs is not None:
             if k >= len(taps.expected) or taps.expected[k] != (layer, tuple(pre.shape)):
-                raise RuntimeError(
+                raise refuse(
+                    "per-example-check",
                     f"keras_dpsgd: layer {layer.name!r} was called in another order or shape than when the step was "
-                    "planned; the per-example gradients cannot be proven exact"
+                    "planned; the per-example gradients cannot be proven exact",
+                    RuntimeError,
                 )
             pre = pre + taps.zs[k].astype(pre.dtype)
             taps.inputs.append(inputs)
@@ -251,9 +256,17 @@ class Plan:
             yield full, taps.inputs, taps.watch
         if taps.violations:
             names = sorted(layer.name for layer in taps.violations)
-            raise RuntimeError(f"keras_dpsgd: the variables of layer(s) {names} were read outside their layer's call")
+            raise refuse(
+                "per-example-check",
+                f"keras_dpsgd: the variables of layer(s) {names} were read outside their layer's call",
+                RuntimeError,
+            )
         if len(taps.calls) != len(self.expected):
-            raise RuntimeError("keras_dpsgd: the covered layers were called another number of times than planned")
+            raise refuse(
+                "per-example-check",
+                "keras_dpsgd: the covered layers were called another number of times than planned",
+                RuntimeError,
+            )
 
     def _values(self, trainable, non_trainable):
         values = {id(v): t for v, t in zip(self.model.trainable_variables, trainable)}

@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow._reference import ReferenceBackend, per_example_jacobians, refuse_eager
+from keras_dpsgd.dp.refusals import refuse
 
 
 def _reference_backend() -> ReferenceBackend:
@@ -204,7 +205,9 @@ class FastBackend:
         if tf.executing_eagerly() or not hasattr(loss, "graph"):
             refuse_eager()
         if loss.shape.rank != 1:
-            raise ValueError(f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}")
+            raise refuse(
+                "loss-entries", f"loss must be a per-example loss of rank 1 (shape [B]), got shape {loss.shape}"
+            )
         analysis = _graph.analyze(loss)  # Raises if the loss mixes examples.
         checks = _graph.runtime_checks(loss, analysis)
         # Reordered rows (ghost norms might mis-group them): per-example jacobians are exact (the

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks
+from keras_dpsgd.dp.refusals import refusal_message
 
 WHILE_OPS = frozenset({"While", "StatelessWhile"})
 # The ops whose outputs an unrolled copy stands for: the loop and the stacks of its output lists.
@@ -82,8 +83,11 @@ class Unrolled:
         if not hasattr(self, "_built_checks"):
             count = _checks.check(
                 tf.equal(self.op.outputs[0], tf.constant(self.steps, self.op.outputs[0].dtype)),
-                f"keras_dpsgd: the loop {self.op.name!r} did not run {self.steps} iterations, "
-                "the length of its sequence; use per_example_backend='reference' and report this",
+                refusal_message(
+                    "per-example-check",
+                    f"keras_dpsgd: the loop {self.op.name!r} did not run {self.steps} iterations, "
+                    "the length of its sequence; use per_example_backend='reference' and report this",
+                ),
             )
             self._built_checks = count + [c for o, k in zip(self.originals, self.copies) for c in same_values(k, o)]
         return self._built_checks
@@ -295,6 +299,9 @@ def same_values(mine: tf.Tensor, theirs: tf.Tensor, atol: float = _ATOL, rtol: f
     worst = tf.reduce_max(tf.where(finite, excess, tf.zeros_like(excess)))
     return _checks.check(
         worst <= 0.0,
-        f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
-        "the layer's output; use per_example_backend='reference' and report this",
+        refusal_message(
+            "per-example-check",
+            f"keras_dpsgd: the per-example rule of op {theirs.op.name!r} does not reproduce "
+            "the layer's output; use per_example_backend='reference' and report this",
+        ),
     )

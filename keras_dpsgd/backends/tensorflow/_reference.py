@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks, graph as _graph, report as _report, state as _state, uses as _uses
-from keras_dpsgd.dp.refusals import refuse
+from keras_dpsgd.dp.refusals import refusal_message, refuse
 
 ClipFactorsFn = Callable[[tf.Tensor], tf.Tensor]
 # Weights of the examples in the jacobian check (fixed: the check is not a privacy mechanism).
@@ -74,11 +74,12 @@ def jacobian_checks(loss: tf.Tensor, variables: list, jacobians: list, sq_norms:
     largest = tf.reduce_max(tf.stack([tf.where(finite, scale, 0.0) for _, scale, finite in measured]))
     checks = []
     for var, (err, scale, finite) in zip(variables, measured):
-        message = (
+        message = refusal_message(
+            "per-example-check",
             f"keras_dpsgd: TensorFlow's vectorized per-example gradients (pfor jacobian) of variable "
             f"{var.name!r} disagree with its plain gradient, so clipping them would not bound each "
             f"example's contribution; the variable is used by {_users(loss, var, ancestors)}. Replace "
-            "that layer, or report this op to keras_dpsgd"
+            "that layer, or report this op to keras_dpsgd",
         )
         # A gradient that is 0 in exact arithmetic (an attention key bias) is rounding noise of the
         # size of the other variables' gradients: 1% of the largest scale is allowed too.

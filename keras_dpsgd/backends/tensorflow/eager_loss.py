@@ -10,6 +10,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from keras_dpsgd.dp.refusals import refuse
+
 __all__ = ["eager_batch", "mark_eager_loss"]
 
 _EAGER_LOSS = "_keras_dpsgd_eager_loss_trained"
@@ -38,7 +40,9 @@ def eager_batch(graph: Any, loss: tf.Tensor, ops: list) -> frozenset:
     if trained is None:
         return frozenset()
     if loss.shape.rank in (None, 0) or loss.shape[0] is None:
-        raise ValueError(_EAGER_BATCH_MESSAGE.format(what=f"the loss has no static batch size (shape {loss.shape})"))
+        raise refuse(
+            "no-input", _EAGER_BATCH_MESSAGE.format(what=f"the loss has no static batch size (shape {loss.shape})")
+        )
     b = loss.shape[0]
     handles = {id(v.handle) for v in trained}
     pairs = list(getattr(graph, "captures", ()))
@@ -54,11 +58,12 @@ def eager_batch(graph: Any, loss: tf.Tensor, ops: list) -> frozenset:
                 inputs.add(out.ref())
         elif out.ref() in captured:
             if out.shape.rank in (None, 0) or out.shape[0] != b:
-                raise ValueError(
+                raise refuse(
+                    "no-input",
                     _EAGER_BATCH_MESSAGE.format(
                         what=f"it reads a captured tensor of shape {out.shape}, whose first dimension is not the "
                         f"loss's {b}"
-                    )
+                    ),
                 )
             inputs.add(out.ref())
         elif op.type == "Const" and out.shape.rank not in (None, 0) and out.shape[0] == b:

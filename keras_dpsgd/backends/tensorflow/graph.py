@@ -25,7 +25,7 @@ from keras_dpsgd.backends.tensorflow.eager_loss import eager_batch
 
 from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
-from keras_dpsgd.dp.refusals import refuse
+from keras_dpsgd.dp.refusals import refusal_message, refuse
 
 # Ops whose output is the variable's value, reshaped or cast (same elements, same order).
 _TRANSPARENT = frozenset({"Identity", "Cast", "ExpandDims", "Reshape", "Squeeze"})
@@ -176,14 +176,20 @@ def runtime_checks(loss: tf.Tensor, analysis: _rows.Analysis) -> list:
     for source in analysis.sources:
         checks += _checks.check(
             tf.equal(tf.shape(loss)[0], tf.shape(source)[0]),
-            f"keras_dpsgd: the per-example loss must have one entry per example of the "
-            f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]",
+            refusal_message(
+                "loss-entries",
+                f"keras_dpsgd: the per-example loss must have one entry per example of the "
+                f"batch (input {source.name!r}); return the unreduced loss, shape [batch_size]",
+            ),
         )
     for t, axis in analysis.reshapes:
         checks += _checks.check(
             tf.equal(tf.math.floormod(tf.shape(t)[axis], tf.maximum(batch, 1)), 0),
-            f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
-            "reshapes values of several examples into one row; the loss is not per example",
+            refusal_message(
+                "mixing-op",
+                f"keras_dpsgd: op {t.op.name!r} (layer {_rows.layer_scope(t.op)!r}) "
+                "reshapes values of several examples into one row; the loss is not per example",
+            ),
         )
     return checks
 

@@ -82,7 +82,7 @@ def refuse_or_warn(report: PerExampleReport, mode: str) -> None:
     if not report.fallback:
         return
     if mode == "refuse":
-        raise ValueError(
+        raise ValueError(  # not a privacy refusal: the fallback's cost (exact per-example jacobians), at the user's ask
             f"{report} jacobian_fallback='refuse' was asked: rewrite those layers with ops the fast "
             "backend has rules for (CONTRIBUTING.md, 'A new per-example rule'; "
             "keras_dpsgd.per_example_rules.register_rule), freeze them (trainable = False), or pass "

@@ -5,7 +5,7 @@ norms and book-keeping sums: ``ghost``, ``_rules``, the JAX backend's rule inter
 of a keyed counter generator (``_noise``) and the table of array operations the DP core runs over (``_ops``). The
 private train step is the Keras 3 front end's (``keras_dpsgd.keras3._torch_train_step``, installed by
 ``keras_dpsgd.keras3.make_private`` when ``keras.config.backend() == "torch"``). What is not built on torch yet is
-refused by name (:func:`unsupported`), never run on another path. The optimizer's local state (the lot size's
+refused by name (:func:`not_built` names it in the refusal the front end raises), never run on another path. The optimizer's local state (the lot size's
 mirror, the non-finite count, the ledger offset: never saved) is TensorFlow's (``make_local_state``), which the
 eager step reads.
 """
@@ -30,12 +30,12 @@ __all__ = [
     "clipped_sum",
     "ghost",
     "make_local_state",
+    "not_built",
     "per_example",
     "per_example_grads",
     "seeded_key",
     "sq_norms",
     "standard_normal",
-    "unsupported",
 ]
 
 TORCH_UNSUPPORTED = "is not supported on the torch backend yet; use KERAS_BACKEND=tensorflow or jax"
@@ -47,9 +47,9 @@ TORCH_UNSUPPORTED = "is not supported on the torch backend yet; use KERAS_BACKEN
 PER_EXAMPLE_CHOICES = ("auto", "reference")
 
 
-def unsupported(feature: str) -> ValueError:
-    """The refusal of a feature not built on torch, naming it."""
-    return ValueError(f"{feature} {TORCH_UNSUPPORTED} (KERAS_BACKEND=torch is set)")
+def not_built(feature: str) -> str:
+    """The detail of the refusal of a feature not built on torch, naming it (``refuse(kind, not_built(...))``)."""
+    return f"{feature} {TORCH_UNSUPPORTED} (KERAS_BACKEND=torch is set)"
 
 
 def per_example(name: str, jacobian_fallback: str) -> Any:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from keras_dpsgd.backends.torch._rules import per_example_grads, pre_at, rule_for, weighted_sums
+from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["Plan", "plan", "announce_uncovered"]
 
@@ -80,7 +81,7 @@ class Plan:
     def _call_of(self, layer, rule):
         def call(inputs, *args, **kwargs):
             if args or {k: v for k, v in kwargs.items() if k != "training"}:
-                raise ValueError(f"{layer.name}: a covered layer called with more than its input")
+                raise refuse("per-example-check", f"{layer.name}: a covered layer called with more than its input")
             values = self._raw or {id(v): v.value for v in layer.variables}
             pre = pre_at(layer, rule, inputs, values)
             if self._mode == "probe":
