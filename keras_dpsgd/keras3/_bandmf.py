@@ -62,6 +62,9 @@ class BandMFMixin:
             )
         self._bandmf_strategy = strategy
         self._bandmf_history: list = []
+        # The key of the random split of the examples into b parts (keras_dpsgd.step.cyclic_lots), [0, 0] until
+        # CyclicPoissonLots.follow writes it: saved with the noise history, so a resumed run keeps every part.
+        self.bandmf_partition_key = self.add_variable((2,), initializer="zeros", dtype="int32", name="bandmf_partition")
 
     @property
     def bandmf_strategy(self) -> BandedToeplitzStrategy:
