@@ -176,14 +176,6 @@ def test_refuses_bad_arguments():
         CyclicPoissonLots(x, y, bands=2, sampling_rate=0.5).as_py_dataset(3)
 
 
-def test_refuses_the_jax_backend(monkeypatch):
-    from keras_dpsgd import backends
-
-    monkeypatch.setattr(backends, "is_jax", lambda: True)
-    with pytest.raises(ValueError, match="TensorFlow backend only for now"):
-        k3.BandMFSGDOptimizer(1.0, 1.0, strategy=optimize_banded_toeplitz(6, 2, cache_dir=None))
-
-
 def test_parts_are_drawn_at_random_not_by_position():
     """Add/remove adjacency: removing one example must not move the others between parts. By position (example i
     in part i mod b) removing example 0 moves every later example: a data set alternating two kinds of example would
