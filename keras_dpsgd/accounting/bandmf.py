@@ -1,13 +1,15 @@
 """The privacy event of amplified banded matrix factorization (BandMF) with cyclic Poisson sampling.
 
 Choquette-Choo et al. 2023 ("(Amplified) Banded Matrix Factorization: A unified approach to private training",
-NeurIPS 2023, arXiv:2306.08153; their amplification theorem, Theorem 4 as we recall the numbering (not checked
-against the paper's text here), with the cyclic Poisson sampling of their Algorithm 2) reduce BandMF to DP-SGD. The
-reduction, derived here independently for the strategies of :mod:`keras_dpsgd.dp.bandmf`:
+NeurIPS 2023, arXiv:2306.08153) prove that a b-banded strategy on cyclic Poisson lots "enjoys the same privacy
+amplification" as DP-SGD (their abstract); the amplification theorem is their **Theorem 4** (the number other
+implementations cite for this reduction; the paper's own text was not readable where this was written, so the
+reduction below is derived here and checked against JAX Privacy's). The reduction:
 
-* Sampling (:class:`keras_dpsgd.CyclicPoissonLots`): the examples are split into b fixed parts; the lot of step
-  t is a Poisson sample, at rate q, of part t mod b only. An example takes part in at most ⌈n/b⌉ of n steps,
-  any two of them at least b steps apart.
+* Sampling (:class:`keras_dpsgd.CyclicPoissonLots`): the examples are split into b parts at random, each example's
+  part drawn independently of the others (never by position: removing an example must not move the others, see
+  :mod:`keras_dpsgd.step.cyclic_lots`); the lot of step t is a Poisson sample, at rate q, of part t mod b only.
+  An example takes part in at most ⌈n/b⌉ of n steps, any two of them at least b steps apart.
 * Release: C y = C G + Z with y the noised gradient sums (y_t = G_t + w_t, C w = Z), Z ~ N(0, σ² clip² I);
   C y and y are each other's post-processing (C is invertible). Example x in the lot of step j adds a vector of
   norm <= clip to row j of G, which moves only rows j..j+b−1 of C G (C has b bands), by at most ‖C[:, j]‖ clip
@@ -18,6 +20,12 @@ reduction, derived here independently for the strategies of :mod:`keras_dpsgd.dp
 So the run satisfies every guarantee of DP-SGD run for ⌈n/b⌉ steps with sampling rate q and noise multiplier
 σ/ζ (add/remove adjacency), which is what every accountant composes for this event
 (:meth:`BandMFEvent.dpsgd_parameters`). At b = 1 (C = I, ζ = 1) it is DP-SGD's event itself.
+
+The same parameters as JAX Privacy (``jax_privacy.accounting.amplified_bandmf_event``: DP-SGD's event for
+⌈iterations / num_bands⌉ rounds at the Poisson probability of an example within its group, the noise multiplier
+"assuming the strategy matrix has maximum L2 column norm of one": its ``BandMFConfig`` multiplies the noise by the
+coefficients' norm, as dividing σ by ζ does here; its ``CyclicPoissonSampling`` splits the examples independently
+at random under add/remove adjacency, and into equal groups only under zero-out adjacency with a public N).
 
 Pure Python: imports without TensorFlow.
 """

@@ -4,16 +4,21 @@ Papernot & Steinke 2022 ("Hyperparameter tuning with Rényi differential privacy
 arXiv:2110.03620): run a DP training Q a random number K of times, each time with settings drawn
 at random from a search space, and release only the best run (by a score that is part of Q's
 output, e.g. the accuracy of Q's model on held-out data). Their bounds, for Q (λ, ε(λ))-RDP at
-every order of a grid:
+every order of a grid (numbering of arXiv:2110.03620v2, as dp_accounting cites it in
+``rdp_privacy_accountant._compute_rdp_repeat_and_select``, the reference implementation of
+``RepeatAndSelectDpEvent``, which computes the same two formulas: ``tests/accounting/test_tuning.py`` checks ours
+against it, and against a third implementation in mpmath):
 
-* **Truncated negative binomial** K ~ D_{η,γ} (as the paper defines it: P[K = k] ∝ C(k + η − 1, k)(1 − γ)^k
+* **Truncated negative binomial** K ~ D_{η,γ} (their **Definition 1**: P[K = k] ∝ C(k + η − 1, k)(1 − γ)^k
   for k >= 1; η = 0 is the logarithmic distribution P[K = k] = (1 − γ)^k / (k log(1/γ)), η = 1 the
   geometric), their **Theorem 2**: for every λ > 1 and λ̂ >= 1 the search is (λ, ε')-RDP with ::
 
       ε'(λ) = ε(λ) + (1 + η)(1 − 1/λ̂) ε(λ̂) + (1 + η) log(1/γ) / λ̂ + log E[K] / (λ − 1),
       E[K] = η(1 − γ) / (γ(1 − γ^η))  (η ≠ 0),     E[K] = (1/γ − 1) / log(1/γ)  (η = 0).
 
-  λ̂ is free: we take, per λ, the smallest value over the orders of the grid.
+  λ̂ is free: we take, per λ, the smallest value over the orders of the grid (all > 1). η ranges over
+  (−1, ∞) (the paper's range as we read it); dp_accounting takes η >= 0 only, so η < 0 is checked against the
+  exact divergence of a Gaussian search instead.
 * **Poisson** K ~ Poisson(μ) (K = 0 releases nothing), their **Theorem 6**: if Q is also
   (ε̂, δ̂)-DP with e^ε̂ <= 1 + 1/(λ − 1), the search is (λ, ε')-RDP with ::
 

@@ -40,6 +40,7 @@ from keras_dpsgd import _validate as V
 
 __all__ = [
     "BandedToeplitzStrategy",
+    "add_correlated_noise",
     "correlated_noise",
     "default_cache_dir",
     "optimize_banded_toeplitz",
@@ -311,3 +312,29 @@ def correlated_noise(z: Any, history: Sequence[Any], coefficients: Sequence[floa
         acc = acc - c * past
     w = acc / coefficients[0]
     return w, ([w] + list(history[:-1])) if history else []
+
+
+def add_correlated_noise(
+    sums: Sequence[Any], draws: Sequence[Any], history: Sequence[Sequence[Any]], coefficients: Sequence[float]
+) -> tuple[list, list]:
+    """BandMF's step 4 on every variable: its clipped sum plus w_t, the recursion (1) on its fresh draw z_t.
+
+    The one implementation every front end runs (Keras 3 on TensorFlow in its optimizer's ``add_noise``, on JAX
+    in its train step), over Python operators on the backend's arrays.
+
+    Args:
+      sums: the clipped sums Σ_i clip(g_i), one per variable.
+      draws: z_t of each variable: DP-SGD's own draw N(0, σ² C_clip²) (so b = 1 adds DP-SGD's noise, bit for bit).
+      history: ``history[j][v]`` = w_{t−1−j} of variable v, for j < b − 1 (zeros before the first step).
+      coefficients: c_0..c_{b−1} of the strategy.
+
+    Returns:
+      (the released sums, the new history in the layout of `history`).
+    """
+    released, new_history = [], [[None] * len(sums) for _ in history]
+    for v, (s, z) in enumerate(zip(sums, draws)):
+        w, new = correlated_noise(z, [row[v] for row in history], coefficients)
+        for j, value in enumerate(new):
+            new_history[j][v] = value
+        released.append(s + w)
+    return released, new_history

@@ -1,19 +1,22 @@
-"""BandMF optimizers for Keras 3 on TensorFlow: DP-SGD's step with correlated noise (issue 42).
+"""BandMF optimizers for Keras 3 (TensorFlow, JAX, PyTorch): DP-SGD's step with correlated noise (issue 42).
 
 The step is the DP optimizer's (clip, sum, noise, normalize, apply); only step 4 changes: the fresh draw z_t
 (N(0, σ²C²), drawn exactly as DP-SGD draws it, keyed by the release's position in the model's ledger when seeded)
-becomes w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0 (:func:`keras_dpsgd.dp.bandmf.correlated_noise`, the one
-implementation of the recursion), with the b − 1 last w kept in optimizer variables (saved with the optimizer:
-``.keras`` files, checkpoints, ``BackupAndRestore``), so a resumed run continues the same noise and never
-repeats a draw. With b = 1 (C = I) the release is DP-SGD's, bit for bit.
+becomes w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0 (:func:`keras_dpsgd.dp.bandmf.add_correlated_noise`, the
+one implementation of the recursion: here in ``add_noise`` on TensorFlow, in ``keras3._jax_front`` on JAX and
+``keras3._torch_front`` on PyTorch), with
+the b − 1 last w kept in optimizer variables (saved with the optimizer: ``.keras`` files, checkpoints,
+``BackupAndRestore``), so a resumed run continues the same noise and never repeats a draw. With b = 1 (C = I) the
+release is DP-SGD's, bit for bit. The key of the random split of the examples into parts
+(``bandmf_partition``, :mod:`keras_dpsgd.step.cyclic_lots`) is saved with them. Both are secrets of the run: a
+file with the optimizer's variables is a training checkpoint, not a model to publish (``docs/bandmf.md``).
 
 The accounting needs cyclic Poisson lots (:class:`keras_dpsgd.CyclicPoissonLots` with the strategy's bands):
 a fit fed anything else is refused (``keras_dpsgd.step.fed_data``), and the model's ledger records the steps as
 :class:`keras_dpsgd.accounting.BandMFEvent` (``keras_dpsgd.ledger``).
 
 Not supported (refused by name): per-layer clipping, several replicas (a ``tf.distribute`` strategy with R > 1:
-the overridden ``add_noise`` is refused there), the JAX and PyTorch backends (their train steps carry no noise
-history yet), and tf_keras.
+the overridden ``add_noise`` is refused there; JAX's ``DataParallel``), and tf_keras.
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from typing import Any
 
 import keras
 
-from keras_dpsgd import backends
-from keras_dpsgd.dp.bandmf import BandedToeplitzStrategy, correlated_noise
+from keras_dpsgd.dp.bandmf import BandedToeplitzStrategy, add_correlated_noise
 from keras_dpsgd.dp.refusals import refuse
 from keras_dpsgd.keras3._optimizer import _register, make_dp_optimizer
 
@@ -48,12 +50,6 @@ class BandMFMixin:
     def _init_bandmf(self, strategy: Any) -> None:
         strategy = check_strategy(strategy)
         name = type(self).__name__
-        if backends.is_jax() or keras.config.backend() != "tensorflow":
-            raise refuse(
-                "bandmf-setup",
-                f"{name} runs on Keras 3 with the TensorFlow backend only for now (got {keras.config.backend()!r}): "
-                "the JAX and PyTorch train steps carry no noise history; use KERAS_BACKEND=tensorflow",
-            )
         if self.per_layer_clipping:
             raise refuse(
                 "bandmf-setup",
@@ -62,6 +58,9 @@ class BandMFMixin:
             )
         self._bandmf_strategy = strategy
         self._bandmf_history: list = []
+        # The key of the random split of the examples into b parts (keras_dpsgd.step.cyclic_lots), [0, 0] until
+        # CyclicPoissonLots.follow writes it: saved with the noise history, so a resumed run keeps every part.
+        self.bandmf_partition_key = self.add_variable((2,), initializer="zeros", dtype="int32", name="bandmf_partition")
 
     @property
     def bandmf_strategy(self) -> BandedToeplitzStrategy:
@@ -91,14 +90,11 @@ class BandMFMixin:
     def add_noise(self, summed: list) -> list:
         """Step 4: Σ_i clip(g_i) + w_t, w_t = C⁻¹'s recursion on DP-SGD's own draw z_t (module docstring)."""
         draws = super().add_noise([keras.ops.zeros_like(s) for s in summed])  # z_t: 0 + N(0, σ²C²), DP-SGD's key
-        coefficients = self._bandmf_strategy.coefficients
-        out = []
-        for v, (s, z) in enumerate(zip(summed, draws)):
-            history = [self._bandmf_history[j][v] for j in range(len(coefficients) - 1)]
-            w, new = correlated_noise(z, [keras.ops.copy(h.value) for h in history], coefficients)  # read first
-            for variable, value in zip(history, new):
+        history = [[keras.ops.copy(h.value) for h in row] for row in self._bandmf_history]  # read before writing
+        out, new = add_correlated_noise(summed, draws, history, self._bandmf_strategy.coefficients)
+        for row, values in zip(self._bandmf_history, new):
+            for variable, value in zip(row, values):
                 variable.assign(value)
-            out.append(s + w)
         return out
 
     def get_config(self) -> dict[str, Any]:

@@ -5,7 +5,9 @@ JAX's train step is stateless: the optimizer's variables come in as values and g
 ``noised_steps``, the noise key of an unseeded optimizer in ``dp_noise_key`` (``backends.jax.state``). What
 is JAX's is here: that state plumbing, ``jax.lax.cond`` around a lot's release, the keys, adaptive
 clipping's queries (``keras3._jax_adaptive``), the regularization gradient and ``stateless_apply``. The
-math (clip factors, the lot, the noise σ·S, the normalization) is the core's, over ``JAX_OPS``.
+math (clip factors, the lot, the noise σ·S, the normalization) is the core's, over ``JAX_OPS``; a BandMF
+optimizer's correlated noise is the core's recursion too (``dp.bandmf.add_correlated_noise``), its b − 1 last
+draws carried in its ``bandmf_noise_j`` variables like any other optimizer state.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 
 from keras_dpsgd.backends.jax import add_gaussian, seeded_key
 from keras_dpsgd.backends.jax.ops import JAX_OPS, key_data
-from keras_dpsgd.dp import lot as dp_lot, release as dp_release
+from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
 from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
 
 __all__ = ["JaxFront", "OptimizerState", "clipping_of"]
@@ -96,9 +98,25 @@ class JaxFront:
         def gaussian(x, stddev, index):
             return add_gaussian(x, stddev, self.key_for(index))
 
-        noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+        strategy = getattr(self.optimizer, "bandmf_strategy", None)
+        if strategy is None:
+            noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+        else:
+            noised = self._correlated(clipped, gaussian, strategy.coefficients)
         if self.adaptive:  # post-processing: the step in units of the bound (C was released before this lot)
             noised = _adaptive.divide_by_bound(self.optimizer, noised, self.bounds)
+        return noised
+
+    def _correlated(self, clipped, gaussian: Callable, coefficients) -> list:
+        """BandMF: DP-SGD's draw z_t under the same keys, through C⁻¹'s recursion on the saved history."""
+        zeros = clipped.with_sums([jnp.zeros_like(s) for s in clipped.sums])
+        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussian)
+        rows = self.optimizer._bandmf_history
+        history = [[self.opt[variable] for variable in row] for row in rows]
+        noised, new = dp_bandmf.add_correlated_noise(clipped.sums, draws, history, coefficients)
+        for row, values in zip(rows, new):
+            for variable, value in zip(row, values):
+                self.opt[variable] = value
         return noised
 
     def normalize(self, noised: list, num_examples) -> list:

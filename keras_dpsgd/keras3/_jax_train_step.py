@@ -66,14 +66,18 @@ _HOOKS = ("on_per_example_sq_norms", "add_noise", "normalize", "on_noised_step",
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on JAX."""
+    from keras_dpsgd.keras3._bandmf import BandMFMixin
     from keras_dpsgd.keras3._optimizer import DPKeras3Mixin
     from keras_dpsgd.step.adaptive import AdaptiveClippingCore
 
     cls = type(optimizer)
-    # The step runs no hook: it does DPKeras3Mixin's release, and adaptive clipping's (``_adaptive``).
+    # The step runs no hook: it does DPKeras3Mixin's release, adaptive clipping's (``_adaptive``) and BandMF's
+    # (``_jax_front.JaxFront._correlated``).
     adaptive = _adaptive.is_adaptive(optimizer)
+    bandmf = [BandMFMixin.add_noise] if isinstance(optimizer, BandMFMixin) else []
     for hook in _HOOKS:
         allowed = [getattr(DPKeras3Mixin, hook, None)] + ([getattr(AdaptiveClippingCore, hook, None)] * adaptive)
+        allowed += bandmf if hook == "add_noise" else []
         if not any(getattr(cls, hook, None) is a for a in allowed):
             raise refuse(
                 "own-release-hooks",
@@ -92,6 +96,14 @@ def check_optimizer(optimizer: Any) -> None:
 def _check_model(model: keras.Model) -> None:
     if data_parallel_mesh(model) is not None:  # refuses any other distribution by name
         check_replicated(model)
+        if getattr(model.optimizer, "bandmf_bands", None) is not None:
+            raise refuse(
+                "keras-distribution",
+                not_built(
+                    f"{type(model.optimizer).__name__} under keras.distribution.DataParallel (BandMF's noise history "
+                    "is not tested across devices)"
+                ),
+            )
 
 
 def prepare_fit(model: keras.Model) -> None:

@@ -4,7 +4,8 @@ Torch's train step is eager: the lot of k batches lives in the optimizer's ``dp_
 count in ``noised_steps``, the noise keys of an unseeded optimizer in the process (``EntropyKeys``: OS entropy,
 never saved). What is torch's is here: that state, a Python ``if`` around a lot's release, the keys, the
 regularization gradient and the optimizer's ``apply``. The math (clip factors, the lot, the noise σ·S, the
-normalization) is the core's, over ``TORCH_OPS``.
+normalization) is the core's, over ``TORCH_OPS``; a BandMF optimizer's correlated noise is the core's recursion too
+(``dp.bandmf.add_correlated_noise``), its b − 1 last draws in its ``bandmf_noise_j`` variables.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from keras_dpsgd.backends import torch as torch_backend
-from keras_dpsgd.dp import lot as dp_lot, release as dp_release
+from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
 
 __all__ = ["TorchFront", "noise_keys"]
 
@@ -78,7 +79,19 @@ class TorchFront:
         def gaussian(x, stddev, index):
             return torch_backend.add_gaussian(x, float(stddev), key_for(index))
 
-        return dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+        strategy = getattr(self.optimizer, "bandmf_strategy", None)
+        if strategy is None:
+            return dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+        # BandMF: DP-SGD's draw z_t under the same keys, through C⁻¹'s recursion on the saved history.
+        zeros = clipped.with_sums([torch.zeros_like(s) for s in clipped.sums])
+        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussian)
+        rows = self.optimizer._bandmf_history
+        history = [[variable.value.clone() for variable in row] for row in rows]
+        noised, new = dp_bandmf.add_correlated_noise(clipped.sums, draws, history, strategy.coefficients)
+        for row, values in zip(rows, new):
+            for variable, value in zip(row, values):
+                variable.assign(value)
+        return noised
 
     def normalize(self, noised: list, num_examples) -> list:
         lot = self.optimizer._dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step

@@ -36,6 +36,7 @@ from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.dp.step import private_step
 from keras_dpsgd.dp.refusals import refuse
+from keras_dpsgd.keras3._bandmf import BandMFMixin
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
 from keras_dpsgd.keras3._torch_front import TorchFront
 from keras_dpsgd.keras3._torch_loss import per_example_loss_at
@@ -58,7 +59,10 @@ def check_optimizer(optimizer: Any) -> None:
     cls = type(optimizer)
     if getattr(optimizer, "_adaptive", None) is not None:
         raise refuse("adaptive-clipping-backend", torch_backend.not_built(f"{cls.__name__}: adaptive clipping"))
+    bandmf = isinstance(optimizer, BandMFMixin)  # its add_noise is TF's; TorchFront does BandMF's release
     for hook in _HOOKS:
+        if bandmf and hook == "add_noise" and getattr(cls, hook, None) is BandMFMixin.add_noise:
+            continue
         if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
             raise refuse(
                 "own-release-hooks",

@@ -1,5 +1,6 @@
-"""BandMFEvent: ε equals dp_accounting's DP-SGD with the reduced parameters (Choquette-Choo et al. 2023, Thm 4);
-b = 1 is DP-SGD's event; serialization; argument validation."""
+"""BandMFEvent: ε equals dp_accounting's DP-SGD with the reduced parameters (Choquette-Choo et al. 2023, Thm 4: the
+event JAX Privacy's ``accounting.amplified_bandmf_event`` builds, ⌈n/b⌉ Poisson-sampled Gaussian rounds at the rate
+within a part, σ over the column norm); b = 1 is DP-SGD's event; serialization; argument validation."""
 
 import json
 import math

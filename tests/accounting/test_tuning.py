@@ -283,3 +283,41 @@ def test_candidates_must_be_gaussian_runs():
     inner = TuningEvent("poisson", SUBSAMPLED, mu=2.0)
     with pytest.raises(TypeError, match="TuningEvent"):
         TuningEvent("poisson", (inner,), mu=2.0)
+
+
+# ---------------------------------------------------------------- dp_accounting as the oracle
+@pytest.mark.parametrize(
+    "distribution,params",
+    [
+        ("poisson", {"mu": 10.0}),
+        ("poisson", {"mu": 1.0}),
+        ("truncated_negative_binomial", {"eta": 1.0, "gamma": 0.1}),
+        ("truncated_negative_binomial", {"eta": 0.0, "gamma": 0.05}),
+        ("truncated_negative_binomial", {"eta": 0.5, "gamma": 0.2}),
+    ],
+)
+def test_epsilon_equals_dp_accountings_repeat_and_select(distribution, params):
+    """dp_accounting's RDP accountant composes RepeatAndSelectDpEvent by Theorems 2 and 6 of arXiv:2110.03620v2
+    (it maps E[K] back to γ by bisection, to 1e-9, and lowers each order's value to the smallest at a higher
+    order, which can only lower its ε): ours equals it to 1e-6 and is never below it by more."""
+    from dp_accounting import dp_event as E
+    from dp_accounting.rdp import rdp_privacy_accountant as R
+
+    event = TuningEvent(distribution, (SUBSAMPLED,), **params)
+    trial = E.SelfComposedDpEvent(E.PoissonSampledDpEvent(0.01, E.GaussianDpEvent(1.0)), 1000)
+    shape = math.inf if distribution == "poisson" else params["eta"]
+    accountant = R.RdpAccountant(orders=list(DEFAULT_ORDERS))
+    accountant.compose(E.RepeatAndSelectDpEvent(trial, expected_trials(event), shape))
+    theirs = accountant.get_epsilon(DELTA)
+    ours = compute_epsilon(event, DELTA)
+    assert ours == pytest.approx(theirs, rel=1e-6)
+    assert ours >= theirs * (1 - 1e-9)
+
+
+def test_negative_eta_bound_is_above_the_exact_divergence():
+    """η in (−1, 0) (outside dp_accounting's range): the bound still covers the exact divergence."""
+    params, sigma = {"eta": -0.5, "gamma": 0.2}, 2.0
+    bound = rdp_tuning(TuningEvent("truncated_negative_binomial", (GaussianEvent(sigma),), **params), DEFAULT_ORDERS)
+    for lam in (2.0, 4.0):
+        exact = max(_best_of_k_divergence("truncated_negative_binomial", params, s, sigma, lam) for s in (1.0, -1.0))
+        assert 0 < exact <= bound[DEFAULT_ORDERS.index(lam)]

@@ -101,7 +101,7 @@ def test_one_example_moves_each_participation_block_by_its_column_norm():
         releases.append(-np.diff(np.array(weights), axis=0))  # y_t: gradient x_i of the loss Σ w·x_i
     diff = releases[0] - releases[1]  # [n, d]
     moved = np.flatnonzero(np.abs(diff).max(axis=1) > 1e-6)
-    np.testing.assert_array_equal(moved, np.arange(k % b, n, b))  # its part's steps, b apart
+    np.testing.assert_array_equal(moved, np.arange(lots.parts[k], n, b))  # its part's steps, b apart
     blocks = strategy.matrix() @ diff
     for j in moved:
         block = np.linalg.norm(blocks[j : j + b])
@@ -137,7 +137,7 @@ def test_noise_history_resumes_from_a_checkpoint(tmp_path):
     first.fit(lots.dataset(3), epochs=1, verbose=0)
     first.save(tmp_path / "m.keras")
     resumed = k3.make_private(keras.models.load_model(tmp_path / "m.keras"))
-    lots = CyclicPoissonLots(x, y, bands=3, sampling_rate=1.0, seed=0)
+    lots = CyclicPoissonLots(x, y, bands=3, sampling_rate=1.0, seed=5)  # another seed: the saved split is adopted
     lots.configure(resumed.optimizer)
     assert any(np.abs(v.numpy()).max() > 0 for v in resumed.optimizer.variables if "bandmf_noise" in v.name)
     resumed.fit(lots.dataset(3), epochs=1, verbose=0)
@@ -176,12 +176,33 @@ def test_refuses_bad_arguments():
         CyclicPoissonLots(x, y, bands=2, sampling_rate=0.5).as_py_dataset(3)
 
 
-def test_refuses_the_jax_backend(monkeypatch):
-    from keras_dpsgd import backends
+def test_parts_are_drawn_at_random_not_by_position():
+    """Add/remove adjacency: removing one example must not move the others between parts. By position (example i
+    in part i mod b) removing example 0 moves every later example: a data set alternating two kinds of example would
+    release the other kind at every step. Drawn at random, each example's part is uniform and independent of the
+    others': examples 0 and 2 share a part in about half of the splits (b = 2), not always."""
+    x, y = _data(12)
+    shared = []
+    for seed in range(400):
+        lots = CyclicPoissonLots(x, y, bands=2, sampling_rate=0.5, seed=seed)
+        shared.append(any(0 in lots.part(t) and 2 in lots.part(t) for t in range(2)))
+    assert 0.4 < np.mean(shared) < 0.6  # binomial(400, 1/2): sd 0.025
 
-    monkeypatch.setattr(backends, "is_jax", lambda: True)
-    with pytest.raises(ValueError, match="TensorFlow backend only for now"):
-        k3.BandMFSGDOptimizer(1.0, 1.0, strategy=optimize_banded_toeplitz(6, 2, cache_dir=None))
+
+def test_a_resumed_optimizer_keeps_its_split_and_one_without_a_split_is_refused():
+    x, y = _data(30)
+    strategy = optimize_banded_toeplitz(6, 3, cache_dir=None)
+    first = CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5, seed=1)
+    opt = first.configure(k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy))
+    assert tuple(opt.bandmf_partition_key.numpy()) == first.partition_key
+    later = CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5, seed=2)
+    assert not np.array_equal(later.parts, first.parts)
+    later.configure(opt)  # adopts the optimizer's split
+    np.testing.assert_array_equal(later.parts, first.parts)
+    unknown = k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy)
+    unknown.noised_steps.assign(4)  # steps taken on a split it did not record
+    with pytest.raises(ValueError, match="took 4 steps on a split of the examples it did not record"):
+        CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5, seed=3).configure(unknown)
 
 
 def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
@@ -190,9 +211,10 @@ def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
     assert lots.expected_lot_size == pytest.approx(6.0)
     ids = np.arange(30, dtype=np.float32)[:, None] + 1.0  # 0 marks padding
     id_lots = CyclicPoissonLots(ids, y, bands=3, sampling_rate=0.6, seed=0)
+    parts = id_lots.parts
     for t, (bx, _, bw) in enumerate(id_lots.lots(9)):
         members = bx[bw > 0, 0].astype(int) - 1
-        assert np.all(members % 3 == t % 3)
+        assert np.all(parts[members] == t % 3)
 
     class Follower:
         noised_steps = tf.Variable(7, dtype=tf.int64)
@@ -200,7 +222,7 @@ def test_cyclic_lots_sample_their_part_and_follow_the_optimizer():
     id_lots = CyclicPoissonLots(ids, y, bands=3, sampling_rate=0.6, seed=0)
     id_lots.follow(Follower())  # the next dataset starts at the part of step 7
     (bx, _, bw), *_ = list(id_lots.dataset(2).as_numpy_iterator())
-    assert np.all((bx[bw > 0, 0].astype(int) - 1) % 3 == 7 % 3)
+    assert np.all(id_lots.parts[bx[bw > 0, 0].astype(int) - 1] == 7 % 3)
 
 
 def test_an_earlier_optimizers_steps_keep_their_dpsgd_events():
