@@ -35,7 +35,8 @@ so Keras traces ``train_step`` once whatever the size (an XLA-compiled step
 compiles once more for an overflow bucket). Large lots can be split into
 ``gradient_accumulation_steps`` physical batches of ``physical_batch_size``
 rows each (use the same number in the optimizer's
-``gradient_accumulation_steps``).
+``gradient_accumulation_steps``; ``max_physical_batch_size`` picks them: see
+"Memory").
 
 What the timing reveals
 -----------------------
@@ -58,21 +59,31 @@ the step once more (about 12√L/m sizes within 6 standard deviations).
 
 Memory
 ------
-The DP step's peak memory follows the rows it computes on: padded to the
-capacity (about L + 6√L rows: 69 at L = 32), a lot costs about as much memory
-as a non-private step on that many rows (``benchmarks/memory.py``: 1.55x the
-peak of a non-private step on L rows for a small BERT and a small Llama with
-LoRA; the DP step on L rows: 1.12x and 1.14x). To bound it by a step on at most L rows while keeping
-constant shapes, split each lot into k = ceil(R / L) physical batches of
-ceil(R / k) rows (R = ``max_lot_size`` of the default sampler), accumulated by
-the optimizer and released once::
+The DP step's peak memory follows the rows one call computes on: padded to the
+capacity R (about L + 6√L rows: 69 at L = 32), a lot costs about as much memory
+as a non-private step on R rows (``benchmarks/memory.py``: 1.55x the peak of a
+non-private step on L rows for a small BERT and a small Llama with LoRA; the DP
+step on L rows: 1.12x and 1.14x). ``max_physical_batch_size=M`` bounds it by a
+step on at most M rows, shapes still constant: each padded lot is cut into
+k = ceil(R / M) physical batches of P = ceil(R / k) <= M rows (``physical_batch_size``
+reads P, ``gradient_accumulation_steps`` reads k), their clipped sums accumulated
+by the optimizer and released once, with one noise draw, divided by L::
 
-    R = PoissonLots(x, y, expected_lot_size=L).max_lot_size
-    k = math.ceil(R / L)
-    lots = PoissonLots(x, y, expected_lot_size=L, physical_batch_size=math.ceil(R / k))
+    lots = PoissonLots(x, y, expected_lot_size=L, max_physical_batch_size=L)
     optimizer = DPSGDOptimizer(..., gradient_accumulation_steps=lots.gradient_accumulation_steps)
 
-(measured 1.08x and 1.18x; the same rows, k calls per lot instead of one).
+The same rows in all (k·P, less than k rows over R) in k calls per lot instead of
+one; a lot of n examples fills its first batches (real rows first) and the rest
+is padding, so some of the k batches may be all padding. The split reveals
+nothing: k and P are functions of N, q, M and ``overflow_probability`` (of no
+example), every lot has k batches of P rows, so the shapes, the number of calls
+and their timing are those of every other lot, as without the split (an overflow
+excepted: its batches are bigger, probability ``overflow_probability`` per lot;
+with ``pad_to_multiple_of`` m each batch holds the next multiple of m above
+ceil(n / k) rows instead, which reveals what that padding reveals, and exceeds M
+only where m does not divide M). ``physical_batch_size=P`` instead fixes P
+itself (k = ceil(R / P), k·P rows: up to P - 1 more). A partial lot (a ``fit``
+that ends inside one) is never released: see ``gradient_accumulation_steps``.
 
 Secrecy of the sampling
 -----------------------
@@ -174,6 +185,11 @@ class PoissonLots(PoissonSampling):
         batch per lot (of `max_lot_size` rows). Otherwise each lot is split
         into `gradient_accumulation_steps` = ceil(capacity / physical_batch_size)
         physical batches.
+      max_physical_batch_size: M, the most rows a physical batch may hold (a bound on the step's memory;
+        exclusive with `physical_batch_size`): each lot, padded to the capacity R, is split into
+        `gradient_accumulation_steps` k = ceil(R / M) physical batches of ceil(R / k) <= M rows each (a
+        multiple of `replicas_per_worker`), their clipped sums accumulated by the optimizer and released
+        once (see "Memory" in the module docstring). None: see `physical_batch_size`.
       max_lot_size: the lot capacity; None for the Binomial(N, q) quantile
         with tail `overflow_probability`.
       overflow_probability: per-step probability that a lot exceeds the
@@ -205,6 +221,7 @@ class PoissonLots(PoissonSampling):
         expected_lot_size: Optional[float] = None,
         sample_weight: Any = None,
         physical_batch_size: Optional[int] = None,
+        max_physical_batch_size: Optional[int] = None,
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
         pad_to_multiple_of: Optional[int] = None,
@@ -235,6 +252,7 @@ class PoissonLots(PoissonSampling):
             sampling_rate=sampling_rate,
             expected_lot_size=expected_lot_size,
             physical_batch_size=physical_batch_size,
+            max_physical_batch_size=max_physical_batch_size,
             max_lot_size=max_lot_size,
             overflow_probability=overflow_probability,
             pad_to_multiple_of=pad_to_multiple_of,
