@@ -344,24 +344,28 @@ class PoissonLots(PoissonSampling):
             )
 
     def _dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
-        def with_zero_row(a):  # row N: the (finite) padding example
-            return tf.convert_to_tensor(np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)]))
-
-        x = tf.nest.map_structure(with_zero_row, self._x)
-        y = tf.nest.map_structure(with_zero_row, self._y)
+        # One tensor copy of the rows (no concatenated zero row: that would hold a third copy of the data set
+        # while it is made, which the process's peak memory keeps).
+        x = tf.nest.map_structure(tf.convert_to_tensor, self._x)
+        y = tf.nest.map_structure(tf.convert_to_tensor, self._y)
         signature = (
             tf.TensorSpec(shape=(None,), dtype=tf.int64),
             tf.TensorSpec(shape=(None,), dtype=tf.float32),
             tf.TensorSpec(shape=(), dtype=tf.int64),
         )
+        n = self._n
 
         def gather(idx, w, real):
-            del real  # padding rows point at the zero row
-            return (
-                tf.nest.map_structure(lambda a: tf.gather(a, idx), x),
-                tf.nest.map_structure(lambda a: tf.gather(a, idx), y),
-                w,
-            )
+            del real  # padding rows have index N: read row 0, then zeroed (the finite padding example)
+            padding = idx >= n
+            safe = tf.where(padding, tf.zeros_like(idx), idx)
+
+            def take(a):
+                rows = tf.gather(a, safe)
+                where = tf.reshape(padding, tf.concat([[-1], tf.ones([tf.rank(a) - 1], tf.int32)], 0))
+                return tf.where(where, tf.zeros_like(rows), rows)
+
+            return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), w
 
         indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
         return self._finished(indices, num_lots, gather)
