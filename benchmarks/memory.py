@@ -10,7 +10,9 @@ Each (case, configuration) runs in a fresh process: build the model, compile, tr
 ``fit``; measured there: ``peak_mib``, the process's peak resident set size (``VmHWM`` of /proc/self/status: what
 issue 41 measured), and ``delta_mib``, that peak minus the RSS just before ``fit`` (what training itself adds:
 the traced graph, activations, gradients, per-example buffers; RSS includes the allocator's caches, an upper
-bound on the live tensors). The configurations, for an expected lot size L:
+bound on the live tensors). Every configuration holds the same training set of N = 16 L examples in memory (numpy),
+fed the way it is documented: ``fit(x, y, batch_size=..., steps_per_epoch=...)`` for non-private training,
+``PoissonLots(x, y, ...).dataset(...)`` for the lots (each keeps one tensor copy of it: ``data_mib`` each). The configurations, for an expected lot size L:
 
 * ``nonprivate``: Keras 3 ``fit`` (SGD, mean loss) on batches of L rows;
 * ``fast``: the DP step (``make_private``, ``DPSGDOptimizer``, fast backend, σ = 1.1) on batches of L rows
@@ -169,7 +171,7 @@ def child(case: str, config: str, lot: int, steps: int) -> dict:
     model, loss, per_example_loss = build(case)
     private = config in ("fast", "lots", "lots_split")
     rows = padded_rows(lot) if config == "nonprivate_padded" else lot
-    x, y = data(case, 16 * lot if config.startswith("lots") else steps * rows)
+    x, y = data(case, 16 * lot)  # every configuration holds the same training set (N = 16 L rows)
     lots = None
     if config.startswith("lots"):
         split = dict(max_physical_batch_size=lot) if config == "lots_split" else {}
@@ -186,14 +188,13 @@ def child(case: str, config: str, lot: int, steps: int) -> dict:
         model.compile(optimizer=opt, loss=per_example_loss)
     else:
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01), loss=loss)
-    out = {"rows": rows, "loadavg_start": list(os.getloadavg())}
+    out = {"rows": rows, "loadavg_start": list(os.getloadavg()), "data_mib": (x.nbytes + y.nbytes) / 2**20}
     if lots is not None:
         lots.configure(model.optimizer)
         out.update(rows=lots.physical_batch_size, batches_per_lot=lots.gradient_accumulation_steps)
-        out["data_mib"] = sum(a.nbytes for a in (x, y)) / 2**20  # the lots' dataset holds one tensor copy
         feed = dict(x=lots.dataset(steps))
     else:
-        feed = dict(x=x[: rows * steps], y=y[: rows * steps], batch_size=rows, shuffle=False)
+        feed = dict(x=x, y=y, batch_size=rows, steps_per_epoch=steps, shuffle=False)
     before = _status_mib("VmRSS")
     started = time.perf_counter()
     model.fit(epochs=1, verbose=0, **feed)
