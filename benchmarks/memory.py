@@ -4,12 +4,15 @@ Usage::
 
     python benchmarks/memory.py                                  # every case, Keras 3 on TensorFlow, CPU
     python benchmarks/memory.py --cases bert-lora --steps 3
+    python benchmarks/memory.py --cases bert-base-lora --configs nonprivate lots_split --steps 2
 
 Each (case, configuration) runs in a fresh process: build the model, compile, train ``--steps`` batches with one
 ``fit``; measured there: ``peak_mib``, the process's peak resident set size (``VmHWM`` of /proc/self/status: what
 issue 41 measured), and ``delta_mib``, that peak minus the RSS just before ``fit`` (what training itself adds:
 the traced graph, activations, gradients, per-example buffers; RSS includes the allocator's caches, an upper
-bound on the live tensors). The configurations, for an expected lot size L:
+bound on the live tensors). Every configuration holds the same training set of N = 16 L examples in memory (numpy),
+fed the way it is documented: ``fit(x, y, batch_size=..., steps_per_epoch=...)`` for non-private training,
+``PoissonLots(x, y, ...).dataset(...)`` for the lots (each keeps one tensor copy of it: ``data_mib`` each). The configurations, for an expected lot size L:
 
 * ``nonprivate``: Keras 3 ``fit`` (SGD, mean loss) on batches of L rows;
 * ``fast``: the DP step (``make_private``, ``DPSGDOptimizer``, fast backend, σ = 1.1) on batches of L rows
@@ -18,16 +21,22 @@ bound on the live tensors). The configurations, for an expected lot size L:
   ``physical_batch_size`` (the capacity, about L + 6√L): what the padding rows alone cost;
 * ``lots``: the DP step fed ``PoissonLots(expected_lot_size=L)`` (padded to R rows): the documented path;
 * ``lots_split``: the same lots split into k = ceil(R / L) physical batches of P = ceil(R / k) <= L rows
-  (``PoissonLots(expected_lot_size=L, physical_batch_size=P)``, the optimizer's ``gradient_accumulation_steps``
-  = k): a lot's clipped sums accumulated over its batches, released once; the same rows (about R) as ``lots`` and
-  fixed shapes, so the timing still reveals nothing, at the memory of a step on at most L rows.
+  (``PoissonLots(expected_lot_size=L, max_physical_batch_size=L)``, the optimizer's
+  ``gradient_accumulation_steps`` = k): a lot's clipped sums accumulated over its batches, released once; the same
+  rows (about R) as ``lots`` and fixed shapes, so the timing still reveals nothing, at the memory of a step on at
+  most L rows.
 
 Ratios: ``equal_rows`` = fast / nonprivate, ``padded_rows`` = lots / nonprivate_padded, ``lots`` = lots /
 nonprivate (issue 41 asks for at most 1.2 on the issue's cases), ``lots_split`` = lots_split / nonprivate, each
 of the peak and of the delta.
 
-The cases are reduced versions of issue 41's (the development machine is a shared 2-core CPU; BERT-base does not
-fit its share): ``bert-lora``: keras_hub ``BertBackbone`` 4 layers, hidden 256, 4 heads, intermediate 1024,
+Issue 41's cases at full size: ``bert-base-lora``: keras_hub ``BertBackbone`` with BERT-base's sizes (12 layers,
+hidden 768, 12 heads, intermediate 3072, vocabulary 30522; random weights), T = 128, ``enable_lora(4)``, pooled
+output -> Dense(2); ``resnet50-frozen``: ``keras.applications.ResNet50(weights=None)`` on 224x224x3, frozen
+(``training=False``), global average pool -> Dense(10); ``llama-4x1024-lora``: keras_hub ``LlamaBackbone`` 4
+layers, hidden 1024, 8 query / 4 key-value heads, intermediate 2816, vocabulary 32000, ``enable_lora(4)``, the
+tied (frozen) token embedding as the output layer, a token-level causal-LM loss, T = 128.
+Reduced versions (for a shared 2-core CPU): ``bert-lora``: keras_hub ``BertBackbone`` 4 layers, hidden 256, 4 heads, intermediate 1024,
 T = 128, ``enable_lora(4)``, pooled output -> Dense(2); ``llama-lora``: keras_hub ``LlamaBackbone`` 4 layers,
 hidden 256, 4 query / 2 key-value heads, intermediate 512, T = 128, ``enable_lora(4)``, a token-level causal-LM
 loss (next-token ids, vocabulary 1000); ``mobilenet-frozen``: ``keras.applications.MobileNetV2(alpha=0.35,
@@ -39,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -47,7 +55,7 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ("bert-lora", "llama-lora", "mobilenet-frozen", "mlp")
+CASES = ("bert-lora", "llama-lora", "mobilenet-frozen", "mlp", "bert-base-lora", "resnet50-frozen", "llama-4x1024-lora")
 CONFIGS = ("nonprivate", "fast", "nonprivate_padded", "lots", "lots_split")
 LOT = 32
 LENGTH, VOCABULARY = 128, 1000
@@ -61,10 +69,14 @@ def build(case: str):
     sparse = keras.losses.SparseCategoricalCrossentropy
     if case == "mlp":
         model = keras.Sequential([keras.Input((784,)), layers.Dense(1000, activation="relu"), layers.Dense(10)])
-    elif case == "mobilenet-frozen":
-        base = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=(96, 96, 3), include_top=False)
+    elif case in ("mobilenet-frozen", "resnet50-frozen"):
+        shape = _image_shape(case)
+        if case == "mobilenet-frozen":
+            base = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=shape, include_top=False)
+        else:
+            base = keras.applications.ResNet50(weights=None, input_shape=shape, include_top=False)
         base.trainable = False
-        images = keras.Input((96, 96, 3))
+        images = keras.Input(shape)
         model = keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
     else:
         import keras_hub
@@ -72,7 +84,30 @@ def build(case: str):
         ids = keras.Input((LENGTH,), dtype="int32")
         inputs = {"token_ids": ids, "padding_mask": ops.not_equal(ids, 0)}
         sizes = dict(vocabulary_size=VOCABULARY, num_layers=4, hidden_dim=256)
-        if case == "bert-lora":
+        if case == "bert-base-lora":  # BERT-base's sizes (110M weights), random
+            backbone = keras_hub.models.BertBackbone(
+                vocabulary_size=30522,
+                num_layers=12,
+                num_heads=12,
+                hidden_dim=768,
+                intermediate_dim=3072,
+                max_sequence_length=LENGTH,
+            )
+            inputs["segment_ids"] = ops.zeros_like(ids)
+            backbone.enable_lora(4)
+            model = keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
+        elif case == "llama-4x1024-lora":  # 4 decoder blocks, GQA, SwiGLU, tied (frozen) output embedding
+            backbone = keras_hub.models.LlamaBackbone(
+                vocabulary_size=32000,
+                num_layers=4,
+                num_query_heads=8,
+                num_key_value_heads=4,
+                hidden_dim=1024,
+                intermediate_dim=2816,
+            )
+            backbone.enable_lora(4)
+            model = keras.Model(ids, backbone.token_embedding(backbone(inputs), reverse=True))
+        elif case == "bert-lora":
             backbone = keras_hub.models.BertBackbone(
                 num_heads=4, intermediate_dim=1024, max_sequence_length=LENGTH, **sizes
             )
@@ -90,17 +125,21 @@ def build(case: str):
     return model, sparse(from_logits=True), sparse(from_logits=True, reduction="none")
 
 
+def _image_shape(case: str) -> tuple:
+    return (224, 224, 3) if case == "resnet50-frozen" else (96, 96, 3)
+
+
 def data(case: str, rows: int):
     import numpy as np
 
     gen = np.random.default_rng(0)
-    if case in ("bert-lora", "llama-lora"):
+    if "bert" in case or "llama" in case:
         x = gen.integers(1, VOCABULARY, size=(rows, LENGTH)).astype("int32")
         x[:, -8:] = 0  # padding tokens
-        if case == "llama-lora":  # causal LM: next-token targets [rows, T]
+        if "llama" in case:  # causal LM: next-token targets [rows, T]
             return x, np.roll(x, -1, axis=1)
         return x, gen.integers(0, 2, size=(rows,)).astype("int32")
-    shape = (784,) if case == "mlp" else (96, 96, 3)
+    shape = (784,) if case == "mlp" else _image_shape(case)
     return gen.normal(size=(rows, *shape)).astype("float32"), gen.integers(0, 10, size=(rows,)).astype("int32")
 
 
@@ -122,12 +161,6 @@ def padded_rows(lot: int) -> int:
     return PoissonLots(np.zeros((n, 1), "float32"), np.zeros(n, "int32"), expected_lot_size=lot).physical_batch_size
 
 
-def split_rows(lot: int) -> int:
-    """P = ceil(R / k), k = ceil(R / L): the padded lot of R rows as k physical batches of at most L rows."""
-    rows = padded_rows(lot)
-    return math.ceil(rows / math.ceil(rows / lot))
-
-
 def child(case: str, config: str, lot: int, steps: int) -> dict:
     """Runs in a fresh process: the peak memory of ``steps`` training batches of one configuration."""
     import keras
@@ -138,10 +171,10 @@ def child(case: str, config: str, lot: int, steps: int) -> dict:
     model, loss, per_example_loss = build(case)
     private = config in ("fast", "lots", "lots_split")
     rows = padded_rows(lot) if config == "nonprivate_padded" else lot
-    x, y = data(case, (16 if config.startswith("lots") else steps) * max(rows, lot))
+    x, y = data(case, 16 * lot)  # every configuration holds the same training set (N = 16 L rows)
     lots = None
     if config.startswith("lots"):
-        split = dict(physical_batch_size=split_rows(lot)) if config == "lots_split" else {}
+        split = dict(max_physical_batch_size=lot) if config == "lots_split" else {}
         lots = PoissonLots(x, y, expected_lot_size=lot, seed=0, **split)
     if private:
         model = make_private(model)
@@ -155,13 +188,13 @@ def child(case: str, config: str, lot: int, steps: int) -> dict:
         model.compile(optimizer=opt, loss=per_example_loss)
     else:
         model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.01), loss=loss)
-    out = {"rows": rows}
+    out = {"rows": rows, "loadavg_start": list(os.getloadavg()), "data_mib": (x.nbytes + y.nbytes) / 2**20}
     if lots is not None:
         lots.configure(model.optimizer)
         out.update(rows=lots.physical_batch_size, batches_per_lot=lots.gradient_accumulation_steps)
         feed = dict(x=lots.dataset(steps))
     else:
-        feed = dict(x=x[: rows * steps], y=y[: rows * steps], batch_size=rows, shuffle=False)
+        feed = dict(x=x, y=y, batch_size=rows, steps_per_epoch=steps, shuffle=False)
     before = _status_mib("VmRSS")
     started = time.perf_counter()
     model.fit(epochs=1, verbose=0, **feed)

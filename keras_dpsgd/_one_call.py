@@ -172,6 +172,7 @@ def make_private_with_epsilon(
     target_delta: Optional[float] = None,
     sample_weight: Any = None,
     physical_batch_size: Optional[int] = None,
+    max_physical_batch_size: Optional[int] = None,
     accountant: str = "rdp",
     seed: Optional[int] = None,
     verbose: int = 1,
@@ -207,6 +208,9 @@ def make_private_with_epsilon(
       target_delta: δ in (0, 1/N); default min(1/N^1.1, 1/(10·N)) (as the CLI), announced in `notes`.
       sample_weight: optional per-example weights (N,), >= 0.
       physical_batch_size: rows per physical batch (gradient accumulation); None: one per lot.
+      max_physical_batch_size: the most rows per physical batch (a memory bound; exclusive with
+        `physical_batch_size`): each lot split into as few equal physical batches as that allows
+        (:class:`keras_dpsgd.PoissonLots`).
       accountant: "rdp" (default), "moments" or "pld".
       seed: None (OS entropy) or an integer >= 0 for reproducible lots and noise (keep it secret). The
         noise keys and the lots' seed are functions of (seed, the position of the run's first step in the
@@ -259,6 +263,7 @@ def make_private_with_epsilon(
         expected_lot_size=expected_lot_size,
         sample_weight=sample_weight,
         physical_batch_size=physical_batch_size,
+        max_physical_batch_size=max_physical_batch_size,
         seed=lot_seed,
     )
     n = lots.num_examples

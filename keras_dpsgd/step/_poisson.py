@@ -36,6 +36,23 @@ def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability:
     return int(min(num_examples, max(1, k)))
 
 
+def _split(capacity: int, max_physical_batch_size: Any, replicas: int) -> tuple[int, int]:
+    """(k, P): a lot of `capacity` rows as k = ceil(capacity / M) physical batches of P = ceil(capacity / k) rows
+    (rounded up to a multiple of `replicas`), so P <= M = `max_physical_batch_size` and k * P - capacity < k * replicas.
+
+    Raises:
+      ValueError: M not an integer >= `replicas`, or not a multiple of it.
+    """
+    most = _validate.integer_at_least(replicas, max_physical_batch_size=max_physical_batch_size)
+    if most % replicas:
+        raise ValueError(
+            f"max_physical_batch_size must be a multiple of replicas_per_worker={replicas} (each replica gets an "
+            f"equal part), got {max_physical_batch_size!r}"
+        )
+    batches = math.ceil(capacity / most)
+    return batches, math.ceil(math.ceil(capacity / batches) / replicas) * replicas
+
+
 def check_num_lots(num_lots: Optional[int]) -> None:
     """Refuses a `num_lots` other than None (an endless stream) or an integer >= 0."""
     if num_lots is not None:
@@ -87,6 +104,7 @@ class PoissonSampling:
         num_workers: int,
         worker_index: int,
         replicas_per_worker: int,
+        max_physical_batch_size: Optional[int] = None,
     ) -> None:
         """The rate, the capacity and the generator of lots over N = `n` examples (the arguments of the class)."""
         self._n = n
@@ -110,7 +128,14 @@ class PoissonSampling:
             capacity = _lot_capacity(largest_shard, q, overflow_probability)
         else:
             capacity = _validate.integer_in_range(1, largest_shard, max_lot_size=max_lot_size)
-        if physical_batch_size is None:
+        if physical_batch_size is not None and max_physical_batch_size is not None:
+            raise ValueError(
+                "give at most one of physical_batch_size and max_physical_batch_size, got "
+                f"physical_batch_size={physical_batch_size!r}, max_physical_batch_size={max_physical_batch_size!r}"
+            )
+        if max_physical_batch_size is not None:
+            self._accum, self._physical = _split(capacity, max_physical_batch_size, replicas)
+        elif physical_batch_size is None:
             self._physical = math.ceil(capacity / replicas) * replicas
             self._accum = 1
         else:

@@ -35,7 +35,8 @@ so Keras traces ``train_step`` once whatever the size (an XLA-compiled step
 compiles once more for an overflow bucket). Large lots can be split into
 ``gradient_accumulation_steps`` physical batches of ``physical_batch_size``
 rows each (use the same number in the optimizer's
-``gradient_accumulation_steps``).
+``gradient_accumulation_steps``; ``max_physical_batch_size`` picks them: see
+"Memory").
 
 What the timing reveals
 -----------------------
@@ -58,21 +59,33 @@ the step once more (about 12√L/m sizes within 6 standard deviations).
 
 Memory
 ------
-The DP step's peak memory follows the rows it computes on: padded to the
-capacity (about L + 6√L rows: 69 at L = 32), a lot costs about as much memory
-as a non-private step on that many rows (``benchmarks/memory.py``: 1.55x the
-peak of a non-private step on L rows for a small BERT and a small Llama with
-LoRA; the DP step on L rows: 1.12x and 1.14x). To bound it by a step on at most L rows while keeping
-constant shapes, split each lot into k = ceil(R / L) physical batches of
-ceil(R / k) rows (R = ``max_lot_size`` of the default sampler), accumulated by
-the optimizer and released once::
+The DP step's peak memory follows the rows one call computes on: padded to the
+capacity R (about L + 6√L rows: 69 at L = 32), a lot costs about as much memory
+as a non-private step on R rows (``benchmarks/memory.py``: 1.55x the peak of a
+non-private step on L rows for a small BERT and a small Llama with LoRA; the DP
+step on L rows: 1.12x and 1.14x). ``max_physical_batch_size=M`` bounds it by a
+step on at most M rows, shapes still constant: each padded lot is cut into
+k = ceil(R / M) physical batches of P = ceil(R / k) <= M rows (``physical_batch_size``
+reads P, ``gradient_accumulation_steps`` reads k), their clipped sums accumulated
+by the optimizer and released once, with one noise draw, divided by L::
 
-    R = PoissonLots(x, y, expected_lot_size=L).max_lot_size
-    k = math.ceil(R / L)
-    lots = PoissonLots(x, y, expected_lot_size=L, physical_batch_size=math.ceil(R / k))
+    lots = PoissonLots(x, y, expected_lot_size=L, max_physical_batch_size=L)
     optimizer = DPSGDOptimizer(..., gradient_accumulation_steps=lots.gradient_accumulation_steps)
 
-(measured 1.08x and 1.18x; the same rows, k calls per lot instead of one).
+The same rows in all (k·P, less than k rows over R) in k calls per lot instead of
+one (measured at L = 32, ``benchmarks/results/memory.json``: the DP step's peak
+over non-private on 32 rows, BERT-base + LoRA 0.90x, ResNet50 frozen + head
+1.09x, a Llama-style decoder + LoRA 0.91x); a lot of n examples fills its first batches (real rows first) and the rest
+is padding, so some of the k batches may be all padding. The split reveals
+nothing: k and P are functions of N, q, M and ``overflow_probability`` (of no
+example), every lot has k batches of P rows, so the shapes, the number of calls
+and their timing are those of every other lot, as without the split (an overflow
+excepted: its batches are bigger, probability ``overflow_probability`` per lot;
+with ``pad_to_multiple_of`` m each batch holds the next multiple of m above
+ceil(n / k) rows instead, which reveals what that padding reveals, and exceeds M
+only where m does not divide M). ``physical_batch_size=P`` instead fixes P
+itself (k = ceil(R / P), k·P rows: up to P - 1 more). A partial lot (a ``fit``
+that ends inside one) is never released: see ``gradient_accumulation_steps``.
 
 Secrecy of the sampling
 -----------------------
@@ -174,6 +187,11 @@ class PoissonLots(PoissonSampling):
         batch per lot (of `max_lot_size` rows). Otherwise each lot is split
         into `gradient_accumulation_steps` = ceil(capacity / physical_batch_size)
         physical batches.
+      max_physical_batch_size: M, the most rows a physical batch may hold (a bound on the step's memory;
+        exclusive with `physical_batch_size`): each lot, padded to the capacity R, is split into
+        `gradient_accumulation_steps` k = ceil(R / M) physical batches of ceil(R / k) <= M rows each (a
+        multiple of `replicas_per_worker`), their clipped sums accumulated by the optimizer and released
+        once (see "Memory" in the module docstring). None: see `physical_batch_size`.
       max_lot_size: the lot capacity; None for the Binomial(N, q) quantile
         with tail `overflow_probability`.
       overflow_probability: per-step probability that a lot exceeds the
@@ -205,6 +223,7 @@ class PoissonLots(PoissonSampling):
         expected_lot_size: Optional[float] = None,
         sample_weight: Any = None,
         physical_batch_size: Optional[int] = None,
+        max_physical_batch_size: Optional[int] = None,
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
         pad_to_multiple_of: Optional[int] = None,
@@ -235,6 +254,7 @@ class PoissonLots(PoissonSampling):
             sampling_rate=sampling_rate,
             expected_lot_size=expected_lot_size,
             physical_batch_size=physical_batch_size,
+            max_physical_batch_size=max_physical_batch_size,
             max_lot_size=max_lot_size,
             overflow_probability=overflow_probability,
             pad_to_multiple_of=pad_to_multiple_of,
@@ -326,24 +346,28 @@ class PoissonLots(PoissonSampling):
             )
 
     def _dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
-        def with_zero_row(a):  # row N: the (finite) padding example
-            return tf.convert_to_tensor(np.concatenate([a, np.zeros((1,) + a.shape[1:], a.dtype)]))
-
-        x = tf.nest.map_structure(with_zero_row, self._x)
-        y = tf.nest.map_structure(with_zero_row, self._y)
+        # One tensor copy of the rows (no concatenated zero row: that would hold a third copy of the data set
+        # while it is made, which the process's peak memory keeps).
+        x = tf.nest.map_structure(tf.convert_to_tensor, self._x)
+        y = tf.nest.map_structure(tf.convert_to_tensor, self._y)
         signature = (
             tf.TensorSpec(shape=(None,), dtype=tf.int64),
             tf.TensorSpec(shape=(None,), dtype=tf.float32),
             tf.TensorSpec(shape=(), dtype=tf.int64),
         )
+        n = self._n
 
         def gather(idx, w, real):
-            del real  # padding rows point at the zero row
-            return (
-                tf.nest.map_structure(lambda a: tf.gather(a, idx), x),
-                tf.nest.map_structure(lambda a: tf.gather(a, idx), y),
-                w,
-            )
+            del real  # padding rows have index N: read row 0, then zeroed (the finite padding example)
+            padding = idx >= n
+            safe = tf.where(padding, tf.zeros_like(idx), idx)
+
+            def take(a):
+                rows = tf.gather(a, safe)
+                where = tf.reshape(padding, tf.concat([[-1], tf.ones([tf.rank(a) - 1], tf.int32)], 0))
+                return tf.where(where, tf.zeros_like(rows), rows)
+
+            return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), w
 
         indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
         return self._finished(indices, num_lots, gather)

@@ -103,6 +103,7 @@ class StreamingPoissonLots(PoissonLots):
       sampling_rate: q, as :class:`keras_dpsgd.PoissonLots` (exactly one of it and `expected_lot_size`).
       expected_lot_size: L = qN, as :class:`keras_dpsgd.PoissonLots`.
       physical_batch_size: as :class:`keras_dpsgd.PoissonLots`.
+      max_physical_batch_size: as :class:`keras_dpsgd.PoissonLots`.
       max_lot_size: as :class:`keras_dpsgd.PoissonLots`.
       overflow_probability: as :class:`keras_dpsgd.PoissonLots`.
       pad_to_multiple_of: as :class:`keras_dpsgd.PoissonLots` (None: every lot padded to the capacity).
@@ -119,6 +120,7 @@ class StreamingPoissonLots(PoissonLots):
         sampling_rate: Optional[float] = None,
         expected_lot_size: Optional[float] = None,
         physical_batch_size: Optional[int] = None,
+        max_physical_batch_size: Optional[int] = None,
         max_lot_size: Optional[int] = None,
         overflow_probability: float = 1e-9,
         pad_to_multiple_of: Optional[int] = None,
@@ -137,6 +139,7 @@ class StreamingPoissonLots(PoissonLots):
             sampling_rate=sampling_rate,
             expected_lot_size=expected_lot_size,
             physical_batch_size=physical_batch_size,
+            max_physical_batch_size=max_physical_batch_size,
             max_lot_size=max_lot_size,
             overflow_probability=overflow_probability,
             pad_to_multiple_of=pad_to_multiple_of,

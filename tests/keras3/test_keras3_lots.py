@@ -102,8 +102,8 @@ def test_py_dataset_refusals():
 
 
 def test_a_lot_split_into_physical_batches_trains_as_the_whole_lot():
-    """The memory recipe (docs/per-example.md, "Memory"): the padded lot of R rows as k batches of ceil(R/k) rows,
-    accumulated, takes the same steps as the lot in one batch (σ = 0, same seed: the same lots)."""
+    """physical_batch_size=ceil(R/k) (what max_physical_batch_size picks): the padded lot of R rows as k batches
+    of ceil(R/k) rows, accumulated, takes the same steps as the lot in one batch (σ = 0, same seed: the same lots)."""
     x, y = _data(64)
     whole = PoissonLots(x, y, expected_lot_size=8, seed=3)
     k = -(-whole.max_lot_size // 8)

@@ -97,6 +97,29 @@ def test_split_into_physical_batches_for_accumulation():
         assert sorted(lot) == sorted((reference.sample_indices() + 1).tolist())
 
 
+@pytest.mark.parametrize("lot_size, most, replicas", [(30, 8, 1), (30, 16, 2), (30, 100, 1), (8, 8, 1), (2, 1, 1)])
+def test_max_physical_batch_size_splits_each_lot_into_equal_batches_of_at_most_m(lot_size, most, replicas):
+    """max_physical_batch_size=M: the padded lot of R rows (the default capacity) as k = ceil(R / M) batches of
+    P = ceil(R / k) rows (a multiple of the replicas), P <= M, k·P - R < k·replicas; every batch of every lot the
+    same shape; each lot's examples exactly once, real rows first (the padding after them)."""
+    x, y = _data(100)
+    kwargs = dict(expected_lot_size=lot_size, replicas_per_worker=replicas, seed=5)
+    capacity = PoissonLots(x, y, **kwargs).max_lot_size
+    sampler = PoissonLots(x, y, max_physical_batch_size=most, **kwargs)
+    k, p = sampler.gradient_accumulation_steps, sampler.physical_batch_size
+    assert k == -(-capacity // most) and p == -(-(-(-capacity // k)) // replicas) * replicas
+    assert p <= most and p % replicas == 0 and 0 <= k * p - capacity < k * replicas
+    assert sampler.max_lot_size == k * p and sampler.steps_per_epoch == sampler.lots_per_epoch * k
+    batches = list(PoissonLots(x, y, max_physical_batch_size=most, **kwargs).lots(20))
+    assert len(batches) == 20 * k and {b[0].shape for b in batches} == {(p, 1)}
+    reference = PoissonLots(x, y, **kwargs)
+    for t, lot in enumerate(_lots_of(sampler, 20)):
+        assert sorted(lot) == sorted((reference.sample_indices() + 1).tolist())
+        weights = np.concatenate([w for _, _, w in batches[t * k : (t + 1) * k]])
+        assert np.all(weights[: len(lot)] == 1) and np.all(weights[len(lot) :] == 0)
+    assert sampler.overflow_count == 0
+
+
 @pytest.mark.parametrize("physical_batch_size", [None, 8])
 def test_padding_to_a_multiple_carries_each_lot_exactly_once(physical_batch_size):
     """pad_to_multiple_of=m: each physical batch has the next multiple of m rows (at least m), every sampled
@@ -211,6 +234,17 @@ def test_from_dataset():
             "multiple",
         ),
         ({"sampling_rate": 0.1, "pad_to_multiple_of": 4, "num_workers": 2}, "num_workers"),
+        ({"sampling_rate": 0.1, "max_physical_batch_size": 0}, r"max_physical_batch_size must be .*>= 1, got 0"),
+        ({"sampling_rate": 0.1, "max_physical_batch_size": 2.5}, r"max_physical_batch_size must be .*got 2\.5"),
+        (
+            {"sampling_rate": 0.1, "max_physical_batch_size": 3, "replicas_per_worker": 2},
+            r"max_physical_batch_size must be a multiple of replicas_per_worker=2 .*got 3",
+        ),
+        (
+            {"sampling_rate": 0.1, "max_physical_batch_size": 4, "physical_batch_size": 4},
+            "at most one of physical_batch_size and max_physical_batch_size, got physical_batch_size=4, "
+            "max_physical_batch_size=4",
+        ),
     ],
 )
 def test_validation(kwargs, match):
