@@ -117,7 +117,7 @@ def _holder_class(owner: Any) -> type:
                         # before any read or step, it still holds it (its copy keeps this optimizer alive).
                         model = saving_model(optimizer, max_depth=64)
                         if model is not None:
-                            attach(model, optimizer, watch=False)
+                            attach(model, optimizer, loading=True)
 
         _KERAS3_HOLDER.append(Keras3LedgerState)
     return _KERAS3_HOLDER[0]
@@ -216,16 +216,17 @@ def on_attach(hook: Callable[[Any], None]) -> None:
         _ON_ATTACH.append(hook)
 
 
-def attach(model: Any, optimizer: Any, *, watch: bool = True) -> None:
+def attach(model: Any, optimizer: Any, *, loading: bool = False) -> None:
     """Makes the ledger a property of `model`: called by the DP step when it is traced.
 
     Attaches both copies of the state, keeps them current at every save, and
     when `model` was trained by another DP optimizer before (compiled again),
     first closes that optimizer's steps into the model's copy, so a new
     optimizer adds to the history instead of replacing it. Readers of the
-    ledger call it too, and a Keras 3 load of the optimizer's copy (``watch=False``:
-    the checks of a fit's start, :func:`on_attach`, wait for the DP step), so that a
-    model compiled again right after a load keeps the loaded history.
+    ledger call it too, and the load of a DP optimizer (``loading=True``: the copies are
+    linked only; the counters are read, and a fit's start checked by :func:`on_attach`'s
+    hooks, at the first read or step), so that a model compiled again right after a load
+    keeps the loaded history.
     """
     if not is_dp_optimizer(optimizer):
         return
@@ -238,12 +239,13 @@ def attach(model: Any, optimizer: Any, *, watch: bool = True) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
-            for hook in _ON_ATTACH if watch else ():
+            for hook in () if loading else _ON_ATTACH:
                 hook(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         if model is not None:
             holders[0]._model = weakref.ref(model)
-        _refresh(model, optimizer)
+        if not loading:
+            _refresh(model, optimizer)
 
 
 def refuse_h5_weights(where: str) -> None:

@@ -190,7 +190,7 @@ class DPSanitizerMixin(LotReleaseMixin):
         right after the load (before any read or step) keeps the loaded steps."""
         model = ledger.saving_model(self)
         if model is not None:
-            ledger.attach(model, self, watch=False)
+            ledger.attach(model, self, loading=True)
 
     # ------------------------------------------------------- fit's lot boundaries
     def _fit_steps_per_epoch(self, model: Any) -> int | None:
