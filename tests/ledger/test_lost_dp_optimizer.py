@@ -2,8 +2,8 @@
 with a plain optimizer. It read 0.0 before (fail open); now the model's copy of the ledger gives the DP history,
 a plain optimizer's steps add ε = ∞, and a model carrying no record of its training is refused.
 
-Run for Keras 3 on TensorFlow and tf_keras here, and on JAX in the JAX suite's process
-(tests/backends/jax/test_jax_lost_dp_optimizer.py imports these checks with the JAX front).
+Run for Keras 3 on TensorFlow and tf_keras here, and on JAX and torch in their suites' processes
+(tests/backends/{jax,torch}/test_*_lost_dp_optimizer.py import these checks with their front).
 """
 
 import math
