@@ -196,7 +196,9 @@ def make_private_with_epsilon(
         run.fit()                      # or run.model.fit(**run.fit_kwargs, callbacks=[...])
 
     Args:
-      model: a Keras 3 or tf_keras model; its Keras picks the front end.
+      model: a Keras 3 or tf_keras model; its Keras picks the front end. Its recorded events are counted; a
+        model with no record of its training (no DP optimizer nor ledger) is taken as new: load an earlier DP
+        run's model with ``compile=True``, since one loaded with ``compile=False`` carries no ledger.
       x: the training inputs, an array (or a nested structure of arrays) of first dimension N.
       y: the training targets, of the same first dimension N.
       target_epsilon: ε > 0 of the whole run.
@@ -273,7 +275,10 @@ def make_private_with_epsilon(
         notes.append(f"δ = {DEFAULT_DELTA_RULE} = {delta:.3g} (N = {n}; the default: give target_delta to choose it)")
     else:
         delta = check_delta(target_delta, n)
-    prior = model_privacy_ledger(model).events  # e.g. a DPNormalization's release: counted in the budget
+    # What the model records (a DPNormalization's release, an earlier DP run) is counted in the budget. A model
+    # with no record at all is taken as new: its initial weights are the caller's (docs/privacy-model.md); one
+    # loaded with compile=False carries no record of its DP training (docs/saving.md).
+    prior = model_privacy_ledger(model, untrained=True).events
     prior_epsilon = compute_epsilon(prior, delta, accountant=accountant) if prior else 0.0
     if prior and prior_epsilon >= target_epsilon:
         raise refuse(

@@ -235,6 +235,12 @@ register(
     "them would restart epsilon at 0",
 )
 register(
+    "model-without-ledger",
+    "epsilon of a model that carries no record of its training (no DP optimizer, no copy of a ledger, no step of a "
+    "plain optimizer), e.g. loaded with compile=False: its weights may have been trained, and epsilon = 0 would "
+    "under-report",
+)
+register(
     "foreign-ledger",
     "PrivacyLedger.from_dict of a state that is not a keras_dpsgd ledger (another format, an unknown version): "
     "loading it as an empty ledger would report epsilon = 0 for a trained model",

@@ -58,6 +58,12 @@ weights). What each way of saving keeps:
   which also holds an earlier optimizer's steps (the model compiled again:
   the save attaches the ledger first): resumed training continues ε exactly.
 
+Out of sight of the DP optimizer. A model compiled again with a plain optimizer keeps its copy of the ledger
+(and its last DP optimizer, which brings it up to date): its ε is the DP history's, ∞ once the plain
+optimizer steps. A model loaded with ``compile=False`` (the ledger was in its optimizer) or otherwise
+carrying no record of its training is refused (``model-without-ledger``) unless the caller states
+``untrained=True``: ε = 0 would be a guess (:func:`optimizer_events`).
+
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
 see :mod:`keras_dpsgd.tf_keras._sanitizer`).

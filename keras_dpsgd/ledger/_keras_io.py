@@ -113,6 +113,11 @@ def _holder_class(owner: Any) -> type:
                     optimizer = self._optimizer() if self._optimizer is not None else None
                     if optimizer is not None:  # the restored counter's position in the restored ledger
                         write_ledger_offset(optimizer, S.earlier_steps(state))
+                        # The model being loaded (compile=True) keeps the history from now on: compiled again
+                        # before any read or step, it still holds it (its copy keeps this optimizer alive).
+                        model = saving_model(optimizer, max_depth=64)
+                        if model is not None:
+                            attach(model, optimizer, loading=True)
 
         _KERAS3_HOLDER.append(Keras3LedgerState)
     return _KERAS3_HOLDER[0]
@@ -211,14 +216,17 @@ def on_attach(hook: Callable[[Any], None]) -> None:
         _ON_ATTACH.append(hook)
 
 
-def attach(model: Any, optimizer: Any) -> None:
+def attach(model: Any, optimizer: Any, *, loading: bool = False) -> None:
     """Makes the ledger a property of `model`: called by the DP step when it is traced.
 
     Attaches both copies of the state, keeps them current at every save, and
     when `model` was trained by another DP optimizer before (compiled again),
     first closes that optimizer's steps into the model's copy, so a new
     optimizer adds to the history instead of replacing it. Readers of the
-    ledger call it too.
+    ledger call it too, and the load of a DP optimizer (``loading=True``: the copies are
+    linked only; the counters are read, and a fit's start checked by :func:`on_attach`'s
+    hooks, at the first read or step), so that a model compiled again right after a load
+    keeps the loaded history.
     """
     if not is_dp_optimizer(optimizer):
         return
@@ -231,12 +239,13 @@ def attach(model: Any, optimizer: Any) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
-            for hook in _ON_ATTACH:
+            for hook in () if loading else _ON_ATTACH:
                 hook(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
         if model is not None:
             holders[0]._model = weakref.ref(model)
-        _refresh(model, optimizer)
+        if not loading:
+            _refresh(model, optimizer)
 
 
 def refuse_h5_weights(where: str) -> None:
@@ -503,6 +512,38 @@ def recorded_releases(model: Any) -> int:
         return 0
     with tf.init_scope():
         return S.recorded_steps(_read_state(holder))
+
+
+def is_live_dp_optimizer(optimizer: Any) -> bool:
+    """True for a DP optimizer whose steps the ledger can read (its counter and its σ_eff); False for a plain
+    one and for the skeleton a tf_keras SavedModel loaded with ``compile=False`` revives (a
+    ``RestoredOptimizer`` holding the counter only: the model's copy of the ledger holds its steps)."""
+    return is_dp_optimizer(optimizer) and hasattr(optimizer, "effective_noise_multiplier")
+
+
+def ledger_trainer(model: Any) -> Any:
+    """The DP optimizer whose counter the model's ledger reads: ``model.optimizer`` if it is one, else the last
+    DP optimizer attached to the model (its copy of the ledger keeps it alive: the model was compiled again with
+    a plain optimizer), else None."""
+    optimizer = getattr(model, "optimizer", None)
+    if is_live_dp_optimizer(optimizer):
+        return optimizer
+    holder = getattr(model, _STATE_ATTR, None)
+    trainer = getattr(holder, "_trainer", None)
+    previous = trainer() if trainer is not None else None
+    return previous if is_live_dp_optimizer(previous) else None
+
+
+def model_ledger_state(model: Any) -> Optional[dict]:
+    """The state of the model's own copy of the ledger as saved, or None if the model holds none.
+
+    A copy revived from a tf_keras SavedModel (a plain object holding the string variable) becomes a
+    :class:`LedgerState` first, as at :func:`attach`.
+    """
+    if model is None or not isinstance(getattr(getattr(model, _STATE_ATTR, None), "state", None), tf.Variable):
+        return None
+    with tf.init_scope():
+        return _read_state(ledger_state_holders(model, None)[0])
 
 
 def refresh_ledger_offset(model: Any, optimizer: Any) -> None:

@@ -19,10 +19,25 @@ from keras_dpsgd.accounting import (
     event_from_dict,
 )
 from keras_dpsgd.ledger._bandmf import bandmf_events
-from keras_dpsgd.ledger._keras_io import attach, is_dp_optimizer, recorded_sampling_rate, sync_ledger_state
+from keras_dpsgd.ledger._keras_io import (
+    attach,
+    is_dp_optimizer,
+    is_live_dp_optimizer,
+    ledger_trainer,
+    model_ledger_state,
+    recorded_sampling_rate,
+    sync_ledger_state,
+)
 from keras_dpsgd.ledger.sampling import resolve_sampling_rate
 
-__all__ = ["DPSGD_LABEL", "layer_events", "optimizer_events", "refuse_shared_layer_seeds", "step_event"]
+__all__ = [
+    "DPSGD_LABEL",
+    "NON_PRIVATE_LABEL",
+    "layer_events",
+    "optimizer_events",
+    "refuse_shared_layer_seeds",
+    "step_event",
+]
 
 DPSGD_LABEL = S.DPSGD_LABEL
 
@@ -34,24 +49,77 @@ def step_event(q: float, noise_multipliers: Sequence[float], count: int, label: 
     return PoissonSampledComposedGaussianEvent(q, tuple(noise_multipliers), count=count, label=label)
 
 
-def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_size: Optional[int] = None) -> list:
-    """The privacy events of the training steps of the model's optimizer so far.
+def optimizer_events(
+    model: Any,
+    *,
+    num_examples: Optional[int] = None,
+    batch_size: Optional[int] = None,
+    untrained: bool = False,
+) -> list:
+    """The privacy events of the model's training steps so far; fail closed where it carries no record of them.
 
-    A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per
-    (q, σ_eff) segment). A non-private optimizer that has taken steps touched
-    the data without noise: recorded as a noiseless Gaussian event (ε = ∞).
+    Read from (1) the model's DP optimizer: its noised steps and those of the earlier DP optimizers of the
+    model (:func:`~keras_dpsgd.ledger.attach` folds them in); else (2) the model's copy of the ledger (a model
+    compiled again with a plain optimizer after DP training, a tf_keras SavedModel loaded with
+    ``compile=False``), brought up to date first from the last DP optimizer that trained the model while it
+    lives. A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per (q, σ_eff) segment). The
+    steps of a plain (non-DP) optimizer touched the data without noise: one noiseless Gaussian event (ε = ∞),
+    after the DP history, never instead of it.
+
+    Args:
+      model: a Keras 3 or tf_keras model.
+      num_examples: N, needed only where the sampling rate of recorded steps is unknown.
+      batch_size: the physical batch size of those steps, idem.
+      untrained: the caller states that the model's weights were not trained on the data outside what the
+        model records (a new model, or weights from public data). Needed only for a model that carries no
+        record at all (no DP optimizer, no copy of a ledger, no step of a plain optimizer), whose training
+        history keras_dpsgd cannot see: its DP-SGD part is then empty instead of refused.
+
+    Raises:
+      ValueError: the model carries no record and `untrained` is False (refusal ``model-without-ledger``:
+        e.g. a model loaded with ``compile=False``, whose file kept the ledger with its optimizer).
     """
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None:
-        return []
-    if not is_dp_optimizer(optimizer):
-        iterations = int(optimizer.iterations.numpy()) if hasattr(optimizer, "iterations") else 0
-        if iterations:
-            return [GaussianEvent(0.0, count=iterations, label="non-private training")]
-        return []
+    if is_live_dp_optimizer(optimizer):
+        attach(model, optimizer)
+        return _dp_events(model, optimizer, num_examples, batch_size)
+    events = _recorded_events(model, num_examples, batch_size)
+    # A plain optimizer's steps; a revived DP skeleton's are DP steps, in the model's copy.
+    plain = hasattr(optimizer, "iterations") and not is_dp_optimizer(optimizer)
+    iterations = int(optimizer.iterations.numpy()) if plain else 0
+    if iterations:
+        return (events or []) + [GaussianEvent(0.0, count=iterations, label=NON_PRIVATE_LABEL)]
+    if events is None and not untrained:
+        raise refuse("model-without-ledger", _no_ledger_detail(model, optimizer))
+    return events or []
+
+
+NON_PRIVATE_LABEL = "non-private training"
+
+
+def _dp_events(model: Any, optimizer: Any, num_examples: Optional[int], batch_size: Optional[int]) -> list:
+    """The events of the model's ledger, brought up to date first from DP `optimizer`'s counter."""
     sigma = float(optimizer.effective_noise_multiplier)
-    attach(model, optimizer)
-    data = sync_ledger_state(model, recorded_sampling_rate(optimizer), sigma)
+    data = sync_ledger_state(model, recorded_sampling_rate(optimizer), sigma, optimizer=optimizer)
+    return _state_events(data, optimizer, num_examples, batch_size)
+
+
+def _recorded_events(model: Any, num_examples: Optional[int], batch_size: Optional[int]) -> Optional[list]:
+    """The events of the model's copy of the ledger (no DP optimizer compiled), or None if it holds none.
+
+    Its last DP optimizer, while it lives (the copy keeps it alive in this process), brings it up to date
+    first; without it (a SavedModel's copy) the copy is read as saved, each step a DP-SGD event (an upper
+    bound on a BandMF step too: :mod:`keras_dpsgd.ledger._bandmf`).
+    """
+    trainer = ledger_trainer(model)
+    if trainer is not None:
+        return _dp_events(model, trainer, num_examples, batch_size)
+    data = model_ledger_state(model)
+    return None if data is None else _state_events(data, None, num_examples, batch_size)
+
+
+def _state_events(data: dict, optimizer: Any, num_examples: Optional[int], batch_size: Optional[int]) -> list:
+    """The events of ledger state `data`; `optimizer`: the DP optimizer of its last steps, or None."""
     q = None  # the reader's q: needed only for steps recorded without one
     if (
         num_examples is not None
@@ -64,6 +132,18 @@ def optimizer_events(model: Any, *, num_examples: Optional[int] = None, batch_si
         # Correlated noise on cyclic lots (issue 42); after a search, DP-SGD's events (an upper bound).
         return bandmf_events(data, S.events(data, q), optimizer, step_event)
     return searches + [step_event(*segment) for segment in S.events(data, q)]
+
+
+def _no_ledger_detail(model: Any, optimizer: Any) -> str:
+    compiled = "it is not compiled" if optimizer is None else f"its optimizer {type(optimizer).__name__} is no DP one"
+    return (
+        f"epsilon of model {getattr(model, 'name', type(model).__name__)!r} cannot be proven complete: {compiled} "
+        "and it carries no copy of a privacy ledger, so keras_dpsgd cannot see whether its weights were trained "
+        "(a model loaded with load_model(..., compile=False) lost the ledger its file kept with the optimizer). "
+        "Load it with compile=True, which restores its DP optimizer and the whole ledger; if you know its earlier privacy cost, pass those events "
+        "as extra_events= together with untrained=True; if its weights were never trained on the private data "
+        "(a new model, or public weights), pass untrained=True"
+    )
 
 
 def _releasing_layers(model: Any) -> list:

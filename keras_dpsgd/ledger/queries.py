@@ -12,7 +12,7 @@ from keras_dpsgd.accounting import (
     max_steps_within_budget,
 )
 from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
-from keras_dpsgd.ledger._keras_io import is_dp_optimizer
+from keras_dpsgd.ledger._keras_io import is_dp_optimizer, ledger_trainer
 from keras_dpsgd.ledger.model_events import layer_events, optimizer_events
 from keras_dpsgd.ledger.sampling import _int_arg, _warn_once, resolve_num_examples, resolve_sampling_rate
 
@@ -25,25 +25,31 @@ def model_privacy_ledger(
     num_examples: Optional[int] = None,
     batch_size: Optional[int] = None,
     extra_events: Iterable = (),
+    untrained: bool = False,
 ) -> PrivacyLedger:
     """Every recorded access to the data by `model`: its layers' events, then its optimizer's steps.
 
     Args:
-      model: a tf_keras model (compiled or not).
+      model: a Keras 3 or tf_keras model (compiled or not).
       extra_events: events of data accesses outside the model (e.g. a DP-PCA
         layer applied to the data before fit), placed first.
       num_examples: N, needed only when the optimizer's sampling_rate is unknown.
       batch_size: the physical batch size given to fit, idem (Poisson sampling is then assumed and
         a warning says so once).
+      untrained: states that the weights of a model carrying no record of its training (no DP optimizer,
+        no copy of a ledger, no plain optimizer's step) were never trained on the data: see
+        :func:`~keras_dpsgd.ledger.optimizer_events`.
 
     Returns:
-      A PrivacyLedger whose DP-SGD events carry the label "dp-sgd".
+      A PrivacyLedger whose DP-SGD events carry the label "dp-sgd" (a plain optimizer's steps: "non-private
+      training", ε = ∞).
 
     Raises:
-      ValueError: if the optimizer's sampling_rate is unknown and num_examples or batch_size is missing.
+      ValueError: if the optimizer's sampling_rate is unknown and num_examples or batch_size is missing; if the
+        model carries no record of its training and `untrained` is False (e.g. loaded with ``compile=False``).
     """
     events = list(extra_events) + layer_events(model)
-    events.extend(optimizer_events(model, num_examples=num_examples, batch_size=batch_size))
+    events.extend(optimizer_events(model, num_examples=num_examples, batch_size=batch_size, untrained=untrained))
     return PrivacyLedger(events)
 
 
@@ -77,14 +83,18 @@ def model_epsilon(
     batch_size: Optional[int] = None,
     extra_events: Iterable = (),
     accountant: str = "rdp",
+    untrained: bool = False,
 ) -> tuple[float, float]:
     """(ε, δ) spent so far by `model` (all its ledger events composed).
 
-    Arguments as for :func:`model_privacy_ledger` and :func:`resolve_delta`.
+    Arguments as for :func:`model_privacy_ledger` and :func:`resolve_delta`. N defaults to that of the DP
+    optimizer the ledger reads (the model's, or the last one that trained it: :func:`ledger_trainer`).
     """
-    n = resolve_num_examples(getattr(model, "optimizer", None), num_examples)
+    n = resolve_num_examples(ledger_trainer(model), num_examples)
     delta = resolve_delta(target_delta, n)
-    ledger = model_privacy_ledger(model, num_examples=n, batch_size=batch_size, extra_events=extra_events)
+    ledger = model_privacy_ledger(
+        model, num_examples=n, batch_size=batch_size, extra_events=extra_events, untrained=untrained
+    )
     if not ledger.events:
         return 0.0, delta
     return compute_epsilon(ledger, delta, accountant=accountant), delta

@@ -98,6 +98,8 @@ def _adopt(model: Any, optimizer: Any, lots: PoissonLots) -> None:
         ledger.attach(model, optimizer)  # the steps so far, at the rate they ran with
     with tf.init_scope():
         lots.configure(optimizer)  # refuses lots with another gradient_accumulation_steps
+    if model is not None:
+        ledger.attach(model, optimizer)  # the next steps at the lots' rate: a new segment now, not at the next read
     if told_q is not None and not math.isclose(told_q, lots.sampling_rate, rel_tol=1e-9):
         _LOG.warning(
             "keras_dpsgd: the optimizer was told q = %.6g (expected lot size %s), but fit is fed PoissonLots with "

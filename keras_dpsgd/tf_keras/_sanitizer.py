@@ -171,6 +171,7 @@ class DPSanitizerMixin(LotReleaseMixin):
                 if variable is not None:
                     variable.assign(store[str(i)])
         self.discard_partial_lot("saved in the loaded file")
+        self._adopt_loading_model()
 
     def set_weights(self, weights):
         """h5 loading; older weights load what this version keeps (bounds stay unset)."""
@@ -181,7 +182,15 @@ class DPSanitizerMixin(LotReleaseMixin):
             weights = [given.get(id(v), v.numpy()) for v in self._variables]
         result = super().set_weights(weights)
         self.discard_partial_lot("saved in the loaded weights")
+        self._adopt_loading_model()
         return result
+
+    def _adopt_loading_model(self) -> None:
+        """Attaches the ledger to the model being loaded with this optimizer, so that a model compiled again
+        right after the load (before any read or step) keeps the loaded steps."""
+        model = ledger.saving_model(self)
+        if model is not None:
+            ledger.attach(model, self, loading=True)
 
     # ------------------------------------------------------- fit's lot boundaries
     def _fit_steps_per_epoch(self, model: Any) -> int | None:

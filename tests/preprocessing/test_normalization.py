@@ -169,7 +169,10 @@ def test_the_release_is_in_the_ledger_and_in_epsilon(tmp_path):
     np.testing.assert_array_equal(layer.mean.numpy(), norm.mean.numpy())
     np.testing.assert_array_equal(layer.variance.numpy(), norm.variance.numpy())
     np.testing.assert_array_equal(loaded(X, training=False), model(X, training=False))  # no predict traces
-    assert model_privacy_ledger(loaded).events[:1] == (GaussianEvent(4.0, count=1, label="dp-normalization"),)
+    assert layer.privacy_events == (GaussianEvent(4.0, count=1, label="dp-normalization"),)
+    with pytest.raises(ValueError, match="model-without-ledger"):  # compile=False: the DP steps out of sight
+        model_privacy_ledger(loaded)
+    assert model_privacy_ledger(keras.models.load_model(path)).events == ledger.events  # compile=True: all
     assert keras_dpsgd.tf_keras.DPNormalization is DPNormalization and keras_dpsgd.mark_public is mark_public
 
 
