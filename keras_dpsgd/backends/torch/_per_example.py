@@ -45,6 +45,17 @@ def contiguous_layout():
         keras_torch_nn._maybe_convert_to_channels_last = convert
 
 
+def _composite_attention():
+    """``scaled_dot_product_attention`` by its composite math (matmuls, softmax) for the duration.
+
+    torch's fused CPU attention kernel has no ``vmap`` batching rule: under ``torch.func.vmap`` it runs once per
+    example (torch warns "There is a performance drop"); its composite form is batched like any matmul. Keras asking
+    for flash attention by name (``flash_attention=True``) keeps its own choice.
+    """
+    attention = torch.nn.attention
+    return attention.sdpa_kernel([attention.SDPBackend.MATH])
+
+
 def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *batched) -> tuple:
     """(per-example gradients [B, *shape] per parameter, aux) of ``loss_of_one(params, *example) -> (loss, aux)``.
 
@@ -59,7 +70,7 @@ def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *ba
         randomness="different",
     )
     try:
-        with contiguous_layout():
+        with contiguous_layout(), _composite_attention():
             return step(list(params), *batched)
     except ValueError as err:
         if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
