@@ -81,11 +81,14 @@ class TorchFront:
     def add_noise(self, clipped) -> list:
         key_for = self._keys()
         fresh = self._fresh = set()
+        # A lot of one batch: the clipped sums are this step's own new tensors (the backend's), noised in place.
+        # A lot of k batches: its sums are the lot's state, left as they are.
+        own = self.accumulation == 1
 
         def gaussian(x, stddev, index):
-            noised = torch_backend.add_gaussian(x, float(stddev), key_for(index))
-            if noised is not x and not _aliases(noised, x):
-                fresh.add(id(noised))  # a new tensor of this release's (the noise's buffer): divided in place
+            noised = torch_backend.add_gaussian(x, float(stddev), key_for(index), in_place=own)
+            if (own and noised is x) or (noised is not x and not _aliases(noised, x)):
+                fresh.add(id(noised))  # this release's own tensor: divided by L in place
             return noised
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)

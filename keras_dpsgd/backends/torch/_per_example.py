@@ -103,7 +103,11 @@ def clipped_sum(grads: Sequence[torch.Tensor], factors: torch.Tensor) -> list[to
     """Σ_i factors[i, v] g_i[v] for each v (float32); a zero factor contributes exactly 0 (NaN or Inf included)."""
     summed = []
     for v, g in enumerate(grads):
-        f = factors[:, v].reshape((-1,) + (1,) * (g.dim() - 1))
+        f = factors[:, v]
+        if bool(torch.all(f > 0)):  # every row finite (a non-finite row has factor 0): one product, no copy
+            summed.append(torch.mv(g.to(torch.float32).reshape(g.shape[0], -1).t(), f).reshape(g.shape[1:]))
+            continue
+        f = f.reshape((-1,) + (1,) * (g.dim() - 1))
         g32 = torch.where(f > 0, g.to(torch.float32), torch.zeros((), dtype=torch.float32, device=g.device))
         summed.append(torch.sum(g32 * f, dim=0))
     return summed

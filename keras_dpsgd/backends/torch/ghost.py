@@ -110,7 +110,7 @@ class Plan:
                 self.owners.append(layer)
                 self._calls.append(tuple(pre.shape))
             else:
-                pre = pre + self._zs[len(self._calls)]
+                pre = pre.add_(self._zs[len(self._calls)])  # pre's own buffer (a new tensor of this call)
                 self._calls.append(inputs)
             return rule.post(layer, pre)
 

@@ -45,19 +45,19 @@ def test_matches_the_standard_normal_with_full_tails():
 
 def test_pairs_with_a_zero_word_are_refined(monkeypatch):
     """Pairs with x0 == 0 (prob. 2^-32) get the refined radius from two more words: past sqrt(2·32·ln 2)."""
-    real, calls = _ops.words, []
+    real, calls = _ops.WordReader.read, []
 
-    def words(key, n):
-        w = real(key, n).copy()
+    def read(self, n):
+        w = real(self, n).copy()
         if not calls:
             w[[0, 1, 3]] = 0  # x0 of pairs 0, 1 and 3
         calls.append(n)
         return w
 
-    monkeypatch.setattr(_ops, "words", words)
+    monkeypatch.setattr(_ops.WordReader, "read", read)
     z = _noise.standard_normal((10,), _noise.seeded_key(7, 0, 0)).numpy()
     radius = np.hypot(z[:5], z[5:])
-    assert len(calls) == 2
+    assert calls == [5, 5, 10]  # x0 and x1 of the 5 pairs, then the refinement's 2 words a pair
     assert np.all(radius[[0, 1, 3]] > math.sqrt(-2 * math.log(2.0**-32)))
     assert np.all(radius[[2, 4]] < math.sqrt(-2 * math.log(2.0**-32)))
 
