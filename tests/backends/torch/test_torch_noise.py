@@ -80,3 +80,19 @@ def test_add_gaussian_scales_and_keeps_shape_and_dtype():
     z = _noise.standard_normal((300, 7), key).numpy()
     assert y.shape == (300, 7) and y.dtype == np.float32
     np.testing.assert_allclose(y, 2.0 + 0.5 * z, rtol=1e-6, atol=1e-6)
+
+
+def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch):
+    """By chunks (odd and even starts of the second word stream, a chunk cut at the end) the sampler gives the core's
+    ``scaled_normal`` on the whole draw value for value, and added into the caller's tensor, ``x + noise``."""
+    from keras_dpsgd.dp.noise import scaled_normal
+
+    monkeypatch.setattr(_noise, "_CHUNK", 5)
+    for n in (1, 2, 11, 1001):
+        key = _noise.seeded_key(3, 1, 2)
+        want = scaled_normal(_ops.NOISE_OPS, n, key, 1.3)
+        np.testing.assert_array_equal(_noise._normal(n, key, 1.3).numpy(), want)
+        x = torch.randn(n)
+        y = x.clone()
+        assert _noise.add_gaussian(y, 1.3, key, in_place=True) is y
+        np.testing.assert_array_equal(y.numpy(), (x + torch.from_numpy(want)).numpy())
