@@ -105,7 +105,8 @@ def clipped_sum(grads: Sequence[torch.Tensor], factors: torch.Tensor) -> list[to
     for v, g in enumerate(grads):
         f = factors[:, v]
         if bool(torch.all(f > 0)):  # every row finite (a non-finite row has factor 0): one product, no copy
-            summed.append(torch.mv(g.to(torch.float32).reshape(g.shape[0], -1).t(), f).reshape(g.shape[1:]))
+            rows = g.to(torch.float32).reshape(g.shape[0], math.prod(g.shape[1:]))
+            summed.append(torch.mv(rows.t(), f).reshape(g.shape[1:]))
             continue
         f = f.reshape((-1,) + (1,) * (g.dim() - 1))
         g32 = torch.where(f > 0, g.to(torch.float32), torch.zeros((), dtype=torch.float32, device=g.device))

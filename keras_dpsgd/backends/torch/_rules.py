@@ -45,7 +45,8 @@ class _Dense(_forms.DenseForm):
             d = weighted(v)
             if v is layer._kernel:
                 rows = a.shape[0] * a.shape[1]
-                out[id(v)] = torch.mm(a.reshape(rows, -1).t(), d.reshape(rows, -1))  # Σ_(i,t) a_itᵀ (f_i δ_it)
+                kernel = torch.mm(a.reshape(rows, a.shape[-1]).t(), d.reshape(rows, d.shape[-1]))
+                out[id(v)] = kernel  # Σ_(i,t) a_itᵀ (f_i δ_it)
             else:
                 out[id(v)] = torch.sum(d, dim=(0, 1))
         return out
