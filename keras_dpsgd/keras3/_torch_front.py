@@ -80,7 +80,7 @@ class TorchFront:
 
     def add_noise(self, clipped) -> list:
         key_for = self._keys()
-        fresh = self._fresh = set()
+        fresh = self._fresh = {}  # id -> this release's own tensors (held: no id is reused during the release)
         # A lot of one batch: the clipped sums are this step's own new tensors (the backend's), noised in place.
         # A lot of k batches: its sums are the lot's state, left as they are.
         own = self.accumulation == 1
@@ -88,7 +88,7 @@ class TorchFront:
         def gaussian(x, stddev, index):
             noised = torch_backend.add_gaussian(x, float(stddev), key_for(index), in_place=own)
             if (own and noised is x) or (noised is not x and not _aliases(noised, x)):
-                fresh.add(id(noised))  # this release's own tensor: divided by L in place
+                fresh[id(noised)] = noised  # this release's own tensor: divided by L in place
             return noised
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
@@ -108,10 +108,10 @@ class TorchFront:
     def normalize(self, noised: list, num_examples) -> list:
         lot = self.optimizer._dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
         denominator = dp_release.lot_denominator(self.ops, num_examples, float(lot or 0.0))
-        fresh = getattr(self, "_fresh", set())
+        fresh = getattr(self, "_fresh", {})
 
         def divide(g, d):  # in place where the tensor is this release's own (no fresh memory for the quotient)
-            return g.div_(d) if id(g) in fresh else g / d
+            return g.div_(d) if fresh.get(id(g)) is g else g / d
 
         return dp_release.normalize(self.ops, noised, denominator, divide)
 
