@@ -8,6 +8,8 @@ Usage::
     python benchmarks/overhead.py --modes fast fast-clip-only   # how much of the overhead is the noise
     python benchmarks/overhead.py --keras 3            # the same models on Keras 3 (make_private)
     python benchmarks/overhead.py --keras 3 --backend jax --models mlp alexnet transformer --modes fast
+    python benchmarks/overhead.py --keras 3 --backend torch --models mlp alexnet bert-lora \
+        --modes fast torch opacus-hooks opacus-ghost
 
 What is measured:
 
@@ -28,6 +30,12 @@ What is measured:
   LayerNormalization, the rest under ``jax.vmap``), "reference" is ``jax.vmap`` for every variable, and
   "jax-privacy" is JAX Privacy's Keras API (``jax_privacy.keras_api.make_private``, σ = 1.1, C = 1, run
   with jax-privacy installed: a venv of its own, see benchmarks/results/overhead_jax_issue29.json).
+  ``--backend torch`` (with ``--keras 3``): Keras 3 on PyTorch (``keras_dpsgd/keras3/_torch_train_step.py`` over
+  ``keras_dpsgd/backends/torch``; "fast" is ``per_example_backend="auto"``, "reference" ``torch.func.vmap`` for
+  every variable), and in the same rounds the models' torch twins (``_torch_twins.py``, ``mlp``, ``alexnet``,
+  ``bert-lora``): "torch" (plain ``torch.optim.SGD``), "opacus-hooks" and "opacus-ghost" (Opacus 1.6's
+  ``PrivacyEngine``, σ = 1.1, C = 1; ``pip install keras-dpsgd[bench]``), whose ratios are over "torch";
+  ``--threads`` sets torch's intra-op threads (default 1).
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
   the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what
@@ -72,7 +80,8 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-MODES = ("nonprivate", "fast", "reference", "fast-clip-only", "jax-privacy")
+MODES = ("nonprivate", "fast", "reference", "fast-clip-only", "jax-privacy", "torch", "opacus-hooks", "opacus-ghost")
+TORCH_MODES = ("torch", "opacus-hooks", "opacus-ghost")  # torch twins (``_torch_twins``), --backend torch only
 DEFAULT_BATCH = {
     "mlp": 256,
     "alexnet": 128,
@@ -260,8 +269,8 @@ def compile_model(model, mode: str, batch: int = 0):
 
         sigma = 0.0 if mode == "fast-clip-only" else 1.1  # sigma = 0: no noise is drawn
         backend = "reference" if mode == "reference" else "fast"
-        if os.environ.get("KERAS_BACKEND") == "jax" and _KERAS["which"] == "3" and mode != "reference":
-            backend = "auto"  # JAX: norm rules where a layer has one, else jax.vmap ("reference": jax.vmap only)
+        if os.environ.get("KERAS_BACKEND") in ("jax", "torch") and _KERAS["which"] == "3" and mode != "reference":
+            backend = "auto"  # JAX, torch: norm rules where a layer has one, else vmap ("reference": vmap only)
         opt = DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=sigma, learning_rate=0.01, per_example_backend=backend)
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
     elif mode == "jax-privacy":
@@ -319,7 +328,10 @@ class _BatchTimer:
 
 
 def time_steps(model, x, y, batch: int, steps: int, cpu: list | None = None) -> list[float]:
-    """Wall times of `steps` batches of one fit (their process CPU times appended to `cpu` if given)."""
+    """Wall times of `steps` batches of one fit (their process CPU times appended to `cpu` if given); a torch twin
+    (``_torch_twins.TorchRun``) times its own steps on the same batches."""
+    if hasattr(model, "time_steps"):
+        return model.time_steps(x, y, batch, steps, cpu)
     timer = _BatchTimer()
     model.fit(
         x[: batch * steps], y[: batch * steps], batch_size=batch, epochs=1, shuffle=False, verbose=0, callbacks=[timer]
@@ -330,10 +342,12 @@ def time_steps(model, x, y, batch: int, steps: int, cpu: list | None = None) -> 
 
 
 def _summary(times: dict, cpu: dict) -> dict:
+    """Per mode: its step times, and its ratios over its own non-private run (``nonprivate``; Opacus: ``torch``)."""
     out = {}
-    base = statistics.median(times["nonprivate"]) if "nonprivate" in times else None
-    cpu_base = statistics.median(cpu["nonprivate"]) if "nonprivate" in cpu else None
     for mode, ts in times.items():
+        base_mode = "torch" if mode.startswith("opacus") else "nonprivate"
+        base = statistics.median(times[base_mode]) if base_mode in times else None
+        cpu_base = statistics.median(cpu[base_mode]) if base_mode in cpu else None
         med, cpu_med = statistics.median(ts), statistics.median(cpu[mode])
         out[mode] = {
             "median_step_s": med,
@@ -342,10 +356,11 @@ def _summary(times: dict, cpu: dict) -> dict:
             "median_cpu_step_s": cpu_med,
             "steps": len(ts),
         }
-        if base and mode != "nonprivate":
+        if base and mode not in ("nonprivate", "torch"):
             out[mode]["ratio"] = med / base
-            out[mode]["ratio_of_min"] = min(ts) / min(times["nonprivate"])
+            out[mode]["ratio_of_min"] = min(ts) / min(times[base_mode])
             out[mode]["cpu_ratio"] = cpu_med / cpu_base
+            out[mode]["ratio_over"] = base_mode
     return out
 
 
@@ -362,6 +377,12 @@ def run_timing(
     weights, models = None, {}
     for keras_name, mode in configs:
         _KERAS["which"] = keras_name
+        if mode in TORCH_MODES:
+            from _torch_twins import TorchRun
+
+            models[keras_name, mode] = TorchRun(name, mode, batch)
+            time_steps(models[keras_name, mode], x, y, batch, 2)  # warm-up
+            continue
         model = build_model(name)
         weights = weights or model.get_weights()
         model.set_weights(weights)  # before compile: JAX Privacy's make_private adds weights of its own
@@ -372,7 +393,7 @@ def run_timing(
     for r in range(rounds):
         for keras_name, mode in configs:
             _KERAS["which"] = keras_name
-            n = reference_steps if mode == "reference" else steps
+            n = reference_steps if mode in ("reference", "opacus-hooks") else steps
             times[keras_name, mode] += time_steps(models[keras_name, mode], x, y, batch, n, cpu[keras_name, mode])
             print(
                 f"[overhead] {name} round {r} {keras_name} {mode}: median so far "
@@ -482,11 +503,20 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--backend",
         default="tensorflow",
-        choices=["tensorflow", "jax"],
+        choices=["tensorflow", "jax", "torch"],
         help="Keras 3's backend (--keras 3 only): set as KERAS_BACKEND before keras is imported",
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="--backend torch: torch's intra-op threads for every run (default 1: on a shared 2-core machine torch's "
+        "thread pool waits on the other processes at every kernel)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed batches per round (fast, non-private)")
-    parser.add_argument("--reference-steps", type=int, default=2, help="timed batches per round (reference)")
+    parser.add_argument(
+        "--reference-steps", type=int, default=2, help="timed batches per round (reference, opacus-hooks)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory", action="store_true", help="peak memory, one process per configuration")
     parser.add_argument("--memory-steps", type=int, default=3)
@@ -510,6 +540,15 @@ def main(argv=None) -> dict:
             parser.error("--backend jax times steps only (no --memory, --max-batch)")
     elif "jax-privacy" in args.modes:
         parser.error("--modes jax-privacy needs --keras 3 --backend jax")
+    if args.backend == "torch":
+        if args.keras != ["3"]:
+            parser.error("--backend torch needs --keras 3 (tf_keras runs on TensorFlow only)")
+        if args.memory or args.max_batch:
+            parser.error("--backend torch times steps only (no --memory, --max-batch)")
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+    elif set(args.modes) & set(TORCH_MODES):
+        parser.error(f"--modes {' '.join(sorted(set(args.modes) & set(TORCH_MODES)))} need --backend torch")
     if "keras" in sys.modules and sys.modules["keras"].backend.backend() != args.backend:
         raise ValueError(f"keras was imported with another backend than --backend {args.backend}")
     os.environ["KERAS_BACKEND"] = args.backend
@@ -521,6 +560,15 @@ def main(argv=None) -> dict:
         "cpu_count": os.cpu_count(),
         "results": {},
     }
+    if args.backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        report["torch"] = {"version": torch.__version__, "threads": args.threads}
+        if set(args.modes) & {"opacus-hooks", "opacus-ghost"}:
+            import opacus
+
+            report["torch"]["opacus"] = opacus.__version__
     for name in args.models:
         batch = DEFAULT_BATCH[name]
         res = run_timing(name, batch, args.steps, args.reference_steps, args.rounds, args.modes, args.keras)

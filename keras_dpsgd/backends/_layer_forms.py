@@ -2,18 +2,31 @@
 
 A rule (:class:`Rule`) serves a layer whose output before its activation, ``pre(layer, inputs)``, is computed
 from its own variables (read from the current ``StatelessScope``: :func:`pre_at`) and its input; ``post`` is what
-the layer applies after (its activation). Each backend's ``_rules`` adds the array math that differs: the closed
-forms of the per-example squared norms (``Rule.sq_norms``, Li et al. 2022's ghost norm; ``None``: the
-vector-Jacobian product of each example) and the vector-Jacobian products of ``pre`` alone, not of the model.
+the layer applies after (its activation). The closed forms of the per-example squared norms (``Rule.sq_norms``:
+Dense's ``||a||²·||δ||²``, Gram and direct forms, Embedding's Gram form with id equality; Li et al. 2022's ghost
+norm) are written here once over a backend's :class:`Arrays` (``None``: the vector-Jacobian product of each
+example); each backend's ``_rules`` adds its :class:`Arrays`, the vector-Jacobian products of ``pre`` alone (not of
+the model) and the closed forms only it has. A closed form is a certified upper bound of the squared norm, not its
+float32 value (``keras_dpsgd.dp.rounding``): the clipped sum is computed apart, so rows that cancel must not round
+the norm to 0.
 :func:`rule_for` gives a layer's rule from a backend's registry (:func:`registry`: exact layer type -> rule).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from typing import Any, Callable
+
 import keras
 from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_dpsgd.dp import rounding as _rounding
+
 __all__ = [
+    "Arrays",
+    "ReadWatch",
+    "outer_sq_norms",
     "Rule",
     "DenseForm",
     "EinsumDenseForm",
@@ -25,6 +38,73 @@ __all__ = [
     "pre_at",
     "with_values",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrays:
+    """The array functions the closed forms need, one backend's (the rest is Python operators: ``*``, ``abs``).
+
+    Attributes:
+      einsum: ``(spec, *operands)`` at full float32 precision.
+      sum: ``(x, axes)``, axes an int or a tuple.
+      sqrt: elementwise.
+      concat: ``(list, axis)``.
+      float32: x in float32.
+      staged_sq_norms: ``g [B, ...] -> (||g_i||², how many terms each rounded sum adds at most)``.
+    """
+
+    einsum: Callable
+    sum: Callable
+    sqrt: Callable
+    concat: Callable
+    float32: Callable
+    staged_sq_norms: Callable
+
+
+def _rows(m: Arrays, tensors) -> Any:
+    """The tensors ([B, ..., k] each) as rows [B, T, k], concatenated over the calls, in float32."""
+    rows = [x.reshape(x.shape[0], -1, x.shape[-1]) for x in tensors]
+    return m.float32(rows[0] if len(rows) == 1 else m.concat(rows, 1))
+
+
+def _gram(m: Arrays, x):
+    """[B, T, T]: the rows' dot products ``x_t·x_s`` of x [B, T, k]."""
+    return m.einsum("bti,bsi->bts", x, x)
+
+
+def _row_norms(m: Arrays, x):
+    return m.sqrt(m.sum(x * x, 2))
+
+
+def _weighted(m: Arrays, norms, gram):
+    """``Σ_{t,s} n_t n_s |gram_ts|`` per example (norms [B, T], gram [B, T, T]): ``_rounding.gram_upper``'s."""
+    return m.sum(norms * m.einsum("bts,bs->bt", abs(gram), norms), 1)
+
+
+def outer_sq_norms(m: Arrays, a, d):
+    """Upper bounds of (||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j] (float32):
+    a Dense kernel and bias (``keras_dpsgd.dp.rounding``: certified, whatever the rows' cancellation).
+
+    ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j); Li et al. 2022's
+    ghost norm) or the direct product (B·T·i·j), whichever is cheaper.
+    """
+    rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    d_norms = _row_norms(m, d)
+    summed = m.sum(d, 1)
+    bias = _rounding.linear_upper(m.sum(summed * summed, 1), d_out, m.sum(d_norms, 1), rows)
+    if rows == 1:
+        sq = m.sum(a * a, (1, 2)) * m.sum(d * d, (1, 2))
+        return _rounding.positive_upper(sq, d_in + d_out + 1), bias
+    a_norms = _row_norms(m, a)
+    lengths = m.sum(a_norms * d_norms, 1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
+    if rows * (d_in + d_out) < d_in * d_out:
+        aa, dd = _gram(m, a), _gram(m, d)
+        terms = aa * dd
+        gram, absolute = m.sum(terms, (1, 2)), m.sum(abs(terms), (1, 2))
+        weighted = _weighted(m, a_norms, dd), _weighted(m, d_norms, aa)
+        return _rounding.gram_upper(gram, absolute, lengths, *weighted, widths=(d_in, d_out), rows=rows), bias
+    sq, count = m.staged_sq_norms(m.einsum("bti,btj->bij", a, d))
+    return _rounding.linear_upper(sq, count, lengths, rows), bias
 
 
 class Rule:
@@ -43,6 +123,9 @@ class Rule:
 
     def covers(self, layer) -> bool:
         return not getattr(layer, "lora_enabled", False)
+
+    def __init__(self, arrays: Arrays | None = None):
+        self.arrays = arrays  # the backend's functions for the closed forms (None: no closed form)
 
     def sq_norms(self, layer, calls, trainable) -> dict | None:
         return None
@@ -63,6 +146,19 @@ class DenseForm(Rule):
 
     def covers(self, layer) -> bool:
         return True
+
+    def sq_norms(self, layer, calls, trainable):
+        """The kernel's and the bias's norms from the calls' rows (:func:`outer_sq_norms`); None under LoRA."""
+        if layer.lora_enabled or self.arrays is None:
+            return None
+        kernel, bias = outer_sq_norms(
+            self.arrays, _rows(self.arrays, [a for a, _ in calls]), _rows(self.arrays, [d for _, d in calls])
+        )
+        out = {id(layer._kernel): kernel}
+        if layer.bias is not None:
+            out[id(layer.bias)] = bias
+        keep = {id(t) for t in trainable}
+        return {k: v for k, v in out.items() if k in keep}
 
 
 class EinsumDenseForm(DenseForm):
@@ -103,10 +199,80 @@ class EmbeddingForm(Rule):
     def pre(self, layer, inputs):
         return keras.layers.Embedding.call(layer, inputs)
 
+    def sq_norms(self, layer, calls, trainable):
+        """The Gram form with id equality, ``Σ_{t,s} [id_t = id_s] δ_t·δ_s`` (the one-hot rows' Gram is exact), while
+        it is cheaper than the direct form (one [V, d] gradient per example: None)."""
+        m = self.arrays
+        ids = None if m is None else m.concat([x.reshape(x.shape[0], -1) for x, _ in calls], 1)
+        if m is None or ids.shape[1] ** 2 > layer.input_dim:
+            return None
+        d = _rows(m, [g for _, g in calls])
+        same = m.float32(ids[:, :, None] == ids[:, None, :])
+        terms = same * _gram(m, d)
+        gram, absolute = m.sum(terms, (1, 2)), m.sum(abs(terms), (1, 2))
+        norms = _row_norms(m, d)
+        lengths = m.sum(norms, 1)  # S = Σ_t ‖δ_t‖ (a one-hot row has norm 1)
+        weighted = _weighted(m, norms, same)  # Σ β|x̂|; the exact x̂ needs no α term
+        widths, rows = (0, d.shape[2]), ids.shape[1]
+        return {
+            id(layer.embeddings): _rounding.gram_upper(gram, absolute, lengths, 0.0, weighted, widths=widths, rows=rows)
+        }
+
 
 class LayerNormForm(Rule):
     def pre(self, layer, inputs):
         return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
+
+
+class ReadWatch:
+    """Reads of some layers' variables outside their own calls (weight tying, a custom layer or a compiled loss
+    reading a kernel): a rule on the layer's call alone would lose that use's gradient.
+
+    Keras reads a variable in a stateless call through ``StatelessScope.get_current_value``; while :meth:`reads_seen`
+    is open that read is checked: a read of a watched layer's variable while :meth:`watching` is open and the
+    innermost call running (:meth:`own_call`) is not that layer's puts the layer in ``violations``.
+    """
+
+    def __init__(self, layers):
+        self.owner = {id(v): layer for layer in layers for v in layer.variables}
+        self.inside: list = []  # the watched layers' calls running, innermost last
+        self.violations: set = set()
+        self.watching = False
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Reads are checked while this is open (the model's call, the compiled loss)."""
+        before, self.watching = self.watching, True
+        try:
+            yield
+        finally:
+            self.watching = before
+
+    @contextlib.contextmanager
+    def own_call(self, layer):
+        """`layer`'s own call runs: its reads of its variables are its own."""
+        self.inside.append(layer)
+        try:
+            yield
+        finally:
+            self.inside.pop()
+
+    @contextlib.contextmanager
+    def reads_seen(self):
+        """``StatelessScope.get_current_value`` checks each read while this is open."""
+        original = StatelessScope.get_current_value
+
+        def read(scope, variable):
+            owner = self.owner.get(id(variable))
+            if owner is not None and self.watching and (not self.inside or self.inside[-1] is not owner):
+                self.violations.add(owner)
+            return original(scope, variable)
+
+        StatelessScope.get_current_value = read
+        try:
+            yield self
+        finally:
+            StatelessScope.get_current_value = original
 
 
 def registry(dense: Rule, einsum_dense: Rule, conv: Rule, embedding: Rule, layer_norm: Rule) -> dict[type, Rule]:

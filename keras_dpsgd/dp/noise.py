@@ -36,6 +36,7 @@ from keras_dpsgd.dp.ops import ArrayOps
 
 __all__ = [
     "box_muller",
+    "scaled_pairs",
     "circle_by_quarter_turns",
     "circle_by_trig",
     "cos_by_quarter_turns",
@@ -124,17 +125,23 @@ def _pairs(ops: ArrayOps, u1: Any, w1: Any, scale: Any) -> Any:
     return radius(ops, u1, scale)[None, :] * ops.unit_circle(w1)
 
 
-def box_muller(ops: ArrayOps, x0: Any, x1: Any, x2: Any = None, x3: Any = None) -> Any:
-    """Two standard normals per pair of uint32 words: [2, P] from ``x0``, ``x1`` ([P]).
+def scaled_pairs(ops: ArrayOps, x0: Any, x1: Any, scale: Any, x2: Any = None, x3: Any = None) -> Any:
+    """``scale`` times two standard normals per pair of uint32 words: [2, P] from ``x0``, ``x1`` ([P]).
 
-    Where ``x0 == 0``, the words ``x2``, ``x3`` (same shape, if given) refine ``u1``.
+    Where ``x0 == 0``, the words ``x2``, ``x3`` (same shape, if given) refine ``u1``. Pairs are independent of each
+    other: a backend may run this on slices of the words (``keras_dpsgd.backends.torch``: cache-sized chunks).
     """
     w0 = ops.cast(x0, "float32")
     if x2 is None:
         u1 = coarse_unit(w0)
     else:
         u1 = refined_unit(w0, ops.cast(x2, "float32"), ops.cast(x3, "float32"), ops.where)
-    return _pairs(ops, u1, ops.cast(x1, "float32"), 1.0)
+    return _pairs(ops, u1, ops.cast(x1, "float32"), ops.cast(scale, "float32"))
+
+
+def box_muller(ops: ArrayOps, x0: Any, x1: Any, x2: Any = None, x3: Any = None) -> Any:
+    """Two standard normals per pair of uint32 words: [2, P] from ``x0``, ``x1`` ([P]) (:func:`scaled_pairs`, scale 1)."""
+    return scaled_pairs(ops, x0, x1, 1.0, x2, x3)
 
 
 def scaled_normal(ops: ArrayOps, n: Any, key: Any, scale: Any) -> Any:

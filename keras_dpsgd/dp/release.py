@@ -13,6 +13,7 @@ Abadi et al. 2016, Algorithm 1, "add noise" and the division by the lot size:
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Sequence
 
 from keras_dpsgd.dp.clip import ClippedSum
@@ -57,6 +58,11 @@ def lot_denominator(ops: ArrayOps, num_examples: Any, expected_lot_size: Any) ->
     return ops.where(lot > 0.0, lot, ops.cast(num_examples, "float32"))
 
 
-def normalize(ops: ArrayOps, noised: Sequence[Any], denominator: Any) -> list:
-    """Each noised sum divided by the lot's `denominator` (:func:`lot_denominator`), in its own dtype."""
-    return [g / ops.cast(denominator, g.dtype) for g in noised]
+def normalize(
+    ops: ArrayOps, noised: Sequence[Any], denominator: Any, divide: Callable[[Any, Any], Any] = operator.truediv
+) -> list:
+    """Each noised sum divided by the lot's `denominator` (:func:`lot_denominator`), in its own dtype.
+
+    `divide(g, d)` divides (an eager backend may divide in place a tensor it owns: the same values).
+    """
+    return [divide(g, ops.cast(denominator, g.dtype)) for g in noised]

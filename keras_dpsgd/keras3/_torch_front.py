@@ -31,6 +31,11 @@ def noise_keys(optimizer: Any) -> torch_backend.EntropyKeys:
     return keys
 
 
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` share storage."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 class TorchFront:
     """``dp.step.private_step``'s front end on torch (module docstring)."""
 
@@ -75,9 +80,16 @@ class TorchFront:
 
     def add_noise(self, clipped) -> list:
         key_for = self._keys()
+        fresh = self._fresh = {}  # id -> this release's own tensors (held: no id is reused during the release)
+        # A lot of one batch: the clipped sums are this step's own new tensors (the backend's), noised in place.
+        # A lot of k batches: its sums are the lot's state, left as they are.
+        own = self.accumulation == 1
 
         def gaussian(x, stddev, index):
-            return torch_backend.add_gaussian(x, float(stddev), key_for(index))
+            noised = torch_backend.add_gaussian(x, float(stddev), key_for(index), in_place=own)
+            if (own and noised is x) or (noised is not x and not _aliases(noised, x)):
+                fresh[id(noised)] = noised  # this release's own tensor: divided by L in place
+            return noised
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:
@@ -96,7 +108,12 @@ class TorchFront:
     def normalize(self, noised: list, num_examples) -> list:
         lot = self.optimizer._dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
         denominator = dp_release.lot_denominator(self.ops, num_examples, float(lot or 0.0))
-        return dp_release.normalize(self.ops, noised, denominator)
+        fresh = getattr(self, "_fresh", {})
+
+        def divide(g, d):  # in place where the tensor is this release's own (no fresh memory for the quotient)
+            return g.div_(d) if fresh.get(id(g)) is g else g / d
+
+        return dp_release.normalize(self.ops, noised, denominator, divide)
 
     def count(self, num_examples) -> None:
         self.optimizer.noised_steps.assign(int(self.optimizer.noised_steps.numpy()) + 1)

@@ -25,6 +25,7 @@ adaptive clipping and the other features not built on torch (by name, ``keras_dp
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import keras
@@ -108,17 +109,18 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
     """(per-example gradients [B, ...] per variable, losses [B], y_pred, new non-trainable values, taps).
 
     With a plan (``keras_dpsgd.backends.torch.ghost``) the gradients are those of the uncovered variables only,
-    and `taps` holds (∂ℓ/∂z per covered call, each call's inputs, ∂ℓ/∂s per covered variable); else None.
+    and `taps` holds (∂ℓ/∂z per covered call, each call's inputs); else None.
     """
     kwargs = {"training": True} if model._call_has_training_arg else {}
     num_weight_terms = sum(1 for v in model.trainable_weights if getattr(v, "regularizer", None) is not None)
     data_losses = []
     positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
 
-    def forward(full, xi, yi, wi):
+    def forward(full, xi, yi, wi, watching=contextlib.nullcontext):
         xb, yb, wb = keras.tree.map_structure(lambda a: None if a is None else a[None], (xi, yi, wi))
         y_pred, new_values, losses = model.stateless_call(full, non_trainable, xb, return_losses=True, **kwargs)
-        loss = per_example_loss_at(model, full, new_values, yb, y_pred, wb)[0]
+        with watching():  # a compiled loss that reads a covered kernel
+            loss = per_example_loss_at(model, full, new_values, yb, y_pred, wb)[0]
         data_losses.append(len(losses) - num_weight_terms)
         return loss, y_pred, list(new_values)
 
@@ -134,21 +136,18 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
         ghost.probe(the_plan, trainable, non_trainable, x_one, kwargs)
         raw = {id(v): trainable[positions[id(v)]] for v in the_plan.covered}
         raw.update({id(v): n for v, n in zip(model.non_trainable_variables, non_trainable)})
-        rs = ghost.directions(the_plan)
 
         def loss_of_one(args, xi, yi, wi):
-            others, zs, ss = args
+            others, zs = args
             full = list(trainable)
             for v, p in zip(the_plan.others, others):
                 full[positions[id(v)]] = p
-            for v, s, r in zip(the_plan.covered, ss, rs):
-                full[positions[id(v)]] = trainable[positions[id(v)]] + s * r
             with the_plan.tapped("tap", zs, raw) as inputs:
-                loss, y_pred, new_values = forward(full, xi, yi, wi)
+                loss, y_pred, new_values = forward(full, xi, yi, wi, the_plan.watching)
             return loss, ((loss, y_pred, list(inputs)), new_values)
 
         zeros = [torch.zeros(shape, dtype=torch.float32) for shape in the_plan.shapes]
-        params = [[trainable[positions[id(v)]] for v in the_plan.others], zeros, [torch.zeros(()) for _ in rs]]
+        params = [[trainable[positions[id(v)]] for v in the_plan.others], zeros]
     try:
         grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
             loss_of_one, params, x, y, sample_weight
@@ -165,8 +164,8 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
     y_pred = keras.tree.map_structure(lambda a: a[:, 0], y_pred)  # [B, 1, ...] -> [B, ...]
     if the_plan is None:
         return list(grads), losses, y_pred, new_values, None
-    others, deltas, s_grads = grads
-    return list(others), losses, y_pred, new_values, (list(deltas), list(inputs), list(s_grads))
+    others, deltas = grads
+    return list(others), losses, y_pred, new_values, (list(deltas), list(inputs))
 
 
 def _regularization(model, trainable):
@@ -211,8 +210,8 @@ def _per_example_clipped_sum(model, optimizer, clip, trainable, non_trainable, x
         others, losses, y_pred, new_values, taps = _per_example(
             model, trainable, non_trainable, x, y, sample_weight, the_plan
         )
-        deltas, inputs, s_grads = taps
-        outside = ghost.reads_outside(the_plan, s_grads)
+        deltas, inputs = taps
+        outside = ghost.reads_outside(the_plan)
         if not outside:
             calls = {id(layer): [] for layer, _ in the_plan.layers}
             for layer, a, d in zip(the_plan.owners, inputs, deltas):

@@ -1,13 +1,13 @@
 """The layers with per-example norm rules on JAX, and the vector-Jacobian products the rules share (``_ghost``).
 
-The rule interface and the layers' pre-activations are every backend's (``keras_dpsgd.backends._layer_forms``; here
-the JAX array math): a rule (:class:`Rule`) serves a layer whose output before its activation, ``pre(layer,
-inputs)``, is affine in its trainable variables given its input. From each example's inputs ``a_i`` and output
-gradients ``δ_i`` (one pair per call, [B, 1, ...]: each example a batch of one), :func:`per_example_grads` gives
-this layer's gradient of one example (``jax.vmap`` of a vector-Jacobian product) and :func:`weighted_sums` the
-clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms``
-may replace the former by closed forms (Dense: ``||a||²·||δ||²`` or the Gram form on sequences; Embedding: the Gram
-form with id equality). ``RULES`` maps an exact layer type to its rule.
+The rule interface, the layers' pre-activations and the closed forms of the norms are every backend's
+(``keras_dpsgd.backends._layer_forms``, over this backend's :data:`ARRAYS`): a rule (:class:`Rule`) serves a layer
+whose output before its activation, ``pre(layer, inputs)``, is affine in its trainable variables given its input.
+From each example's inputs ``a_i`` and output gradients ``δ_i`` (one pair per call, [B, 1, ...]: each example a
+batch of one), :func:`per_example_grads` gives this layer's gradient of one example (``jax.vmap`` of a
+vector-Jacobian product) and :func:`weighted_sums` the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over
+the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may replace the former by closed forms (Dense and Embedding:
+the shared ones; Conv: Dense's forms on the input's patches, here). ``RULES`` maps an exact layer type to its rule.
 
 A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
 apart (one product over all rows), so rows that cancel must not round the norm to 0 (``keras_dpsgd.dp.rounding``,
@@ -17,6 +17,8 @@ GPUs and TPUs JAX's default is a reduced one).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -24,7 +26,6 @@ import keras
 from keras_dpsgd.backends import _layer_forms as _forms
 from keras_dpsgd.backends._layer_forms import Rule, pre_at, with_values
 from keras_dpsgd.backends.jax._per_example import staged_sq_norms
-from keras_dpsgd.dp import rounding as _rounding
 
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 
@@ -32,57 +33,14 @@ __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _gram(x):
-    """[B, T, T]: the rows' dot products ``x_t·x_s`` of x [B, T, k], at full float32 precision."""
-    return jnp.einsum("bti,bsi->bts", x, x, precision=_HIGHEST)
-
-
-def _row_norms(x):
-    return jnp.sqrt(jnp.sum(jnp.square(x), axis=2))
-
-
-def _weighted(norms, gram):
-    """``Σ_{t,s} n_t n_s |gram_ts|`` per example (norms [B, T], gram [B, T, T]): ``_rounding.gram_upper``'s."""
-    return jnp.sum(norms * jnp.einsum("bts,bs->bt", jnp.abs(gram), norms, precision=_HIGHEST), axis=1)
-
-
-def _outer_sq_norms(a, d):
-    """Upper bounds of (||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j]: a
-    Dense kernel and bias (``_rounding``: certified, whatever the rows' cancellation).
-
-    ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j)) or the
-    direct product (B·T·i·j), whichever is cheaper.
-    """
-    rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
-    d_norms = _row_norms(d)
-    bias = _rounding.linear_upper(jnp.sum(jnp.square(jnp.sum(d, axis=1)), axis=1), d_out, jnp.sum(d_norms, 1), rows)
-    if rows == 1:
-        sq = jnp.sum(jnp.square(a), axis=(1, 2)) * jnp.sum(jnp.square(d), axis=(1, 2))
-        return _rounding.positive_upper(sq, d_in + d_out + 1), bias
-    a_norms = _row_norms(a)
-    lengths = jnp.sum(a_norms * d_norms, axis=1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
-    if rows * (d_in + d_out) < d_in * d_out:
-        aa, dd = _gram(a), _gram(d)
-        terms = aa * dd
-        gram, absolute = jnp.sum(terms, (1, 2)), jnp.sum(jnp.abs(terms), (1, 2))
-        weighted = _weighted(a_norms, dd), _weighted(d_norms, aa)
-        upper = _rounding.gram_upper(gram, absolute, lengths, *weighted, widths=(d_in, d_out), rows=rows)
-        return upper, bias
-    sq, count = staged_sq_norms(jnp.einsum("bti,btj->bij", a, d, precision=_HIGHEST))
-    return _rounding.linear_upper(sq, count, lengths, rows), bias
-
-
-class _Dense(_forms.DenseForm):
-    def sq_norms(self, layer, calls, trainable):
-        if layer.lora_enabled:
-            return None
-        a = jnp.concatenate([x.reshape(x.shape[0], -1, x.shape[-1]) for x, _ in calls], axis=1).astype(jnp.float32)
-        d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
-        kernel, bias = _outer_sq_norms(a, d)
-        out = {id(layer._kernel): kernel}
-        if layer.bias is not None:
-            out[id(layer.bias)] = bias
-        return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
+ARRAYS = _forms.Arrays(
+    einsum=functools.partial(jnp.einsum, precision=_HIGHEST),
+    sum=jnp.sum,
+    sqrt=jnp.sqrt,
+    concat=jnp.concatenate,
+    float32=lambda x: x.astype(jnp.float32),
+    staged_sq_norms=staged_sq_norms,
+)
 
 
 class _Conv(_forms.ConvForm):
@@ -107,29 +65,12 @@ class _Conv(_forms.ConvForm):
             )  # [B, *positions, C·prod(kernel_size)] in some order of the patch's entries: norms do not care
             rows.append(patches.reshape(batch, -1, patches.shape[-1]))
             grads.append(d.reshape(batch, -1, d.shape[-1]))
-        out = _outer_sq_norms(jnp.concatenate(rows, 1), jnp.concatenate(grads, 1).astype(jnp.float32))
+        out = _forms.outer_sq_norms(ARRAYS, jnp.concatenate(rows, 1), jnp.concatenate(grads, 1).astype(jnp.float32))
         keep = {id(t) for t in trainable}
         found = {id(layer._kernel): out[0]}
         if layer.use_bias:
             found[id(layer.bias)] = out[1]
         return {k: v for k, v in found.items() if k in keep}
-
-
-class _Embedding(_forms.EmbeddingForm):
-    def sq_norms(self, layer, calls, trainable):
-        ids = jnp.concatenate([x.reshape(x.shape[0], -1) for x, _ in calls], axis=1)
-        if ids.shape[1] ** 2 > layer.input_dim:  # the direct form (one [V, d] gradient per example) is cheaper
-            return None
-        d = jnp.concatenate([g.reshape(g.shape[0], -1, g.shape[-1]) for _, g in calls], axis=1).astype(jnp.float32)
-        same = (ids[:, :, None] == ids[:, None, :]).astype(jnp.float32)  # the one-hot rows' Gram: exact
-        terms = same * _gram(d)
-        gram, absolute = jnp.sum(terms, axis=(1, 2)), jnp.sum(jnp.abs(terms), axis=(1, 2))
-        norms = _row_norms(d)
-        lengths = jnp.sum(norms, axis=1)  # S = Σ_t ‖δ_t‖ (a one-hot row has norm 1)
-        weighted = _weighted(norms, same)  # Σ β|x̂|; the exact x̂ needs no α term
-        widths, rows = (0, d.shape[2]), ids.shape[1]
-        upper = _rounding.gram_upper(gram, absolute, lengths, 0.0, weighted, widths=widths, rows=rows)
-        return {id(layer.embeddings): upper}
 
 
 class _PReLU(Rule):
@@ -138,7 +79,13 @@ class _PReLU(Rule):
 
 
 RULES: dict[type, Rule] = {
-    **_forms.registry(_Dense(), _forms.EinsumDenseForm(), _Conv(), _Embedding(), _forms.LayerNormForm()),
+    **_forms.registry(
+        _forms.DenseForm(ARRAYS),
+        _forms.EinsumDenseForm(),
+        _Conv(),
+        _forms.EmbeddingForm(ARRAYS),
+        _forms.LayerNormForm(),
+    ),
     keras.layers.PReLU: _PReLU(),
 }
 

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import keras
 from jax.extend.core import get_opaque_trace_state
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_dpsgd.backends._layer_forms import ReadWatch
 from keras_dpsgd.backends.jax._rules import RULES, per_example_grads, rule_for, weighted_sums
 from keras_dpsgd.dp.refusals import refuse
 
@@ -53,19 +53,20 @@ _ANNOUNCED: set = set()
 
 
 # -------------------------------------------------------------------------------------- interception
-class _Taps:
-    """The covered calls of one trace: their order and shapes, the inputs recorded, the reads watched.
+class _Taps(ReadWatch):
+    """The covered calls of one trace: their order and shapes, the inputs recorded, the reads watched
+    (``_layer_forms.ReadWatch``, the torch backend's too).
 
     ``trace`` is JAX's trace state where the model's call (or the loss) started: a covered layer called
     under another one runs inside a loop body or another traced function (``looped``).
     """
 
     def __init__(self, layers, expected=None, zs=None):
+        super().__init__(layers)
         self.layers = list(layers)
-        self.owner = {id(v): layer for layer in self.layers for v in layer.variables}
         self.expected, self.zs = expected, zs
-        self.calls, self.inputs, self.inside, self.violations, self.looped = [], [], [], set(), set()
-        self.watching, self.trace = False, None
+        self.calls, self.inputs, self.looped = [], [], set()
+        self.trace = None
 
     @contextlib.contextmanager
     def watch(self):
@@ -114,14 +115,6 @@ def _wrapped_call(layer, rule, taps):
 @contextlib.contextmanager
 def _intercepting(model, taps: _Taps):
     """Covered layers' calls tap their pre-activations; reads of their variables elsewhere are recorded."""
-    original_read = StatelessScope.get_current_value
-
-    def read(scope, variable):
-        owner = taps.owner.get(id(variable))
-        if owner is not None and taps.watching and (not taps.inside or taps.inside[-1] is not owner):
-            taps.violations.add(owner)
-        return original_read(scope, variable)
-
     model_call = model.call
 
     def watched_call(*args, **kwargs):
@@ -135,10 +128,9 @@ def _intercepting(model, taps: _Taps):
             object.__setattr__(layer, "call", _wrapped_call(layer, RULES[type(layer)], taps))
         patched.append((model, vars(model).get("call")))
         object.__setattr__(model, "call", watched_call)
-        StatelessScope.get_current_value = read
-        yield taps
+        with taps.reads_seen():
+            yield taps
     finally:
-        StatelessScope.get_current_value = original_read
         for obj, own in reversed(patched):
             if own is None:
                 object.__delattr__(obj, "call")

@@ -22,7 +22,7 @@ import torch
 from keras_dpsgd.dp.noise import circle_by_trig
 from keras_dpsgd.dp.ops import ArrayOps
 
-__all__ = ["TORCH_OPS", "NOISE_OPS", "digest", "words"]
+__all__ = ["TORCH_OPS", "NOISE_OPS", "WordReader", "digest", "stream_key", "words"]
 
 
 def digest(*parts: int | bytes) -> int:
@@ -33,15 +33,46 @@ def digest(*parts: int | bytes) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+_NO_WORDS = np.zeros(0, np.uint32)
+
+
+class WordReader:
+    """The words of :func:`words` under `key`, read in consecutive pieces from word `start` (one Philox state, no
+    array of all the words: a backend draws them by chunks)."""
+
+    def __init__(self, key: int, start: int = 0):
+        self._philox = np.random.Philox(key=key)
+        raw = start // 2  # each raw 64-bit output is two words
+        self._philox.advance(raw // 4)  # Philox-4x64: four raw outputs per step of its counter
+        self._philox.random_raw(raw % 4)
+        self._carry = self._philox.random_raw(1).view(np.uint32)[1:] if start % 2 else _NO_WORDS
+
+    def read(self, n: int) -> np.ndarray:
+        """The next `n` words."""
+        take = min(n, self._carry.size)
+        head, self._carry = self._carry[:take], self._carry[take:]
+        need = n - take
+        if need == 0:
+            return head
+        fresh = self._philox.random_raw((need + 1) // 2).view(np.uint32)
+        self._carry = fresh[need:]
+        return fresh[:need] if take == 0 else np.concatenate([head, fresh[:need]])
+
+
 def words(key: int, n: int) -> np.ndarray:
     """n uniform uint32 words (all 2³² values), a function of `key`: the raw 64-bit outputs of numpy's Philox under
     the 128-bit key, each read as two words (in the machine's byte order)."""
-    return np.random.Philox(key=key).random_raw((n + 1) // 2).view(np.uint32)[:n]
+    return WordReader(key).read(n)
+
+
+def stream_key(key: int, stream: int) -> int:
+    """The key of the words of `key`'s `stream` (``random_words``)."""
+    return digest(b"stream", int(key), int(stream))
 
 
 def _numpy_words(key, shape, stream: int):
     shape = tuple(int(s) for s in shape)
-    return words(digest(b"stream", int(key), int(stream)), math.prod(shape)).reshape(shape)
+    return words(stream_key(key, stream), math.prod(shape)).reshape(shape)
 
 
 def _fold_in(key, index):

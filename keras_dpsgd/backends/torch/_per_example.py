@@ -45,6 +45,17 @@ def contiguous_layout():
         keras_torch_nn._maybe_convert_to_channels_last = convert
 
 
+def _composite_attention():
+    """``scaled_dot_product_attention`` by its composite math (matmuls, softmax) for the duration.
+
+    torch's fused CPU attention kernel has no ``vmap`` batching rule: under ``torch.func.vmap`` it runs once per
+    example (torch warns "There is a performance drop"); its composite form is batched like any matmul. Keras asking
+    for flash attention by name (``flash_attention=True``) keeps its own choice.
+    """
+    attention = torch.nn.attention
+    return attention.sdpa_kernel([attention.SDPBackend.MATH])
+
+
 def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *batched) -> tuple:
     """(per-example gradients [B, *shape] per parameter, aux) of ``loss_of_one(params, *example) -> (loss, aux)``.
 
@@ -59,7 +70,7 @@ def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *ba
         randomness="different",
     )
     try:
-        with contiguous_layout():
+        with contiguous_layout(), _composite_attention():
             return step(list(params), *batched)
     except ValueError as err:
         if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
@@ -92,7 +103,12 @@ def clipped_sum(grads: Sequence[torch.Tensor], factors: torch.Tensor) -> list[to
     """Σ_i factors[i, v] g_i[v] for each v (float32); a zero factor contributes exactly 0 (NaN or Inf included)."""
     summed = []
     for v, g in enumerate(grads):
-        f = factors[:, v].reshape((-1,) + (1,) * (g.dim() - 1))
+        f = factors[:, v]
+        if bool(torch.all(f > 0)):  # every row finite (a non-finite row has factor 0): one product, no copy
+            rows = g.to(torch.float32).reshape(g.shape[0], math.prod(g.shape[1:]))
+            summed.append(torch.mv(rows.t(), f).reshape(g.shape[1:]))
+            continue
+        f = f.reshape((-1,) + (1,) * (g.dim() - 1))
         g32 = torch.where(f > 0, g.to(torch.float32), torch.zeros((), dtype=torch.float32, device=g.device))
         summed.append(torch.sum(g32 * f, dim=0))
     return summed

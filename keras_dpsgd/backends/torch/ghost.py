@@ -9,10 +9,10 @@ sum come from them (``_rules``: closed forms, or a vector-Jacobian product of th
 impossible by construction: the forward and backward passes run under ``torch.func.vmap`` on batches of one.
 
 A covered variable read anywhere but in its own layer's call (weight tying, a custom layer reading another's
-kernel, a compiled loss reading a kernel) would lose that use's gradient. Every covered variable is therefore
-read by the model as ``w + s·r`` (``s`` = 0, differentiated; ``r`` a fixed random direction), while its layer's
-own call reads ``w``: a read elsewhere gives ``∂ℓ_i/∂s = ⟨∂ℓ_i/∂w, r⟩ ≠ 0`` (almost surely), and the step is
-then recomputed on the exact path with that layer uncovered (announced by name), never run with a lost use.
+kernel, a compiled loss reading a kernel) would lose that use's gradient. Every read of a covered variable in the
+model's call and the compiled loss is therefore watched in the step (``_layer_forms.ReadWatch``, as on JAX: Keras
+reads a variable through its ``StatelessScope``); a layer whose variable is read outside its own call is taken off
+the plan and the step recomputed on the exact path (announced by name), never run with a lost use.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 from typing import Any
 
 import torch
+from keras_dpsgd.backends import _layer_forms as _forms
 from keras_dpsgd.backends.torch._rules import per_example_grads, pre_at, rule_for, weighted_sums
 from keras_dpsgd.dp.refusals import refuse
 
@@ -57,7 +58,7 @@ class Plan:
         self.shapes: list | None = None  # the pre-activation shape of each covered call, in call order
         self.owners: list = []  # the layer of each call
         self.signature = None  # the input signature the shapes were probed on
-        self.directions: list | None = None  # the watch's r per covered variable
+        self.reads = _forms.ReadWatch([layer for layer, _ in layers])  # the last "tap"'s reads outside the calls
         self._mode = None
         self._calls: list = []
         self._raw: dict = {}
@@ -65,30 +66,51 @@ class Plan:
     @contextlib.contextmanager
     def tapped(self, mode: str, zs=None, raw=None):
         """Covered layers' calls intercepted: "probe" records their pre-activation shapes, "tap" adds `zs` to
-        the pre-activations and records the inputs, each call reading its variables at `raw` (id -> value)."""
+        the pre-activations and records the inputs, each call reading its variables at `raw` (id -> value), and
+        watches the covered variables' reads in the model's call (and under :meth:`watching`: the loss)."""
         self._mode, self._calls, self._zs, self._raw = mode, [], zs, raw or {}
+        self.reads = _forms.ReadWatch([layer for layer, _ in self.layers])
         patched = []
         try:
             for layer, rule in self.layers:
+                patched.append((layer, vars(layer).get("call")))
                 object.__setattr__(layer, "call", self._call_of(layer, rule))
-                patched.append(layer)
-            yield self._calls
+            if mode == "tap":
+                patched.append((self.model, vars(self.model).get("call")))
+                object.__setattr__(self.model, "call", self._watched(self.model.call))
+            with self.reads.reads_seen():
+                yield self._calls
         finally:
-            for layer in patched:
-                vars(layer).pop("call", None)
+            for obj, own in reversed(patched):
+                if own is None:
+                    vars(obj).pop("call", None)
+                else:
+                    object.__setattr__(obj, "call", own)
             self._mode = None
+
+    def watching(self):
+        """The covered variables' reads are checked while this is open (inside :meth:`tapped`)."""
+        return self.reads.watch()
+
+    def _watched(self, model_call):
+        def call(*args, **kwargs):
+            with self.reads.watch():
+                return model_call(*args, **kwargs)
+
+        return call
 
     def _call_of(self, layer, rule):
         def call(inputs, *args, **kwargs):
             if args or {k: v for k, v in kwargs.items() if k != "training"}:
                 raise refuse("per-example-check", f"{layer.name}: a covered layer called with more than its input")
             values = self._raw or {id(v): v.value for v in layer.variables}
-            pre = pre_at(layer, rule, inputs, values)
+            with self.reads.own_call(layer):
+                pre = pre_at(layer, rule, inputs, values)
             if self._mode == "probe":
                 self.owners.append(layer)
                 self._calls.append(tuple(pre.shape))
             else:
-                pre = pre + self._zs[len(self._calls)]
+                pre = pre.add_(self._zs[len(self._calls)])  # pre's own buffer (a new tensor of this call)
                 self._calls.append(inputs)
             return rule.post(layer, pre)
 
@@ -129,16 +151,6 @@ def probe(the_plan: Plan, trainable, non_trainable, x_one, kwargs) -> None:
     with torch.no_grad(), the_plan.tapped("probe") as calls:
         the_plan.model.stateless_call(trainable, non_trainable, x_one, **kwargs)
     the_plan.shapes, the_plan.signature = list(calls), signature
-
-
-def directions(the_plan: Plan) -> list:
-    """A fixed random direction r per covered variable (the watch on reads outside the layer's call), made once."""
-    if the_plan.directions is None:
-        generator = torch.Generator().manual_seed(0)
-        the_plan.directions = [
-            torch.randn(tuple(v.shape), generator=generator).to(v.value.device) for v in the_plan.covered
-        ]
-    return the_plan.directions
 
 
 def clipped_sums(the_plan: Plan, calls_by_layer, values, factors_of, groups, other_grads):
@@ -190,7 +202,6 @@ def _clipped_sums(the_plan, calls_by_layer, values, factors_of, groups, other_gr
     return [summed[id(v)] for v in the_plan.variables], finite, sq
 
 
-def reads_outside(the_plan: Plan, s_grads: list) -> list[Any]:
-    """The covered layers whose variables were read outside their own call (a nonzero ∂ℓ/∂s)."""
-    bad = {id(v) for v, g in zip(the_plan.covered, s_grads) if bool(torch.any(g != 0))}
-    return [layer for layer, _ in the_plan.layers if any(id(v) in bad for v in layer.trainable_variables)]
+def reads_outside(the_plan: Plan) -> list[Any]:
+    """The covered layers whose variables the last tapped step read outside their own call."""
+    return [layer for layer, _ in the_plan.layers if layer in the_plan.reads.violations]

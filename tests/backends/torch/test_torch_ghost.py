@@ -99,6 +99,7 @@ def test_sequence_model_per_layer_clipped_step_matches_loop():
     clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
     compiled(model, l2_norm_clip=clip)
     assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), clip, per_layer=True))
+    assert _covered(model) == {"Embedding", "Conv1D", "Dense"}  # the step's read watch uncovered none
 
 
 def test_lora_dense_and_einsum_dense_flat_clipped_step_matches_loop():

@@ -45,19 +45,19 @@ def test_matches_the_standard_normal_with_full_tails():
 
 def test_pairs_with_a_zero_word_are_refined(monkeypatch):
     """Pairs with x0 == 0 (prob. 2^-32) get the refined radius from two more words: past sqrt(2·32·ln 2)."""
-    real, calls = _ops.words, []
+    real, calls = _ops.WordReader.read, []
 
-    def words(key, n):
-        w = real(key, n).copy()
+    def read(self, n):
+        w = real(self, n).copy()
         if not calls:
             w[[0, 1, 3]] = 0  # x0 of pairs 0, 1 and 3
         calls.append(n)
         return w
 
-    monkeypatch.setattr(_ops, "words", words)
+    monkeypatch.setattr(_ops.WordReader, "read", read)
     z = _noise.standard_normal((10,), _noise.seeded_key(7, 0, 0)).numpy()
     radius = np.hypot(z[:5], z[5:])
-    assert len(calls) == 2
+    assert calls == [5, 5, 10]  # x0 and x1 of the 5 pairs, then the refinement's 2 words a pair
     assert np.all(radius[[0, 1, 3]] > math.sqrt(-2 * math.log(2.0**-32)))
     assert np.all(radius[[2, 4]] < math.sqrt(-2 * math.log(2.0**-32)))
 
@@ -80,3 +80,19 @@ def test_add_gaussian_scales_and_keeps_shape_and_dtype():
     z = _noise.standard_normal((300, 7), key).numpy()
     assert y.shape == (300, 7) and y.dtype == np.float32
     np.testing.assert_allclose(y, 2.0 + 0.5 * z, rtol=1e-6, atol=1e-6)
+
+
+def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch):
+    """By chunks (odd and even starts of the second word stream, a chunk cut at the end) the sampler gives the core's
+    ``scaled_normal`` on the whole draw value for value, and added into the caller's tensor, ``x + noise``."""
+    from keras_dpsgd.dp.noise import scaled_normal
+
+    monkeypatch.setattr(_noise, "_CHUNK", 5)
+    for n in (1, 2, 11, 1001):
+        key = _noise.seeded_key(3, 1, 2)
+        want = scaled_normal(_ops.NOISE_OPS, n, key, 1.3)
+        np.testing.assert_array_equal(_noise._normal(n, key, 1.3).numpy(), want)
+        x = torch.randn(n)
+        y = x.clone()
+        assert _noise.add_gaussian(y, 1.3, key, in_place=True) is y
+        np.testing.assert_array_equal(y.numpy(), (x + torch.from_numpy(want)).numpy())
