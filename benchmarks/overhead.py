@@ -66,6 +66,10 @@ a Dense(2) head): ``bert`` (BertBackbone, pooled output; segment ids from the to
 ``gemma`` (GemmaBackbone, 2 query heads, 1 key/value head, head_dim 32, first token); ``mha-lora``:
 Embedding(5000, 64) on T=32 -> MultiHeadAttention(2 x 32) + residual + LayerNormalization ->
 Dense(64, ReLU) -> average pool -> Dense(2), ``enable_lora(4)`` on the Dense, query and value.
+Issue 41's vision models (``--keras 3`` only, 32x32x3, 10 classes, B=64): ``vit`` (keras_hub ViTBackbone, 4x4
+patches, 2 layers, hidden 64, MLP 128, 2 heads, the class token's output -> Dense(10)); ``efficientnet``
+(``applications.EfficientNetB0(weights=None)``, frozen, called with ``training=False``, average pool -> Dense(10));
+``efficientnet-top`` (the same with block7a and the top convolution trainable, every BatchNormalization frozen).
 """
 
 from __future__ import annotations
@@ -98,12 +102,16 @@ DEFAULT_BATCH = {
     "mha-lora": 64,
     "gpt2": 64,
     "gemma": 64,
+    "vit": 64,
+    "efficientnet": 64,
+    "efficientnet-top": 64,
 }
 MODEL_NAMES = tuple(DEFAULT_BATCH)
 TEXT_MODELS = ("lstm", "gru", "stacked-lstm", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
 VOCABULARY, SEQUENCE_LENGTH = 5000, 64
 HUB_MODELS = ("bert", "bert-lora", "mha-lora", "gpt2", "gemma")  # Keras 3, int ids [B, HUB_LENGTH], 2 classes
 HUB_LENGTH = 32
+VISION_MODELS = ("vit", "efficientnet", "efficientnet-top")  # Keras 3 only, 32x32x3 images, 10 classes
 KERASES = ("tf_keras", "3")
 _KERAS = {"which": "tf_keras"}  # set by --keras (and by the memory child's argv)
 
@@ -199,10 +207,10 @@ def build_model(name: str):
         base.trainable = False  # BatchNormalization in inference mode; only the head trains
         images = keras.Input((32, 32, 3))
         return keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
-    if name in HUB_MODELS:
+    if name in HUB_MODELS or name in VISION_MODELS:
         if _KERAS["which"] != "3":
             raise ValueError(f"model {name!r} needs Keras 3 (keras_hub): run with --keras 3")
-        return _hub_model(name)
+        return _hub_model(name) if name in HUB_MODELS else _vision_model(name)
     raise ValueError(f"model must be one of {MODEL_NAMES}, got {name!r}")
 
 
@@ -234,6 +242,29 @@ def _hub_model(name: str):
     else:
         backbone = keras_hub.models.GemmaBackbone(num_query_heads=2, num_key_value_heads=1, head_dim=32, **sizes)
     return keras.Model(ids, layers.Dense(2)(backbone(inputs)[:, 0, :]))
+
+
+def _vision_model(name: str):
+    """Issue 41's vision models on 32x32x3 (see the module doc)."""
+    import keras
+
+    layers = keras.layers
+    images = keras.Input((32, 32, 3))
+    if name == "vit":
+        import keras_hub
+
+        backbone = keras_hub.models.ViTBackbone(
+            image_shape=(32, 32, 3), patch_size=4, num_layers=2, num_heads=2, hidden_dim=64, mlp_dim=128
+        )
+        return keras.Model(images, layers.Dense(10)(backbone(images)[:, 0]))
+    base = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), include_top=False, pooling="avg")
+    if name == "efficientnet":
+        base.trainable = False  # inference mode; only the head trains
+        return keras.Model(images, layers.Dense(10)(base(images, training=False)))
+    for layer in base.layers:  # the top block trains, every BatchNormalization frozen (inference mode)
+        top = layer.name.startswith(("block7a_", "top_"))
+        layer.trainable = top and not isinstance(layer, layers.BatchNormalization)
+    return keras.Model(images, layers.Dense(10)(base(images)))
 
 
 def make_data(name: str, batch: int, batches: int, seed: int = 0):
@@ -531,8 +562,11 @@ def main(argv=None) -> dict:
         args.modes = ["nonprivate"] + args.modes
     if len(args.keras) > 1 and (args.memory or args.max_batch):
         raise ValueError("--memory and --max-batch measure one Keras at a time: give one --keras")
-    if "tf_keras" in args.keras and set(args.models) & set(HUB_MODELS):
-        parser.error(f"--models {' '.join(sorted(set(args.models) & set(HUB_MODELS)))} need --keras 3 (keras_hub)")
+    keras3_only = set(args.models) & set(HUB_MODELS + VISION_MODELS)
+    if "tf_keras" in args.keras and keras3_only:
+        parser.error(
+            f"--models {' '.join(sorted(keras3_only))} need --keras 3 (keras_hub, Keras 3's BatchNormalization)"
+        )
     if args.backend == "jax":
         if args.keras != ["3"]:
             parser.error("--backend jax needs --keras 3 (tf_keras runs on TensorFlow only)")

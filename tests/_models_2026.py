@@ -1,5 +1,6 @@
 """The models of 2026 (issue 41), tiny, for both Keras 3 backends: PReLU (issue 40), silu/swish, grouped-query attention's repeated
-K/V heads (``keras.ops.repeat``) and a token-level ``[B, T]`` loss, each trained one private step on the
+K/V heads (``keras.ops.repeat``), a token-level ``[B, T]`` loss, and the vision models (``VISION``: keras_hub's ViT,
+EfficientNetB0 frozen and with its top block trainable), each trained one private step on the
 documented path (``make_private`` + ``PoissonLots(...).dataset()``, σ = 0, every example in the lot) and
 compared with the clipped mean of a one-example-at-a-time loop (``tests/_keras3_helpers.loop_clipped_mean``).
 """
@@ -109,9 +110,58 @@ MODELS = {
 TF_MODELS = {**MODELS, "custom-gradient": custom_gradient}
 
 
+def vit():
+    """keras_hub's ViTBackbone, tiny (8x8x3 images, 4x4 patches, one encoder block of width 8): the patches by a
+    strided Conv2D, the class token (a weight tiled over the batch), position embeddings, attention, a gelu MLP."""
+    import keras_hub
+
+    gen = np.random.default_rng(7)
+    x, y = gen.normal(size=(N, 8, 8, 3)).astype("float32"), gen.integers(0, 3, size=(N,))
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=(8, 8, 3), patch_size=4, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16
+    )
+    images = keras.Input((8, 8, 3))
+    model = keras.Model(images, L.Dense(3)(backbone(images)[:, 0]))
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y
+
+
+def efficientnet(top_block: bool):
+    """``keras.applications.EfficientNetB0(weights=None)`` on 32x32x3 (DepthwiseConv2D, squeeze-and-excitation's
+    broadcast multiply, swish, BatchNormalization) with a Dense head. Frozen (``trainable = False``, called with
+    ``training=False``), or with its top block (block7a and the top convolution) trainable and every
+    BatchNormalization frozen (``trainable = False``: inference mode, whatever the call's ``training``)."""
+    gen = np.random.default_rng(8)
+    x, y = gen.normal(size=(N, 32, 32, 3)).astype("float32"), gen.integers(0, 3, size=(N,))
+    keras.utils.set_random_seed(8)
+    base = keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), include_top=False, pooling="avg")
+    images = keras.Input((32, 32, 3))
+    if top_block:
+        for layer in base.layers:
+            top = layer.name.startswith(("block7a_", "top_"))
+            layer.trainable = top and not isinstance(layer, L.BatchNormalization)
+        features = base(images)
+    else:
+        base.trainable = False
+        features = base(images, training=False)
+    model = keras.Model(images, L.Dense(3)(features))
+    return model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y
+
+
+VISION = {
+    "vit": vit,
+    "efficientnet-frozen": lambda: efficientnet(top_block=False),
+    "efficientnet-top-block": lambda: efficientnet(top_block=True),
+}
+
+
 def check_one_private_step(name):
     """One private step of the model `name` moves the weights by the loop's clipped mean (learning rate 1)."""
-    model, loss, x, y = TF_MODELS[name]()
+    return check_private_step(*{**TF_MODELS, **VISION}[name]())
+
+
+def check_private_step(model, loss, x, y):
+    """One private step of `model` on ``PoissonLots`` (σ = 0, every example) moves the weights by the loop's clipped
+    mean (learning rate 1); returns the optimizer."""
     expected = loop_clipped_mean(model, x, y, loss, CLIP)
     before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     lots = keras_dpsgd.PoissonLots(x, y, sampling_rate=1.0, seed=0)

@@ -31,6 +31,7 @@ __all__ = [
     "DenseForm",
     "EinsumDenseForm",
     "ConvForm",
+    "DepthwiseConvForm",
     "EmbeddingForm",
     "LayerNormForm",
     "registry",
@@ -130,6 +131,12 @@ class Rule:
     def sq_norms(self, layer, calls, trainable) -> dict | None:
         return None
 
+    def grads(self, layer, calls, variables) -> list | None:
+        """Each example's gradient of `variables` (this layer's) in closed form, [B, *shape] each, summed over the
+        `calls` ((input, output gradient) pairs [B, 1, ...]), or None (the vector-Jacobian product of each example).
+        """
+        return None
+
     def sums(self, layer, inputs, weighted) -> dict | None:
         """{id(v): Σ_i f_iv g_iv} in closed form from the calls' `inputs` ([B, 1, ...] each, zero where the factor
         is) and ``weighted(v)`` = f_iv δ_i as rows [B, T, j], or None (the vector-Jacobian product over the batch)."""
@@ -193,6 +200,26 @@ class ConvForm(Rule):
 
     def post(self, layer, outputs):
         return outputs if layer.activation is None else layer.activation(outputs)
+
+
+class DepthwiseConvForm(ConvForm):
+    def pre(self, layer, inputs):
+        outputs = keras.ops.depthwise_conv(  # BaseDepthwiseConv.call, before the activation
+            inputs,
+            layer.kernel,
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        if not layer.use_bias:
+            return outputs
+        channels = layer.kernel.shape[-2] * layer.kernel.shape[-1]
+        if layer.data_format == "channels_last":
+            shape = (1,) * (layer.rank + 1) + (channels,)
+        else:
+            shape = (1, channels) + (1,) * layer.rank
+        return keras.ops.add(outputs, keras.ops.reshape(layer.bias, shape))
 
 
 class EmbeddingForm(Rule):

@@ -7,7 +7,9 @@ From each example's inputs ``a_i`` and output gradients ``δ_i`` (one pair per c
 batch of one), :func:`per_example_grads` gives this layer's gradient of one example (``jax.vmap`` of a
 vector-Jacobian product) and :func:`weighted_sums` the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over
 the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may replace the former by closed forms (Dense and Embedding:
-the shared ones; Conv: Dense's forms on the input's patches, here). ``RULES`` maps an exact layer type to its rule.
+the shared ones; convolutions: Dense's forms on the input's patches, here), and ``Rule.grads`` by each example's
+gradient materialized in closed form (convolutions from the input's windows, ``_conv``: then the norm and the clipped
+sum read those values). ``RULES`` maps an exact layer type to its rule.
 
 A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
 apart (one product over all rows), so rows that cancel must not round the norm to 0 (``keras_dpsgd.dp.rounding``,
@@ -18,6 +20,7 @@ GPUs and TPUs JAX's default is a reduced one).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,7 @@ import keras
 
 from keras_dpsgd.backends import _layer_forms as _forms
 from keras_dpsgd.backends._layer_forms import Rule, pre_at, with_values
+from keras_dpsgd.backends.jax import _conv
 from keras_dpsgd.backends.jax._per_example import staged_sq_norms
 
 __all__ = ["RULES", "Rule", "rule_for", "per_example_grads", "weighted_sums"]
@@ -44,33 +48,40 @@ ARRAYS = _forms.Arrays(
 
 
 class _Conv(_forms.ConvForm):
+    """Conv1D/2D/3D from the input's windows (``_conv``): the Gram norm over the patches where it is cheaper, else
+    each example's gradient materialized (:meth:`grads`), its norm and the clipped sum read from it."""
+
     def sq_norms(self, layer, calls, trainable):
-        """The kernel's norm from the input's patches (one row per output position): Dense's forms on them."""
-        if layer.lora_enabled or layer.groups != 1 or layer.data_format != "channels_last":
-            return None
-        if layer.padding not in ("valid", "same"):  # Conv1D's "causal": the vector-Jacobian product
-            return None
-        spec = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}[layer.rank]
-        rows, grads = [], []
-        for a, d in calls:
-            batch = a.shape[0]
-            patches = jax.lax.conv_general_dilated_patches(
-                a.reshape((-1,) + a.shape[2:]).astype(jnp.float32),
-                filter_shape=tuple(layer.kernel_size),
-                window_strides=tuple(layer.strides),
-                padding=layer.padding.upper(),
-                rhs_dilation=tuple(layer.dilation_rate),
-                dimension_numbers=spec,
-                precision=_HIGHEST,  # exact copies of the input (a reduced precision would round them)
-            )  # [B, *positions, C·prod(kernel_size)] in some order of the patch's entries: norms do not care
-            rows.append(patches.reshape(batch, -1, patches.shape[-1]))
-            grads.append(d.reshape(batch, -1, d.shape[-1]))
-        out = _forms.outer_sq_norms(ARRAYS, jnp.concatenate(rows, 1), jnp.concatenate(grads, 1).astype(jnp.float32))
-        keep = {id(t) for t in trainable}
-        found = {id(layer._kernel): out[0]}
+        rows = sum(math.prod(d.shape[2:-1]) for _, d in calls)
+        inputs = math.prod(layer.kernel_size) * calls[0][0].shape[-1]
+        if not _conv.served(layer) or not _conv.gram_cheaper(rows, inputs, layer.filters):
+            return None  # materialized: grads()
+        kernel, bias = _forms.outer_sq_norms(ARRAYS, *_conv.patch_rows(layer, calls))
+        found = {id(layer._kernel): kernel}
         if layer.use_bias:
-            found[id(layer.bias)] = out[1]
+            found[id(layer.bias)] = bias
+        keep = {id(t) for t in trainable}
         return {k: v for k, v in found.items() if k in keep}
+
+    def grads(self, layer, calls, variables):
+        if not _conv.served(layer):
+            return None
+        found = {id(layer._kernel): lambda: _conv.kernel_grads(layer, calls, layer._kernel.shape)}
+        if layer.use_bias:
+            found[id(layer.bias)] = lambda: _conv.bias_grads(calls)
+        return [found[id(v)]() for v in variables] if all(id(v) in found for v in variables) else None
+
+
+class _DepthwiseConv(_forms.DepthwiseConvForm):
+    """DepthwiseConv1D/2D: each example's gradient materialized from the input's windows (``_conv``)."""
+
+    def grads(self, layer, calls, variables):
+        if not _conv.served(layer):
+            return None
+        found = {id(layer.kernel): lambda: _conv.depthwise_grads(layer, calls, layer.kernel.shape)}
+        if layer.use_bias:
+            found[id(layer.bias)] = lambda: _conv.bias_grads(calls)
+        return [found[id(v)]() for v in variables] if all(id(v) in found for v in variables) else None
 
 
 class _PReLU(Rule):
@@ -87,6 +98,8 @@ RULES: dict[type, Rule] = {
         _forms.LayerNormForm(),
     ),
     keras.layers.PReLU: _PReLU(),
+    keras.layers.DepthwiseConv1D: _DepthwiseConv(),
+    keras.layers.DepthwiseConv2D: _DepthwiseConv(),
 }
 
 
@@ -96,7 +109,11 @@ def rule_for(layer) -> Rule | None:
 
 
 def per_example_grads(layer, rule, calls, values, variables) -> list:
-    """Each example's gradient of `variables` (this layer's only): [B, *shape] each, Σ over the calls."""
+    """Each example's gradient of `variables` (this layer's only): [B, *shape] each, Σ over the calls: the rule's
+    closed form (``Rule.grads``) where it has one, else the vector-Jacobian product of each example."""
+    closed = rule.grads(layer, calls, variables)
+    if closed is not None:
+        return closed
     current = [values[id(v)] for v in variables]
 
     def one(a, d):

@@ -21,7 +21,8 @@ under ``jax.vmap`` on batches of one, and so do the rules' products (``jax.vmap`
 example's input). An example with factor 0 (non-finite) has its inputs and cotangents replaced by
 exact zeros first. Layers covered (exact type, float32, not quantized, no rematerialization; their rules in ``_rules``):
 ``Dense`` (LoRA included), ``EinsumDense`` (LoRA included), ``Embedding`` (without LoRA),
-``Conv1D``/``Conv2D``/``Conv3D``, ``LayerNormalization``, ``PReLU``. Every other trainable variable keeps the
+``Conv1D``/``Conv2D``/``Conv3D`` and ``DepthwiseConv1D``/``DepthwiseConv2D`` (from the unfolded input: ``_conv``),
+``LayerNormalization``, ``PReLU``. Every other trainable variable keeps the
 exact per-example gradient of ``_per_example`` (one warning names its layers). A covered variable
 read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel, a
 compiled loss reading a kernel) would lose that use's gradient: every read in the model's call and the
@@ -222,8 +223,8 @@ class Plan:
             _ANNOUNCED.add(names)
             _LOG.warning(
                 "keras_dpsgd (JAX): %d trainable variable(s) without a per-example norm rule in this step (rules: "
-                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, LayerNormalization, PReLU in float32, called in the model's "
-                "own trace, their variables read only in their call) take exact per-example gradients under "
+                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, DepthwiseConv1D/2D, LayerNormalization, PReLU in "
+                "float32, called in the model's own trace, their variables read only in their call) take exact per-example gradients under "
                 "jax.vmap, about B times their gradient's memory: %s",
                 len(names),
                 ", ".join(names),
@@ -307,6 +308,8 @@ class Plan:
             summed[j] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
         for layer in self.covered:
             rule = RULES[type(layer)]
+            if all(id(v) in materialized for v in layer.trainable_variables):
+                continue  # summed below from the materialized gradients
             for v, s in weighted_sums(
                 layer, rule, calls[id(layer)], values, factors, finite, self.index, groups
             ).items():

@@ -9,16 +9,18 @@ advice for an op that is not batch norm).
 
 import logging
 
+import numpy as np
+
 import pytest
 import tensorflow as tf
 import tf_keras
 from _fast_helpers import check, data, flat_factors
 
 from keras_dpsgd.backends.tensorflow import graph as _graph
-from tests._models_2026 import TF_MODELS, check_one_private_step
+from tests._models_2026 import TF_MODELS, VISION, check_one_private_step, efficientnet
 
 
-@pytest.mark.parametrize("name", sorted(TF_MODELS))
+@pytest.mark.parametrize("name", sorted(TF_MODELS) + sorted(VISION))
 def test_one_private_step_equals_the_loop(name, caplog):
     with caplog.at_level(logging.WARNING, logger="keras_dpsgd"):
         opt = check_one_private_step(name)
@@ -140,3 +142,21 @@ def test_copies_of_a_tiled_weight_mixed_over_the_batch_are_refused():
         return tf.reduce_sum(x, axis=[1, 2]) + tf.reduce_sum(mixed, axis=1)
 
     assert "Mean" in _refusal(fn)
+
+
+def test_efficientnet_with_a_batch_normalization_in_training_mode_is_refused():
+    """The top block with its BatchNormalization trainable (training mode: batch statistics mix the examples) is
+    refused before any weight changes, with the freeze advice."""
+    import keras_dpsgd
+    from keras_dpsgd import keras3 as k3
+
+    model, loss, x, y = efficientnet(top_block=True)
+    model.layers[1].get_layer("top_bn").trainable = True
+    before = [v.numpy() for v in model.trainable_variables]
+    lots = keras_dpsgd.PoissonLots(x, y, sampling_rate=1.0, seed=0)
+    private = k3.make_private(model)
+    private.compile(optimizer=lots.configure(k3.DPSGDOptimizer(1.0, 0.0, learning_rate=1.0)), loss=loss)
+    with pytest.raises(ValueError, match=r"(?s)BatchNormalization.*trainable = False"):
+        private.fit(lots.dataset(), steps_per_epoch=1, epochs=1, verbose=0)
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_array_equal(b, v.numpy())
