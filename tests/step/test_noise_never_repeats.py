@@ -20,9 +20,9 @@ import copy
 import numpy as np
 import pytest
 
-from tests._behaviour import keras3_front, tf_keras_front
+from tests._behaviour import process_fronts, tf_keras_front
 
-FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
+FRONTS = process_fronts()  # Keras 3 and tf_keras; Keras 3 alone in the JAX and torch suites
 N, D, U = 16, 8, 64
 X = np.random.default_rng(0).normal(size=(N, D)).astype("float32")
 Y = np.zeros(N, "int32")
