@@ -14,7 +14,8 @@ import keras_dpsgd.keras3 as k3
 from tests._behaviour import built, keras3_front
 
 __all__ = [
-    "test_batch_normalization_in_training_mode_is_refused_and_a_frozen_one_trains",
+    "test_batch_normalization_in_training_mode_is_refused",
+    "test_frozen_batch_normalization_trains",
     "test_gradient_canaries_and_the_custom_step_functions_are_refused",
     "test_the_fast_per_example_backend_is_refused",
 ]
@@ -44,14 +45,24 @@ def data():
     return np.random.default_rng(0).normal(size=(6, 5)).astype("float32"), np.arange(6) % 3
 
 
-def test_batch_normalization_in_training_mode_is_refused_and_a_frozen_one_trains():
+def bn_model():
+    """Dense -> BatchNormalization -> Dense, seeded: (model, its BatchNormalization layer)."""
     keras.utils.set_random_seed(0)
     bn = keras.layers.BatchNormalization()
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)])
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)]), bn
+
+
+def test_batch_normalization_in_training_mode_is_refused():
+    model, _ = bn_model()
     x, y = data()
     FRONT.compiled(model, l2_norm_clip=1.0)
     assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
+
+
+def test_frozen_batch_normalization_trains():
+    model, bn = bn_model()
     bn.trainable = False
+    x, y = data()
     FRONT.compiled(model, l2_norm_clip=1.0)
     model.fit(x, y, batch_size=6, epochs=1, verbose=0)
     assert int(model.optimizer.noised_steps.numpy()) == 1
