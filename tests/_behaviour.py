@@ -9,6 +9,7 @@ Keras 3 front serves the backend of its process: TensorFlow here, JAX in the JAX
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -42,6 +43,15 @@ class Front:
         self.private(model)
         model.compile(optimizer=opt, loss=self.loss())
         return model
+
+
+def process_fronts() -> dict[str, Callable[[], Front]]:
+    """The front ends a behaviour check runs on in this process, by name: Keras 3 and tf_keras where Keras 3 runs
+    on TensorFlow (the main suite), Keras 3 alone in the JAX and torch suites' processes (their conftest sets
+    KERAS_BACKEND before any test module is imported; tests/test_backend_suites.py starts them)."""
+    if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        return {"keras3": keras3_front, "tf_keras": tf_keras_front}
+    return {"keras3": keras3_front}
 
 
 def keras3_front() -> Front:

@@ -24,15 +24,18 @@ SHARED_LAUNCH = frozenset(
     }
 )
 DISTRIBUTION = "distribution"
+# The modules whose every test is a unit of its own: tests/test_backend_suites.py's child suites (JAX, torch), one a
+# worker, beside each other.
+PER_TEST = frozenset({"test_backend_suites.py"})
 # Longest first: a worker takes the longest unit left whenever it is free, so that the two finish together
 # (a long module started last leaves the other worker idle). Ranked by the seconds of their slowest tests in
 # one `pytest -q -n 2 --durations=80` of the suite (2026-12-06, 1023 s at load 2-4.4 on the 2 cores): the JAX
 # suite's one subprocess (204 s), the distribution launch (143 s before its tests), then the modules whose
 # subprocesses or trainings take 20-60 s, then the earlier list's modules whose tests are many but short.
 LONGEST_FIRST = (
-    "test_backend_jax.py",  # the whole JAX suite in one subprocess (~3.5 min)
+    "test_backend_suites.py::test_backend_suite_passes[jax]",  # the whole JAX suite in one subprocess (~3.5 min)
     DISTRIBUTION,  # the one launch of tf.distribute processes (~2.5 min) and the four modules' tests
-    "test_backend_torch.py",  # the whole torch suite in one subprocess (~60 s at load 6-9; 17 s of CPU)
+    "test_backend_suites.py::test_backend_suite_passes[torch]",  # the whole torch suite in one subprocess (~60 s at load 6-9; 17 s of CPU)
     "test_ledger_resume.py",  # kill-and-resume subprocesses (~55 s)
     "test_examples_frozen_backbone.py",  # example smokes in subprocesses (~75 s)
     "test_fail_closed_resume.py",  # ~45 s
@@ -71,10 +74,13 @@ LONGEST_FIRST = (
 
 
 def scope_of(nodeid: str) -> str:
-    """The unit of work of a test: its module's path, or DISTRIBUTION for the modules that share
-    the distribution launch."""
+    """The unit of work of a test: its module's path, DISTRIBUTION for the modules that share the distribution
+    launch, or the test itself in a PER_TEST module."""
     path = nodeid.split("::", 1)[0]
-    return DISTRIBUTION if path.rsplit("/", 1)[-1] in SHARED_LAUNCH else path
+    name = path.rsplit("/", 1)[-1]
+    if name in SHARED_LAUNCH:
+        return DISTRIBUTION
+    return nodeid if name in PER_TEST else path
 
 
 def _rank(scope: str, tests: int) -> tuple[int, int]:

@@ -14,11 +14,11 @@ import tensorflow as tf
 from keras_dpsgd import model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.ledger import assume_poisson
-from tests._behaviour import built, keras3_front, tf_keras_front
+from tests._behaviour import built, process_fronts
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
 
 LR = 0.5
-FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
+FRONTS = process_fronts()  # Keras 3 and tf_keras; Keras 3 alone in the JAX and torch suites
 
 
 @pytest.fixture(scope="module", params=sorted(FRONTS))

@@ -19,19 +19,17 @@ import pytest
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "saved_0_2_0"
 
 
-def _facts(front: str) -> dict:
-    return json.loads((FIXTURES / front / "facts.json").read_text())
-
-
-def test_keras3_model_and_weights_of_0_2_0_load_and_continue():
+def keras3_file_loads_and_continues(folder: pathlib.Path):
+    """The Keras 3 ``model.keras`` of 0.2.0 in `folder` (on this process's backend) loads with its facts and trains
+    on one epoch of Poisson lots on top of its ledger: (the model, the lots, the facts)."""
     import keras
 
     import keras_dpsgd
-    from keras_dpsgd.keras3 import DPSGDOptimizer, make_private
+    from keras_dpsgd.keras3 import make_private
 
-    facts = _facts("keras3")
+    facts = json.loads((folder / "facts.json").read_text())
     probe = np.asarray(facts["probe"], np.float32)
-    model = keras.saving.load_model(FIXTURES / "keras3" / "model.keras")
+    model = keras.saving.load_model(folder / "model.keras")
     assert int(keras.ops.convert_to_numpy(model.optimizer.noised_steps)) == facts["noised_steps"]
     assert keras_dpsgd.model_epsilon(model, target_delta=1e-5)[0] == pytest.approx(facts["epsilon"], rel=1e-9)
     np.testing.assert_allclose(keras.ops.convert_to_numpy(model(probe)), facts["predictions"], rtol=1e-6, atol=1e-6)
@@ -43,6 +41,17 @@ def test_keras3_model_and_weights_of_0_2_0_load_and_continue():
     model = make_private(model)
     model.fit(lots.dataset(), steps_per_epoch=lots.steps_per_epoch, epochs=1, verbose=0)
     assert int(keras.ops.convert_to_numpy(model.optimizer.noised_steps)) == facts["noised_steps"] + lots.steps_per_epoch
+    return model, lots, facts
+
+
+def test_keras3_model_and_weights_of_0_2_0_load_and_continue():
+    import keras
+
+    import keras_dpsgd
+    from keras_dpsgd.keras3 import DPSGDOptimizer, make_private
+
+    model, lots, facts = keras3_file_loads_and_continues(FIXTURES / "keras3")
+    probe = np.asarray(facts["probe"], np.float32)
     assert keras_dpsgd.model_epsilon(model, target_delta=1e-5)[0] > facts["epsilon"]
 
     fresh = make_private(

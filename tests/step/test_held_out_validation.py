@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tests._behaviour import keras3_front, tf_keras_front
+from tests._behaviour import process_fronts
 
-FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
+FRONTS = process_fronts()  # Keras 3 and tf_keras; Keras 3 alone in the JAX and torch suites
 N, B = 16, 4
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(N, 3)).astype("float32")

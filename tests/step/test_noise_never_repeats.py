@@ -20,9 +20,19 @@ import copy
 import numpy as np
 import pytest
 
-from tests._behaviour import keras3_front, tf_keras_front
+from tests._behaviour import process_fronts, tf_keras_front
 
-FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
+# The checks of every Keras 3 backend, collected by the JAX and torch suites with `import *`
+# (tests/backends/*/test_*_noise_never_repeats.py); the tf_keras file's check is tf_keras's alone.
+__all__ = [
+    "front",
+    "test_a_fresh_model_with_the_same_seed_reproduces_the_run_bit_for_bit",
+    "test_a_keras3_file_loaded_after_a_second_optimizer_continues_the_ledger_positions",
+    "test_a_new_optimizer_with_the_same_seed_draws_fresh_noise",
+    "test_make_private_with_epsilon_twice_with_one_seed_draws_fresh_lots_and_noise",
+    "test_two_layers_adapted_with_one_seed_are_refused_before_any_step",
+]
+FRONTS = process_fronts()  # Keras 3 and tf_keras; Keras 3 alone in the JAX and torch suites
 N, D, U = 16, 8, 64
 X = np.random.default_rng(0).normal(size=(N, D)).astype("float32")
 Y = np.zeros(N, "int32")

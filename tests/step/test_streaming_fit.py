@@ -11,10 +11,10 @@ import tensorflow as tf
 
 from keras_dpsgd import PoissonLots, StreamingPoissonLots, model_epsilon
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
-from tests._behaviour import keras3_front, tf_keras_front
+from tests._behaviour import process_fronts
 
 N, SIGMA, DELTA = 16, 1.1, 1e-3
-FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
+FRONTS = process_fronts()  # Keras 3 and tf_keras; Keras 3 alone in the JAX and torch suites
 
 
 @pytest.fixture(scope="module", params=sorted(FRONTS))

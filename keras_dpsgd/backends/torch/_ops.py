@@ -1,9 +1,10 @@
 """The torch backend's tables of array operations (``keras_dpsgd.dp.ops.ArrayOps``), which the DP core runs over.
 
 :data:`TORCH_OPS` serves the core's math on torch tensors (clip factors, the lot, the release). Eager: ``cond``
-runs the branch its (concrete) predicate picks. :data:`NOISE_OPS` is the same table over numpy arrays, on which
-the core's Gaussian sampler (``keras_dpsgd.dp.noise``) runs for this backend (``_noise``): numpy is
-single-threaded, where torch's many elementwise kernels wait on its thread pool on a CPU shared with other work.
+runs the branch its (concrete) predicate picks. :data:`NOISE_OPS` is the core's NumPy table
+(``keras_dpsgd.dp.numpy_ops``) with this backend's random words, on which the core's Gaussian sampler
+(``keras_dpsgd.dp.noise``) runs for this backend (``_noise``): numpy is single-threaded, where torch's many
+elementwise kernels wait on its thread pool on a CPU shared with other work.
 
 Random words (both tables): numpy's Philox-4x64 under a 128-bit key, its raw 64-bit outputs read as word pairs. A
 key is a Python int, a BLAKE2b digest of its parts (``seed_key``: the seed and the release's position in the
@@ -13,12 +14,13 @@ all their parts do.
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
+from keras_dpsgd.dp import numpy_ops
 from keras_dpsgd.dp.noise import circle_by_trig
 from keras_dpsgd.dp.ops import ArrayOps
 
@@ -26,11 +28,8 @@ __all__ = ["TORCH_OPS", "NOISE_OPS", "WordReader", "digest", "stream_key", "word
 
 
 def digest(*parts: int | bytes) -> int:
-    """A 128-bit key: BLAKE2b of the parts (ints as signed 32-byte words, bytes as they are)."""
-    h = hashlib.blake2b(b"keras_dpsgd/torch-noise", digest_size=16)
-    for part in parts:
-        h.update(part if isinstance(part, bytes) else int(part).to_bytes(32, "little", signed=True))
-    return int.from_bytes(h.digest(), "little")
+    """A 128-bit key: BLAKE2b of the parts under the torch noise's tag (``keras_dpsgd.dp.numpy_ops.digest``)."""
+    return numpy_ops.digest(b"keras_dpsgd/torch-noise", *parts)
 
 
 _NO_WORDS = np.zeros(0, np.uint32)
@@ -83,33 +82,12 @@ def _seed_key(seed, position):
     return digest(b"seeded", int(seed), int(position))
 
 
-def _numpy_group_sum(x, groups, num_groups):
-    member = np.zeros((len(groups), num_groups), x.dtype)
-    member[np.arange(len(groups)), list(groups)] = 1
-    return x @ member
-
-
-NOISE_OPS = ArrayOps(
+NOISE_OPS = dataclasses.replace(
+    numpy_ops.NUMPY_OPS,
     name="numpy (torch's noise)",
-    minimum=np.minimum,
-    maximum=np.maximum,
-    exp=np.exp,
-    where=np.where,
-    zeros_like=np.zeros_like,
-    ones_like=np.ones_like,
-    log=np.log,
-    sqrt=np.sqrt,
-    is_finite=np.isfinite,
-    cast=lambda x, dtype: np.asarray(x).astype(dtype, copy=False),
-    reshape=np.reshape,
-    reduce_all=lambda x, axis=None, keepdims=False: np.all(x, axis=axis, keepdims=keepdims),
-    group_sum=_numpy_group_sum,
-    gather_columns=lambda x, index: x[:, list(index)],
-    cond=lambda pred, true_fn, false_fn: true_fn() if bool(pred) else false_fn(),
     random_words=_numpy_words,
     fold_in=_fold_in,
     seed_key=_seed_key,
-    unit_circle=circle_by_trig(np.cos, np.sin, np.stack),
 )
 
 

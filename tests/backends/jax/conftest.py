@@ -1,4 +1,4 @@
-"""The JAX suite: collected only in a process that asked for it (tests/test_backend_jax.py starts one).
+"""The JAX suite: collected only in a process that asked for it (tests/test_backend_suites.py starts one).
 
 Keras fixes its backend when it is first imported, and the normal suite runs on TensorFlow
 (tests/conftest.py), so these modules run in one subprocess with KERAS_DPSGD_JAX_SUITE=1, where

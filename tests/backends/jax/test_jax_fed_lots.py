@@ -5,14 +5,4 @@ any weight changes (the JAX fit takes the values out of the variables before its
 epoch is one number of steps for the plan and the fit.
 """
 
-import keras
-import pytest
-
-from tests._behaviour import keras3_front
 from tests.step.test_fed_lots import *  # noqa: F403 (the checks, collected here)
-
-
-@pytest.fixture(scope="module")
-def front():
-    assert keras.config.backend() == "jax"
-    return keras3_front()

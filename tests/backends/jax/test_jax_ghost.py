@@ -2,29 +2,17 @@
 
 Every step is checked against the one-example loop of ``tests._keras3_helpers`` (jax.grad on a batch of one,
 clipped in numpy; σ = 0), or against ``per_example_backend="reference"`` (every variable under
-jax.vmap). The models are small so that the suite stays fast.
+jax.vmap). The models are the torch ghost tests' (tests/_ghost_models.py).
 """
 
 import keras
 import numpy as np
 
 from keras_dpsgd.backends.jax import ghost as _ghost
-from tests._behaviour import built, keras3_front
-from tests._keras3_helpers import example_grads, loop_clipped_mean, one_sgd_step
-
-FRONT = keras3_front()
-LR = 0.5
-
-
-def compiled(model, **dp_kwargs):
-    dp_kwargs.setdefault("learning_rate", LR)
-    return FRONT.compiled(model, **dp_kwargs)
-
-
-def assert_step(model, x, y, expected):
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+from tests._behaviour import built
+from tests._ghost_models import ghost_model, per_layer_clip
+from tests._keras3_helpers import example_grads
+from tests._step_checks import FRONT, LR, assert_clipped_step, assert_step, compiled
 
 
 def _plan(model, x):
@@ -53,83 +41,31 @@ def test_plan_covers_the_layers_with_rules_and_leaves_the_rest_to_vmap():
     ]
 
 
-def _sequence(rng):
-    """Embedding with repeated ids (Gram form: T² < V), a causal Conv1D, a Dense on the sequence in the Gram form (16 -> 16, T = 6)
-    and one in the direct form (16 -> 2), called twice (a shared layer: two calls, one gradient)."""
-    ids = keras.Input((6,), dtype="int32")
-    h = keras.layers.Embedding(50, 16)(ids)
-    h = keras.layers.Conv1D(16, 2, padding="causal")(h)  # the vector-Jacobian product (causal: no patch form)
-    h = keras.layers.Dense(16, activation="tanh")(h)
-    shared = keras.layers.Dense(2)
-    h = keras.layers.Concatenate()([shared(h), shared(h * 0.5)])
-    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
-    x = rng.integers(0, 4, size=(5, 6)).astype("int32")  # few ids: repeats within an example
-    return keras.Model(ids, outputs), x
-
-
-def _lora(rng):
-    dense = keras.layers.Dense(6, activation="relu")
-    model = keras.Sequential([keras.Input((5,)), dense, keras.layers.Dense(3)])
-    dense.enable_lora(2)
-    dense.lora_kernel_b.assign(rng.normal(size=dense.lora_kernel_b.shape).astype("float32"))  # B = 0 at init
-    return model, rng.normal(size=(6, 5)).astype("float32")
-
-
-class _TiedOutput(keras.layers.Layer):
-    """Reads another layer's kernel (weight tying): that use's gradient is outside the Dense's call."""
-
-    def __init__(self, dense, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = dense
-
-    def call(self, h):
-        return keras.ops.matmul(h, keras.ops.transpose(self.dense.kernel))
-
-
-def _tied(rng):
-    dense = keras.layers.Dense(4, use_bias=False)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(4, activation="tanh")(dense(inputs))
-    outputs = _TiedOutput(dense)(h)  # [B, 3]
-    return keras.Model(inputs, outputs), rng.normal(size=(5, 3)).astype("float32")
-
-
-def _model(name):
-    rng = np.random.default_rng(1)
-    keras.utils.set_random_seed(1)
-    model, x = {"sequence": _sequence, "lora": _lora, "tied": _tied}[name](rng)
-    return model, x, rng.integers(0, 3, size=len(x))
-
-
 def test_sequence_model_per_layer_clipped_step_matches_loop():
     """Embedding (Gram form, repeated ids), Dense on a sequence (Gram and direct forms), a layer called twice,
     per-variable clip bounds: the loop's clipped mean."""
-    model, x, y = _model("sequence")
+    model, x, y = ghost_model("sequence")
     plan = _plan(model, x)
     assert {type(layer).__name__ for layer in plan.covered} == {"Embedding", "Conv1D", "Dense"}
     assert plan.uncovered == [] and len(plan.expected) == 6  # the shared Dense twice
-    clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
-    compiled(model, l2_norm_clip=clip)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), clip, per_layer=True))
+    assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
 
 
-def test_lora_dense_flat_clipped_step_matches_loop():
-    model, x, y = _model("lora")
-    assert _covered(model, x) == {"Dense"}
-    compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 0.3))
+def test_lora_dense_and_einsum_dense_flat_clipped_step_matches_loop():
+    model, x, y = ghost_model("lora")
+    assert _covered(model, x) == {"Dense", "EinsumDense"}
+    assert_clipped_step(model, x, y, 0.3)
 
 
 def test_variable_read_outside_its_layer_is_not_covered():
     """The tied kernel's gradient has two uses; a rule on the Dense's call alone would miss one: that layer falls
     back to jax.vmap (the step stays exact), the others keep their rules."""
-    model, x, y = _model("tied")
+    model, x, y = ghost_model("tied")
     plan = _plan(model, x)
     tied = model.layers[1]
     assert tied not in plan.covered and len(plan.covered) == 1
     assert [model.trainable_variables[j] for j in plan.uncovered] == [tied.kernel]
-    compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 0.3))
+    assert_clipped_step(model, x, y, 0.3)
 
 
 def test_normalization_and_a_nonfinite_example_on_a_convolution():

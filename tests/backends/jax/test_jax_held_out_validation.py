@@ -6,14 +6,4 @@ cannot be read is refused before any weight changes; held-out validation data st
 failed on the code before the fix (the fits trained).
 """
 
-import keras
-import pytest
-
-from tests._behaviour import keras3_front
 from tests.step.test_held_out_validation import *  # noqa: F403 (the checks, collected here)
-
-
-@pytest.fixture(scope="module")
-def front():
-    assert keras.config.backend() == "jax"
-    return keras3_front()

@@ -4,14 +4,4 @@ Streamed Poisson lots (a tf.data stream, memory-mapped .npy shards) feed the sta
 after k lots is the in-memory sampler's.
 """
 
-import keras
-import pytest
-
-from tests._behaviour import keras3_front
 from tests.step.test_streaming_fit import *  # noqa: F403 (the checks, collected here)
-
-
-@pytest.fixture(scope="module")
-def front():
-    assert keras.config.backend() == "jax"
-    return keras3_front()

@@ -1,7 +1,7 @@
 """Ghost norms on torch (``keras_dpsgd.backends.torch.ghost``): which layers take them, and exact steps.
 
 Every step is checked against the one-example loop of ``tests._keras3_helpers`` (torch.autograd on a batch of
-one, clipped in numpy; σ = 0). The models are small so that the suite stays fast.
+one, clipped in numpy; σ = 0). The models are the JAX ghost tests' (tests/_ghost_models.py).
 """
 
 import logging
@@ -12,22 +12,10 @@ import pytest
 
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.keras3 import _torch_train_step
-from tests._behaviour import built, keras3_front
-from tests._keras3_helpers import loop_clipped_mean, one_sgd_step, weight_reading_loss_case
-
-FRONT = keras3_front()
-LR = 0.5
-
-
-def compiled(model, **dp_kwargs):
-    dp_kwargs.setdefault("learning_rate", LR)
-    return FRONT.compiled(model, **dp_kwargs)
-
-
-def assert_step(model, x, y, expected):
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
+from tests._behaviour import built
+from tests._ghost_models import ghost_model, per_layer_clip
+from tests._keras3_helpers import loop_clipped_mean, weight_reading_loss_case
+from tests._step_checks import FRONT, LR, assert_clipped_step, assert_step, compiled
 
 
 def _covered(model):
@@ -45,68 +33,17 @@ def test_plan_covers_the_layers_with_rules_and_names_the_rest(caplog, monkeypatc
     assert "(LSTMCell)" in caplog.text and "torch.func.vmap" in caplog.text
 
 
-def _sequence(rng):
-    """Embedding with repeated ids (Gram form), a causal Conv1D, a Dense on the sequence and one shared
-    Dense called twice (two calls, one gradient)."""
-    ids = keras.Input((6,), dtype="int32")
-    h = keras.layers.Embedding(50, 16)(ids)
-    h = keras.layers.Conv1D(16, 2, padding="causal")(h)
-    h = keras.layers.Dense(16, activation="tanh")(h)
-    shared = keras.layers.Dense(2)
-    h = keras.layers.Concatenate()([shared(h), shared(h * 0.5)])
-    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(h))
-    return keras.Model(ids, outputs), rng.integers(0, 4, size=(5, 6)).astype("int32")
-
-
-def _lora(rng):
-    dense = keras.layers.Dense(6, activation="relu")
-    einsum = keras.layers.EinsumDense("ab,bc->ac", output_shape=4, bias_axes="c")
-    model = keras.Sequential([keras.Input((5,)), dense, einsum, keras.layers.Dense(3)])
-    for layer in (dense, einsum):
-        layer.enable_lora(2)
-        layer.lora_kernel_b.assign(rng.normal(size=layer.lora_kernel_b.shape).astype("float32"))  # B = 0 at init
-    return model, rng.normal(size=(6, 5)).astype("float32")
-
-
-class _TiedOutput(keras.layers.Layer):
-    """Reads another layer's kernel (weight tying): that use's gradient is outside the Dense's call."""
-
-    def __init__(self, dense, **kwargs):
-        super().__init__(**kwargs)
-        self.dense = dense
-
-    def call(self, h):
-        return keras.ops.matmul(h, keras.ops.transpose(self.dense.kernel))
-
-
-def _tied(rng):
-    dense = keras.layers.Dense(4, use_bias=False)
-    inputs = keras.Input((3,))
-    h = keras.layers.Dense(4, activation="tanh")(dense(inputs))
-    return keras.Model(inputs, _TiedOutput(dense)(h)), rng.normal(size=(5, 3)).astype("float32")
-
-
-def _model(name):
-    rng = np.random.default_rng(1)
-    keras.utils.set_random_seed(1)
-    model, x = {"sequence": _sequence, "lora": _lora, "tied": _tied}[name](rng)
-    return model, x, rng.integers(0, 3, size=len(x))
-
-
 def test_sequence_model_per_layer_clipped_step_matches_loop():
-    model, x, y = _model("sequence")
+    model, x, y = ghost_model("sequence")
     assert _covered(model) == {"Embedding", "Conv1D", "Dense"}
-    clip = [float(c) for c in np.random.default_rng(5).uniform(0.05, 0.5, size=len(model.trainable_variables))]
-    compiled(model, l2_norm_clip=clip)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), clip, per_layer=True))
+    assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
     assert _covered(model) == {"Embedding", "Conv1D", "Dense"}  # the step's read watch uncovered none
 
 
 def test_lora_dense_and_einsum_dense_flat_clipped_step_matches_loop():
-    model, x, y = _model("lora")
+    model, x, y = ghost_model("lora")
     assert _covered(model) == {"Dense", "EinsumDense"}
-    compiled(model, l2_norm_clip=0.3)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 0.3))
+    assert_clipped_step(model, x, y, 0.3)
 
 
 @pytest.mark.parametrize("case", ["tied", "weight_reading_loss"])
@@ -115,7 +52,7 @@ def test_a_variable_read_outside_its_layer_is_uncovered_by_name_and_the_step_sta
     use; the step sees it (∂ℓ/∂s ≠ 0), recomputes with that layer on the vmap path (named), and is exact."""
     monkeypatch.setattr(ghost, "_ANNOUNCED", set())
     if case == "tied":
-        model, x, y = _model("tied")
+        model, x, y = ghost_model("tied")
         compiled(model, l2_norm_clip=0.3)
         expected = loop_clipped_mean(model, x, y, FRONT.loss(), 0.3)
         read = model.layers[1]

@@ -5,20 +5,4 @@ of a release already in the model's ledger; a fresh model with the same seed rep
 On torch they run since issue 39 (before it, make_private refused the torch backend).
 """
 
-import keras
-import pytest
-
-from tests._behaviour import keras3_front
-from tests.step.test_noise_never_repeats import (  # noqa: F401 (the checks of every Keras 3 backend, collected here)
-    test_a_fresh_model_with_the_same_seed_reproduces_the_run_bit_for_bit,
-    test_a_keras3_file_loaded_after_a_second_optimizer_continues_the_ledger_positions,
-    test_a_new_optimizer_with_the_same_seed_draws_fresh_noise,
-    test_make_private_with_epsilon_twice_with_one_seed_draws_fresh_lots_and_noise,
-    test_two_layers_adapted_with_one_seed_are_refused_before_any_step,
-)
-
-
-@pytest.fixture(scope="module")
-def front():
-    assert keras.config.backend() == "torch"
-    return keras3_front()
+from tests.step.test_noise_never_repeats import *  # noqa: F403 (its __all__: the checks of every Keras 3 backend)

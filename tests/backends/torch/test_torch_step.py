@@ -1,6 +1,7 @@
-"""The private step on torch beyond the behaviour suite (test_torch_behaviour.py): non-finite examples, per-example
-normalization, DP Adam and make_dp_optimizer, a Dropout mask per example, seeded and unseeded noise across a
-load, Poisson lots with the privacy callbacks and the one-call API (ε = the accountant's).
+"""The private step on torch beyond the behaviour suite (test_torch_behaviour.py): the checks JAX and torch share
+(tests/_step_checks.py: non-finite examples, per-example normalization, a Dropout mask per example), DP Adam and
+make_dp_optimizer, seeded and unseeded noise across a load, Poisson lots with the privacy callbacks and the
+one-call API (ε = the accountant's).
 
 The oracle is the behaviour suite's one-example loop (tests/_keras3_helpers.py: torch.autograd.grad on a batch
 of one, no vmap, clipped in numpy); σ = 0 makes the step exact.
@@ -14,40 +15,10 @@ import torch
 import keras_dpsgd
 import keras_dpsgd.keras3 as k3
 from keras_dpsgd.accounting import PoissonSampledGaussianEvent, compute_epsilon
-from tests._behaviour import built, keras3_front
+from tests._behaviour import built
 from tests._keras3_helpers import loop_clipped_mean, one_sgd_step
-
-LR = 0.5
-FRONT = keras3_front()
-
-
-def compiled(model, **dp_kwargs):
-    return FRONT.compiled(model, learning_rate=LR, **dp_kwargs)
-
-
-def assert_step(model, x, y, expected):
-    before, after = one_sgd_step(model, x, y, LR)
-    for b, a, g in zip(before, after, expected):
-        np.testing.assert_allclose((b - a) / LR, g, rtol=2e-4, atol=2e-6)
-
-
-def test_nonfinite_example_contributes_exactly_zero():
-    """An example whose gradient is NaN is zeroed (factor 0, NaN not propagated) and counted."""
-    model, x, y = built(FRONT, "dense")
-    compiled(model, l2_norm_clip=0.3)
-    x = x.copy()
-    x[2, 0] = np.nan
-    keep = np.arange(len(x)) != 2
-    expected = [g * (keep.sum() / len(x)) for g in loop_clipped_mean(model, x[keep], y[keep], FRONT.loss(), 0.3)]
-    assert_step(model, x, y, expected)
-    assert int(model.optimizer.nonfinite_examples.numpy()) == 1
-
-
-def test_per_example_normalization():
-    """clipping='normalize': each gradient scaled by 1/(||g|| + γ), sensitivity 1."""
-    model, x, y = built(FRONT, "dense")
-    compiled(model, l2_norm_clip=None, clipping="normalize", stability=0.05)
-    assert_step(model, x, y, loop_clipped_mean(model, x, y, FRONT.loss(), 1.0, stability=0.05))
+from tests._step_checks import *  # noqa: F403 (the checks JAX and torch share, collected here)
+from tests._step_checks import FRONT, compiled, noise_only, update
 
 
 def test_dp_adam_and_make_dp_optimizer_take_the_clipped_mean():
@@ -73,54 +44,12 @@ def test_dp_adam_and_make_dp_optimizer_take_the_clipped_mean():
         np.testing.assert_allclose(a, p.numpy(), rtol=1e-4, atol=1e-6)
 
 
-def test_each_example_draws_its_own_dropout_mask():
-    """8 copies of one example through Dropout(0.5): with one mask for the batch about half the kernel's
-    update would be exactly 0; with a mask per example a coordinate is 0 only if all 8 dropped it."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dropout(0.5),
-            keras.layers.Dense(1, use_bias=False, kernel_initializer="ones"),
-        ]
-    )
-    k3.make_private(model)
-    model.compile(
-        optimizer=k3.DPSGDOptimizer(l2_norm_clip=100.0, noise_multiplier=0.0, learning_rate=0.01),
-        loss=keras.losses.MeanSquaredError(reduction="none"),
-    )
-    before = np.array(model.trainable_variables[0].numpy())
-    model.fit(np.ones((8, 64), "float32"), np.zeros((8, 1), "float32"), batch_size=8, epochs=1, verbose=0)
-    update = before - np.asarray(model.trainable_variables[0].numpy())
-    assert np.mean(update == 0) < 0.2
-
-
-def _noise_only(**dp_kwargs):
-    """A model whose every gradient is 0 (mse at y = f(x)), compiled: each step's update is the noise / L."""
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((40,)), keras.layers.Dense(250, use_bias=False)])
-    x = np.random.default_rng(0).normal(size=(8, 40)).astype("float32")
-    y = np.asarray(model.predict(x, verbose=0))
-    k3.make_private(model)
-    model.compile(
-        optimizer=k3.DPSGDOptimizer(learning_rate=1.0, l2_norm_clip=1.0, noise_multiplier=1.0, **dp_kwargs),
-        loss=keras.losses.MeanSquaredError(reduction="none"),
-    )
-    return model, x, y
-
-
-def _update(model, x, y):
-    before = np.array(model.trainable_variables[0].numpy())
-    model.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
-    return (before - np.asarray(model.trainable_variables[0].numpy())).ravel()
-
-
 def test_seeded_noise_is_reproducible_and_unseeded_noise_is_fresh_after_a_load(tmp_path):
-    a = _update(*_noise_only(seed=7))
-    b = _update(*_noise_only(seed=7))
+    a = update(*noise_only(seed=7))
+    b = update(*noise_only(seed=7))
     np.testing.assert_array_equal(a, b)
-    model, x, y = _noise_only()
-    first = _update(model, x, y)
+    model, x, y = noise_only()
+    first = update(model, x, y)
     assert abs(np.corrcoef(first, a)[0, 1]) < 0.05
     path = str(tmp_path / "m.keras")
     model.save(path)
@@ -128,7 +57,7 @@ def test_seeded_noise_is_reproducible_and_unseeded_noise_is_fresh_after_a_load(t
     for _ in range(2):  # the same file loaded twice: two fresh keys (OS entropy), never the same noise
         loaded = keras.saving.load_model(path)
         k3.make_private(loaded)
-        draws.append(_update(loaded, x, y))
+        draws.append(update(loaded, x, y))
     assert abs(np.corrcoef(*draws)[0, 1]) < 0.05
     assert abs(np.corrcoef(draws[0], first)[0, 1]) < 0.05
 
