@@ -15,6 +15,7 @@ from tests._behaviour import built, keras3_front
 
 __all__ = [
     "test_batch_normalization_in_training_mode_is_refused",
+    "test_a_model_refused_for_its_batch_normalization_trains_once_it_is_frozen",
     "test_frozen_batch_normalization_trains",
     "test_gradient_canaries_and_the_custom_step_functions_are_refused",
     "test_the_fast_per_example_backend_is_refused",
@@ -63,6 +64,19 @@ def test_frozen_batch_normalization_trains():
     model, bn = bn_model()
     bn.trainable = False
     x, y = data()
+    FRONT.compiled(model, l2_norm_clip=1.0)
+    model.fit(x, y, batch_size=6, epochs=1, verbose=0)
+    assert int(model.optimizer.noised_steps.numpy()) == 1
+
+
+def test_a_model_refused_for_its_batch_normalization_trains_once_it_is_frozen():
+    """The refusal's way out, on the same model: freeze the layer, compile again, train. (On JAX the refused fit
+    left the optimizer's variables emptied, and compiling again failed reading them.)"""
+    model, bn = bn_model()
+    x, y = data()
+    FRONT.compiled(model, l2_norm_clip=1.0)
+    assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
+    bn.trainable = False
     FRONT.compiled(model, l2_norm_clip=1.0)
     model.fit(x, y, batch_size=6, epochs=1, verbose=0)
     assert int(model.optimizer.noised_steps.numpy()) == 1

@@ -126,7 +126,12 @@ def values_kept_on_refusal(model: keras.Model):
     stateless step) and puts them back only once a step has run; a step refused when it is traced
     would leave a model without weights. The values were never donated then, so they are restored.
     """
-    variables = list(model.variables) + list(model.optimizer.variables) + list(model.metrics_variables)
+    optimizer = model.optimizer
+    if model.built and optimizer is not None and not optimizer.built:
+        # Keras's fit builds it before its first step; built here, its variables' values are kept too (a refused
+        # optimizer whose variables were emptied could not be read again when the model is compiled anew).
+        optimizer.build(model.trainable_variables)
+    variables = list(model.variables) + list(optimizer.variables) + list(model.metrics_variables)
     kept = [(v, v._value) for v in variables]
     try:
         yield

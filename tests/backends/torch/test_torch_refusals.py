@@ -9,21 +9,8 @@ import pytest
 
 import keras_dpsgd.keras3 as k3
 from tests._backend_refusals import *  # noqa: F403 (the refusals JAX and torch share, collected here)
-from tests._backend_refusals import FRONT, NOT_YET, assert_refused_unchanged, bn_model, data
+from tests._backend_refusals import FRONT, NOT_YET, assert_refused_unchanged, data
 from tests._behaviour import built
-
-
-def test_a_model_refused_for_its_batch_normalization_trains_once_it_is_frozen():
-    """The refusal's way out, on the same model: freeze the layer, compile again, train. (On JAX the refused fit
-    leaves the optimizer's variables unreadable and the second fit fails: not checked there.)"""
-    model, bn = bn_model()
-    x, y = data()
-    FRONT.compiled(model, l2_norm_clip=1.0)
-    assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
-    bn.trainable = False
-    FRONT.compiled(model, l2_norm_clip=1.0)
-    model.fit(x, y, batch_size=6, epochs=1, verbose=0)
-    assert int(model.optimizer.noised_steps.numpy()) == 1
 
 
 def test_an_op_over_the_batch_axis_sees_one_example():
