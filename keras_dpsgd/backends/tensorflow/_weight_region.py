@@ -34,6 +34,7 @@ import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks, _rows, state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow.handlers import Site, _f32, _to_var_shape, walk_sites
+from keras_dpsgd.dp.refusals import refusal_message
 
 # The ops a weight region may hold: their gradients are elementwise, reductions, reshapes and products, which
 # TensorFlow's vectorization (pfor) rewrites for a batch of cotangents.
@@ -164,10 +165,11 @@ def per_example_vjp(t: tf.Tensor, exits: list, cotangents: list) -> tf.Tensor:
     got = tf.linalg.matvec(flat, r, transpose_a=True)
     scale = tf.reduce_sum(r * tf.norm(flat, axis=1)) + tf.norm(want)
     ok = tf.logical_not(tf.math.is_finite(scale)) | (tf.norm(got - want) <= _RTOL * scale)
-    message = (
+    message = refusal_message(
+        "per-example-check",
         f"keras_dpsgd: the vectorized per-example gradients through the ops on weights alone after {t.op.name!r} "
         "disagree with their plain gradient, so clipping them would not bound each example's contribution; "
-        "report this model to keras_dpsgd"
+        "report this model to keras_dpsgd",
     )
     checks = _checks.check(ok, message)
     if not checks:

@@ -34,6 +34,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow import _checks, _conv, _grouped, _loops, _recurrent, _rows, uses as _uses
+from keras_dpsgd.dp.refusals import refusal_message
 
 MakeUse = Callable[..., object]
 
@@ -389,7 +390,11 @@ def _elementwise(op, index, w, var, clean, static_batch):
         if unknown:
             lead = y_rank - w.shape.rank
             same = [tf.equal(tf.shape(w)[k - lead], tf.shape(y)[k]) for k in unknown]
-            message = f"keras_dpsgd: op {op.name!r} broadcasts an axis of unknown size the per-example rule took whole"
+            message = refusal_message(
+                "per-example-check",
+                f"keras_dpsgd: op {op.name!r} broadcasts a weight along an axis whose size was unknown when the step "
+                "was traced, which its per-example rule took whole",
+            )
             with tf.control_dependencies(_checks.check(tf.reduce_all(tf.stack(same)), message)):
                 p = tf.identity(p)
         return _uses.DenseUse(_to_var_shape(p, var))
