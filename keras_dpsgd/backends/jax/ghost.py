@@ -22,7 +22,8 @@ example's input). An example with factor 0 (non-finite) has its inputs and cotan
 exact zeros first. Layers covered (exact type, float32, not quantized, no rematerialization; their rules in ``_rules``):
 ``Dense`` (LoRA included), ``EinsumDense`` (LoRA included), ``Embedding`` (without LoRA),
 ``Conv1D``/``Conv2D``/``Conv3D`` and ``DepthwiseConv1D``/``DepthwiseConv2D`` (from the unfolded input: ``_conv``),
-``LayerNormalization``, ``PReLU``. Every other trainable variable keeps the
+``LayerNormalization``, ``PReLU``, ``ReversibleEmbedding`` (a subclass whose body defines nothing takes its
+base's rule). Every other trainable variable keeps the
 exact per-example gradient of ``_per_example`` (one warning names its layers). A covered variable
 read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel, a
 compiled loss reading a kernel) would lose that use's gradient: every read in the model's call and the
@@ -233,8 +234,9 @@ class Plan:
             _ANNOUNCED.add(names)
             _LOG.warning(
                 "keras_dpsgd (JAX): %d trainable variable(s) without a per-example norm rule in this step (rules: "
-                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, DepthwiseConv1D/2D, LayerNormalization, PReLU in "
-                "float32, called in the model's own trace, their variables read only in their call) take exact per-example gradients under "
+                "Dense, EinsumDense, Embedding, ReversibleEmbedding, Conv1D/2D/3D, DepthwiseConv1D/2D, "
+                "LayerNormalization, PReLU in float32, called in the model's own trace, their variables read only "
+                "in their call) take exact per-example gradients under "
                 "jax.vmap, about B times their gradient's memory: %s",
                 len(names),
                 ", ".join(names),
