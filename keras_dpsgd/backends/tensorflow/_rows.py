@@ -448,8 +448,11 @@ def static_entry(t, index: int):
     if value is not None:
         return value[index]
     if t.op.type == "Pack" and t.op.get_attr("axis") == 0 and index < len(t.op.inputs):
-        entry = _static(t.op.inputs[index])
-        return None if entry is None or entry.shape != () else entry
+        scalar = t.op.inputs[index]
+        while scalar.op.type in ("Reshape", "Identity", "Cast") and scalar.op.inputs[0].shape.num_elements() == 1:
+            scalar = scalar.op.inputs[0]  # tf.repeat's repeats, reshaped to a scalar
+        entry = _static(scalar)
+        return None if entry is None or entry.size != 1 else entry.reshape(())
     return None
 
 

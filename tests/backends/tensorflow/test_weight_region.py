@@ -9,7 +9,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from _fast_helpers import TfVariables, assert_same, flat_factors, loop_oracle, per_layer_factors, traced_step
+from _fast_helpers import (
+    TfVariables,
+    assert_same,
+    flat_factors,
+    loop_oracle,
+    per_example_loss,
+    per_layer_factors,
+    traced_step,
+)
 
 from keras_dpsgd.backends.tensorflow import FastBackend, graph as _graph
 
@@ -133,3 +141,27 @@ def test_copies_of_a_normalized_table_mixed_over_the_batch_are_refused():
 
     with pytest.raises(ValueError, match="Mean"):
         step.get_concrete_function()
+
+
+def test_a_static_batch_repeats_the_table_by_a_constant():
+    """With the batch size known at trace time (``fit`` on arrays), ``keras.ops.repeat`` repeats by a reshaped
+    constant: the copies are still the examples' rows (before, every variable of the table and of the shared
+    projection took the per-example jacobians)."""
+    keras.utils.set_random_seed(3)
+    gen = np.random.default_rng(3)
+    x, y = gen.normal(size=(3, STEPS, WIDTH)).astype("float32"), gen.normal(size=(3, 2)).astype("float32")
+    model = _disentangled()
+    model(x[:1])
+    view = TfVariables(model)
+    backend = FastBackend()
+
+    @tf.function(input_signature=[tf.TensorSpec(x.shape), tf.TensorSpec(y.shape)], autograph=False)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = per_example_loss(view, x, y)
+        return backend.clipped_sum(loss, view.trainable_variables, tape, flat_factors(0.5))
+
+    summed, sq = step(x, y)
+    got = [t.numpy() for t in summed], sq.numpy()
+    assert backend.last_fallback == []
+    assert_same(got, loop_oracle(view, x, y, flat_factors(0.5)), rtol=5e-4, atol=5e-5)
