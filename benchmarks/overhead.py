@@ -70,6 +70,10 @@ Issue 41's vision models (``--keras 3`` only, 32x32x3, 10 classes, B=64): ``vit`
 patches, 2 layers, hidden 64, MLP 128, 2 heads, the class token's output -> Dense(10)); ``efficientnet``
 (``applications.EfficientNetB0(weights=None)``, frozen, called with ``training=False``, average pool -> Dense(10));
 ``efficientnet-top`` (the same with block7a and the top convolution trainable, every BatchNormalization frozen).
+Issue 41's language models (the hub models' sizes, first token): ``llama`` / ``llama-lora`` (LlamaBackbone, 2 query
+heads, 1 key/value head; LoRA rank 4), ``mistral`` (MistralBackbone, the same heads), ``bart`` / ``t5`` (BartBackbone / T5Backbone, 2 heads: the first
+HUB_LENGTH/2 ids feed the encoder, the rest the decoder, the head reads the decoder's first token), ``deberta``
+(DebertaV3Backbone, 2 heads, relative-position buckets HUB_LENGTH/2).
 """
 
 from __future__ import annotations
@@ -105,11 +109,30 @@ DEFAULT_BATCH = {
     "vit": 64,
     "efficientnet": 64,
     "efficientnet-top": 64,
+    "llama": 64,
+    "llama-lora": 64,
+    "mistral": 64,
+    "bart": 64,
+    "t5": 64,
+    "deberta": 64,
 }
 MODEL_NAMES = tuple(DEFAULT_BATCH)
 TEXT_MODELS = ("lstm", "gru", "stacked-lstm", "transformer")  # int ids [B, SEQUENCE_LENGTH] of a VOCABULARY, 2 classes
 VOCABULARY, SEQUENCE_LENGTH = 5000, 64
-HUB_MODELS = ("bert", "bert-lora", "mha-lora", "gpt2", "gemma")  # Keras 3, int ids [B, HUB_LENGTH], 2 classes
+# Keras 3 (keras_hub), int ids [B, HUB_LENGTH], 2 classes.
+HUB_MODELS = (
+    "bert",
+    "bert-lora",
+    "mha-lora",
+    "gpt2",
+    "gemma",
+    "llama",
+    "llama-lora",
+    "mistral",
+    "bart",
+    "t5",
+    "deberta",
+)
 HUB_LENGTH = 32
 VISION_MODELS = ("vit", "efficientnet", "efficientnet-top")  # Keras 3 only, 32x32x3 images, 10 classes
 KERASES = ("tf_keras", "3")
@@ -237,10 +260,35 @@ def _hub_model(name: str):
         if name == "bert-lora":
             backbone.enable_lora(4)
         return keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
+    if name in ("bart", "t5"):
+        half = HUB_LENGTH // 2
+        encoder, decoder = ids[:, :half], ids[:, half:]
+        seq2seq = {
+            "encoder_token_ids": encoder,
+            "encoder_padding_mask": ops.not_equal(encoder, 0),
+            "decoder_token_ids": decoder,
+            "decoder_padding_mask": ops.not_equal(decoder, 0),
+        }
+        if name == "bart":
+            backbone = keras_hub.models.BartBackbone(num_heads=2, max_sequence_length=HUB_LENGTH, **sizes)
+        else:
+            backbone = keras_hub.models.T5Backbone(num_heads=2, **sizes)
+        return keras.Model(ids, layers.Dense(2)(backbone(seq2seq)["decoder_sequence_output"][:, 0, :]))
+    heads = dict(num_query_heads=2, num_key_value_heads=1)
     if name == "gpt2":
         backbone = keras_hub.models.GPT2Backbone(num_heads=2, max_sequence_length=HUB_LENGTH, **sizes)
+    elif name in ("llama", "llama-lora"):
+        backbone = keras_hub.models.LlamaBackbone(**heads, **sizes)
+        if name == "llama-lora":
+            backbone.enable_lora(4)
+    elif name == "mistral":
+        backbone = keras_hub.models.MistralBackbone(**heads, **sizes)
+    elif name == "deberta":
+        backbone = keras_hub.models.DebertaV3Backbone(
+            num_heads=2, max_sequence_length=HUB_LENGTH, bucket_size=HUB_LENGTH // 2, **sizes
+        )
     else:
-        backbone = keras_hub.models.GemmaBackbone(num_query_heads=2, num_key_value_heads=1, head_dim=32, **sizes)
+        backbone = keras_hub.models.GemmaBackbone(head_dim=32, **heads, **sizes)
     return keras.Model(ids, layers.Dense(2)(backbone(inputs)[:, 0, :]))
 
 

@@ -34,7 +34,9 @@ __all__ = [
     "DepthwiseConvForm",
     "EmbeddingForm",
     "LayerNormForm",
+    "ReversibleEmbeddingForm",
     "registry",
+    "registered_type",
     "rule_for",
     "pre_at",
     "with_values",
@@ -136,6 +138,11 @@ class Rule:
         `calls` ((input, output gradient) pairs [B, 1, ...]), or None (the vector-Jacobian product of each example).
         """
         return None
+
+    def computes(self, layer, inputs, args: tuple, kwargs: dict) -> bool:
+        """Whether ``pre`` then ``post`` compute this call (its other arguments considered); where not, the layer
+        is not covered (its variables take the exact path)."""
+        return True
 
     def sums(self, layer, inputs, weighted) -> dict | None:
         """{id(v): Σ_i f_iv g_iv} in closed form from the calls' `inputs` ([B, 1, ...] each, zero where the factor
@@ -246,6 +253,27 @@ class EmbeddingForm(Rule):
         }
 
 
+class ReversibleEmbeddingForm(EmbeddingForm):
+    """``keras.layers.ReversibleEmbedding`` (keras_hub's token embeddings): a lookup of integer ids, or with
+    ``reverse=True`` the hidden states times the table transposed (``tie_weights``) or times the reverse table:
+    linear in the variables either way. Without a logit soft cap or a reverse dtype (then ``post`` is nothing)."""
+
+    def covers(self, layer) -> bool:
+        return super().covers(layer) and layer.logit_soft_cap is None and layer.reverse_dtype is None
+
+    def pre(self, layer, inputs):
+        if "int" in keras.backend.standardize_dtype(inputs.dtype):
+            return keras.layers.Embedding.call(layer, inputs)
+        kernel = keras.ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
+        return keras.ops.matmul(inputs, kernel)
+
+    def computes(self, layer, inputs, args: tuple, kwargs: dict) -> bool:
+        """``pre`` tells the two calls apart by the inputs' dtype: the call's ``reverse`` must agree."""
+        reverse = kwargs.get("reverse", args[0] if args else False)
+        integer = "int" in keras.backend.standardize_dtype(inputs.dtype)
+        return isinstance(reverse, bool) and reverse != integer and len(args) + len(kwargs) <= 1
+
+
 class LayerNormForm(Rule):
     def pre(self, layer, inputs):
         return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
@@ -315,9 +343,30 @@ def registry(dense: Rule, einsum_dense: Rule, conv: Rule, embedding: Rule, layer
     }
 
 
+# What a class holds when its body defines nothing (``class ReversibleEmbedding(keras.layers.ReversibleEmbedding):
+# pass``, keras_hub's): Python's own entries.
+_EMPTY_CLASS = frozenset(
+    {"__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "__firstlineno__", "__static_attributes__"}
+)
+
+
+def registered_type(layer, rules: dict) -> type | None:
+    """The type of `layer` in `rules`: its own, or the nearest base its class and the classes between add nothing
+    to (a subclass that defines nothing computes what its base does; any other subclass may compute something
+    else), or None."""
+    for cls in type(layer).__mro__:
+        if cls in rules:
+            return cls
+        if set(vars(cls)) - _EMPTY_CLASS:
+            return None
+    return None
+
+
 def rule_for(layer, rules: dict[type, Rule]) -> Rule | None:
-    """The rule of `layer` in `rules` (its exact type: a subclass may compute something else), or None."""
-    rule = rules.get(type(layer))
+    """The rule of `layer` in `rules` (its exact type, or a base that a subclass defining nothing inherits from:
+    :func:`registered_type`), or None."""
+    cls = registered_type(layer, rules)
+    rule = rules.get(cls) if cls is not None else None
     if rule is None or not layer.trainable_variables or not rule.covers(layer):
         return None
     if "call" in vars(layer):  # a call of its own on the instance (patched by someone): not the class's

@@ -57,7 +57,8 @@ def test_a_jax_only_hook_is_not_run_by_keras_on_tensorflow_and_the_model_trains(
 
 def test_a_compiled_loss_reading_the_weights_is_exact():
     """ℓ_i = ce_i + 0.1·Σ k² given as a lambda: before, "'<lambda>' is not a valid root scope name". The kernel's
-    read in the loss takes per-example jacobians (announced); the step equals the one-example loop."""
+    read in the loss takes the weight-region rule on TensorFlow (per-example jacobians before it); the step equals
+    the one-example loop."""
     model, x, y, loss, clip, expected = weight_reading_loss_case(keras)
     k3.make_private(model)
     model.compile(optimizer=_optimizer(clip), loss=loss)

@@ -84,6 +84,20 @@ class _DepthwiseConv(_forms.DepthwiseConvForm):
         return [found[id(v)]() for v in variables] if all(id(v) in found for v in variables) else None
 
 
+class _ReversibleEmbedding(_forms.ReversibleEmbeddingForm):
+    def sq_norms(self, layer, calls, trainable):
+        """Lookups only (a backbone without its tied output projection): the Embedding's Gram form, and an unused
+        reverse table's gradient is exactly 0; with a reverse call, the vector-Jacobian product of each example."""
+        if any("int" not in str(a.dtype) for a, _ in calls):
+            return None
+        out = super().sq_norms(layer, calls, trainable)
+        if out is None:
+            return None
+        if not layer.tie_weights:
+            out[id(layer.reverse_embeddings)] = jnp.zeros((calls[0][0].shape[0],), jnp.float32)
+        return {k: v for k, v in out.items() if k in {id(t) for t in trainable}}
+
+
 class _PReLU(Rule):
     def pre(self, layer, inputs):
         return keras.layers.PReLU.call(layer, inputs)  # relu(x) - alpha·relu(-x): linear in alpha
@@ -100,6 +114,7 @@ RULES: dict[type, Rule] = {
     keras.layers.PReLU: _PReLU(),
     keras.layers.DepthwiseConv1D: _DepthwiseConv(),
     keras.layers.DepthwiseConv2D: _DepthwiseConv(),
+    keras.layers.ReversibleEmbedding: _ReversibleEmbedding(ARRAYS),
 }
 
 

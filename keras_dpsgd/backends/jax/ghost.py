@@ -22,7 +22,8 @@ example's input). An example with factor 0 (non-finite) has its inputs and cotan
 exact zeros first. Layers covered (exact type, float32, not quantized, no rematerialization; their rules in ``_rules``):
 ``Dense`` (LoRA included), ``EinsumDense`` (LoRA included), ``Embedding`` (without LoRA),
 ``Conv1D``/``Conv2D``/``Conv3D`` and ``DepthwiseConv1D``/``DepthwiseConv2D`` (from the unfolded input: ``_conv``),
-``LayerNormalization``, ``PReLU``. Every other trainable variable keeps the
+``LayerNormalization``, ``PReLU``, ``ReversibleEmbedding`` (a subclass whose body defines nothing takes its
+base's rule). Every other trainable variable keeps the
 exact per-example gradient of ``_per_example`` (one warning names its layers). A covered variable
 read anywhere but in its own layer's call (weight tying, a custom layer reading another's kernel, a
 compiled loss reading a kernel) would lose that use's gradient: every read in the model's call and the
@@ -44,7 +45,7 @@ import keras
 from jax.extend.core import get_opaque_trace_state
 
 from keras_dpsgd.backends._layer_forms import ReadWatch
-from keras_dpsgd.backends.jax._rules import RULES, per_example_grads, rule_for, weighted_sums
+from keras_dpsgd.backends.jax._rules import per_example_grads, rule_for, weighted_sums
 from keras_dpsgd.dp.refusals import refuse
 
 __all__ = ["Plan", "plan"]
@@ -81,6 +82,16 @@ class _Taps(ReadWatch):
 
 def _wrapped_call(layer, rule, taps):
     def call(inputs, *args, **kwargs):
+        if not rule.computes(layer, inputs, args, kwargs):  # a call the rule does not compute: not covered
+            if taps.zs is not None:
+                raise refuse(
+                    "per-example-check",
+                    f"keras_dpsgd: layer {layer.name!r} was called with other arguments than when the step was "
+                    "planned; the per-example gradients cannot be proven exact",
+                    RuntimeError,
+                )
+            taps.violations.add(layer)
+            return type(layer).call(layer, inputs, *args, **kwargs)
         if taps.trace is not None and get_opaque_trace_state() != taps.trace:  # inside a loop's body (or remat)
             if taps.zs is not None:
                 raise refuse(
@@ -126,7 +137,7 @@ def _intercepting(model, taps: _Taps):
     try:
         for layer in taps.layers:
             patched.append((layer, vars(layer).get("call")))
-            object.__setattr__(layer, "call", _wrapped_call(layer, RULES[type(layer)], taps))
+            object.__setattr__(layer, "call", _wrapped_call(layer, rule_for(layer), taps))
         patched.append((model, vars(model).get("call")))
         object.__setattr__(model, "call", watched_call)
         with taps.reads_seen():
@@ -223,8 +234,9 @@ class Plan:
             _ANNOUNCED.add(names)
             _LOG.warning(
                 "keras_dpsgd (JAX): %d trainable variable(s) without a per-example norm rule in this step (rules: "
-                "Dense, EinsumDense, Embedding, Conv1D/2D/3D, DepthwiseConv1D/2D, LayerNormalization, PReLU in "
-                "float32, called in the model's own trace, their variables read only in their call) take exact per-example gradients under "
+                "Dense, EinsumDense, Embedding, ReversibleEmbedding, Conv1D/2D/3D, DepthwiseConv1D/2D, "
+                "LayerNormalization, PReLU in float32, called in the model's own trace, their variables read only "
+                "in their call) take exact per-example gradients under "
                 "jax.vmap, about B times their gradient's memory: %s",
                 len(names),
                 ", ".join(names),
@@ -289,7 +301,7 @@ class Plan:
             for c, j in enumerate(self.uncovered):
                 columns[j] = uncovered_sq[:, c]
         for layer in self.covered:
-            rule, train = RULES[type(layer)], layer.trainable_variables
+            rule, train = rule_for(layer), layer.trainable_variables
             closed = rule.sq_norms(layer, calls[id(layer)], train) or {}
             missing = [v for v in train if id(v) not in closed]
             if missing:
@@ -307,7 +319,7 @@ class Plan:
             f = factors[:, j].reshape((-1,) + (1,) * (g.ndim - 1))
             summed[j] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
         for layer in self.covered:
-            rule = RULES[type(layer)]
+            rule = rule_for(layer)
             if all(id(v) in materialized for v in layer.trainable_variables):
                 continue  # summed below from the materialized gradients
             for v, s in weighted_sums(

@@ -448,8 +448,11 @@ def static_entry(t, index: int):
     if value is not None:
         return value[index]
     if t.op.type == "Pack" and t.op.get_attr("axis") == 0 and index < len(t.op.inputs):
-        entry = _static(t.op.inputs[index])
-        return None if entry is None or entry.shape != () else entry
+        scalar = t.op.inputs[index]
+        while scalar.op.type in ("Reshape", "Identity", "Cast") and scalar.op.inputs[0].shape.num_elements() == 1:
+            scalar = scalar.op.inputs[0]  # tf.repeat's repeats, reshaped to a scalar
+        entry = _static(scalar)
+        return None if entry is None or entry.size != 1 else entry.reshape(())
     return None
 
 
@@ -1044,35 +1047,59 @@ def _batch_of_zeros(op, analysis: Analysis) -> Optional[Rows]:
 
 
 def _tiled_weight(op, analysis: Analysis) -> Optional[Rows]:
-    """The rows of ``tf.tile(w, [tf.shape(x)[0], ...])`` (else None): ``w`` no data (a weight) with a first axis
-    of 1, tiled along it by the rows of a batch-major data tensor ``x`` (or by the inputs' static batch size).
+    """The rows of ``tf.tile(w, [..., tf.shape(x)[0], ...])`` (else None): ``w`` no data but computed from a
+    weight, with a size-1 axis tiled by the rows of a batch-major data tensor ``x`` (or by the inputs' static batch
+    size), the only such axis.
 
-    Row j is a copy of ``w`` that the example owning row j of ``x`` reads (``keras.ops.tile(class_token, (B, 1,
-    1))``, ViT's class token): tracked as that example's row, so that a later op mixing the copies of different
-    examples is seen (and the weight's per-example gradient is the gradient of its own copy, ``handlers``).
+    Row j along that axis is a copy of ``w`` that the example owning row j of ``x`` reads: ViT's class token
+    (``keras.ops.tile(class_token, (B, 1, 1))``), DeBERTa-v3's normalized relative-position table
+    (``keras.ops.repeat(table, B, axis=0)``: an ExpandDims, a Tile along the new axis, a Reshape). Tracked as that
+    example's row, so that a later op mixing the copies of different examples is seen (and the weight's per-example
+    gradient is the gradient of its own copy, ``handlers``). A tiled constant stays no data.
     """
     if op.type != "Tile" or analysis.rows.get(op.inputs[0].ref()) is not None:
         return None
     w = op.inputs[0]
-    if w.shape.rank is None or w.shape.rank < 1 or w.shape[0] != 1 or not w.dtype.is_floating:
-        return None
-    read = w.op
-    while read.type in ("Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"):
-        read = read.inputs[0].op
-    if read.type != "ReadVariableOp":  # a variable's value only: a tiled constant stays no data
+    if w.shape.rank is None or w.shape.rank < 1 or not w.dtype.is_floating or not reads_a_variable(w):
         return None
     batch = {s.shape[0] for s in analysis.sources}
-    first = static_entry(op.inputs[1], 0)
-    if first is not None and len(batch) == 1 and None not in batch and int(first) == next(iter(batch)):
-        return Rows()
-    return _batch_sized(op.inputs[1], analysis)
+    found = []
+    for axis in range(w.shape.rank):
+        if w.shape[axis] != 1:
+            continue
+        entry = static_entry(op.inputs[1], axis)
+        if entry is not None:
+            rows = Rows() if len(batch) == 1 and None not in batch and int(entry) == next(iter(batch)) else None
+        else:
+            rows = _batch_sized(op.inputs[1], analysis, axis)
+        if rows is not None:
+            found.append(dataclasses.replace(rows, axis=axis))
+    return found[0] if len(found) == 1 else None
 
 
-def _batch_sized(dims: tf.Tensor, analysis: Analysis) -> Optional[Rows]:
-    """The rows of ``x`` if ``dims`` is ``[tf.shape(x)[0], ...]`` for a batch-major data tensor ``x``."""
-    if dims.op.type != "Pack" or not dims.op.inputs or dims.op.get_attr("axis") != 0:
+def reads_a_variable(t: tf.Tensor, limit: int = 256) -> bool:
+    """Whether ``t`` is computed from the value of a float variable (a ``ReadVariableOp`` upstream, at most
+    ``limit`` ops away)."""
+    seen, stack = {t.op}, [t.op]
+    while stack and len(seen) <= limit:
+        op = stack.pop()
+        if op.type == "ReadVariableOp" and op.outputs[0].dtype.is_floating:
+            return True
+        for i in op.inputs:
+            if i.op not in seen and i.dtype != tf.resource:
+                seen.add(i.op)
+                stack.append(i.op)
+    return False
+
+
+def _batch_sized(dims: tf.Tensor, analysis: Analysis, index: int = 0) -> Optional[Rows]:
+    """The rows of ``x`` if ``dims[index]`` is ``tf.shape(x)[0]`` for a batch-major data tensor ``x`` (``dims`` a
+    ``Pack``; the entry possibly reshaped to a scalar or cast, as ``tf.repeat`` does)."""
+    if dims.op.type != "Pack" or len(dims.op.inputs) <= index or dims.op.get_attr("axis") != 0:
         return None
-    first = dims.op.inputs[0].op
+    first = dims.op.inputs[index].op
+    while first.type in ("Reshape", "Identity", "Cast") and first.inputs[0].shape.num_elements() == 1:
+        first = first.inputs[0].op
     if first.type != "StridedSlice" or first.inputs[0].op.type != "Shape":
         return None
     begin, end, strides = (_static(t) for t in first.inputs[1:4])

@@ -23,7 +23,8 @@ import tensorflow as tf
 
 from keras_dpsgd.backends.tensorflow.eager_loss import eager_batch
 
-from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, state as _state, uses as _uses
+from keras_dpsgd.backends.tensorflow import _checks, _derived, _grouped, _rows, _weight_region
+from keras_dpsgd.backends.tensorflow import state as _state, uses as _uses
 from keras_dpsgd.backends.tensorflow.handlers import rule_for, set_walker
 from keras_dpsgd.dp.refusals import refusal_message, refuse
 
@@ -212,49 +213,70 @@ def ops_in_order(ops: set) -> list:
 
 def find_sites(handles: list, var, ops: set, clean: dict, static_batch, stopped: list | None = None):
     """All uses of the variable on the way to the loss, or None if one of them is unknown (then
-    ``(op, reason)`` of the use that stopped the analysis is appended to ``stopped``)."""
+    ``(op, reason)`` of the use that stopped the analysis is appended to ``stopped``).
+
+    Where a use of a value computed from weights alone has no rule, the whole region of such ops after that value
+    is taken at once (``_weight_region``), before giving up."""
     sites = []
     stack = list(handles)
     while stack:
         t = stack.pop()
-        for consumer in t.consumers():
-            if consumer not in ops:
-                continue
-            for index, inp in enumerate(consumer.inputs):
-                if inp is not t:
-                    continue
-                if t.dtype == tf.resource and consumer.type == "ReadVariableOp":
-                    stack.append(consumer.outputs[0])
-                    continue
-                if t.dtype != tf.resource and consumer.type in _TRANSPARENT and index == 0:
-                    stack.append(consumer.outputs[0])
-                    continue
-                if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
-                    continue
-                if t.dtype != tf.resource and _SPLITS.get(consumer.type) == index:
-                    pieces = _split_sites(consumer, t, var, ops, clean, static_batch, stopped)
-                    if pieces is None:
-                        return None
-                    sites.extend(pieces)
-                    continue
-                if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
-                    continue  # A product with zeros (a recurrence's initial state): no gradient.
-                if t.dtype != tf.resource and _derived.is_derived(consumer, index, clean):
-                    pulled = _derived.sites(consumer, index, t, var, ops, clean, static_batch, stopped)
-                    if pulled is None:
-                        if not stopped or stopped[-1][0] is not consumer:
-                            _stop(stopped, consumer, f"no pullback through this {consumer.type} on weights")
-                        return None
-                    sites.extend(pulled)
-                    continue
-                rule = rule_for(consumer.type)
-                if rule is None:
-                    return _stop(stopped, consumer, "no per-example rule for this op type")
-                site = rule(consumer, index, t, var, clean, static_batch)
-                if site is None:
-                    return _stop(stopped, consumer, f"the {consumer.type} rule does not cover this use")
-                sites.extend(site if isinstance(site, list) else [site])
+        said = len(stopped) if stopped is not None else 0
+        found = _consumer_sites(t, var, ops, clean, static_batch, stopped)
+        if found is None and t.dtype != tf.resource and clean.rows.get(t.ref()) is None:
+            region = _weight_region.region_sites(t, var, ops, clean, static_batch)
+            found = None if region is None else ([], region)
+            if found is not None and stopped is not None:
+                del stopped[said:]
+        if found is None:
+            return None
+        more, got = found
+        stack += more
+        sites.extend(got)
     return sites
+
+
+def _consumer_sites(t, var, ops: set, clean, static_batch, stopped: list | None):
+    """(the values to follow further, the sites) of the uses of ``t``, or None (see :func:`find_sites`)."""
+    sites, more = [], []
+    for consumer in t.consumers():
+        if consumer not in ops:
+            continue
+        for index, inp in enumerate(consumer.inputs):
+            if inp is not t:
+                continue
+            if t.dtype == tf.resource and consumer.type == "ReadVariableOp":
+                more.append(consumer.outputs[0])
+                continue
+            if t.dtype != tf.resource and consumer.type in _TRANSPARENT and index == 0:
+                more.append(consumer.outputs[0])
+                continue
+            if t.dtype != tf.resource and consumer.type in _NO_GRADIENT:
+                continue
+            if t.dtype != tf.resource and _SPLITS.get(consumer.type) == index:
+                pieces = _split_sites(consumer, t, var, ops, clean, static_batch, stopped)
+                if pieces is None:
+                    return None
+                sites.extend(pieces)
+                continue
+            if consumer.type in _PRODUCTS and is_zeros(consumer.inputs[1 - index]):
+                continue  # A product with zeros (a recurrence's initial state): no gradient.
+            if t.dtype != tf.resource and _derived.is_derived(consumer, index, clean):
+                pulled = _derived.sites(consumer, index, t, var, ops, clean, static_batch, stopped)
+                if pulled is None:
+                    if not stopped or stopped[-1][0] is not consumer:
+                        _stop(stopped, consumer, f"no pullback through this {consumer.type} on weights")
+                    return None
+                sites.extend(pulled)
+                continue
+            rule = rule_for(consumer.type)
+            if rule is None:
+                return _stop(stopped, consumer, "no per-example rule for this op type")
+            site = rule(consumer, index, t, var, clean, static_batch)
+            if site is None:
+                return _stop(stopped, consumer, f"the {consumer.type} rule does not cover this use")
+            sites.extend(site if isinstance(site, list) else [site])
+    return more, sites
 
 
 @dataclasses.dataclass(frozen=True)

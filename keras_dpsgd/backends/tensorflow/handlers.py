@@ -33,7 +33,8 @@ from typing import Callable, Optional
 import numpy as np
 import tensorflow as tf
 
-from keras_dpsgd.backends.tensorflow import _conv, _grouped, _loops, _recurrent, _rows, uses as _uses
+from keras_dpsgd.backends.tensorflow import _checks, _conv, _grouped, _loops, _recurrent, _rows, uses as _uses
+from keras_dpsgd.dp.refusals import refusal_message
 
 MakeUse = Callable[..., object]
 
@@ -112,8 +113,10 @@ def group_rows(t: tf.Tensor, batch: tf.Tensor, rest: int) -> tf.Tensor:
 
 
 def _to_var_shape(p: tf.Tensor, var) -> tf.Tensor:
-    """[B, *w'.shape] -> [B, *var.shape] (w' is a reshape of the variable)."""
-    return tf.reshape(p, tf.concat([tf.shape(p)[:1], var.shape], axis=0))
+    """[B, *w'.shape] -> [B, *var.shape] (w' is a reshape of the variable; a stand-in whose static shape is not
+    fully known, ``_weight_region``'s exits, gives its shape as ``dynamic_shape``)."""
+    shape = var.shape if var.shape.is_fully_defined() else var.dynamic_shape
+    return tf.reshape(p, tf.concat([tf.shape(p)[:1], shape], axis=0))
 
 
 def _f32(t: tf.Tensor) -> tf.Tensor:
@@ -260,22 +263,29 @@ def _conv2d(op, index, w, var, clean, static_batch):
 
 @register_rule("Tile")
 def _tiled_weight(op, index, w, var, clean, static_batch):
-    """``tf.tile(w, [B, m_1, ..., m_k])`` of a weight whose first axis is 1 (ViT's class token,
-    ``keras.ops.tile(class_token, (B, 1, 1))``), proven by the row analysis to give each example its own rows
-    (``_rows._tiled_weight``): example i's gradient is its rows' output gradient summed over its rows and over
-    the copies along the other axes (exact, materialized: [B, *var.shape])."""
+    """``tf.tile(w, [m_0, ..., m_k])`` of a weight (or of a tensor computed from weights alone) tiled along a size-1
+    axis by the batch: ViT's class token (``keras.ops.tile(class_token, (B, 1, 1))``), DeBERTa-v3's relative-position
+    table (``keras.ops.repeat``: the Tile along a new axis 1). The row analysis proves each copy along that axis is
+    read by one example (``_rows._tiled_weight``): example i's gradient is its copies' output gradient summed over
+    its copies and over the copies along the other axes (exact, materialized: [B, *var.shape])."""
     y = op.outputs[0]
-    if index != 0 or not clean.clean(y) or not w.shape.is_fully_defined() or w.shape.rank < 1 or w.shape[0] != 1:
+    rows = clean.rows.get(y.ref())
+    if index != 0 or rows is None or rows.kind != "rows" or rows.order is not None or rows.depth != 0:
         return None
-    reps = [_rows.static_entry(op.inputs[1], k) for k in range(1, w.shape.rank)]
+    axis = rows.axis
+    if not w.shape.is_fully_defined() or not 0 <= axis < w.shape.rank or w.shape[axis] != 1:
+        return None
+    others = [k for k in range(w.shape.rank) if k != axis]
+    reps = [_rows.static_entry(op.inputs[1], k) for k in others]
     if any(m is None for m in reps):
         return None
-    sizes = [int(s) for s in w.shape[1:]]
+    sizes = [int(w.shape[k]) for k in others]
 
     def make(g, batch):
-        split = [d for m, s in zip(reps, sizes) for d in (int(m), s)]  # each axis as (copies, w's size)
-        g = tf.reshape(_f32(g), tf.concat([tf.stack([batch, -1]), tf.constant(split, tf.int32)], axis=0))
-        p = tf.reduce_sum(g, axis=[1] + [2 + 2 * k for k in range(len(sizes))])  # [B, *w.shape[1:]]
+        g = tf.transpose(_f32(g), [axis] + others)  # the copies along the batch axis first
+        split = [d for m, s in zip(reps, sizes) for d in (int(m), s)]  # each other axis as (copies, w's size)
+        g = tf.reshape(g, tf.concat([tf.stack([batch, -1]), tf.constant(split, tf.int32)], axis=0))
+        p = tf.reduce_sum(g, axis=[1] + [2 + 2 * k for k in range(len(sizes))])  # [B, *w.shape without the axis]
         return _uses.DenseUse(tf.reshape(p, tf.concat([tf.stack([batch]), var.shape.as_list()], axis=0)))
 
     return Site(y, make)
@@ -356,12 +366,16 @@ def _elementwise(op, index, w, var, clean, static_batch):
         return None
     if w_rank == y_rank and w.shape[0] != 1:
         return None  # w is not broadcast over axis 0: y's rows are not examples.
-    if not clean.clean(y) or not _batch_major(y, static_batch) or not w.shape.is_fully_defined():
+    if not clean.clean(y) or not _batch_major(y, static_batch):
         return None
     if op.type == "BiasAdd":
-        w_shape = [1] * (y_rank - 1) + [int(w.shape[0])]
+        w_shape = [1] * (y_rank - 1) + [w.shape[0]]
     else:
-        w_shape = [1] * (y_rank - w_rank) + [int(s) for s in w.shape]
+        w_shape = [1] * (y_rank - w_rank) + list(w.shape)
+    # A size unknown at trace time (a relative-position bias's key length) is taken as y's, checked at run time.
+    unknown = [k for k in range(1, y_rank) if w_shape[k] is None]
+    if w_shape[0] is None:
+        return None
     axes = [k for k in range(1, y_rank) if w_shape[k] == 1]
     sign = -1.0 if op.type == "Sub" and index == 1 else 1.0
 
@@ -369,10 +383,20 @@ def _elementwise(op, index, w, var, clean, static_batch):
         p = _f32(g) * _f32(other) if op.type == "Mul" else _f32(g)
         if axes:
             p = tf.reduce_sum(p, axis=axes, keepdims=True)
-        p = tf.reshape(p, tf.concat([tf.stack([batch, -1]), w_shape[1:]], axis=0))
+        p = tf.reshape(p, tf.concat([tf.stack([batch, -1]), tf.shape(p)[1:]], axis=0))  # [B, rows, *w's sizes]
         p = tf.reduce_sum(p, axis=1)
         if sign < 0:
             p = -p
+        if unknown:
+            lead = y_rank - w.shape.rank
+            same = [tf.equal(tf.shape(w)[k - lead], tf.shape(y)[k]) for k in unknown]
+            message = refusal_message(
+                "per-example-check",
+                f"keras_dpsgd: op {op.name!r} broadcasts a weight along an axis whose size was unknown when the step "
+                "was traced, which its per-example rule took whole",
+            )
+            with tf.control_dependencies(_checks.check(tf.reduce_all(tf.stack(same)), message)):
+                p = tf.identity(p)
         return _uses.DenseUse(_to_var_shape(p, var))
 
     return Site(y, make)

@@ -16,23 +16,24 @@ import keras_dpsgd.tf_keras as tk
 KERASES = {"keras3": (keras, k3), "tf_keras": (tf_keras, tk)}
 
 
-def _sin_scale(lib):
-    """``x * sin(w)``: no fast rule reads ``w`` through Sin, so it takes per-example jacobians."""
+def _cumsum_scale(lib):
+    """``x * cumsum(w)``: no fast rule reads ``w`` through Cumsum (nor may a weight region hold it), so it takes
+    per-example jacobians."""
 
-    class SinScale(lib.layers.Layer):
+    class CumsumScale(lib.layers.Layer):
         def build(self, shape):
             self.w = self.add_weight(name="w", shape=(shape[-1],), initializer="ones")
 
         def call(self, x):
-            return x * tf.sin(self.w)
+            return x * tf.math.cumsum(self.w)
 
-    return SinScale(name="sin_scale")
+    return CumsumScale(name="cumsum_scale")
 
 
 def _fit(name, jacobian_fallback="warn", epochs=1, backend="auto"):
     lib, front = KERASES[name]
     lib.utils.set_random_seed(0)
-    model = lib.Sequential([lib.Input((5,)), _sin_scale(lib), lib.layers.Dense(3, name="head")])
+    model = lib.Sequential([lib.Input((5,)), _cumsum_scale(lib), lib.layers.Dense(3, name="head")])
     opt = front.DPSGDOptimizer(
         1.0, 0.0, learning_rate=0.1, jacobian_fallback=jacobian_fallback, per_example_backend=backend
     )
@@ -57,10 +58,10 @@ def test_fallback_warns_once_per_traced_step_and_is_reported(name, caplog):
         _run(model, data)  # 6 steps (Keras 3 traces the step twice): one warning.
     warnings = [r.getMessage() for r in caplog.records if "per-example jacobians" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert "sin_scale" in warnings[0] and "(Sin)" in warnings[0] and "B times" in warnings[0]
+    assert "cumsum_scale" in warnings[0] and "(Cumsum)" in warnings[0] and "B times" in warnings[0]
     report = opt.per_example_report
     (fallback,) = report.fallback
-    assert fallback.op_type == "Sin" and "sin_scale" in fallback.op and "w" in fallback.variable
+    assert fallback.op_type == "Cumsum" and "cumsum_scale" in fallback.op and "w" in fallback.variable
     assert report.fallback_variables == [fallback.variable] == opt._backend.last_fallback
     assert len(report.fast) == 2 and all("head" in v for v in report.fast)
     assert report.backend == "fast" and str(report) in warnings[0]
@@ -70,7 +71,7 @@ def test_fallback_warns_once_per_traced_step_and_is_reported(name, caplog):
 def test_refuse_raises_before_any_weight_changes(name):
     model, opt, data = _fit(name, jacobian_fallback="refuse")
     before = [v.numpy() for v in model.weights]
-    with pytest.raises(ValueError, match=r"sin_scale.*\(Sin\).*jacobian_fallback='refuse'"):
+    with pytest.raises(ValueError, match=r"cumsum_scale.*\(Cumsum\).*jacobian_fallback='refuse'"):
         _run(model, data)
     for b, v in zip(before, model.weights):
         np.testing.assert_array_equal(b, v.numpy())
