@@ -60,9 +60,11 @@ weights). What each way of saving keeps:
 
 Out of sight of the DP optimizer. A model compiled again with a plain optimizer keeps its copy of the ledger
 (and its last DP optimizer, which brings it up to date): its ε is the DP history's, ∞ once the plain
-optimizer steps. A model loaded with ``compile=False`` (the ledger was in its optimizer) or otherwise
-carrying no record of its training is refused (``model-without-ledger``) unless the caller states
-``untrained=True``: ε = 0 would be a guess (:func:`optimizer_events`).
+optimizer steps; compiled again, the model first writes the plain optimizer's steps into its copy (a noiseless
+segment: ``_keras_io.record_plain_steps``), so they are never lost. A model loaded with ``compile=False`` (the
+ledger was in its optimizer) or otherwise carrying no record of its training is refused
+(``model-without-ledger``) unless the caller states ``untrained=True``: ε = 0 would be a guess
+(:func:`optimizer_events`).
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,

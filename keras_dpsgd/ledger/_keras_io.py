@@ -239,6 +239,7 @@ def attach(model: Any, optimizer: Any, *, loading: bool = False) -> None:
                 _refresh(model, previous)
             model_holder._refresh, model_holder._trainer = _refresher(model, optimizer, keep=True)
             _guard_saves(model)
+            _guard_compiles(model)
             for hook in () if loading else _ON_ATTACH:
                 hook(model)
         holders[0]._refresh, _ = _refresher(model, optimizer, keep=False)
@@ -295,6 +296,67 @@ def _guard_saves(model: Any) -> None:
 
     object.__setattr__(model, "save_weights", guarded_save_weights)
     object.__setattr__(model, "save", guarded_save)
+
+
+def _guard_compiles(model: Any) -> None:
+    """Wraps `model.compile` (an instance attribute) so that a plain optimizer's steps outlive its compile.
+
+    Compiled again, the model loses sight of its optimizer: the steps a plain (non-DP) optimizer took after DP
+    training (noiseless: ε = ∞) are written into the model's copy of the ledger first
+    (:func:`record_plain_steps`), whatever optimizer comes next.
+    """
+    if "compile" in vars(model):
+        return
+    compile_ = model.compile
+
+    def guarded_compile(*args, **kwargs):
+        record_plain_steps(model)
+        return compile_(*args, **kwargs)
+
+    object.__setattr__(model, "compile", guarded_compile)
+
+
+# Per model's copy of the ledger: each plain optimizer's `iterations` already written into it.
+_PLAIN_RECORDED: "weakref.WeakKeyDictionary[Any, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
+
+
+def _plain_recorded(model: Any) -> Any:
+    holder = getattr(model, _STATE_ATTR, None)
+    if not isinstance(holder, LedgerState):
+        return {}
+    return _PLAIN_RECORDED.setdefault(holder, weakref.WeakKeyDictionary())
+
+
+def unrecorded_plain_steps(model: Any, optimizer: Any) -> int:
+    """The steps of `model`'s plain (non-DP) `optimizer` not yet in the model's copy of the ledger; 0 for a DP one.
+
+    All of its ``iterations`` when the copy holds none of them, or when the counter went back (reset).
+    """
+    if is_dp_optimizer(optimizer) or not hasattr(optimizer, "iterations"):
+        return 0
+    iterations = int(optimizer.iterations.numpy())
+    recorded = _plain_recorded(model).get(optimizer, 0)
+    return iterations - recorded if iterations >= recorded else iterations
+
+
+def record_plain_steps(model: Any) -> None:
+    """Writes the steps of `model`'s plain optimizer that its copy of the ledger lacks into it: noiseless, ε = ∞.
+
+    Called before the model is compiled again (:func:`_guard_compiles`), when the optimizer is about to go out of
+    sight. The last DP optimizer's steps are brought in first, so that the plain ones follow them
+    (:func:`keras_dpsgd.dp.ledger_state.record_non_private`).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    holder = getattr(model, _STATE_ATTR, None)
+    count = unrecorded_plain_steps(model, optimizer) if isinstance(holder, LedgerState) else 0
+    if not count:
+        return
+    with tf.init_scope():
+        trainer = ledger_trainer(model)
+        if trainer is not None:
+            _refresh(model, trainer)
+        holder.state.assign(S.dumps(S.record_non_private(_read_state(holder), count)))
+    _plain_recorded(model)[optimizer] = int(optimizer.iterations.numpy())
 
 
 def _trains(obj: Any, optimizer: Any) -> bool:
