@@ -19,14 +19,20 @@ from keras_dpsgd.accounting import (
     event_from_dict,
 )
 from keras_dpsgd.ledger._bandmf import bandmf_events
-from keras_dpsgd.ledger._keras_io import (
+from keras_dpsgd.ledger._attach import (
     attach,
+)
+from keras_dpsgd.ledger._holders import (
     is_live_dp_optimizer,
-    ledger_trainer,
     model_ledger_state,
+)
+from keras_dpsgd.ledger._plain_steps import (
+    unrecorded_plain_steps,
+)
+from keras_dpsgd.ledger._sync import (
+    ledger_trainer,
     recorded_sampling_rate,
     sync_ledger_state,
-    unrecorded_plain_steps,
 )
 from keras_dpsgd.ledger.sampling import resolve_sampling_rate
 
