@@ -43,7 +43,7 @@ def unrecorded_plain_steps(model: Any, optimizer: Any) -> int:
 def record_plain_steps(model: Any) -> None:
     """Writes the steps of `model`'s plain optimizer that its copy of the ledger lacks into it: noiseless, ε = ∞.
 
-    Called before the model is compiled again (:func:`_guard_compiles`), when the optimizer is about to go out of
+    Called before the model is compiled again (``_attach._guard_compiles``), when the optimizer is about to go out of
     sight. The last DP optimizer's steps are brought in first, so that the plain ones follow them
     (:func:`keras_dpsgd.dp.ledger_state.record_non_private`).
     """
