@@ -55,6 +55,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import overhead  # noqa: E402 (benchmarks/ is not a package: the model builders)
+
 CASES = ("bert-lora", "llama-lora", "mobilenet-frozen", "mlp", "bert-base-lora", "resnet50-frozen", "llama-4x1024-lora")
 CONFIGS = ("nonprivate", "fast", "nonprivate_padded", "lots", "lots_split")
 LOT = 32
@@ -62,67 +66,56 @@ LENGTH, VOCABULARY = 128, 1000
 
 
 def build(case: str):
-    """(model, loss for the non-private step, per-example loss for the DP step) of one case."""
+    """(model, loss for the non-private step, per-example loss for the DP step) of one case (overhead.py's builders)."""
     import keras
 
-    layers, ops = keras.layers, keras.ops
+    overhead._KERAS["which"] = "3"
     sparse = keras.losses.SparseCategoricalCrossentropy
     if case == "mlp":
-        model = keras.Sequential([keras.Input((784,)), layers.Dense(1000, activation="relu"), layers.Dense(10)])
-    elif case in ("mobilenet-frozen", "resnet50-frozen"):
+        model = overhead.build_model("mlp")
+    elif case == "mobilenet-frozen":
         shape = _image_shape(case)
-        if case == "mobilenet-frozen":
-            base = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=shape, include_top=False)
-        else:
-            base = keras.applications.ResNet50(weights=None, input_shape=shape, include_top=False)
-        base.trainable = False
-        images = keras.Input(shape)
-        model = keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
+        base = keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=shape, include_top=False)
+        model = overhead.frozen_classifier(base, shape)
+    elif case == "resnet50-frozen":
+        shape = _image_shape(case)
+        model = overhead.frozen_classifier(
+            keras.applications.ResNet50(weights=None, input_shape=shape, include_top=False), shape
+        )
+    elif case in CASES:
+        model = _language_model(case)
     else:
-        import keras_hub
-
-        ids = keras.Input((LENGTH,), dtype="int32")
-        inputs = {"token_ids": ids, "padding_mask": ops.not_equal(ids, 0)}
-        sizes = dict(vocabulary_size=VOCABULARY, num_layers=4, hidden_dim=256)
-        if case == "bert-base-lora":  # BERT-base's sizes (110M weights), random
-            backbone = keras_hub.models.BertBackbone(
-                vocabulary_size=30522,
-                num_layers=12,
-                num_heads=12,
-                hidden_dim=768,
-                intermediate_dim=3072,
-                max_sequence_length=LENGTH,
-            )
-            inputs["segment_ids"] = ops.zeros_like(ids)
-            backbone.enable_lora(4)
-            model = keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
-        elif case == "llama-4x1024-lora":  # 4 decoder blocks, GQA, SwiGLU, tied (frozen) output embedding
-            backbone = keras_hub.models.LlamaBackbone(
-                vocabulary_size=32000,
-                num_layers=4,
-                num_query_heads=8,
-                num_key_value_heads=4,
-                hidden_dim=1024,
-                intermediate_dim=2816,
-            )
-            backbone.enable_lora(4)
-            model = keras.Model(ids, backbone.token_embedding(backbone(inputs), reverse=True))
-        elif case == "bert-lora":
-            backbone = keras_hub.models.BertBackbone(
-                num_heads=4, intermediate_dim=1024, max_sequence_length=LENGTH, **sizes
-            )
-            inputs["segment_ids"] = ops.zeros_like(ids)
-            backbone.enable_lora(4)
-            model = keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
-        elif case == "llama-lora":
-            backbone = keras_hub.models.LlamaBackbone(
-                num_query_heads=4, num_key_value_heads=2, intermediate_dim=512, **sizes
-            )
-            backbone.enable_lora(4)
-            model = keras.Model(ids, layers.Dense(VOCABULARY)(backbone(inputs)))
-        else:
-            raise ValueError(f"case must be one of {CASES}, got {case!r}")
+        raise ValueError(f"case must be one of {CASES}, got {case!r}")
     return model, sparse(from_logits=True), sparse(from_logits=True, reduction="none")
+
+
+def _language_model(case: str):
+    """The BERT (pooled output -> Dense(2)) and Llama (token-level LM) cases, T = LENGTH, LoRA(4)."""
+    import keras
+    import keras_hub
+
+    ids = keras.Input((LENGTH,), dtype="int32")
+    sizes = dict(vocabulary_size=VOCABULARY, num_layers=4, hidden_dim=256)
+    if case == "bert-base-lora":  # BERT-base's sizes (110M weights), random
+        base = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768, intermediate_dim=3072)
+        return overhead.bert_classifier(ids, keras.ops.zeros_like(ids), True, max_sequence_length=LENGTH, **base)
+    if case == "bert-lora":
+        small = dict(num_heads=4, intermediate_dim=1024, max_sequence_length=LENGTH, **sizes)
+        return overhead.bert_classifier(ids, keras.ops.zeros_like(ids), True, **small)
+    if case == "llama-4x1024-lora":  # 4 decoder blocks, GQA, SwiGLU, tied (frozen) output embedding
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=32000,
+            num_layers=4,
+            num_query_heads=8,
+            num_key_value_heads=4,
+            hidden_dim=1024,
+            intermediate_dim=2816,
+        )
+        backbone.enable_lora(4)
+        return keras.Model(ids, backbone.token_embedding(backbone(overhead.hub_inputs(ids)), reverse=True))
+    backbone = keras_hub.models.LlamaBackbone(num_query_heads=4, num_key_value_heads=2, intermediate_dim=512, **sizes)
+    backbone.enable_lora(4)
+    return keras.Model(ids, keras.layers.Dense(VOCABULARY)(backbone(overhead.hub_inputs(ids))))
 
 
 def _image_shape(case: str) -> tuple:
@@ -141,14 +134,6 @@ def data(case: str, rows: int):
         return x, gen.integers(0, 2, size=(rows,)).astype("int32")
     shape = (784,) if case == "mlp" else _image_shape(case)
     return gen.normal(size=(rows, *shape)).astype("float32"), gen.integers(0, 10, size=(rows,)).astype("int32")
-
-
-def _status_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def padded_rows(lot: int) -> int:
@@ -195,13 +180,13 @@ def child(case: str, config: str, lot: int, steps: int) -> dict:
         feed = dict(x=lots.dataset(steps))
     else:
         feed = dict(x=x, y=y, batch_size=rows, steps_per_epoch=steps, shuffle=False)
-    before = _status_mib("VmRSS")
+    before = overhead._status_mib("VmRSS")
     started = time.perf_counter()
     model.fit(epochs=1, verbose=0, **feed)
     out.update(
-        peak_mib=_status_mib("VmHWM"),
+        peak_mib=overhead._status_mib("VmHWM"),
         rss_before_fit_mib=before,
-        delta_mib=_status_mib("VmHWM") - before,
+        delta_mib=overhead._status_mib("VmHWM") - before,
         fit_s=time.perf_counter() - started,
     )
     report = getattr(model.optimizer, "per_example_report", None)

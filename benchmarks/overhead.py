@@ -227,14 +227,42 @@ def build_model(name: str):
         return keras.Model(ids, layers.Dense(2)(layers.GlobalAveragePooling1D()(h)))
     if name == "frozen-mobilenet":
         base = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), include_top=False)
-        base.trainable = False  # BatchNormalization in inference mode; only the head trains
-        images = keras.Input((32, 32, 3))
-        return keras.Model(images, layers.Dense(10)(layers.GlobalAveragePooling2D()(base(images, training=False))))
+        return frozen_classifier(base, (32, 32, 3))
     if name in HUB_MODELS or name in VISION_MODELS:
         if _KERAS["which"] != "3":
             raise ValueError(f"model {name!r} needs Keras 3 (keras_hub): run with --keras 3")
         return _hub_model(name) if name in HUB_MODELS else _vision_model(name)
     raise ValueError(f"model must be one of {MODEL_NAMES}, got {name!r}")
+
+
+def frozen_classifier(base, shape: tuple, classes: int = 10):
+    """`base` (an image backbone without its top, on images of `shape`) frozen, called with ``training=False``
+    (BatchNormalization in inference mode), -> global average pool -> Dense(`classes`): only the head trains."""
+    keras = _keras()
+    layers = keras.layers
+    base.trainable = False
+    images = keras.Input(shape)
+    return keras.Model(images, layers.Dense(classes)(layers.GlobalAveragePooling2D()(base(images, training=False))))
+
+
+def hub_inputs(ids) -> dict:
+    """A keras_hub backbone's inputs on token ids `ids` (Keras 3; id 0 is padding)."""
+    import keras
+
+    return {"token_ids": ids, "padding_mask": keras.ops.not_equal(ids, 0)}
+
+
+def bert_classifier(ids, segment_ids, lora: bool, **backbone_args):
+    """keras_hub ``BertBackbone(**backbone_args)`` on token ids `ids` and `segment_ids` (``enable_lora(4)`` if
+    `lora`), its pooled output -> Dense(2)."""
+    import keras
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(**backbone_args)
+    if lora:
+        backbone.enable_lora(4)
+    inputs = dict(hub_inputs(ids), segment_ids=segment_ids)
+    return keras.Model(ids, keras.layers.Dense(2)(backbone(inputs)["pooled_output"]))
 
 
 def _hub_model(name: str):
@@ -253,13 +281,12 @@ def _hub_model(name: str):
     import keras_hub
 
     sizes = dict(vocabulary_size=VOCABULARY, num_layers=2, hidden_dim=64, intermediate_dim=128)
-    inputs = {"token_ids": ids, "padding_mask": ops.not_equal(ids, 0)}
+    inputs = hub_inputs(ids)
     if name in ("bert", "bert-lora"):
-        backbone = keras_hub.models.BertBackbone(num_heads=2, max_sequence_length=HUB_LENGTH, **sizes)
-        inputs["segment_ids"] = ops.cast(ops.greater_equal(ids, VOCABULARY // 2), "int32")
-        if name == "bert-lora":
-            backbone.enable_lora(4)
-        return keras.Model(ids, layers.Dense(2)(backbone(inputs)["pooled_output"]))
+        segment_ids = ops.cast(ops.greater_equal(ids, VOCABULARY // 2), "int32")
+        return bert_classifier(
+            ids, segment_ids, name == "bert-lora", num_heads=2, max_sequence_length=HUB_LENGTH, **sizes
+        )
     if name in ("bart", "t5"):
         half = HUB_LENGTH // 2
         encoder, decoder = ids[:, :half], ids[:, half:]

@@ -1,6 +1,6 @@
-"""BandMF's checks on the Keras 3 backends whose train step is the core's front end (JAX, PyTorch): collected by
-tests/backends/jax/test_jax_bandmf.py and tests/backends/torch/test_torch_bandmf.py (tests/keras3/test_keras3_bandmf.py
-holds TensorFlow's).
+"""BandMF's checks on every Keras 3 backend: collected by tests/keras3/test_keras3_bandmf.py (TensorFlow, with
+its own further checks), tests/backends/jax/test_jax_bandmf.py and tests/backends/torch/test_torch_bandmf.py
+(``__all__``).
 
 b = 1 is DP-SGD bit for bit with the same seed and lots; the noise across steps has covariance σ²C⁻¹C⁻ᵀ (the
 recursion runs in the train step, its history carried in the optimizer's variables); the ledger's BandMFEvent and
@@ -16,6 +16,14 @@ import keras_dpsgd.keras3 as k3
 from keras_dpsgd import CyclicPoissonLots, PoissonLots, model_epsilon, model_privacy_ledger
 from keras_dpsgd.accounting import BandMFEvent, compute_epsilon
 from keras_dpsgd.dp.bandmf import BandedToeplitzStrategy, optimize_banded_toeplitz
+
+__all__ = [
+    "test_a_run_resumed_from_a_keras_file_continues_its_noise_and_split",
+    "test_ledger_records_bandmf_events_and_epsilon",
+    "test_noise_covariance_across_steps_is_sigma2_cinv_cinvt",
+    "test_one_band_is_dpsgd_bit_for_bit",
+    "test_refuses_lots_without_the_bands_before_any_update",
+]
 
 
 def _data(n, d=3, seed=0):
@@ -53,14 +61,12 @@ def test_one_band_is_dpsgd_bit_for_bit():
     assert not np.array_equal(runs[0][0], np.asarray(_model().trainable_weights[0].numpy()))  # it trained
 
 
-def test_noise_covariance_across_steps_is_sigma2_cinv_cinvt():
-    """Weight changes of 4 steps on empty lots (q tiny), lr = L = 1: −w_t per coordinate; their covariance over
-    20,000 coordinates is σ²C⁻¹C⁻ᵀ within 6 standard deviations of its estimate."""
-    strategy, steps, dim = optimize_banded_toeplitz(4, 3, cache_dir=None), 4, 20000
+def _noise_steps(strategy, steps, dim=20000, sigma=1.0):
+    """Weight changes of `steps` steps on empty lots (q tiny): −lr·w_t/L with lr = L = 1, per coordinate."""
     x = np.zeros((4, dim), np.float32)
     lots = CyclicPoissonLots(x, np.zeros(4, np.int32), bands=strategy.bands, sampling_rate=1e-12, seed=0)
-    opt = lots.configure(k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy, learning_rate=1.0, seed=3))
-    opt.expected_lot_size = 1.0
+    opt = lots.configure(k3.BandMFSGDOptimizer(1.0, sigma, strategy=strategy, learning_rate=1.0, seed=3))
+    opt.expected_lot_size = 1.0  # the normalizer (post-processing): noise in units of σ·clip
     model = _compile(_model(d=dim, units=1, use_bias=False), opt, loss="mse")
     before = np.asarray(model.trainable_weights[0].numpy())[:, 0].copy()
     deltas = []
@@ -69,13 +75,23 @@ def test_noise_covariance_across_steps_is_sigma2_cinv_cinvt():
         after = np.asarray(model.trainable_weights[0].numpy())[:, 0].copy()
         deltas.append(before - after)
         before = after
-    deltas = np.array(deltas)
-    inverse = np.linalg.inv(strategy.matrix(steps))
-    expected = inverse @ inverse.T
-    observed = deltas @ deltas.T / dim
-    spread = np.sqrt((expected**2 + np.outer(np.diag(expected), np.diag(expected))) / dim)  # sd of the estimate
-    assert np.all(np.abs(observed - expected) <= 6 * spread)
-    assert abs(observed[1, 0]) > 0.1  # correlated: DP-SGD's would be 0
+    return np.array(deltas), opt
+
+
+def test_noise_covariance_across_steps_is_sigma2_cinv_cinvt():
+    n, sigma = 6, 1.5
+    strategy = optimize_banded_toeplitz(n, 3, cache_dir=None)
+    w, opt = _noise_steps(strategy, n, sigma=sigma)
+    assert sum("bandmf_noise" in v.name for v in opt.variables) == 2  # b − 1 = 2 past draws, saved
+    cinv = np.linalg.inv(strategy.matrix())
+    expected = sigma**2 * cinv @ cinv.T
+    empirical = np.cov(w)  # rows: steps, columns: 20,000 independent coordinates
+    scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))
+    # Entry (i, j) of a sample covariance of m = 20,000 draws has sd <= sqrt(2/m) * scale: 6 sd.
+    np.testing.assert_allclose(empirical, expected, atol=6 * np.sqrt(2 / w.shape[1]) * scale.max())
+    assert np.abs(expected - sigma**2 * np.eye(n)).max() > 5 * 6 * np.sqrt(2 / w.shape[1]) * scale.max()  # not i.i.d.
+    z = strategy.matrix() @ w / sigma  # C w: the fresh draws, i.i.d. N(0, 1)
+    np.testing.assert_allclose(np.cov(z), np.eye(n), atol=6 * np.sqrt(2 / w.shape[1]))
 
 
 def test_ledger_records_bandmf_events_and_epsilon():
@@ -118,13 +134,18 @@ def test_a_run_resumed_from_a_keras_file_continues_its_noise_and_split(tmp_path)
         np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=1e-5, atol=1e-6)
 
 
-def test_refuses_other_lots_before_any_update():
+def test_refuses_lots_without_the_bands_before_any_update():
     x, y = _data(20)
-    strategy = optimize_banded_toeplitz(4, 2, cache_dir=None)
-    lots = PoissonLots(x, y, sampling_rate=0.2, seed=0)
-    model = _compile(_model(), lots.configure(k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy)))
-    before = [np.asarray(w.numpy()).copy() for w in model.trainable_weights]
-    with pytest.raises(ValueError, match="bandmf-participation"):
-        model.fit(lots.dataset(2), epochs=1, verbose=0)
-    for a, w in zip(before, model.trainable_weights):
-        np.testing.assert_array_equal(a, np.asarray(w.numpy()))
+    strategy = optimize_banded_toeplitz(6, 2, cache_dir=None)
+    for data in (PoissonLots(x, y, sampling_rate=0.2, seed=0), CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5)):
+        opt = k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy, learning_rate=0.1, sampling_rate=0.2)
+        model = _compile(_model(), opt)
+        before = [np.asarray(w.numpy()).copy() for w in model.trainable_weights]
+        with pytest.raises(ValueError, match="strategy of 2 bands"):
+            model.fit(data.dataset(2), epochs=1, verbose=0)
+        for a, w in zip(before, model.trainable_weights):
+            np.testing.assert_array_equal(a, np.asarray(w.numpy()))
+    with pytest.raises(ValueError, match="strategy of 2 bands"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match="cannot feed a BandMF optimizer of 2 bands"):
+        CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5).configure(opt)

@@ -24,6 +24,9 @@ A search (:func:`record_search`, Papernot & Steinke 2022) charges the trial it r
 trials, through one :class:`~keras_dpsgd.accounting.TuningEvent`: the steps it covers stay in the
 segments (they are releases: a seeded noise key counts them) but are not charged again.
 
+A plain (non-DP) optimizer's steps after DP training (the model compiled again) are a closed noiseless
+segment, labelled :data:`NON_PRIVATE_LABEL` (:func:`record_non_private`): ε = ∞ from then on.
+
 Every transition returns a new state and never mutates its argument. :mod:`keras_dpsgd.ledger`
 does the I/O (the string variables, the optimizer's counter and its saved worst-case bounds).
 
@@ -47,6 +50,7 @@ DPSGD_LABEL = "dp-sgd"
 CHANGED_LABEL = f"{DPSGD_LABEL} (q/sigma changed: worst case)"
 UNSAVED_LABEL = f"{DPSGD_LABEL} (segments not saved: worst case)"
 USER_LEVEL_LABEL = f"{DPSGD_LABEL} (user-level)"  # steps on lots of users (keras_dpsgd.UserPoissonLots)
+NON_PRIVATE_LABEL = "non-private training"  # a plain optimizer's steps: noiseless, ε = ∞
 
 
 def initial() -> dict:
@@ -190,6 +194,27 @@ def advance(
     return new
 
 
+def record_non_private(state: dict, count: int) -> dict:
+    """The state after `count` steps of a plain (non-DP) optimizer: a closed noiseless segment (ε = ∞).
+
+    They touched every example with no noise: q = 1, σ = 0 (:data:`NON_PRIVATE_LABEL`). The open segment is
+    closed first; ``seen`` is kept, so the next advance of the same DP counter opens its segment there (its
+    earlier steps are not counted again) and a new counter (``counter_is_new``) opens at 0.
+    """
+    count = int(count)
+    if count < 0:
+        raise ValueError(f"count must be an integer >= 0, got {count!r}")
+    new = close_segment(state)
+    if count:
+        new["segments"].append(segment(1.0, [0.0], count, NON_PRIVATE_LABEL))
+    return new
+
+
+def is_non_private(label: str) -> bool:
+    """True for the label of a plain optimizer's steps (:func:`record_non_private`)."""
+    return label == NON_PRIVATE_LABEL
+
+
 def discard_partial_lot(state: dict) -> dict:
     """The state after an incomplete lot is discarded: unchanged (no noise drawn, no release)."""
     return copy(state)
@@ -252,14 +277,15 @@ def events(state: dict, reader_sampling_rate: float) -> list:
 
 
 def fold_bounds(state: dict, bounds: tuple) -> tuple:
-    """`bounds` (largest q, smallest σ_eff charged so far) widened by every segment of known q.
+    """`bounds` (largest q, smallest σ_eff charged so far) widened by every DP segment of known q.
 
-    The open segment counts from the moment it opens (before its first step).
+    The open segment counts from the moment it opens (before its first step). The bounds charge a DP
+    optimizer's counted steps: a plain optimizer's (:func:`record_non_private`) are not among them.
     """
     pairs = [
         (s["sampling_rate"], _sigma(s["noise_multipliers"]))
         for s in state["segments"]
-        if s["sampling_rate"] is not None
+        if s["sampling_rate"] is not None and not is_non_private(s["label"])  # no step of a DP counter
     ]
     if not pairs:
         return tuple(bounds)

@@ -8,9 +8,11 @@ models and layers, and (2) the DP-SGD steps of its optimizer, one
 mechanism with sampling ratio q and noise multiplier σ).
 
 The state and its transitions are pure (:mod:`keras_dpsgd.dp.ledger_state`, one
-schema, no TensorFlow); :mod:`keras_dpsgd.ledger._keras_io` does the I/O: the
-string variables that hold the state, the optimizer's counter and worst-case
-bounds, attaching to the model and saving. :mod:`keras_dpsgd.ledger.queries` holds the
+schema, no TensorFlow); the Keras I/O is in private modules: ``_holders`` (the
+string variables that hold the state, the optimizer's counter), ``_bounds`` (its
+worst-case bounds), ``_sync`` (reading the counters into the state),
+``_plain_steps`` (a plain optimizer's steps) and ``_attach`` (attaching the
+ledger to the model, the guards of its saves and compiles). :mod:`keras_dpsgd.ledger.queries` holds the
 public queries (:func:`model_privacy_ledger`, :func:`model_epsilon`,
 :func:`steps_remaining`), :mod:`keras_dpsgd.ledger.model_events` the events of a
 model's steps and layers, :mod:`keras_dpsgd.ledger.sampling` the q and N of its steps, :mod:`keras_dpsgd.ledger.search`
@@ -60,9 +62,11 @@ weights). What each way of saving keeps:
 
 Out of sight of the DP optimizer. A model compiled again with a plain optimizer keeps its copy of the ledger
 (and its last DP optimizer, which brings it up to date): its ε is the DP history's, ∞ once the plain
-optimizer steps. A model loaded with ``compile=False`` (the ledger was in its optimizer) or otherwise
-carrying no record of its training is refused (``model-without-ledger``) unless the caller states
-``untrained=True``: ε = 0 would be a guess (:func:`optimizer_events`).
+optimizer steps; compiled again, the model first writes the plain optimizer's steps into its copy (a noiseless
+segment: ``_plain_steps.record_plain_steps``), so they are never lost. A model loaded with ``compile=False`` (the
+ledger was in its optimizer) or otherwise carrying no record of its training is refused
+(``model-without-ledger``) unless the caller states ``untrained=True``: ε = 0 would be a guess
+(:func:`optimizer_events`).
 
 Never saved: ``nonfinite_examples`` (an un-noised count over the private
 data, a local diagnostic outside the ledger) and incomplete lots (discarded,
@@ -91,25 +95,31 @@ warning says, once, that this ε assumes Poisson sampling.
 from __future__ import annotations
 
 from keras_dpsgd._frames import fit_frame
-from keras_dpsgd.ledger._keras_io import (  # noqa: F401 (keras_dpsgd.ledger.X: what the other packages use)
-    BOUND_VARIABLES,
-    LedgerState,
-    add_bound_variables,
+from keras_dpsgd.ledger._attach import (  # noqa: F401 (keras_dpsgd.ledger.X: what the other packages use)
     attach,
-    discard_partial_lot,
-    is_dp_optimizer,
     is_h5,
-    is_keras3,
-    ledger_state_holders,
-    noised_steps,
-    note_sampling_rate_change,
     on_attach,
     recorded_releases,
-    recorded_sampling_rate,
-    refresh_ledger_offset,
     refuse_h5_weights,
     refuse_lost_history,
     saving_model,
+)
+from keras_dpsgd.ledger._bounds import (  # noqa: F401 (idem)
+    BOUND_VARIABLES,
+    add_bound_variables,
+    note_sampling_rate_change,
+)
+from keras_dpsgd.ledger._holders import (  # noqa: F401 (idem)
+    LedgerState,
+    discard_partial_lot,
+    is_dp_optimizer,
+    is_keras3,
+    ledger_state_holders,
+    noised_steps,
+)
+from keras_dpsgd.ledger._sync import (  # noqa: F401 (idem)
+    recorded_sampling_rate,
+    refresh_ledger_offset,
     step_noise_multipliers,
     sync_ledger_state,
 )

@@ -5,7 +5,8 @@ optimizer: segments of (q, σ, count). Only its own steps (the last ``recorded �
 an earlier optimizer's steps, or steps of a counter that restarted, are not its own) are BandMF releases on
 cyclic lots; they become BandMF events of its bands and column norm, each charged at the smallest σ of those
 segments (a participation's rows may straddle two segments). Every other step keeps its DP-SGD event (each step
-a Poisson-sampled Gaussian at its q: an upper bound on a BandMF step too). Fail closed: where the state says
+a Poisson-sampled Gaussian at its q: an upper bound on a BandMF step too); a plain optimizer's steps between two of
+its own (the model compiled again) keep their noiseless event. Fail closed: where the state says
 nothing about which steps are its own (no open segment), none is converted.
 """
 
@@ -25,7 +26,7 @@ def bandmf_events(state: dict, segments: Sequence[tuple], optimizer: Any, step_e
     own = S.recorded_steps(state) - S.earlier_steps(state) if S.is_open(state) else 0
     earlier, mine = [], []  # both newest first while walking back
     for q, sigmas, count, label in reversed(segments):
-        take = min(count, own)
+        take = 0 if S.is_non_private(label) else min(count, own)  # a plain optimizer's steps: never its own
         own -= take
         if take:
             mine.append((q, sigmas, take))

@@ -19,12 +19,18 @@ from keras_dpsgd.accounting import (
     event_from_dict,
 )
 from keras_dpsgd.ledger._bandmf import bandmf_events
-from keras_dpsgd.ledger._keras_io import (
+from keras_dpsgd.ledger._attach import (
     attach,
-    is_dp_optimizer,
+)
+from keras_dpsgd.ledger._holders import (
     is_live_dp_optimizer,
-    ledger_trainer,
     model_ledger_state,
+)
+from keras_dpsgd.ledger._plain_steps import (
+    unrecorded_plain_steps,
+)
+from keras_dpsgd.ledger._sync import (
+    ledger_trainer,
     recorded_sampling_rate,
     sync_ledger_state,
 )
@@ -40,10 +46,14 @@ __all__ = [
 ]
 
 DPSGD_LABEL = S.DPSGD_LABEL
+NON_PRIVATE_LABEL = S.NON_PRIVATE_LABEL
 
 
 def step_event(q: float, noise_multipliers: Sequence[float], count: int, label: str = DPSGD_LABEL):
-    """`count` steps at q: one Gaussian release (flat clipping) or a composition of several."""
+    """`count` steps at q: one Gaussian release (flat clipping) or a composition of several; a plain optimizer's
+    (label :data:`NON_PRIVATE_LABEL`): one noiseless Gaussian release (ε = ∞)."""
+    if S.is_non_private(label):
+        return GaussianEvent(0.0, count=count, label=label)
     if len(noise_multipliers) == 1:
         return PoissonSampledGaussianEvent(q, noise_multipliers[0], count=count, label=label)
     return PoissonSampledComposedGaussianEvent(q, tuple(noise_multipliers), count=count, label=label)
@@ -64,7 +74,8 @@ def optimizer_events(
     ``compile=False``), brought up to date first from the last DP optimizer that trained the model while it
     lives. A DP optimizer's noised steps become PoissonSampledGaussianEvents (one per (q, σ_eff) segment). The
     steps of a plain (non-DP) optimizer touched the data without noise: one noiseless Gaussian event (ε = ∞),
-    after the DP history, never instead of it.
+    after the DP history, never instead of it; those of a plain optimizer the model was compiled with before
+    it was compiled again are in its copy (:func:`~keras_dpsgd.ledger.record_plain_steps`), in their place.
 
     Args:
       model: a Keras 3 or tf_keras model.
@@ -84,17 +95,13 @@ def optimizer_events(
         attach(model, optimizer)
         return _dp_events(model, optimizer, num_examples, batch_size)
     events = _recorded_events(model, num_examples, batch_size)
-    # A plain optimizer's steps; a revived DP skeleton's are DP steps, in the model's copy.
-    plain = hasattr(optimizer, "iterations") and not is_dp_optimizer(optimizer)
-    iterations = int(optimizer.iterations.numpy()) if plain else 0
+    # A plain optimizer's steps not yet in the copy; a revived DP skeleton's are DP steps, in the model's copy.
+    iterations = unrecorded_plain_steps(model, optimizer)
     if iterations:
-        return (events or []) + [GaussianEvent(0.0, count=iterations, label=NON_PRIVATE_LABEL)]
+        return (events or []) + [step_event(1.0, (0.0,), iterations, NON_PRIVATE_LABEL)]
     if events is None and not untrained:
         raise refuse("model-without-ledger", _no_ledger_detail(model, optimizer))
     return events or []
-
-
-NON_PRIVATE_LABEL = "non-private training"
 
 
 def _dp_events(model: Any, optimizer: Any, num_examples: Optional[int], batch_size: Optional[int]) -> list:

@@ -12,7 +12,12 @@ from keras_dpsgd.accounting import (
     max_steps_within_budget,
 )
 from keras_dpsgd.accounting.planning import DEFAULT_DELTA_RULE
-from keras_dpsgd.ledger._keras_io import is_dp_optimizer, ledger_trainer
+from keras_dpsgd.ledger._holders import (
+    is_dp_optimizer,
+)
+from keras_dpsgd.ledger._sync import (
+    ledger_trainer,
+)
 from keras_dpsgd.ledger.model_events import layer_events, optimizer_events
 from keras_dpsgd.ledger.sampling import _int_arg, _warn_once, resolve_num_examples, resolve_sampling_rate
 

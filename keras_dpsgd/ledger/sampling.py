@@ -17,13 +17,17 @@ from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd import _validate
 from keras_dpsgd._frames import fit_frame
 from keras_dpsgd.dp.refusals import refuse
-from keras_dpsgd.ledger._keras_io import (
-    _FIT_SAMPLING_ATTR,
-    _fit_sampling,
-    _read_state,
+from keras_dpsgd.ledger._attach import (
     attach,
+)
+from keras_dpsgd.ledger._holders import (
+    _read_state,
     is_dp_optimizer,
     ledger_state_holders,
+)
+from keras_dpsgd.ledger._sync import (
+    _FIT_SAMPLING_ATTR,
+    _fit_sampling,
 )
 
 __all__ = [

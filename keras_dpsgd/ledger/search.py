@@ -11,7 +11,11 @@ from keras_dpsgd.accounting import DEFAULT_ORDERS, RdpAccountant, TuningEvent
 from keras_dpsgd.accounting.tuning import rdp_trial
 from keras_dpsgd.dp import ledger_state as S
 from keras_dpsgd.dp.refusals import refuse
-from keras_dpsgd.ledger._keras_io import _read_state, is_dp_optimizer, ledger_state_holders
+from keras_dpsgd.ledger._holders import (
+    _read_state,
+    is_dp_optimizer,
+    ledger_state_holders,
+)
 from keras_dpsgd.ledger.queries import model_privacy_ledger
 
 __all__ = ["check_trial", "record_search"]

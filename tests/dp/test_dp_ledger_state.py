@@ -207,3 +207,22 @@ def test_a_new_label_opens_a_new_segment():
     state = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1])  # read at once under the new label
     state = S.advance(state, steps=7, sampling_rate=0.1, noise_multipliers=[1.1])
     assert _segments(state) == [_seg(0.1, [1.1], 5, user), _seg(0.1, [1.1], 2)]
+
+
+def test_a_plain_optimizers_steps_are_a_noiseless_segment_between_the_dp_ones():
+    """A model compiled again after a plain optimizer's steps: they follow the DP steps as a closed segment of
+    q = 1, σ = 0, the same DP counter then continues from its last read and a new one counts from 0."""
+    plain = _seg(1.0, [0.0], 2, S.NON_PRIVATE_LABEL)
+    state = S.record_non_private(_run([(3, 0.1, [1.1])]), 2)
+    assert not S.is_open(state) and _segments(state) == [_seg(0.1, [1.1], 3), plain]
+    assert S.record_non_private(state, 0) == state
+    same = S.advance(state, steps=5, sampling_rate=0.1, noise_multipliers=[1.1])  # its 3 steps not counted again
+    assert _segments(same) == [_seg(0.1, [1.1], 3), plain, _seg(0.1, [1.1], 2)]
+    new = S.advance(state, steps=4, sampling_rate=0.2, noise_multipliers=[1.1], counter_is_new=True)
+    assert _segments(new) == [_seg(0.1, [1.1], 3), plain, _seg(0.2, [1.1], 4)]
+    assert S.recorded_steps(new) == 9 and S.earlier_steps(new) == 5
+    assert S.events(new, 0.5)[1] == (1.0, (0.0,), 2, S.NON_PRIVATE_LABEL)
+    assert S.fold_bounds(new, (0.0, float("inf"))) == (0.2, 1.1)  # the DP optimizers' steps only
+    assert S.loads(S.dumps(new)) == new
+    with pytest.raises(ValueError, match="count must be an integer >= 0, got -1"):
+        S.record_non_private(state, -1)

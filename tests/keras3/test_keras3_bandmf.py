@@ -1,6 +1,7 @@
-"""BandMF on Keras 3 (TensorFlow): b = 1 is DP-SGD bit for bit; the noise across steps has covariance
-σ²C⁻¹C⁻ᵀ; one example moves C·(releases) by its column norm per participation, b steps apart; the ledger's
-BandMFEvent; the noise history resumes from a checkpoint; the refusals."""
+"""BandMF on Keras 3 (TensorFlow): the checks of every backend (tests/_bandmf.py: b = 1 is DP-SGD bit for bit, the
+noise across steps has covariance σ²C⁻¹C⁻ᵀ, the ledger's BandMFEvent, a resumed run, other lots refused), and
+TensorFlow's own: one example moves C·(releases) by its column norm per participation, b steps apart; the split of
+the examples; the refusals."""
 
 import keras
 import numpy as np
@@ -8,76 +9,11 @@ import pytest
 import tensorflow as tf
 
 import keras_dpsgd.keras3 as k3
-from keras_dpsgd import CyclicPoissonLots, PoissonLots, model_epsilon, model_privacy_ledger
-from keras_dpsgd.accounting import BandMFEvent, compute_epsilon
-from keras_dpsgd.dp.bandmf import BandedToeplitzStrategy, optimize_banded_toeplitz
-
-
-def _data(n, d=3, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.normal(size=(n, d)).astype(np.float32), (np.arange(n) % 2).astype(np.int32)
-
-
-def _model(d=3, units=2, use_bias=True, seed=0):
-    keras.utils.set_random_seed(seed)
-    return k3.make_private(keras.Sequential([keras.Input((d,)), keras.layers.Dense(units, use_bias=use_bias)]))
-
-
-def _compile(model, optimizer, loss=None):
-    model.compile(optimizer=optimizer, loss=loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def test_one_band_is_dpsgd_bit_for_bit():
-    x, y = _data(40)
-    runs = []
-    for bandmf in (False, True):
-        if bandmf:
-            lots = CyclicPoissonLots(x, y, bands=1, sampling_rate=0.3, seed=5)
-            identity = BandedToeplitzStrategy.identity(6)
-            opt = k3.BandMFSGDOptimizer(1.0, 1.3, strategy=identity, learning_rate=0.5, seed=7)
-        else:
-            lots = PoissonLots(x, y, sampling_rate=0.3, seed=5)
-            opt = k3.DPSGDOptimizer(1.0, 1.3, learning_rate=0.5, seed=7)
-        model = _compile(_model(), lots.configure(opt))
-        model.fit(lots.dataset(6), epochs=1, verbose=0)
-        runs.append([w.numpy() for w in model.trainable_weights])
-    for a, b in zip(*runs):
-        assert np.array_equal(a, b)
-    assert not np.array_equal(runs[0][0], _model().trainable_weights[0].numpy())  # it trained
-
-
-def _noise_steps(strategy, steps, dim=20000, sigma=1.0):
-    """Weight changes of `steps` steps on empty lots (q tiny): −lr·w_t/L with lr = L = 1, per coordinate."""
-    x = np.zeros((4, dim), np.float32)
-    lots = CyclicPoissonLots(x, np.zeros(4, np.int32), bands=strategy.bands, sampling_rate=1e-12, seed=0)
-    opt = lots.configure(k3.BandMFSGDOptimizer(1.0, sigma, strategy=strategy, learning_rate=1.0, seed=3))
-    opt.expected_lot_size = 1.0  # the normalizer (post-processing): noise in units of σ·clip
-    model = _compile(_model(d=dim, units=1, use_bias=False), opt, loss="mse")
-    before = model.trainable_weights[0].numpy()[:, 0].copy()
-    deltas = []
-    for _ in range(steps):
-        model.fit(lots.dataset(1), epochs=1, verbose=0)
-        after = model.trainable_weights[0].numpy()[:, 0].copy()
-        deltas.append(before - after)
-        before = after
-    return np.array(deltas), opt
-
-
-def test_noise_covariance_across_steps_is_sigma2_cinv_cinvt():
-    n, sigma = 6, 1.5
-    strategy = optimize_banded_toeplitz(n, 3, cache_dir=None)
-    w, opt = _noise_steps(strategy, n, sigma=sigma)
-    assert sum("bandmf_noise" in v.name for v in opt.variables) == 2  # b − 1 = 2 past draws, saved
-    cinv = np.linalg.inv(strategy.matrix())
-    expected = sigma**2 * cinv @ cinv.T
-    empirical = np.cov(w)  # rows: steps, columns: 20,000 independent coordinates
-    scale = np.sqrt(np.outer(np.diag(expected), np.diag(expected)))
-    # Entry (i, j) of a sample covariance of m = 20,000 draws has sd <= sqrt(2/m) * scale: 6 sd.
-    np.testing.assert_allclose(empirical, expected, atol=6 * np.sqrt(2 / w.shape[1]) * scale.max())
-    assert np.abs(expected - sigma**2 * np.eye(n)).max() > 5 * 6 * np.sqrt(2 / w.shape[1]) * scale.max()  # not i.i.d.
-    z = strategy.matrix() @ w / sigma  # C w: the fresh draws, i.i.d. N(0, 1)
-    np.testing.assert_allclose(np.cov(z), np.eye(n), atol=6 * np.sqrt(2 / w.shape[1]))
+from keras_dpsgd import CyclicPoissonLots, PoissonLots, model_privacy_ledger
+from keras_dpsgd.accounting import BandMFEvent
+from keras_dpsgd.dp.bandmf import optimize_banded_toeplitz
+from tests._bandmf import *  # noqa: F403 (the checks of every backend, collected here)
+from tests._bandmf import _compile, _data, _model
 
 
 def test_one_example_moves_each_participation_block_by_its_column_norm():
@@ -108,57 +44,6 @@ def test_one_example_moves_each_participation_block_by_its_column_norm():
         column = np.linalg.norm(strategy.matrix()[:, j])
         assert block == pytest.approx(column * 0.5, rel=1e-5) and column <= strategy.column_norm
     assert np.linalg.norm(blocks) ** 2 == pytest.approx(sum(np.linalg.norm(blocks[j : j + b]) ** 2 for j in moved))
-
-
-def test_ledger_records_bandmf_events_and_epsilon():
-    x, y = _data(60)
-    strategy = optimize_banded_toeplitz(8, 4, cache_dir=None)
-    lots = CyclicPoissonLots(x, y, bands=4, expected_lot_size=3.0, seed=1)
-    opt = lots.configure(k3.BandMFSGDOptimizer(1.0, 1.1, strategy=strategy, learning_rate=0.1, seed=2))
-    model = _compile(_model(), opt)
-    model.fit(lots.dataset(4), epochs=2, verbose=0)
-    expected = BandMFEvent(0.2, 1.1, steps=8, bands=4, column_norm=strategy.column_norm)
-    assert model_privacy_ledger(model).events == (expected,)
-    assert model_epsilon(model, target_delta=1e-5)[0] == compute_epsilon(expected, 1e-5)
-
-
-def test_noise_history_resumes_from_a_checkpoint(tmp_path):
-    x, y = _data(12)
-    strategy = optimize_banded_toeplitz(6, 3, cache_dir=None)
-
-    def make():
-        lots = CyclicPoissonLots(x, y, bands=3, sampling_rate=1.0, seed=0)
-        opt = lots.configure(k3.BandMFSGDOptimizer(1.0, 2.0, strategy=strategy, learning_rate=0.1, seed=4))
-        return lots, _compile(_model(), opt)
-
-    lots, straight = make()
-    straight.fit(lots.dataset(6), epochs=1, verbose=0)
-    lots, first = make()
-    first.fit(lots.dataset(3), epochs=1, verbose=0)
-    first.save(tmp_path / "m.keras")
-    resumed = k3.make_private(keras.models.load_model(tmp_path / "m.keras"))
-    lots = CyclicPoissonLots(x, y, bands=3, sampling_rate=1.0, seed=5)  # another seed: the saved split is adopted
-    lots.configure(resumed.optimizer)
-    assert any(np.abs(v.numpy()).max() > 0 for v in resumed.optimizer.variables if "bandmf_noise" in v.name)
-    resumed.fit(lots.dataset(3), epochs=1, verbose=0)
-    for a, b in zip(straight.trainable_weights, resumed.trainable_weights):
-        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
-
-
-def test_refuses_lots_without_the_bands_before_any_update():
-    x, y = _data(20)
-    strategy = optimize_banded_toeplitz(6, 2, cache_dir=None)
-    for data in (PoissonLots(x, y, sampling_rate=0.2, seed=0), CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5)):
-        opt = k3.BandMFSGDOptimizer(1.0, 1.0, strategy=strategy, learning_rate=0.1, sampling_rate=0.2)
-        model = _compile(_model(), opt)
-        before = model.trainable_weights[0].numpy().copy()
-        with pytest.raises(ValueError, match="strategy of 2 bands"):
-            model.fit(data.dataset(2), epochs=1, verbose=0)
-        assert np.array_equal(before, model.trainable_weights[0].numpy())
-    with pytest.raises(ValueError, match="strategy of 2 bands"):
-        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
-    with pytest.raises(ValueError, match="cannot feed a BandMF optimizer of 2 bands"):
-        CyclicPoissonLots(x, y, bands=3, sampling_rate=0.5).configure(opt)
 
 
 def test_refuses_bad_arguments():

@@ -3,7 +3,7 @@ with a plain optimizer. It read 0.0 before (fail open); now the model's copy of 
 a plain optimizer's steps add ε = ∞, and a model carrying no record of its training is refused.
 
 Run for Keras 3 on TensorFlow and tf_keras here, and on JAX and torch in their suites' processes
-(tests/backends/{jax,torch}/test_*_lost_dp_optimizer.py import these checks with their front).
+(tests/backends/{jax,torch}/test_*_lost_dp_optimizer.py import the checks of ``__all__`` with their front).
 """
 
 import math
@@ -15,6 +15,14 @@ from keras_dpsgd import model_epsilon, model_privacy_ledger
 from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
 from keras_dpsgd.dp.refusals import refusal_id
 from tests._behaviour import built, keras3_front, tf_keras_front
+
+__all__ = [  # the checks of every Keras 3 backend, collected by tests/backends/{jax,torch} too
+    "test_a_fresh_model_without_a_dp_optimizer_is_refused_unless_untrained",
+    "test_compiled_again_with_a_plain_optimizer_keeps_the_dp_history_then_infinity",
+    "test_load_then_compiled_again_before_any_read_keeps_the_history",
+    "test_loaded_with_compile_false_is_refused_not_zero",
+    "test_plain_steps_stay_in_the_ledger_when_the_model_is_compiled_again",
+]
 
 Q, SIGMA, DELTA, STEPS = 0.25, 1.1, 1e-3, 2
 FRONTS = {"keras3": keras3_front, "tf_keras": tf_keras_front}
@@ -87,6 +95,27 @@ def test_compiled_again_with_a_plain_optimizer_keeps_the_dp_history_then_infinit
     assert model_privacy_ledger(model).events == dp_events + (
         GaussianEvent(0.0, count=1, label="non-private training"),
     )
+    assert math.isinf(model_epsilon(model, target_delta=DELTA)[0])
+
+
+def test_plain_steps_stay_in_the_ledger_when_the_model_is_compiled_again(front):
+    """DP training, a plain optimizer's step, then the model compiled again (a plain optimizer, then a DP one): the
+    plain step stays in the model's ledger, ε = ∞. It was lost before (ε the DP history's, finite: fail open)."""
+    model, x, y = _dp_trained(front)
+    _plain_fit(front, model, x, y)
+    dp_events = (PoissonSampledGaussianEvent(Q, SIGMA, STEPS, "dp-sgd"),)
+    plain_events = dp_events + (GaussianEvent(0.0, count=1, label="non-private training"),)
+    model.compile(optimizer=model.optimizer, loss=model.loss)  # the same plain optimizer: its step counted once
+    assert model_privacy_ledger(model).events == plain_events
+    _plain_compile(front, model)  # a new plain optimizer, no step yet
+    assert model_privacy_ledger(model).events == plain_events
+    assert math.isinf(model_epsilon(model, target_delta=DELTA)[0])
+
+    front.compiled(
+        model, l2_norm_clip=1.0, noise_multiplier=SIGMA, learning_rate=0.1, sampling_rate=Q, assume_poisson=True
+    )
+    model.fit(x[:2], y[:2], batch_size=2, epochs=1, verbose=0)  # one more DP step, after the plain one
+    assert model_privacy_ledger(model).events == plain_events + (PoissonSampledGaussianEvent(Q, SIGMA, 1, "dp-sgd"),)
     assert math.isinf(model_epsilon(model, target_delta=DELTA)[0])
 
 
