@@ -33,19 +33,8 @@ def _losses_module(model: Any):
     return keras.losses
 
 
-def _noise_sq_norms(
-    model: Any,
-    *,
-    num_classes: int | None = None,
-    loss: Callable[[Any, Any], Any] | None = None,
-    batch_size: int = 128,
-    seed: int | None = None,
-    per_example_backend: str = "auto",
-) -> np.ndarray:
-    """[batch_size, V] squared per-example gradient norms of one batch of random noise (public data).
-
-    Arguments: as :func:`initial_clip_bounds`, which holds their documentation.
-    """
+def _noise_sq_norms(model, num_classes, loss, batch_size, seed, per_example_backend) -> np.ndarray:
+    """[batch_size, V] squared per-example gradient norms of one batch of random noise (public data)."""
     if not model.built:
         raise ValueError("model must be built (call it once or give it an input shape) before initial_clip_bounds")
     batch_size = _validate.integer_at_least(1, batch_size=batch_size)
@@ -71,7 +60,15 @@ def _noise_sq_norms(
     return np.maximum(sq_norms(x, y).numpy(), 0.0)
 
 
-def initial_clip_bounds(model: Any, **noise: Any) -> list[float]:
+def initial_clip_bounds(
+    model: Any,
+    *,
+    num_classes: int | None = None,
+    loss: Callable[[Any, Any], Any] | None = None,
+    batch_size: int = 128,
+    seed: int | None = None,
+    per_example_backend: str = "auto",
+) -> list[float]:
     """Initial per-variable bounds C_0: mean per-example gradient norms on random noise (public data).
 
     Three Tools Sec. 3: "C_l2 starts from the mean norm of one iteration on
@@ -81,29 +78,38 @@ def initial_clip_bounds(model: Any, **noise: Any) -> list[float]:
 
     Args:
       model: a built tf_keras or Keras 3 model (logits output for the default loss).
-      **noise: keyword-only, the batch of noise and how it is read:
-        `num_classes`: classes of the random labels (default: the model's last output dimension);
-        `loss`: per-example loss (y_true, y_pred) -> [B] (default sparse categorical cross-entropy on
-        logits, unreduced); `batch_size`: number of noise examples (default 128); `seed`: optional seed
-        (default None: OS entropy); `per_example_backend`: backend computing the per-example norms
-        (default "auto").
+      num_classes: classes of the random labels (default: the model's last
+        output dimension).
+      loss: per-example loss (y_true, y_pred) -> [B] (default sparse
+        categorical cross-entropy on logits, unreduced).
+      batch_size: number of noise examples.
+      seed: optional seed (None: OS entropy).
+      per_example_backend: backend computing the per-example norms.
 
     Returns:
       One bound per trainable variable, in `model.trainable_variables` order
       (pass it as `l2_norm_clip`). A variable whose noise gradients are all 0
       gets 1e-6 (the floor of the optimizer's bounds).
     """
-    return adaptive.initial_bounds(_noise_sq_norms(model, **noise))
+    return adaptive.initial_bounds(_noise_sq_norms(model, num_classes, loss, batch_size, seed, per_example_backend))
 
 
-def initial_flat_clip_bound(model: Any, **noise: Any) -> float:
+def initial_flat_clip_bound(
+    model: Any,
+    *,
+    num_classes: int | None = None,
+    loss: Callable[[Any, Any], Any] | None = None,
+    batch_size: int = 128,
+    seed: int | None = None,
+    per_example_backend: str = "auto",
+) -> float:
     """Initial flat bound C_0: the mean per-example norm of the whole gradient on random noise.
 
     As :func:`initial_clip_bounds` (one batch of uniform noise with random labels, no privacy
     cost), for one bound on the whole gradient (``AdaptiveDPSGDOptimizer(C_0, ...)`` with a
     number: flat adaptive clipping). Arguments as :func:`initial_clip_bounds`; returns at least 1e-6.
     """
-    return adaptive.initial_flat_bound(_noise_sq_norms(model, **noise))
+    return adaptive.initial_flat_bound(_noise_sq_norms(model, num_classes, loss, batch_size, seed, per_example_backend))
 
 
 class ClipBoundsLoggerCore:
