@@ -345,3 +345,31 @@ def test_a_keras_file_saved_mid_lot_loads_no_partial_lot(tmp_path):
     assert int(loaded.optimizer._accum_batches.numpy()) == 0
     assert all(not np.any(a.numpy()) for a in loaded.optimizer._accumulators)
     assert loaded.optimizer.discarded_lots == 1
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: k3.DPSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1, learning_rate=LR),
+        lambda: k3.DPAdamOptimizer(l2_norm_clip=[1.0] * 4, noise_multiplier=1.1, gradient_accumulation_steps=2),
+        lambda: k3.AdaptiveDPSGDOptimizer([1.0] * 4, 1.1, 1.0, learning_rate=LR),
+    ],
+    ids=["sgd", "adam-per-layer-accumulated", "adaptive"],
+)
+def test_the_private_step_is_traced_once(make_optimizer):
+    """``fit`` traces the DP train step once, as Keras's own step: the DP optimizer and the model's copy of the
+    ledger are built before the trace (variables made in the first trace made ``tf.function`` trace the whole
+    step a second time)."""
+    model, x = _dense(np.random.default_rng(0))
+    k3.make_private(model)
+    model.compile(optimizer=make_optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    traces = []
+    step = model.train_step
+
+    def counted(data):
+        traces.append(1)
+        return step(data)
+
+    model.train_step = counted
+    model.fit(x, np.arange(7) % 3, batch_size=4, epochs=1, verbose=0)
+    assert len(traces) == 1
