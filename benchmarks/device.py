@@ -33,9 +33,10 @@ FULL = {
     "padding": [("conv", 64), ("conv", 256), ("mlp", 64), ("mlp", 256)],
     "steps": 10,
     "rounds": 3,
+    "warmup_lots": 40,
     "memory_steps": 3,
 }
-DRY = {"cases": [("mlp", 4)], "padding": [("mlp", 4)], "steps": 2, "rounds": 1, "memory_steps": 1}
+DRY = {"cases": [("mlp", 4)], "padding": [("mlp", 4)], "steps": 2, "rounds": 1, "warmup_lots": 2, "memory_steps": 1}
 MODES = ("nonprivate", "fast")
 
 
@@ -121,7 +122,7 @@ def run_backend(backend: str, plan: dict) -> dict:
         case["memory"] = _memory(backend, name, batch, plan["memory_steps"], fresh=bool(gpus))
         result["cases"][name] = case
     for name, lot in plan["padding"]:
-        res = padding.run_padding(name, lot, plan["steps"], plan["rounds"])
+        res = padding.run_padding(name, lot, plan["steps"], plan["rounds"], warmup_lots=plan["warmup_lots"])
         result["padding"][f"{name}/L={lot}"] = res
     return result
 
