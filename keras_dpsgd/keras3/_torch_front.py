@@ -5,7 +5,10 @@ count in ``noised_steps``, the noise keys of an unseeded optimizer in the proces
 never saved). What is torch's is here: that state, a Python ``if`` around a lot's release, the keys, the
 regularization gradient and the optimizer's ``apply``. The math (clip factors, the lot, the noise σ·S, the
 normalization) is the core's, over ``TORCH_OPS``; a BandMF optimizer's correlated noise is the core's recursion too
-(``dp.bandmf.add_correlated_noise``), its b − 1 last draws in its ``bandmf_noise_j`` variables.
+(``dp.bandmf.add_correlated_noise``), its b − 1 last draws in its ``bandmf_noise_j`` variables; adaptive clipping's
+bound queries are the core's rules through the plumbing JAX's step runs too (``keras3._adaptive_values``, on the
+optimizer's variables: each batch's terms summed, released after the gradient's noise under the key of index
+``NORM_NOISE_INDEX``, the next bounds written to ``clip_bounds``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
+from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 
 __all__ = ["TorchFront", "noise_keys"]
 
@@ -44,6 +48,9 @@ class TorchFront:
     def __init__(self, optimizer: Any, variables: list, reg_grads: Any):
         self.optimizer, self.variables, self.reg_grads = optimizer, list(variables), reg_grads
         self.accumulation = optimizer._dp.accumulation
+        self.adaptive = _adaptive.is_adaptive(optimizer)
+        self.bounds = self.clipping()[0].clone()  # in force for this batch (clip_bounds is assigned in place)
+        self.key_for: Callable[[int], Any] | None = None
 
     def clipping(self):
         optimizer = self.optimizer
@@ -56,6 +63,9 @@ class TorchFront:
         nonfinite = int((~clip.finite).sum())
         if nonfinite:
             self.optimizer._dp.nonfinite.assign_add(nonfinite)
+        if self.adaptive:  # the batch's bound queries, from the same norms
+            state = _adaptive.Variables()
+            _adaptive.accumulate_queries(self.optimizer, self.ops, state, clip.sq_norms, clip.finite, self.bounds)
 
     def load_lot(self) -> dp_lot.Lot:
         optimizer = self.optimizer
@@ -79,7 +89,13 @@ class TorchFront:
         return lambda index: torch_backend.seeded_key(dp.seed, position, index)
 
     def add_noise(self, clipped) -> list:
-        key_for = self._keys()
+        noised = self._noised(clipped)
+        if self.adaptive:  # post-processing: the step in units of the bound (C was released before this lot)
+            noised = _adaptive.divide_by_bound(self.optimizer, self.ops, noised, self.bounds)
+        return noised
+
+    def _noised(self, clipped) -> list:
+        key_for = self.key_for = self._keys()
         fresh = self._fresh = {}  # id -> this release's own tensors (held: no id is reused during the release)
         # A lot of one batch: the clipped sums are this step's own new tensors (the backend's), noised in place.
         # A lot of k batches: its sums are the lot's state, left as they are.
@@ -108,6 +124,9 @@ class TorchFront:
     def normalize(self, noised: list, num_examples) -> list:
         lot = self.optimizer._dp.expected_lot_size  # the setter keeps it and the TensorFlow mirror in step
         denominator = dp_release.lot_denominator(self.ops, num_examples, float(lot or 0.0))
+        if self.adaptive:  # the lot's bound queries: released with the gradient, after it
+            noise = torch_backend.standard_normal(self.bounds.shape, self.key_for(_adaptive.NORM_NOISE_INDEX))
+            _adaptive.release_queries(self.optimizer, self.ops, _adaptive.Variables(), self.bounds, denominator, noise)
         fresh = getattr(self, "_fresh", {})
 
         def divide(g, d):  # in place where the tensor is this release's own (no fresh memory for the quotient)

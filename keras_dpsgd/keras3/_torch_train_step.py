@@ -19,8 +19,9 @@ with this backend's front end (``keras3._torch_front.TorchFront``), for one batc
 The step is eager (Keras's torch trainer runs ``train_step`` as Python; ``jit_compile=True``, i.e.
 ``torch.compile``, is refused), so the core's ``cond`` on the lot's completion is a Python ``if``. Refused
 before any weight changes: a non-trainable variable written from an example's data (BatchNormalization in
-training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own,
-adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.not_built``).
+training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own
+and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.not_built``). Adaptive clipping
+releases the lot's bound queries with the gradient (``TorchFront``, the core's rules).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.dp.step import private_step
 from keras_dpsgd.dp.refusals import refuse
+from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 from keras_dpsgd.keras3._bandmf import BandMFMixin
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
 from keras_dpsgd.keras3._torch_front import TorchFront
@@ -57,14 +59,17 @@ _BATCH_WRITE = (
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on torch."""
+    from keras_dpsgd.step.adaptive import AdaptiveClippingCore
+
     cls = type(optimizer)
-    if getattr(optimizer, "_adaptive", None) is not None:
-        raise refuse("adaptive-clipping-backend", torch_backend.not_built(f"{cls.__name__}: adaptive clipping"))
-    bandmf = isinstance(optimizer, BandMFMixin)  # its add_noise is TF's; TorchFront does BandMF's release
+    # The step runs no hook: TorchFront does DPKeras3Mixin's release, adaptive clipping's (``_adaptive_values``) and
+    # BandMF's (its add_noise is TensorFlow's).
+    adaptive = _adaptive.is_adaptive(optimizer)
+    bandmf = [BandMFMixin.add_noise] if isinstance(optimizer, BandMFMixin) else []
     for hook in _HOOKS:
-        if bandmf and hook == "add_noise" and getattr(cls, hook, None) is BandMFMixin.add_noise:
-            continue
-        if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
+        allowed = [getattr(DPKeras3Mixin, hook, None)] + ([getattr(AdaptiveClippingCore, hook, None)] * adaptive)
+        allowed += bandmf if hook == "add_noise" else []
+        if not any(getattr(cls, hook, None) is a for a in allowed):
             raise refuse(
                 "own-release-hooks",
                 torch_backend.not_built(
