@@ -29,6 +29,7 @@ __all__ = [
     "add_gaussian",
     "clipped_sum",
     "ghost",
+    "keras_optimizer_base",
     "make_local_state",
     "not_built",
     "per_example",
@@ -50,6 +51,26 @@ PER_EXAMPLE_CHOICES = ("auto", "reference")
 def not_built(feature: str) -> str:
     """The detail of the refusal of a feature not built on torch, naming it (``refuse(kind, not_built(...))``)."""
     return f"{feature} {TORCH_UNSUPPORTED} (KERAS_BACKEND=torch is set)"
+
+
+def keras_optimizer_base(optimizer_cls: type) -> type:
+    """Keras's torch version of a Keras optimizer class where it has one, else `optimizer_cls`.
+
+    On torch, ``keras.optimizers.SGD(...)`` (Adam, RMSprop, ...) builds Keras's subclass of the same name in
+    ``keras.src.backend.torch.optimizers``, whose update runs ``torch._foreach`` ops in place over all the
+    variables at once; a subclass of the class (a DP optimizer) would take the generic update, one variable and
+    several fresh tensors at a time. The same descent rule: the DP class derives from the fused one.
+    """
+    import importlib
+
+    try:
+        module = importlib.import_module(f"keras.src.backend.torch.optimizers.torch_{optimizer_cls.__name__.lower()}")
+    except ImportError:
+        return optimizer_cls
+    fused = getattr(module, optimizer_cls.__name__, None)
+    if isinstance(fused, type) and optimizer_cls in fused.__bases__:
+        return fused
+    return optimizer_cls
 
 
 def per_example(name: str, jacobian_fallback: str) -> Any:

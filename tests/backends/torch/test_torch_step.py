@@ -109,3 +109,16 @@ def test_the_step_leaves_no_autograd_state_on_the_weights():
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     assert all(p.grad is None for p in params)
     assert all(isinstance(v.value, torch.nn.Parameter) for v in model.trainable_variables)
+
+
+def test_dp_optimizers_take_kerass_fused_torch_update():
+    """On torch Keras builds ``SGD(...)`` (Adam, RMSprop) as its torch subclass, one ``torch._foreach`` update of
+    every variable; the DP classes derive from it (the steps above check its values), a class of one's own keeps
+    its own update."""
+    from keras.src.backend.torch.optimizers.torch_parallel_optimizer import TorchParallelOptimizer
+
+    for cls in (k3.DPSGDOptimizer, k3.DPAdamOptimizer, k3.make_dp_optimizer(keras.optimizers.RMSprop)):
+        assert issubclass(cls, TorchParallelOptimizer), cls
+    own = type("OwnSGD", (keras.optimizers.SGD,), {"update_step": keras.optimizers.SGD.update_step})
+    dp_own = k3.make_dp_optimizer(own)
+    assert issubclass(dp_own, own) and not issubclass(dp_own, TorchParallelOptimizer)
