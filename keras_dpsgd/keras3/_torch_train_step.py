@@ -5,7 +5,9 @@ with this backend's front end (``keras3._torch_front.TorchFront``), for one batc
 
 1. per-example gradients: ``torch.func.vmap`` over the batch of ``torch.func.grad`` of one example's compiled
    loss through ``model.stateless_call`` on a batch of one (no layer can mix examples;
-   ``keras_dpsgd.backends.torch.per_example_grads``), with norm rules for the covered layers (``ghost``);
+   ``keras_dpsgd.backends.torch.per_example_grads``), with norm rules for the covered layers (``ghost``); where
+   every trainable variable is covered, the vmapped forward's backward pass is autograd's over the batched operations
+   (``perturbation_grads``: the same per-example output gradients, without functorch's grad transform);
 2. the core's clip factors (flat or per group) and the clipped sum, non-finite examples zeroed and counted;
 3. with ``gradient_accumulation_steps`` = k > 1 the core's lot of k batches, kept in the optimizer's
    ``dp_accumulator`` variables, released on its k-th batch only: one noise draw per lot;
@@ -154,9 +156,15 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
         zeros = [torch.zeros(shape, dtype=torch.float32) for shape in the_plan.shapes]
         params = [[trainable[positions[id(v)]] for v in the_plan.others], zeros]
     try:
-        grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
-            loss_of_one, params, x, y, sample_weight
-        )
+        if the_plan is not None and not the_plan.others:  # perturbations only: autograd's backward pass
+            zs, aux = torch_backend.perturbation_grads(
+                lambda zs, *e: loss_of_one(([], zs), *e), zeros, x, y, sample_weight
+            )
+            grads, ((losses, y_pred, inputs), new_values) = ([], zs), aux
+        else:
+            grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
+                loss_of_one, params, x, y, sample_weight
+            )
     except torch_backend.BatchWrite as err:
         raise refuse("batch-statistic-stored", _BATCH_WRITE) from err
     if data_losses and data_losses[-1] > 0:

@@ -17,7 +17,13 @@ from keras_dpsgd.backends.tensorflow.ops import make_local_state
 from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
-from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, per_example_grads, sq_norms
+from keras_dpsgd.backends.torch._per_example import (
+    BatchWrite,
+    clipped_sum,
+    per_example_grads,
+    perturbation_grads,
+    sq_norms,
+)
 
 __all__ = [
     "BatchWrite",
@@ -34,6 +40,7 @@ __all__ = [
     "not_built",
     "per_example",
     "per_example_grads",
+    "perturbation_grads",
     "seeded_key",
     "sq_norms",
     "standard_normal",

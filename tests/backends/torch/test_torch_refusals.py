@@ -53,3 +53,15 @@ def test_a_dp_optimizer_without_make_private_is_refused():
     model, x, y = built(FRONT, "dense")
     model.compile(optimizer=k3.DPSGDOptimizer(1.0, 0.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
     assert_refused_unchanged(model, x, y, "did not come from its sanitizer")
+
+
+def test_a_batch_statistic_is_refused_where_every_trainable_layer_has_a_rule():
+    """BatchNormalization without weights (center=False, scale=False) between Dense layers: every trainable variable
+    takes a norm rule (the ghost path's autograd backward pass, ``perturbation_grads``), and the moving statistics
+    written from the batch are still refused before any weight changes."""
+    keras.utils.set_random_seed(0)
+    bn = keras.layers.BatchNormalization(center=False, scale=False)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)])
+    x, y = data()
+    FRONT.compiled(model, l2_norm_clip=1.0)
+    assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")
