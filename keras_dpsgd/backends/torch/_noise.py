@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 
@@ -46,21 +47,28 @@ class EntropyKeys:
         return lambda index: NOISE_OPS.fold_in(key, index)
 
 
-# Pairs per chunk of the sampler's float math: each temporary (32 KiB) stays in the CPU's cache and comes from the
+# Pairs per chunk of the sampler's float math: each temporary (64 KiB) stays in the CPU's cache and comes from the
 # heap. On the whole draw at once, every temporary (4 bytes a pair) is fresh memory: on a loaded machine the page
-# faults and memory traffic cost twice the arithmetic (795k coordinates: 40 ms against 20 at load 10).
-_CHUNK = 1 << 13
+# faults and memory traffic cost twice the arithmetic (795k coordinates: 40 ms against 20 at load 10); in chunks of
+# 2^12 pairs numpy's per-call cost shows (784k coordinates, CPU: 2^12 5.7 ms, 2^13 4.4 ms, 2^14 3.9 ms, 2^15 3.9 ms).
+_CHUNK = 1 << 14
+
+# A draw of at least this many pairs runs in two halves, the first on a second thread: numpy's Philox words and its
+# ufuncs release the GIL, so the halves use two cores (the same values: each pair is a function of its index alone).
+_PARALLEL_PAIRS = 1 << 17
 
 
-def _chunks(n: int, key: int, scale: float):
-    """(first pair, [2, m] ``scale``·normals) by chunks of :data:`_CHUNK` pairs: the core's ``scaled_normal`` under
-    `key` value for value (pair j: x0 = word j, x1 = word P + j of stream 0, refined from stream 1 where x0 = 0)."""
+def _chunks(n: int, key: int, scale: float, begin: int = 0, end: int | None = None):
+    """(first pair, [2, m] ``scale``·normals) by chunks of :data:`_CHUNK` pairs from pair `begin` to `end` (the last):
+    the core's ``scaled_normal`` under `key` value for value (pair j: x0 = word j, x1 = word P + j of stream 0,
+    refined from stream 1 where x0 = 0)."""
     pairs = (n + 1) // 2
+    end = pairs if end is None else end
     words = stream_key(key, 0)
-    first, second = WordReader(words), WordReader(words, pairs)
+    first, second = WordReader(words, begin), WordReader(words, pairs + begin)
     refinement = None  # stream 1: drawn only where a chunk has a pair with x0 == 0 (probability 2^-32 a pair)
-    for start in range(0, pairs, _CHUNK):
-        size = min(_CHUNK, pairs - start)
+    for start in range(begin, end, _CHUNK):
+        size = min(_CHUNK, end - start)
         x0, x1 = first.read(size), second.read(size)
         extra = ()
         if not x0.all():
@@ -70,13 +78,42 @@ def _chunks(n: int, key: int, scale: float):
         yield start, scaled_pairs(NOISE_OPS, x0, x1, scale, *extra)
 
 
+def _in_halves(pairs: int, work) -> None:
+    """``work(begin, end)`` over the pairs [0, `pairs`): a large draw in two halves (split on a chunk boundary),
+    the first on a second thread, joined before this returns (its error raised here)."""
+    if pairs < _PARALLEL_PAIRS:
+        work(0, pairs)
+        return
+    middle = pairs // 2 // _CHUNK * _CHUNK
+    errors: list = []
+
+    def first_half():
+        try:
+            work(0, middle)
+        except BaseException as err:  # raised in the caller's thread
+            errors.append(err)
+
+    thread = threading.Thread(target=first_half, name="keras_dpsgd-noise", daemon=True)
+    thread.start()
+    try:
+        work(middle, pairs)
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def _normal(n: int, key: int, scale: float) -> torch.Tensor:
     """float32 [n]: ``scale``·N(0, I_n) under `key` (:func:`_chunks` written into one buffer)."""
     pairs = (n + 1) // 2
     buffer = torch.empty(2 * pairs, dtype=torch.float32)
     grid = buffer.numpy().reshape(2, pairs)
-    for start, values in _chunks(n, key, scale):
-        grid[:, start : start + values.shape[1]] = values
+
+    def write(begin: int, end: int) -> None:
+        for start, values in _chunks(n, key, scale, begin, end):
+            grid[:, start : start + values.shape[1]] = values
+
+    _in_halves(pairs, write)
     return buffer[:n]
 
 
@@ -98,10 +135,14 @@ def add_gaussian(x: torch.Tensor, stddev, key: int, in_place: bool = False) -> t
     if in_place and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
         flat = x.detach().view(-1).numpy()
         n, pairs = flat.size, (flat.size + 1) // 2
-        for start, values in _chunks(n, key, float(stddev)):
-            end = start + values.shape[1]
-            flat[start:end] += values[0]
-            flat[pairs + start : min(n, pairs + end)] += values[1][: min(n, pairs + end) - pairs - start]
+
+        def add(begin: int, last: int) -> None:  # the halves write disjoint entries
+            for start, values in _chunks(n, key, float(stddev), begin, last):
+                end = start + values.shape[1]
+                flat[start:end] += values[0]
+                flat[pairs + start : min(n, pairs + end)] += values[1][: min(n, pairs + end) - pairs - start]
+
+        _in_halves(pairs, add)
         return x
     noise = _normal(x.numel(), key, float(stddev)).reshape(x.shape)
     if x.dtype == torch.float32 and x.device.type == "cpu":

@@ -4,6 +4,7 @@ keyed Philox generator: the TF sampler's values from the same words, distributio
 import math
 
 import numpy as np
+import pytest
 import scipy.stats
 import torch
 
@@ -82,12 +83,15 @@ def test_add_gaussian_scales_and_keeps_shape_and_dtype():
     np.testing.assert_allclose(y, 2.0 + 0.5 * z, rtol=1e-6, atol=1e-6)
 
 
-def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch):
-    """By chunks (odd and even starts of the second word stream, a chunk cut at the end) the sampler gives the core's
-    ``scaled_normal`` on the whole draw value for value, and added into the caller's tensor, ``x + noise``."""
+@pytest.mark.parametrize("halves", [False, True])
+def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch, halves):
+    """By chunks (odd and even starts of the second word stream, a chunk cut at the end), and in two halves on two
+    threads (a large draw's, here from 2 pairs), the sampler gives the core's ``scaled_normal`` on the whole draw value
+    for value, and added into the caller's tensor, ``x + noise``."""
     from keras_dpsgd.dp.noise import scaled_normal
 
     monkeypatch.setattr(_noise, "_CHUNK", 5)
+    monkeypatch.setattr(_noise, "_PARALLEL_PAIRS", 2 if halves else 1 << 40)
     for n in (1, 2, 11, 1001):
         key = _noise.seeded_key(3, 1, 2)
         want = scaled_normal(_ops.NOISE_OPS, n, key, 1.3)
