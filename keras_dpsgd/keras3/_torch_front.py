@@ -13,12 +13,13 @@ optimizer's variables: each batch's terms summed, released after the gradient's 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
 
 from keras_dpsgd.backends import torch as torch_backend
-from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
+from keras_dpsgd.dp import bandmf as dp_bandmf, clip as dp_clip, lot as dp_lot, release as dp_release
 from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 
 __all__ = ["TorchFront", "noise_keys"]
@@ -40,6 +41,10 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+# A release of at most this many coordinates draws its noise ahead, on a second thread (one buffer of its size).
+AHEAD_MAX = 1 << 24
+
+
 class TorchFront:
     """``dp.step.private_step``'s front end on torch (module docstring)."""
 
@@ -51,6 +56,30 @@ class TorchFront:
         self.adaptive = _adaptive.is_adaptive(optimizer)
         self.bounds = self.clipping()[0].clone()  # in force for this batch (clip_bounds is assigned in place)
         self.key_for: Callable[[int], Any] | None = None
+        self._ahead: torch_backend.NoiseAhead | None = None
+
+    def draw_ahead(self) -> None:
+        """Starts this step's noise on a second thread while the step computes its clipped sum
+        (``backends.torch.NoiseAhead``): a lot of one batch (released in this step), not BandMF, at most
+        :data:`AHEAD_MAX` coordinates. Its keys and scales σ_v·C_g are fixed before the step reads any example
+        (the keys of this release: its ledger position, or its OS-entropy count, taken once for the release)."""
+        optimizer, sigmas = self.optimizer, self.optimizer._dp.sigmas
+        if self.accumulation != 1 or getattr(optimizer, "bandmf_strategy", None) is not None:
+            return
+        sizes = [math.prod(v.shape) for v in self.variables]
+        if sum(n for n, sigma in zip(sizes, sigmas) if sigma) > AHEAD_MAX:
+            return
+        bounds, groups, _ = self.clipping()
+        scales = dp_clip.sensitivity(bounds, groups)
+        key_for = self.key_for = self._keys()
+        draws = {v: (key_for(v), n, float(sigmas[v] * scales[v])) for v, n in enumerate(sizes) if sigmas[v] and n}
+        self._ahead = torch_backend.NoiseAhead(draws)
+
+    def close(self) -> None:
+        """Drops a noise drawn ahead and not taken (a step that did not reach its release)."""
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
 
     def clipping(self):
         optimizer = self.optimizer
@@ -95,14 +124,23 @@ class TorchFront:
         return noised
 
     def _noised(self, clipped) -> list:
-        key_for = self.key_for = self._keys()
+        if self._ahead is None:
+            self.key_for = self._keys()
+        key_for, ahead = self.key_for, self._ahead
         fresh = self._fresh = {}  # id -> this release's own tensors (held: no id is reused during the release)
         # A lot of one batch: the clipped sums are this step's own new tensors (the backend's), noised in place.
         # A lot of k batches: its sums are the lot's state, left as they are.
         own = self.accumulation == 1
 
         def gaussian(x, stddev, index):
-            noised = torch_backend.add_gaussian(x, float(stddev), key_for(index), in_place=own)
+            key, scale = key_for(index), float(stddev)
+            drawn = None if ahead is None else ahead.take(index, key, x.numel(), scale)
+            if drawn is None:
+                noised = torch_backend.add_gaussian(x, scale, key, in_place=own)
+            elif own and x.dtype == torch.float32 and x.device.type == "cpu":
+                noised = x.add_(drawn.view(x.shape))  # add_gaussian's values: float32 x + noise
+            else:
+                noised = x + drawn.view(x.shape).to(device=x.device, dtype=x.dtype)
             if (own and noised is x) or (noised is not x and not _aliases(noised, x)):
                 fresh[id(noised)] = noised  # this release's own tensor: divided by L in place
             return noised

@@ -295,7 +295,12 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
         )
         return summed, torch.tensor(float(out["losses"].shape[0]))
 
-    private_step(TorchFront(optimizer, variables, reg_grads), clipped_sum)
+    front = TorchFront(optimizer, variables, reg_grads)
+    front.draw_ahead()  # this release's noise on a second thread while the clipped sum is computed
+    try:
+        private_step(front, clipped_sum)
+    finally:
+        front.close()
     with torch.no_grad():
         for variable, value in zip(self.non_trainable_variables, out["new_values"]):
             if value is not variable.value:

@@ -14,7 +14,7 @@ from typing import Any
 
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.backends.tensorflow.ops import make_local_state
-from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.torch._noise import EntropyKeys, NoiseAhead, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
 from keras_dpsgd.backends.torch._per_example import (
@@ -28,6 +28,7 @@ from keras_dpsgd.backends.torch._per_example import (
 __all__ = [
     "BatchWrite",
     "EntropyKeys",
+    "NoiseAhead",
     "OPS",
     "PER_EXAMPLE_CHOICES",
     "TORCH_OPS",

@@ -21,7 +21,7 @@ import torch
 from keras_dpsgd.backends.torch._ops import NOISE_OPS, WordReader, digest, stream_key
 from keras_dpsgd.dp.noise import noise_key, scaled_pairs
 
-__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys"]
+__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys", "NoiseAhead"]
 
 
 def seeded_key(seed: int, step, index: int) -> int:
@@ -103,8 +103,9 @@ def _in_halves(pairs: int, work) -> None:
         raise errors[0]
 
 
-def _normal(n: int, key: int, scale: float) -> torch.Tensor:
-    """float32 [n]: ``scale``·N(0, I_n) under `key` (:func:`_chunks` written into one buffer)."""
+def _normal(n: int, key: int, scale: float, halves: bool = True) -> torch.Tensor:
+    """float32 [n]: ``scale``·N(0, I_n) under `key` (:func:`_chunks` written into one buffer; a large draw in two
+    halves on two threads unless `halves` is False)."""
     pairs = (n + 1) // 2
     buffer = torch.empty(2 * pairs, dtype=torch.float32)
     grid = buffer.numpy().reshape(2, pairs)
@@ -113,8 +114,48 @@ def _normal(n: int, key: int, scale: float) -> torch.Tensor:
         for start, values in _chunks(n, key, scale, begin, end):
             grid[:, start : start + values.shape[1]] = values
 
-    _in_halves(pairs, write)
+    if halves:
+        _in_halves(pairs, write)
+    else:
+        write(0, pairs)
     return buffer[:n]
+
+
+class NoiseAhead:
+    """A release's noise drawn on a second thread while the step computes its clipped sum.
+
+    The noise of a release is a function of its keys, sizes and scales alone (``scale``·N(0, I) under a key): a
+    caller that knows them before reading any example (the keys of the release's ledger position or its OS-entropy
+    count, the scales σ·C of the bounds in force) starts them here, and :meth:`take` hands each draw over once,
+    only for the same (key, size, scale): the same values as a draw at the release. A draw not taken (the step
+    refused, or the release asked for another key) is dropped with this object, never used for another release.
+    """
+
+    def __init__(self, draws: dict):
+        self._draws = dict(draws)  # index -> (key, n, scale)
+        self._noise: dict = {}
+        self._thread = threading.Thread(target=self._run, name="keras_dpsgd-noise-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for index, (key, n, scale) in self._draws.items():
+                self._noise[index] = _normal(n, key, scale, halves=False)
+        except Exception:  # an error leaves the draw to the release, which raises it again
+            self._noise.clear()
+
+    def take(self, index: int, key: int, n: int, scale: float) -> torch.Tensor | None:
+        """The draw of `index` if it was started for this (key, size, scale), else None; each draw once."""
+        self._thread.join()
+        if self._draws.pop(index, None) != (key, n, scale):
+            return None
+        return self._noise.pop(index, None)
+
+    def close(self) -> None:
+        """Waits for the thread and drops what was not taken."""
+        self._thread.join()
+        self._draws.clear()
+        self._noise.clear()
 
 
 def standard_normal(shape, key: int, dtype=torch.float32, device=None) -> torch.Tensor:
