@@ -67,13 +67,15 @@ class TorchFront:
         if self.accumulation != 1 or getattr(optimizer, "bandmf_strategy", None) is not None:
             return
         sizes = [math.prod(v.shape) for v in self.variables]
-        if sum(n for n, sigma in zip(sizes, sigmas) if sigma) > AHEAD_MAX:
+        noised = [v for v, n in enumerate(sizes) if sigmas[v] and n]
+        if not noised or sum(sizes[v] for v in noised) > AHEAD_MAX:
             return
         bounds, groups, _ = self.clipping()
         scales = dp_clip.sensitivity(bounds, groups)
         key_for = self.key_for = self._keys()
-        draws = {v: (key_for(v), n, float(sigmas[v] * scales[v])) for v, n in enumerate(sizes) if sigmas[v] and n}
-        self._ahead = torch_backend.NoiseAhead(draws)
+        self._ahead = torch_backend.NoiseAhead(
+            {v: (key_for(v), sizes[v], float(sigmas[v] * scales[v])) for v in noised}
+        )
 
     def close(self) -> None:
         """Drops a noise drawn ahead and not taken (a step that did not reach its release)."""
