@@ -92,12 +92,13 @@ def outer_sq_norms(m: Arrays, a, d):
     ghost norm) or the direct product (B·T·i·j), whichever is cheaper.
     """
     rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
+    if rows == 1:  # the bias's gradient is δ itself (no sum over rows), the kernel's a δᵀ: one ‖δ‖² serves both
+        dd = m.sum(d * d, (1, 2))
+        kernel = _rounding.positive_upper(m.sum(a * a, (1, 2)) * dd, d_in + d_out + 1)
+        return kernel, _rounding.positive_upper(dd, d_out)
     d_norms = _row_norms(m, d)
     summed = m.sum(d, 1)
     bias = _rounding.linear_upper(m.sum(summed * summed, 1), d_out, m.sum(d_norms, 1), rows)
-    if rows == 1:
-        sq = m.sum(a * a, (1, 2)) * m.sum(d * d, (1, 2))
-        return _rounding.positive_upper(sq, d_in + d_out + 1), bias
     a_norms = _row_norms(m, a)
     lengths = m.sum(a_norms * d_norms, 1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
     if rows * (d_in + d_out) < d_in * d_out:

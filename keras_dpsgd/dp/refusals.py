@@ -440,8 +440,8 @@ register(
 )
 register(
     "adaptive-clipping-backend",
-    "adaptive clipping on the torch backend, or on JAX under keras.distribution: its noised norm queries and bound "
-    "updates are not built there, so the bounds would not adapt and their privacy cost would be missing",
+    "adaptive clipping on JAX under keras.distribution: its noised norm queries and bound updates are not built "
+    "there, so the bounds would not adapt and their privacy cost would be missing",
 )
 register(
     "augmentation-not-applied",

@@ -67,7 +67,7 @@ def data_parallel_mesh(model: Any = None) -> DataParallelMesh | None:
             "keras-distribution",
             not_built(f"{name} over {jax.process_count()} processes (one process, several devices is built)"),
         )
-    from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
+    from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and _adaptive.is_adaptive(optimizer):

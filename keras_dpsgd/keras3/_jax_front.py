@@ -4,7 +4,7 @@ JAX's train step is stateless: the optimizer's variables come in as values and g
 (:class:`OptimizerState`), the lot of k batches in its ``dp_accumulator`` variables, the count in
 ``noised_steps``, the noise key of an unseeded optimizer in ``dp_noise_key`` (``backends.jax.state``). What
 is JAX's is here: that state plumbing, ``jax.lax.cond`` around a lot's release, the keys, adaptive
-clipping's queries (``keras3._jax_adaptive``), the regularization gradient and ``stateless_apply``. The
+clipping's queries (``keras3._adaptive_values``), the regularization gradient and ``stateless_apply``. The
 math (clip factors, the lot, the noise σ·S, the normalization) is the core's, over ``JAX_OPS``; a BandMF
 optimizer's correlated noise is the core's recursion too (``dp.bandmf.add_correlated_noise``), its b − 1 last
 draws carried in its ``bandmf_noise_j`` variables like any other optimizer state.
@@ -17,10 +17,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from keras_dpsgd.backends.jax import add_gaussian, seeded_key
+from keras_dpsgd.backends.jax import add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.jax.ops import JAX_OPS, key_data
 from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
-from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
+from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 
 __all__ = ["JaxFront", "OptimizerState", "clipping_of"]
 
@@ -67,7 +67,7 @@ class JaxFront:
         optimizer, opt = self.optimizer, self.opt
         opt[optimizer._jax_nonfinite] = opt[optimizer._jax_nonfinite] + jnp.sum((~clip.finite[:, 0]).astype(jnp.int32))
         if self.adaptive:  # the bound queries read the same norms (refused under DataParallel)
-            _adaptive.accumulate_queries(optimizer, opt, clip.sq_norms, clip.finite, self.bounds)
+            _adaptive.accumulate_queries(optimizer, JAX_OPS, opt, clip.sq_norms, clip.finite, self.bounds)
 
     def load_lot(self) -> dp_lot.Lot:
         optimizer, opt = self.optimizer, self.opt
@@ -104,7 +104,7 @@ class JaxFront:
         else:
             noised = self._correlated(clipped, gaussian, strategy.coefficients)
         if self.adaptive:  # post-processing: the step in units of the bound (C was released before this lot)
-            noised = _adaptive.divide_by_bound(self.optimizer, noised, self.bounds)
+            noised = _adaptive.divide_by_bound(self.optimizer, JAX_OPS, noised, self.bounds)
         return noised
 
     def _correlated(self, clipped, gaussian: Callable, coefficients) -> list:
@@ -122,7 +122,8 @@ class JaxFront:
     def normalize(self, noised: list, num_examples) -> list:
         denominator = dp_release.lot_denominator(JAX_OPS, num_examples, self.opt[self.optimizer._jax_lot])
         if self.adaptive:  # the lot's bound queries: released with the gradient, after it
-            _adaptive.release_queries(self.optimizer, self.opt, self.bounds, denominator, self.key_for)
+            noise = standard_normal(self.bounds.shape, self.key_for(_adaptive.NORM_NOISE_INDEX), jnp.float32)
+            _adaptive.release_queries(self.optimizer, JAX_OPS, self.opt, self.bounds, denominator, noise)
         return dp_release.normalize(JAX_OPS, noised, denominator)
 
     def count(self, num_examples) -> None:

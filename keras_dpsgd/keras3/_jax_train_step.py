@@ -11,7 +11,7 @@ JAX's front end (``_jax_front.JaxFront``: the optimizer's variables as the step'
 3. the core does the rest: the lot of k batches (released on its k-th only, ``jax.lax.cond``: one noise
    draw per lot), noise N(0, σ_v² C_v²) from the core's sampler, divided by L, ``noised_steps`` + 1; the
    front end adds the gradient of the weight regularizers (data-independent: no clip, no noise) and, with
-   adaptive clipping, releases the lot's bound queries (``_jax_adaptive``);
+   adaptive clipping, releases the lot's bound queries (``_adaptive_values``);
 4. the optimizer's descent rule (``optimizer.stateless_apply``) and the metrics as Keras updates
    them (the logged loss: the mean over the real rows, padding of Poisson lots excluded).
 
@@ -41,7 +41,7 @@ from keras_dpsgd.backends.jax._per_example import clipped_sum, sq_norms
 from keras_dpsgd.backends.jax.ops import JAX_OPS
 from keras_dpsgd.dp.step import Clip, private_step
 from keras_dpsgd.dp.refusals import refuse
-from keras_dpsgd.keras3 import _jax_adaptive as _adaptive
+from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 from keras_dpsgd.keras3._jax_distribute import (
     DataParallelMesh,
     check_replicated,

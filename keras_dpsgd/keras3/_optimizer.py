@@ -485,7 +485,12 @@ def make_dp_optimizer(optimizer_cls: type, *, name: str | None = None) -> type:
     # Keras's own gradient accumulation stays off (the DP step accumulates lots).
     doc = f"Private Keras 3 {optimizer_cls.__name__}: its descent rule on sanitized gradients.\n" + _DP_DOC
     kinds = dict(module="keras_dpsgd.keras3", register=_register, cache=_DP_CLASSES, error=TypeError)
-    return make_dp_class(optimizer_cls, DPKeras3Mixin, name=name, doc=doc, **kinds)
+    base = None
+    if backends.is_torch():  # Keras's fused torch update (torch._foreach) where it has one, as Keras's SGD(...) takes
+        from keras_dpsgd.backends.torch import keras_optimizer_base
+
+        base = keras_optimizer_base(optimizer_cls)
+    return make_dp_class(optimizer_cls, DPKeras3Mixin, name=name, doc=doc, base=base, **kinds)
 
 
 DPSGDOptimizer = make_dp_optimizer(keras.optimizers.SGD, name="DPSGDOptimizer")

@@ -5,7 +5,9 @@ with this backend's front end (``keras3._torch_front.TorchFront``), for one batc
 
 1. per-example gradients: ``torch.func.vmap`` over the batch of ``torch.func.grad`` of one example's compiled
    loss through ``model.stateless_call`` on a batch of one (no layer can mix examples;
-   ``keras_dpsgd.backends.torch.per_example_grads``), with norm rules for the covered layers (``ghost``);
+   ``keras_dpsgd.backends.torch.per_example_grads``), with norm rules for the covered layers (``ghost``); where
+   every trainable variable is covered, the vmapped forward's backward pass is autograd's over the batched operations
+   (``perturbation_grads``: the same per-example output gradients, without functorch's grad transform);
 2. the core's clip factors (flat or per group) and the clipped sum, non-finite examples zeroed and counted;
 3. with ``gradient_accumulation_steps`` = k > 1 the core's lot of k batches, kept in the optimizer's
    ``dp_accumulator`` variables, released on its k-th batch only: one noise draw per lot;
@@ -19,8 +21,9 @@ with this backend's front end (``keras3._torch_front.TorchFront``), for one batc
 The step is eager (Keras's torch trainer runs ``train_step`` as Python; ``jit_compile=True``, i.e.
 ``torch.compile``, is refused), so the core's ``cond`` on the lot's completion is a Python ``if``. Refused
 before any weight changes: a non-trainable variable written from an example's data (BatchNormalization in
-training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own,
-adaptive clipping and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.not_built``).
+training mode: the vmapped step would return a value per example), ``add_loss`` terms, optimizer hooks of one's own
+and the other features not built on torch (by name, ``keras_dpsgd.backends.torch.not_built``). Adaptive clipping
+releases the lot's bound queries with the gradient (``TorchFront``, the core's rules).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from keras_dpsgd.backends import torch as torch_backend
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.dp.step import private_step
 from keras_dpsgd.dp.refusals import refuse
+from keras_dpsgd.keras3 import _adaptive_values as _adaptive
 from keras_dpsgd.keras3._bandmf import BandMFMixin
 from keras_dpsgd.keras3._optimizer import DPKeras3Mixin, check_dp_optimizer
 from keras_dpsgd.keras3._torch_front import TorchFront
@@ -57,14 +61,17 @@ _BATCH_WRITE = (
 
 def check_optimizer(optimizer: Any) -> None:
     """Refuses, by name, the DP optimizer features not built on torch."""
+    from keras_dpsgd.step.adaptive import AdaptiveClippingCore
+
     cls = type(optimizer)
-    if getattr(optimizer, "_adaptive", None) is not None:
-        raise refuse("adaptive-clipping-backend", torch_backend.not_built(f"{cls.__name__}: adaptive clipping"))
-    bandmf = isinstance(optimizer, BandMFMixin)  # its add_noise is TF's; TorchFront does BandMF's release
+    # The step runs no hook: TorchFront does DPKeras3Mixin's release, adaptive clipping's (``_adaptive_values``) and
+    # BandMF's (its add_noise is TensorFlow's).
+    adaptive = _adaptive.is_adaptive(optimizer)
+    bandmf = [BandMFMixin.add_noise] if isinstance(optimizer, BandMFMixin) else []
     for hook in _HOOKS:
-        if bandmf and hook == "add_noise" and getattr(cls, hook, None) is BandMFMixin.add_noise:
-            continue
-        if getattr(cls, hook, None) is not getattr(DPKeras3Mixin, hook, None):
+        allowed = [getattr(DPKeras3Mixin, hook, None)] + ([getattr(AdaptiveClippingCore, hook, None)] * adaptive)
+        allowed += bandmf if hook == "add_noise" else []
+        if not any(getattr(cls, hook, None) is a for a in allowed):
             raise refuse(
                 "own-release-hooks",
                 torch_backend.not_built(
@@ -149,9 +156,15 @@ def _per_example(model, trainable, non_trainable, x, y, sample_weight, the_plan=
         zeros = [torch.zeros(shape, dtype=torch.float32) for shape in the_plan.shapes]
         params = [[trainable[positions[id(v)]] for v in the_plan.others], zeros]
     try:
-        grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
-            loss_of_one, params, x, y, sample_weight
-        )
+        if the_plan is not None and not the_plan.others:  # perturbations only: autograd's backward pass
+            zs, aux = torch_backend.perturbation_grads(
+                lambda zs, *e: loss_of_one(([], zs), *e), zeros, x, y, sample_weight
+            )
+            grads, ((losses, y_pred, inputs), new_values) = ([], zs), aux
+        else:
+            grads, ((losses, y_pred, inputs), new_values) = torch_backend.per_example_grads(
+                loss_of_one, params, x, y, sample_weight
+            )
     except torch_backend.BatchWrite as err:
         raise refuse("batch-statistic-stored", _BATCH_WRITE) from err
     if data_losses and data_losses[-1] > 0:
@@ -282,7 +295,12 @@ def private_train_step(self: keras.Model, data: Any) -> dict:
         )
         return summed, torch.tensor(float(out["losses"].shape[0]))
 
-    private_step(TorchFront(optimizer, variables, reg_grads), clipped_sum)
+    front = TorchFront(optimizer, variables, reg_grads)
+    front.draw_ahead()  # this release's noise on a second thread while the clipped sum is computed
+    try:
+        private_step(front, clipped_sum)
+    finally:
+        front.close()
     with torch.no_grad():
         for variable, value in zip(self.non_trainable_variables, out["new_values"]):
             if value is not variable.value:

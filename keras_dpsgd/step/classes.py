@@ -72,6 +72,7 @@ def make_dp_class(
     register: Callable[[type], type],
     cache: dict[type, type],
     error: type[Exception],
+    base: type | None = None,
 ) -> type:
     """The private class of `optimizer_cls` (a class of the caller's Keras), made once per class.
 
@@ -84,6 +85,8 @@ def make_dp_class(
       register: registers the class for Keras serialization and returns it.
       cache: the front end's classes by optimizer class (read and updated).
       error: the front end's exception type for an `optimizer_cls` that is private already.
+      base: the class the private class derives from: `optimizer_cls` (None), or a subclass of it with the same
+        descent rule (Keras's fused torch version: ``keras_dpsgd.backends.torch.keras_optimizer_base``).
 
     Raises:
       error: if `optimizer_cls` is private already (a subclass of `mixin`).
@@ -126,6 +129,7 @@ def make_dp_class(
             stability=stability,
         )
 
-    cls = type(cls_name, (mixin, optimizer_cls), {"__init__": __init__, "__doc__": doc, "__module__": module})
+    bases = (mixin, optimizer_cls if base is None else base)
+    cls = type(cls_name, bases, {"__init__": __init__, "__doc__": doc, "__module__": module})
     cache[optimizer_cls] = register(cls)
     return cls

@@ -1,4 +1,4 @@
-"""The core's adaptive clipping (keras_dpsgd.dp.adaptive), once per array table (numpy, TensorFlow, JAX).
+"""The core's adaptive clipping (keras_dpsgd.dp.adaptive), once per array table (numpy, TensorFlow, JAX, torch).
 
 The bound rules and the release of the bound queries (tables: the ``table`` fixture of tests/dp/conftest.py)
 against their closed forms, computed one example at a time in float64 (Three Tools Sec. 3, rule "mean": C ← max(α (Σ_i min(‖g_i‖, βC) + σ_q βC z) / L, floor);
@@ -17,15 +17,6 @@ import numpy as np
 import pytest
 
 from keras_dpsgd.dp import adaptive as core
-
-
-@pytest.fixture
-def adaptive_table(table):
-    """The tables of the backends that clip adaptively: torch refuses adaptive clipping by name
-    (``keras3/_torch_train_step.py``), and its table takes no Python numbers where the rules pass them."""
-    if table.ops.name == "torch":
-        pytest.skip("adaptive clipping is refused on torch (refusal kind adaptive-clipping-backend)")
-    return table
 
 
 def _float32(a: np.ndarray) -> np.ndarray:
@@ -67,8 +58,7 @@ def _closed_form(settings) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rule", ["mean", "quantile"])
-def test_next_bounds_from_one_lot_match_the_closed_form(adaptive_table, rule):
-    table = adaptive_table
+def test_next_bounds_from_one_lot_match_the_closed_form(table, rule):
     ops, array = table.ops, lambda a: table.array(_float32(np.asarray(a)))
     settings = _settings(rule)
     groups = [0, 1, 2]  # per layer: one variable per group, its squared norm
@@ -85,10 +75,9 @@ def test_next_bounds_from_one_lot_match_the_closed_form(adaptive_table, rule):
 
 
 @pytest.mark.parametrize("rule", ["mean", "quantile"])
-def test_flat_query_reads_the_norm_of_the_whole_gradient(adaptive_table, rule):
+def test_flat_query_reads_the_norm_of_the_whole_gradient(table, rule):
     """One group over three variables: each example's norm is √(Σ_v ‖g_i^v‖²), its term min(‖g_i‖, βC) or
     1[‖g_i‖ <= C]; the non-finite example adds nothing."""
-    table = adaptive_table
     settings = core.check_settings(1, 1.0, 1.3, 2.0, 1e-6, rule=rule)
     bound = 1.2
     terms = core.example_query_terms(
@@ -105,9 +94,8 @@ def test_flat_query_reads_the_norm_of_the_whole_gradient(adaptive_table, rule):
     np.testing.assert_allclose(np.asarray(table.numpy(terms), np.float64), expected, rtol=1e-6, atol=1e-7)
 
 
-def test_quantile_rule_moves_the_bound_geometrically_towards_the_quantile(adaptive_table):
+def test_quantile_rule_moves_the_bound_geometrically_towards_the_quantile(table):
     """b̃ above the target quantile shrinks C by exp(-η (b̃ - q)); below it, grows it; at it, keeps it."""
-    table = adaptive_table
     settings = _settings("quantile", min_clip_bound=1e-9)
     bounds = table.array(np.float32([1.0, 1.0, 1.0]))
     new = core.next_bounds(settings, bounds, table.array(np.float32([0.9, 0.6, 0.1])), table.ops)

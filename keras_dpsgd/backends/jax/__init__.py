@@ -5,7 +5,7 @@ Per-example gradients under ``jax.vmap`` (``_per_example``), with norm rules for
 ``jax.random`` bits (``_noise``) and the optimizer's JAX-only state (``state``). The stateless private train
 step that ``keras_dpsgd.keras3.make_private`` installs when ``keras.config.backend() == "jax"``
 (``keras_dpsgd.backends.is_jax``) is the Keras 3 front end's (``keras_dpsgd.keras3._jax_train_step``,
-DataParallel's part in ``keras3._jax_distribute``, adaptive clipping's in ``keras3._jax_adaptive``).
+DataParallel's part in ``keras3._jax_distribute``, adaptive clipping's in ``keras3._adaptive_values``).
 What is not built on JAX yet is refused by name
 (:func:`not_built` names it in the refusal a front end raises: ``keras_dpsgd.dp.refusals``): ``keras.distribution`` other than ``DataParallel``, optimizer hooks of one's own,
 the audit callback and a model's own train step

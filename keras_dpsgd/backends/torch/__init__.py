@@ -14,14 +14,21 @@ from typing import Any
 
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.backends.tensorflow.ops import make_local_state
-from keras_dpsgd.backends.torch._noise import EntropyKeys, add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.torch._noise import EntropyKeys, NoiseAhead, add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
-from keras_dpsgd.backends.torch._per_example import BatchWrite, clipped_sum, per_example_grads, sq_norms
+from keras_dpsgd.backends.torch._per_example import (
+    BatchWrite,
+    clipped_sum,
+    per_example_grads,
+    perturbation_grads,
+    sq_norms,
+)
 
 __all__ = [
     "BatchWrite",
     "EntropyKeys",
+    "NoiseAhead",
     "OPS",
     "PER_EXAMPLE_CHOICES",
     "TORCH_OPS",
@@ -29,10 +36,12 @@ __all__ = [
     "add_gaussian",
     "clipped_sum",
     "ghost",
+    "keras_optimizer_base",
     "make_local_state",
     "not_built",
     "per_example",
     "per_example_grads",
+    "perturbation_grads",
     "seeded_key",
     "sq_norms",
     "standard_normal",
@@ -50,6 +59,26 @@ PER_EXAMPLE_CHOICES = ("auto", "reference")
 def not_built(feature: str) -> str:
     """The detail of the refusal of a feature not built on torch, naming it (``refuse(kind, not_built(...))``)."""
     return f"{feature} {TORCH_UNSUPPORTED} (KERAS_BACKEND=torch is set)"
+
+
+def keras_optimizer_base(optimizer_cls: type) -> type:
+    """Keras's torch version of a Keras optimizer class where it has one, else `optimizer_cls`.
+
+    On torch, ``keras.optimizers.SGD(...)`` (Adam, RMSprop, ...) builds Keras's subclass of the same name in
+    ``keras.src.backend.torch.optimizers``, whose update runs ``torch._foreach`` ops in place over all the
+    variables at once; a subclass of the class (a DP optimizer) would take the generic update, one variable and
+    several fresh tensors at a time. The same descent rule: the DP class derives from the fused one.
+    """
+    import importlib
+
+    try:
+        module = importlib.import_module(f"keras.src.backend.torch.optimizers.torch_{optimizer_cls.__name__.lower()}")
+    except ImportError:
+        return optimizer_cls
+    fused = getattr(module, optimizer_cls.__name__, None)
+    if isinstance(fused, type) and optimizer_cls in fused.__bases__:
+        return fused
+    return optimizer_cls
 
 
 def per_example(name: str, jacobian_fallback: str) -> Any:

@@ -100,6 +100,21 @@ def _where(condition, x, y):
     return torch.where(torch.as_tensor(condition, device=device), x, y)
 
 
+def _numbers_too(fn):
+    """A binary torch function that takes a Python number for either argument (as NumPy's does)."""
+
+    def call(x, y):
+        like = x if isinstance(x, torch.Tensor) else y if isinstance(y, torch.Tensor) else None
+        if like is None:
+            return fn(torch.as_tensor(x), torch.as_tensor(y))
+        x, y = (
+            t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=like.dtype, device=like.device) for t in (x, y)
+        )
+        return fn(x, y)
+
+    return call
+
+
 def _cast(x, dtype):
     return torch.as_tensor(x).to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
 
@@ -117,8 +132,8 @@ def _group_sum(x, groups, num_groups):
 
 TORCH_OPS = ArrayOps(
     name="torch",
-    minimum=torch.minimum,
-    maximum=torch.maximum,
+    minimum=_numbers_too(torch.minimum),
+    maximum=_numbers_too(torch.maximum),
     exp=torch.exp,
     where=_where,
     zeros_like=torch.zeros_like,

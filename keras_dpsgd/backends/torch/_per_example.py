@@ -22,7 +22,7 @@ from keras.src.backend.torch import nn as keras_torch_nn
 
 from keras_dpsgd.dp import rounding as _rounding
 
-__all__ = ["per_example_grads", "sq_norms", "staged_sq_norms", "clipped_sum", "BatchWrite"]
+__all__ = ["per_example_grads", "perturbation_grads", "sq_norms", "staged_sq_norms", "clipped_sum", "BatchWrite"]
 
 
 class BatchWrite(ValueError):
@@ -76,6 +76,38 @@ def per_example_grads(loss_of_one: Callable, params: Sequence[torch.Tensor], *ba
         if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
             raise
         raise BatchWrite(str(err)) from err
+
+
+def perturbation_grads(loss_of_one: Callable, zeros: Sequence[torch.Tensor], *batched) -> tuple:
+    """(∂ℓ_i/∂z_i [B, *shape] per perturbation, aux) of ``loss_of_one(zs, *example) -> (loss, aux)`` at zs = 0.
+
+    The forward pass runs under ``torch.func.vmap`` as in :func:`per_example_grads` (each example on a batch of one,
+    its own randomness, `aux` alike), each example reading its own copy z_i of every perturbation; then one backward
+    pass of Σ_j ℓ_j by autograd over the batched operations, instead of ``torch.func.grad`` under the vmap: the same
+    values without functorch's transform on every operation of the backward pass. Exact per example: the vmapped
+    forward computes ℓ_j from example j alone, so ℓ_j does not depend on z_i for j ≠ i and ∂(Σ_j ℓ_j)/∂z_i =
+    ∂ℓ_i/∂z_i; nothing else requires a gradient (the weights are detached), so no operation of the backward pass
+    sums over the batch. For perturbations only (ghost norms: ``zeros`` of one example's pre-activation shapes): a
+    weight would need a copy per example.
+    """
+    size = next(leaf for leaf in torch.utils._pytree.tree_leaves(batched) if leaf is not None).shape[0]
+    copies = [z.detach().unsqueeze(0).expand(size, *z.shape).requires_grad_() for z in zeros]
+    step = torch.func.vmap(
+        loss_of_one,
+        in_dims=(0,) + tuple(None if b is None else 0 for b in batched),
+        out_dims=(0, (0, None)),
+        randomness="different",
+    )
+    try:
+        with contiguous_layout(), _composite_attention(), torch.enable_grad():
+            losses, aux = step(copies, *batched)
+    except ValueError as err:
+        if "BatchedTensor" not in str(err):  # "can not return a BatchedTensor when out_dim is None"
+            raise
+        raise BatchWrite(str(err)) from err
+    grads = torch.autograd.grad(losses.sum(), copies, allow_unused=True) if copies else []
+    grads = [torch.zeros_like(c) if g is None else g for c, g in zip(copies, grads)]
+    return grads, torch.utils._pytree.tree_map(lambda a: a.detach() if isinstance(a, torch.Tensor) else a, aux)
 
 
 def staged_sq_norms(g: torch.Tensor) -> tuple[torch.Tensor, int]:

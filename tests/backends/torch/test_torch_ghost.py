@@ -94,3 +94,31 @@ def test_auto_equals_reference_with_accumulation():
         assert int(model.optimizer.noised_steps.numpy()) == 1
     for a, r in zip(*updates):
         np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-7)
+
+
+def test_perturbation_grads_are_each_examples_own():
+    """The ghost path's backward pass (autograd over the vmapped forward, ``perturbation_grads``) gives
+    ``torch.func.grad``'s per-example gradients under vmap (``per_example_grads``); an example whose loss is NaN
+    keeps its NaN to itself (no operation of the backward pass sums over the batch)."""
+    import torch
+
+    from keras_dpsgd.backends.torch import per_example_grads, perturbation_grads
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, generator=gen)
+    x = torch.randn(7, 5, generator=gen)
+    x[2, 0] = float("nan")
+
+    def loss_of_one(zs, xi):
+        pre = xi @ w + zs[0]
+        return torch.sum(torch.tanh(pre) ** 2) + torch.sum(zs[1] * pre[:2]), ((pre,), ())
+
+    zeros = [torch.zeros(3), torch.zeros(2)]
+    want, (want_aux, _) = per_example_grads(loss_of_one, zeros, x)
+    got, (got_aux, _) = perturbation_grads(loss_of_one, zeros, x)
+    for g, e in zip(got, want):
+        assert g.shape == (7,) + e.shape[1:]
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-7)
+        assert np.isnan(g[2].numpy()).all() and np.isfinite(np.delete(g.numpy(), 2, axis=0)).all()
+    np.testing.assert_array_equal(got_aux[0].numpy(), want_aux[0].numpy())
+    assert not got_aux[0].requires_grad

@@ -4,6 +4,7 @@ keyed Philox generator: the TF sampler's values from the same words, distributio
 import math
 
 import numpy as np
+import pytest
 import scipy.stats
 import torch
 
@@ -82,12 +83,15 @@ def test_add_gaussian_scales_and_keeps_shape_and_dtype():
     np.testing.assert_allclose(y, 2.0 + 0.5 * z, rtol=1e-6, atol=1e-6)
 
 
-def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch):
-    """By chunks (odd and even starts of the second word stream, a chunk cut at the end) the sampler gives the core's
-    ``scaled_normal`` on the whole draw value for value, and added into the caller's tensor, ``x + noise``."""
+@pytest.mark.parametrize("halves", [False, True])
+def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeypatch, halves):
+    """By chunks (odd and even starts of the second word stream, a chunk cut at the end), and in two halves on two
+    threads (a large draw's, here from 2 pairs), the sampler gives the core's ``scaled_normal`` on the whole draw value
+    for value, and added into the caller's tensor, ``x + noise``."""
     from keras_dpsgd.dp.noise import scaled_normal
 
     monkeypatch.setattr(_noise, "_CHUNK", 5)
+    monkeypatch.setattr(_noise, "_PARALLEL_PAIRS", 2 if halves else 1 << 40)
     for n in (1, 2, 11, 1001):
         key = _noise.seeded_key(3, 1, 2)
         want = scaled_normal(_ops.NOISE_OPS, n, key, 1.3)
@@ -96,3 +100,16 @@ def test_the_chunked_draw_and_its_in_place_addition_are_the_cores_values(monkeyp
         y = x.clone()
         assert _noise.add_gaussian(y, 1.3, key, in_place=True) is y
         np.testing.assert_array_equal(y.numpy(), (x + torch.from_numpy(want)).numpy())
+
+
+def test_noise_drawn_ahead_is_handed_over_once_and_only_for_its_key_size_and_scale():
+    """``NoiseAhead`` (a release's noise on a second thread while the step computes its clipped sum): the draw of
+    the release's own (key, size, scale), value for value, once; any other key, size or scale gets nothing (the
+    release then draws its own), and what is not taken is dropped."""
+    key = _noise.seeded_key(3, 4, 0)
+    ahead = _noise.NoiseAhead({0: (key, 1001, 1.3), 1: (key + 1, 10, 1.0), 2: (key, 7, 2.0)})
+    np.testing.assert_array_equal(ahead.take(0, key, 1001, 1.3).numpy(), _noise._normal(1001, key, 1.3).numpy())
+    assert ahead.take(0, key, 1001, 1.3) is None  # once
+    assert ahead.take(1, key, 10, 1.0) is None  # another key
+    assert ahead.take(2, key, 7, 2.5) is None  # another scale
+    ahead.close()

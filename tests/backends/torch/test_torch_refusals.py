@@ -32,10 +32,7 @@ def test_an_op_over_the_batch_axis_sees_one_example():
         np.testing.assert_allclose((b - a) / 0.5, g, rtol=2e-4, atol=2e-6)
 
 
-def test_adaptive_clipping_augmentation_and_own_steps_are_refused():
-    model, x, y = built(FRONT, "dense")
-    FRONT.compiled(model, k3.AdaptiveDPSGDOptimizer, l2_norm_clip=1.0, norm_noise_multiplier=1.0)
-    assert_refused_unchanged(model, x, y, f"adaptive clipping {NOT_YET}")
+def test_augmentation_and_own_steps_are_refused():
     with pytest.raises(ValueError, match=f"augmentation multiplicity .*{NOT_YET}"):
         k3.make_private(built(FRONT, "dense")[0], augmentation_multiplicity=2)
 
@@ -56,3 +53,15 @@ def test_a_dp_optimizer_without_make_private_is_refused():
     model, x, y = built(FRONT, "dense")
     model.compile(optimizer=k3.DPSGDOptimizer(1.0, 0.0), loss=keras.losses.SparseCategoricalCrossentropy(True))
     assert_refused_unchanged(model, x, y, "did not come from its sanitizer")
+
+
+def test_a_batch_statistic_is_refused_where_every_trainable_layer_has_a_rule():
+    """BatchNormalization without weights (center=False, scale=False) between Dense layers: every trainable variable
+    takes a norm rule (the ghost path's autograd backward pass, ``perturbation_grads``), and the moving statistics
+    written from the batch are still refused before any weight changes."""
+    keras.utils.set_random_seed(0)
+    bn = keras.layers.BatchNormalization(center=False, scale=False)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), bn, keras.layers.Dense(3)])
+    x, y = data()
+    FRONT.compiled(model, l2_norm_clip=1.0)
+    assert_refused_unchanged(model, x, y, "writes a non-trainable variable from an example's data")

@@ -109,3 +109,34 @@ def test_the_step_leaves_no_autograd_state_on_the_weights():
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     assert all(p.grad is None for p in params)
     assert all(isinstance(v.value, torch.nn.Parameter) for v in model.trainable_variables)
+
+
+def test_dp_optimizers_take_kerass_fused_torch_update():
+    """On torch Keras builds ``SGD(...)`` (Adam, RMSprop) as its torch subclass, one ``torch._foreach`` update of
+    every variable; the DP classes derive from it (the steps above check its values), a class of one's own keeps
+    its own update."""
+    from keras.src.backend.torch.optimizers.torch_parallel_optimizer import TorchParallelOptimizer
+
+    for cls in (k3.DPSGDOptimizer, k3.DPAdamOptimizer, k3.make_dp_optimizer(keras.optimizers.RMSprop)):
+        assert issubclass(cls, TorchParallelOptimizer), cls
+    own = type("OwnSGD", (keras.optimizers.SGD,), {"update_step": keras.optimizers.SGD.update_step})
+    dp_own = k3.make_dp_optimizer(own)
+    assert issubclass(dp_own, own) and not issubclass(dp_own, TorchParallelOptimizer)
+
+
+def test_noise_drawn_ahead_releases_the_same_values(monkeypatch):
+    """A lot of one batch draws its noise on a second thread during the step (``TorchFront.draw_ahead``): a seeded
+    run gives the weights of the same run drawing at the release, bit for bit."""
+    from keras_dpsgd.backends.torch import NoiseAhead
+    from keras_dpsgd.keras3 import _torch_front
+
+    taken, take = [], NoiseAhead.take
+    monkeypatch.setattr(NoiseAhead, "take", lambda self, *args: taken.append(take(self, *args)) or taken[-1])
+    runs = []
+    for limit in (_torch_front.AHEAD_MAX, 0):  # 0: every draw at the release
+        monkeypatch.setattr(_torch_front, "AHEAD_MAX", limit)
+        model, x, y = noise_only(seed=5)
+        runs.append(np.concatenate([update(model, x, y), update(model, x, y)]))
+    assert len(taken) == 2 and all(t is not None for t in taken)  # the first run's two releases took their draws
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert np.std(runs[0]) > 0.01  # noise was added
