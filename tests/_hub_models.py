@@ -1,7 +1,8 @@
 """Tiny keras_hub language models of issue 41 (random weights, one layer, width 8; nothing downloads), for both
 Keras 3 backends: Llama and Mistral causal LMs (grouped-query attention, RMSNorm, SwiGLU, ± LoRA), Gemma, BART and T5
 seq2seq LMs with their own token-level Keras loss, and a DeBERTa-v3 classifier (disentangled attention: the
-relative-position table, layer-normalized, repeated over the batch and projected by the shared query/key kernels).
+relative-position table, layer-normalized, repeated over the batch and projected by the shared query/key kernels), and
+a Llama classifier (the backbone with a Dense head: its untied output table is never read, its gradient exactly 0).
 
 Each model takes one int32 array of token ids (a seq2seq model: the encoder's ids, then the decoder's), so that the
 one-example loop slices it like any array; 0 is padding. :func:`check` trains one private step on the documented
@@ -47,6 +48,20 @@ def llama(lora=False):
     sizes = dict(num_query_heads=2, num_key_value_heads=1, hidden_dim=8, intermediate_dim=16)
     backbone = hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=1, **sizes)
     return _causal_lm(hub.models.LlamaCausalLM, backbone, lora)
+
+
+def llama_classifier():
+    """A Llama backbone with a Dense head on its first token (``benchmarks/overhead.py``'s ``llama``): its token
+    embedding's untied output table (``ReversibleEmbedding.reverse_embeddings``) is never read, so every example's
+    gradient of it is exactly 0."""
+    hub = _hub()
+    sizes = dict(num_query_heads=2, num_key_value_heads=1, hidden_dim=8, intermediate_dim=16)
+    backbone = hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=1, **sizes)
+    ids = keras.Input((STEPS,), dtype="int32")
+    h = backbone({"token_ids": ids, "padding_mask": keras.ops.not_equal(ids, 0)})
+    model = keras.Model(ids, keras.layers.Dense(3)(h[:, 0, :]))
+    y = np.random.default_rng(5).integers(0, 3, size=(N,))
+    return model, _TOKEN_LOSS, _ids(STEPS, 0), y
 
 
 def mistral(lora=False):
@@ -105,6 +120,7 @@ def deberta():
 MODELS = {
     "llama": llama,
     "llama-lora": lambda: llama(lora=True),
+    "llama-classifier": llama_classifier,
     "mistral": mistral,
     "mistral-lora": lambda: mistral(lora=True),
     "gemma": gemma,

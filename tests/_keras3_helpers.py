@@ -63,7 +63,11 @@ def _tf_gradient(model, loss_fn):
     def gradient(x_i, y_i, weight):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(loss_fn(y_i, model(x_i, training=True))) * weight
-        return [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+        grads = tape.gradient(loss, model.trainable_variables)  # None: a variable the model never reads
+        return [
+            tf.zeros(v.shape) if g is None else tf.convert_to_tensor(g)
+            for g, v in zip(grads, model.trainable_variables)
+        ]
 
     return gradient
 

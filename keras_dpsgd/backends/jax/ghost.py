@@ -290,7 +290,7 @@ class Plan:
 
         `factors_of(sq [B, V])` -> (factors [B, V], finite [B, 1]); `groups[v]`: variable v's clip group.
         """
-        from keras_dpsgd.backends.jax._per_example import sq_norms
+        from keras_dpsgd.backends.jax._per_example import sq_norms, weighted_row_sum
 
         uncovered_grads = list(grads[0])
         values = self._values(trainable, non_trainable)
@@ -315,9 +315,8 @@ class Plan:
         factors, finite = factors_of(sq)
 
         summed = [None] * len(trainable)
-        for c, (j, g) in enumerate(zip(self.uncovered, uncovered_grads)):
-            f = factors[:, j].reshape((-1,) + (1,) * (g.ndim - 1))
-            summed[j] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
+        for j, g in zip(self.uncovered, uncovered_grads):
+            summed[j] = weighted_row_sum(g, factors[:, j])
         for layer in self.covered:
             rule = rule_for(layer)
             if all(id(v) in materialized for v in layer.trainable_variables):
@@ -327,6 +326,5 @@ class Plan:
             ).items():
                 summed[self.index[v]] = s
         for v, g in materialized.items():
-            f = factors[:, self.index[v]].reshape((-1,) + (1,) * (g.ndim - 1))
-            summed[self.index[v]] = jnp.sum(jnp.where(f > 0, g.astype(jnp.float32), 0.0) * f, axis=0)
+            summed[self.index[v]] = weighted_row_sum(g, factors[:, self.index[v]])
         return summed, finite

@@ -238,7 +238,10 @@ class FastBackend:
         for var in var_list:
             handles = _state.internal_handles(loss.graph, var)
             stopped = []
-            sites = _graph.find_sites(handles, var, ops, clean, static_batch, stopped) if handles else None
+            if handles:
+                sites = _graph.find_sites(handles, var, ops, clean, static_batch, stopped)
+            else:  # no use at all: a zero gradient where that is certain, else the jacobians
+                sites = [] if _state.never_read(loss.graph, var, tape) else None
             plans.append(sites)
             if sites is None:
                 op, reason = stopped[0] if stopped else (None, "the step's graph does not show the variable")

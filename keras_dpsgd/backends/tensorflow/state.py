@@ -249,6 +249,30 @@ def internal_handles(graph, var) -> list:
     return found
 
 
+def never_read(graph, var, tape) -> bool:
+    """Whether the traced step provably never reads ``var``, so that every example's gradient of it is exactly 0.
+
+    Certified twice: no handle of ``var`` (nor of a component of a distributed variable) is captured by ``graph``,
+    the loss's graph, or a graph around it; and ``tape``, the tape that recorded the loss, watched none of them (the
+    per-example jacobians of the reference path differentiate that tape: zeros then). False where unsure: no tape,
+    a variable or a watched one without a handle (keras_hub's untied ``ReversibleEmbedding`` in a backbone without
+    its output projection: its ``reverse_embeddings`` table).
+    """
+    if tape is None:
+        return False
+    try:
+        mine = [var] + _tf_variables(var)
+        handles = [v.handle for v in mine]
+        watched = [v.handle for w in tape.watched_variables() for v in [w] + _tf_variables(w)]
+        while graph is not None:
+            if any(internal_handles(graph, v) for v in mine):
+                return False
+            graph = getattr(graph, "outer_graph", None)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return False
+    return not any(h is w for h in handles for w in watched)
+
+
 def handles_of(graph, variables: Iterable[Any]) -> dict:
     """{captured handle ref in ``graph``: variable} for ``variables``."""
     named = {}

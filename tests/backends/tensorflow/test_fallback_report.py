@@ -114,3 +114,26 @@ def test_jacobian_fallback_config_round_trip_and_validation(name):
     for bad in ("silent", True, None):
         with pytest.raises(ValueError, match=r"jacobian_fallback must be one of \('warn', 'refuse'\)"):
             front.DPSGDOptimizer(1.0, 1.0, jacobian_fallback=bad)
+
+
+def test_a_variable_never_read_is_certified_by_the_graph_and_the_tape():
+    """An unread variable (keras_hub's untied output table in a backbone without its head) has a zero gradient without
+    per-example jacobians only where both the step's graph and the loss's tape show no read of it; a variable read,
+    or watched by the tape, or a step without a tape, stays on the jacobians (fail closed)."""
+    from keras_dpsgd.backends.tensorflow.state import never_read
+
+    read, watched, unread = tf.Variable([1.0]), tf.Variable([2.0]), tf.Variable([3.0])
+    found = {}
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(watched)  # watched, never read
+            loss = x * read
+        for name, var in (("read", read), ("watched", watched), ("unread", unread)):
+            found[name] = never_read(loss.graph, var, tape)
+        found["no tape"] = never_read(loss.graph, unread, None)
+        return loss
+
+    step(tf.ones([4]))
+    assert found == {"read": False, "watched": False, "unread": True, "no tape": False}
