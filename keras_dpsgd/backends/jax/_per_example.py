@@ -53,7 +53,8 @@ def weighted_row_sum(g: jax.Array, f: jax.Array) -> jax.Array:
     over the flattened rows (XLA's CPU reduction over the leading axis of ``g * f`` was the DP step's largest cost on
     keras_hub's attention kernels); a row with ``f_i <= 0`` adds exactly 0, NaN or Inf included."""
     keep = (f > 0).reshape((-1,) + (1,) * (g.ndim - 1))
-    rows = jnp.where(keep, g.astype(jnp.float32), 0.0).reshape(g.shape[0], -1)
+    # The row length from the static shape: an empty lot (B = 0) has no -1 to infer.
+    rows = jnp.where(keep, g.astype(jnp.float32), 0.0).reshape(g.shape[0], math.prod(g.shape[1:]))
     weights = jnp.where(f > 0, f.astype(jnp.float32), 0.0)
     return jnp.matmul(weights, rows, precision=jax.lax.Precision.HIGHEST).reshape(g.shape[1:])
 
