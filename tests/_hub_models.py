@@ -56,12 +56,7 @@ def llama_classifier():
     gradient of it is exactly 0."""
     hub = _hub()
     sizes = dict(num_query_heads=2, num_key_value_heads=1, hidden_dim=8, intermediate_dim=16)
-    backbone = hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=1, **sizes)
-    ids = keras.Input((STEPS,), dtype="int32")
-    h = backbone({"token_ids": ids, "padding_mask": keras.ops.not_equal(ids, 0)})
-    model = keras.Model(ids, keras.layers.Dense(3)(h[:, 0, :]))
-    y = np.random.default_rng(5).integers(0, 3, size=(N,))
-    return model, _TOKEN_LOSS, _ids(STEPS, 0), y
+    return _first_token_classifier(hub.models.LlamaBackbone(vocabulary_size=VOCAB, num_layers=1, **sizes), seed=5)
 
 
 def mistral(lora=False):
@@ -109,11 +104,15 @@ def deberta():
     """A DeBERTa-v3 backbone and a Dense head on the first token (a sequence classifier)."""
     hub = _hub()
     sizes = dict(num_heads=2, hidden_dim=8, intermediate_dim=16, dropout=0.0, max_sequence_length=8, bucket_size=4)
-    backbone = hub.models.DebertaV3Backbone(vocabulary_size=VOCAB, num_layers=1, **sizes)
+    return _first_token_classifier(hub.models.DebertaV3Backbone(vocabulary_size=VOCAB, num_layers=1, **sizes), seed=4)
+
+
+def _first_token_classifier(backbone, seed):
+    """`backbone` (token ids and padding mask in) with a Dense(3) head on its first token, and 3-class labels."""
     ids = keras.Input((STEPS,), dtype="int32")
     h = backbone({"token_ids": ids, "padding_mask": keras.ops.not_equal(ids, 0)})
     model = keras.Model(ids, keras.layers.Dense(3)(h[:, 0, :]))
-    y = np.random.default_rng(4).integers(0, 3, size=(N,))
+    y = np.random.default_rng(seed).integers(0, 3, size=(N,))
     return model, _TOKEN_LOSS, _ids(STEPS, 0), y
 
 
