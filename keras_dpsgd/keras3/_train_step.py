@@ -223,9 +223,10 @@ def _build_optimizer_before_the_trace(model: keras.Model) -> None:
 
     Without a distribution strategy Keras builds the optimizer inside the first trace of the train
     function, and the step attaches the ledger there; the variables made in that trace (the DP optimizer's
-    ``clip_bounds``, a lot's accumulators, the model's copy of the ledger) make ``tf.function`` trace the whole step a second time, doubling the first step's cost. Built here
-    with the same variables (every layer built, so the trace adds none), the step is traced once.
-    Under a strategy Keras builds it before the trace itself; an unbuilt layer leaves it to Keras.
+    ``clip_bounds``, a lot's accumulators, the model's copy of the ledger) make ``tf.function`` trace the
+    whole step a second time, doubling the first step's cost. Built here with the same variables (every
+    layer built, so the trace adds none), the step is traced once. Under a strategy Keras builds it before
+    the trace itself; an unbuilt layer leaves it to Keras.
     """
     optimizer = getattr(model, "optimizer", None)
     if not ledger.is_dp_optimizer(optimizer) or getattr(model, "_distribute_strategy", None) is not None:
