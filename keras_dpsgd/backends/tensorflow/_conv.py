@@ -90,8 +90,8 @@ def per_example_kernel_grads(
 
     Returns ``kh·kw`` tensors [B, cin, cout] (one per tap), one tensor [B, kh·kw·cin, cout] (the patches'
     product) or ``kh`` tensors [B, kw, cin, cout] (one per kernel row), as :func:`form` says; per example,
-    their flattenings concatenated in order are the row-major flattening of the [kh, kw, cin, cout] gradient. They are not stacked: that would
-    copy the whole [B, kh, kw, cin, cout] tensor once more.
+    their flattenings concatenated in order are the row-major flattening of the [kh, kw, cin, cout] gradient.
+    They are not stacked: that would copy the whole [B, kh, kw, cin, cout] tensor once more.
 
     Args:
       x: the convolution's input, [B, H, W, cin] (float32, static H and W).
