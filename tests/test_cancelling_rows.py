@@ -28,6 +28,16 @@ def test_removing_an_example_whose_rows_cancel_moves_the_release_by_at_most_c(fr
     assert c.moved(front, lambda: CASES[case](front.keras, scale), per_example_backend="fast") <= BOUND
 
 
+@pytest.mark.parametrize("scale", [c.SCALES[1], c.SCALES[3]], ids=c.scale_id)
+def test_conv_rows_that_cancel_are_clipped_in_the_gram_form_too(front, scale, monkeypatch):
+    """The conv case's kernel is materialized by its shape (2 positions, 8 x 4); forced to the Gram form over its
+    patches, the cost rule's other branch (``uses.ghost_preferred``), example 0 is still clipped."""
+    from keras_dpsgd.backends.tensorflow import uses
+
+    monkeypatch.setattr(uses, "ghost_preferred", lambda t, d, u: True)
+    assert c.moved(front, lambda: c.conv_case(front.keras, scale), per_example_backend="fast") <= BOUND
+
+
 @pytest.mark.parametrize("scale", [c.SCALES[0], c.SCALES[-1]], ids=c.scale_id)
 def test_per_layer_normalized_and_adaptive_clipping_bound_the_example_too(front, scale):
     """Per-layer (a kernel and a bias: √2·C), normalization (C = 1), adaptive clipping (the bound in force)."""

@@ -42,7 +42,9 @@ def test_conv1d_causal_and_pooling():
     check(model, x, y, factors=per_layer_factors([0.5, 0.1, 0.5, 0.1, 1.0, 0.2]))
 
 
-@pytest.mark.parametrize("cin", [3, 32])  # column-stacked shifts / one matmul per kernel tap
+# Each materialization of _conv.form, forced: one matmul per kernel tap, the channels-first patches, the
+# column-stacked shifts per kernel row (by shape they serve many / few channels with small / larger patches).
+@pytest.mark.parametrize("how, cin", [("tap", 32), ("patches", 3), ("row", 3)])
 @pytest.mark.parametrize(
     "strides, rates, padding, kernel",
     [
@@ -57,11 +59,13 @@ def test_conv1d_causal_and_pooling():
         ((2, 2), (1, 1), "VALID", (1, 1)),
     ],
 )
-def test_per_example_kernel_grads_match_one_example_loop(cin, strides, rates, padding, kernel):
+def test_per_example_kernel_grads_match_one_example_loop(monkeypatch, how, cin, strides, rates, padding, kernel):
     import numpy as np
     import tensorflow as tf
 
     from keras_dpsgd.backends.tensorflow import _conv
+
+    monkeypatch.setattr(_conv, "form", lambda *shape: how)
 
     gen = np.random.default_rng(11)
     x = tf.constant(gen.normal(size=(3, 7, 6, cin)), tf.float32)
@@ -78,6 +82,34 @@ def test_per_example_kernel_grads_match_one_example_loop(cin, strides, rates, pa
             out = tf.nn.convolution(x[i : i + 1], w, strides, padding, dilations=rates)
             inner = tf.reduce_sum(out * g[i : i + 1])
         np.testing.assert_allclose(got[i], tape.gradient(inner, w).numpy(), rtol=1e-4, atol=1e-4)
+
+
+# The Conv2D kernel rule's forms (handlers._conv2d), each forced on the same small convolutions: the Gram form over
+# im2col patches (uses.ghost_preferred true: the cost rule's choice where the output has few positions) and the
+# three materializations of _conv.form (ghost_preferred false).
+CONV_FORMS = {"gram": (True, None), "tap": (False, "tap"), "patches": (False, "patches"), "row": (False, "row")}
+
+
+@pytest.mark.parametrize("form", sorted(CONV_FORMS))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(kernel_size=3, strides=2, padding="same"),
+        dict(kernel_size=(2, 3), strides=(1, 2), padding="valid"),
+        dict(kernel_size=2, dilation_rate=2, padding="same"),  # SpaceToBatchND blocks, summed per example
+    ],
+)
+def test_each_conv2d_kernel_form_matches_the_one_example_loop(monkeypatch, form, kwargs):
+    from keras_dpsgd.backends.tensorflow import _conv, uses
+
+    ghost, how = CONV_FORMS[form]
+    monkeypatch.setattr(uses, "ghost_preferred", lambda t, d, u: ghost)
+    if how is not None:
+        monkeypatch.setattr(_conv, "form", lambda *shape: how)
+    x, y = data((3, 7, 6, 3), (3, 2), seed=9)
+    model = keras.Sequential([L.Conv2D(4, activation="relu", **kwargs), L.Flatten(), L.Dense(2)])
+    model(x[:1])
+    check(model, x, y, reference=False)
 
 
 def test_conv_many_channels_strided_and_shared():
