@@ -21,7 +21,7 @@ import torch
 from keras_dpsgd.backends.torch._ops import NOISE_OPS, WordReader, digest, stream_key
 from keras_dpsgd.dp.noise import noise_key, scaled_pairs
 
-__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys", "NoiseAhead"]
+__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys", "NoiseAhead", "spare_core"]
 
 
 def seeded_key(seed: int, step, index: int) -> int:
@@ -119,6 +119,20 @@ def _normal(n: int, key: int, scale: float, halves: bool = True) -> torch.Tensor
     else:
         write(0, pairs)
     return buffer[:n]
+
+
+def spare_core() -> bool:
+    """Whether this process may use a CPU core that torch's intra-op threads leave free (a draw ahead needs one).
+
+    With as many intra-op threads as usable cores (torch's default), a second Python thread drawing noise shares
+    the cores with torch's pool, whose OpenMP workers spin between operations, and with the step's Python for the
+    GIL: the draw then costs the step more than drawing it at the release in two halves while the pool is idle.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
 
 
 class NoiseAhead:
