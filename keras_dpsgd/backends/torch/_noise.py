@@ -158,13 +158,16 @@ def _normal(n: int, key: int, scale: float, halves: bool = True) -> torch.Tensor
     return buffer[:n]
 
 
-def spare_core() -> bool:
-    """Whether this process may use a CPU core that torch's intra-op threads leave free (a draw ahead needs one).
+def spare_core(device: str = "cpu") -> bool:
+    """Whether a draw ahead has a CPU core to itself beside a step computing on `device` (a ``torch.device`` type).
 
-    With as many intra-op threads as usable cores (torch's default), a second Python thread drawing noise shares
-    the cores with torch's pool, whose OpenMP workers spin between operations, and with the step's Python for the
-    GIL: the draw then costs the step more than drawing it at the release in two halves while the pool is idle.
+    On an accelerator the step's math runs there: the CPU is free. On the CPU, only where torch's intra-op threads
+    are fewer than the usable cores: with as many (torch's default), a second Python thread drawing noise shares the
+    cores with torch's pool, whose OpenMP workers spin between operations, and with the step's Python for the GIL,
+    and costs the step more than a draw at the release in two halves while the pool is idle.
     """
+    if device != "cpu":
+        return True
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

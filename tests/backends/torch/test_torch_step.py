@@ -139,7 +139,7 @@ def test_noise_drawn_ahead_releases_the_same_values(monkeypatch):
     runs = []
     # (spare core, AHEAD_MAX): drawn ahead; no core free: at the release; 0: every draw at the release
     for spare, limit in ((True, _torch_front.AHEAD_MAX), (False, _torch_front.AHEAD_MAX), (True, 0)):
-        monkeypatch.setattr(torch_backend, "spare_core", lambda spare=spare: spare)
+        monkeypatch.setattr(torch_backend, "spare_core", lambda device, spare=spare: spare)
         monkeypatch.setattr(_torch_front, "AHEAD_MAX", limit)
         model, x, y = noise_only(seed=5)
         runs.append(np.concatenate([update(model, x, y), update(model, x, y)]))
@@ -150,7 +150,8 @@ def test_noise_drawn_ahead_releases_the_same_values(monkeypatch):
 
 
 def test_noise_is_drawn_ahead_only_beside_a_free_core():
-    """``spare_core``: a draw ahead only where torch's intra-op threads are fewer than the usable cores."""
+    """``spare_core``: a draw ahead only where torch's intra-op threads are fewer than the usable cores, or the step
+    computes on an accelerator."""
     from keras_dpsgd.backends.torch import spare_core
 
     threads = torch.get_num_threads()
@@ -160,5 +161,7 @@ def test_noise_is_drawn_ahead_only_beside_a_free_core():
         assert not spare_core()
         torch.set_num_threads(1)
         assert spare_core() == (cores > 1)
+        torch.set_num_threads(cores)
+        assert spare_core("cuda")  # the step computes on the accelerator
     finally:
         torch.set_num_threads(threads)
