@@ -16,7 +16,6 @@ import math
 import os
 import threading
 
-import numpy as np
 import torch
 
 from keras_dpsgd.backends.torch._ops import NOISE_OPS, WordReader, digest, stream_key
@@ -59,60 +58,24 @@ _CHUNK = 1 << 14
 _PARALLEL_PAIRS = 1 << 17
 
 
-# The core's constants (``keras_dpsgd.dp.noise``): u1 = (x0 + ½)·2⁻³², θ = x1·2π·2⁻³² (Python floats: numpy rounds
-# them to float32 against float32 words, as the core's expression does).
-_TWO_POW_MINUS_32 = 2.0**-32
-_ANGLE = 2.0 * math.pi * _TWO_POW_MINUS_32
-
-
-def _fill(out: np.ndarray, x0: np.ndarray, x1: np.ndarray, scale, scratch: np.ndarray) -> None:
-    """out [2, m] = the core's ``scaled_pairs(NOISE_OPS, x0, x1, scale)`` for words with every x0 > 0, value for value.
-
-    The same float32 operations in the same order (u1, ln u1 · (−2·scale²), its square root r; θ; r·cos θ, r·sin θ),
-    computed in place in `scratch` [2, ≥ m] and `out`: no temporary, no stack, no copy of the chunk.
-    """
-    m = x0.shape[0]
-    radius, angle = scratch[0, :m], scratch[1, :m]
-    s = NOISE_OPS.cast(scale, "float32")
-    np.copyto(radius, x0, casting="unsafe")  # float32(x0)
-    radius += 0.5
-    radius *= _TWO_POW_MINUS_32
-    np.log(radius, out=radius)
-    radius *= -2.0 * s * s
-    np.sqrt(radius, out=radius)
-    np.copyto(angle, x1, casting="unsafe")
-    angle *= _ANGLE
-    np.cos(angle, out=out[0])
-    np.sin(angle, out=out[1])
-    out *= radius
-
-
-def _chunks(n: int, key: int, scale: float, begin: int = 0, end: int | None = None, into=None):
+def _chunks(n: int, key: int, scale: float, begin: int = 0, end: int | None = None):
     """(first pair, [2, m] ``scale``·normals) by chunks of :data:`_CHUNK` pairs from pair `begin` to `end` (the last):
     the core's ``scaled_normal`` under `key` value for value (pair j: x0 = word j, x1 = word P + j of stream 0,
-    refined from stream 1 where x0 = 0: that chunk by the core's ``scaled_pairs`` itself, else :func:`_fill`).
-
-    Each chunk is written into ``into(start, m)`` ([2, m], the caller's buffer) if given, else into a scratch array
-    of this generator's, overwritten by the next chunk."""
+    refined from stream 1 where x0 = 0)."""
     pairs = (n + 1) // 2
     end = pairs if end is None else end
     words = stream_key(key, 0)
     first, second = WordReader(words, begin), WordReader(words, pairs + begin)
     refinement = None  # stream 1: drawn only where a chunk has a pair with x0 == 0 (probability 2^-32 a pair)
-    scratch = np.empty((2, min(_CHUNK, max(end - begin, 0))), np.float32)
-    own = None if into is not None else np.empty_like(scratch)
     for start in range(begin, end, _CHUNK):
         size = min(_CHUNK, end - start)
         x0, x1 = first.read(size), second.read(size)
-        out = own[:, :size] if into is None else into(start, size)
-        if x0.all():
-            _fill(out, x0, x1, scale, scratch)
-        else:
+        extra = ()
+        if not x0.all():
             if refinement is None:
                 refinement = NOISE_OPS.random_words(key, (2, pairs), 1)
             extra = (refinement[0, start : start + size], refinement[1, start : start + size])
-            out[...] = scaled_pairs(NOISE_OPS, x0, x1, scale, *extra)
-        yield start, out
+        yield start, scaled_pairs(NOISE_OPS, x0, x1, scale, *extra)
 
 
 def _in_halves(pairs: int, work) -> None:
@@ -148,8 +111,8 @@ def _normal(n: int, key: int, scale: float, halves: bool = True) -> torch.Tensor
     grid = buffer.numpy().reshape(2, pairs)
 
     def write(begin: int, end: int) -> None:
-        for _ in _chunks(n, key, scale, begin, end, into=lambda start, size: grid[:, start : start + size]):
-            pass
+        for start, values in _chunks(n, key, scale, begin, end):
+            grid[:, start : start + values.shape[1]] = values
 
     if halves:
         _in_halves(pairs, write)

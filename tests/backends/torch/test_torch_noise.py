@@ -113,14 +113,3 @@ def test_noise_drawn_ahead_is_handed_over_once_and_only_for_its_key_size_and_sca
     assert ahead.take(1, key, 10, 1.0) is None  # another key
     assert ahead.take(2, key, 7, 2.5) is None  # another scale
     ahead.close()
-
-
-@pytest.mark.parametrize("scale", [1.0, 1.1 * 0.7, 3e-3])
-def test_the_in_place_chunks_are_the_cores_values_at_full_chunk_size(scale):
-    """``_fill`` (the core's float32 operations in place, in cache-sized chunks) on chunks of the default size and a cut
-    last chunk: the core's ``scaled_normal`` value for value, at scales that float32 rounds."""
-    from keras_dpsgd.dp.noise import scaled_normal
-
-    n = 4 * _noise._CHUNK + 7
-    key = _noise.seeded_key(11, 2, 1)
-    np.testing.assert_array_equal(_noise._normal(n, key, scale).numpy(), scaled_normal(_ops.NOISE_OPS, n, key, scale))
