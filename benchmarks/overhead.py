@@ -36,7 +36,8 @@ What is measured:
   ``bert-lora``): "torch" (plain ``torch.optim.SGD``), "opacus-hooks" and "opacus-ghost" (Opacus 1.6's
   ``PrivacyEngine``, σ = 1.1, C = 1; ``pip install keras-dpsgd[bench]``), whose ratios are over "torch";
   ``--threads`` sets torch's intra-op threads (default 1); keras_dpsgd's torch step draws its noise on a second
-  Python thread besides them (``ratio`` is wall time, ``cpu_ratio`` counts every thread).
+  Python thread besides them where they leave a core free (fewer threads than cores), else at the release in two
+  halves (``ratio`` is wall time, ``cpu_ratio`` counts every thread).
 * ``memory`` (``--memory``): on a GPU, ``tf.config.experimental.get_memory_info`` peak bytes; on CPU,
   the peak resident set size (``VmHWM``) of a fresh process that imports TensorFlow, builds the
   model and trains a few steps, and ``delta`` = that peak minus the RSS just before ``fit`` (what

@@ -61,10 +61,14 @@ class TorchFront:
     def draw_ahead(self) -> None:
         """Starts this step's noise on a second thread while the step computes its clipped sum
         (``backends.torch.NoiseAhead``): a lot of one batch (released in this step), not BandMF, at most
-        :data:`AHEAD_MAX` coordinates. Its keys and scales σ_v·C_g are fixed before the step reads any example
-        (the keys of this release: its ledger position, or its OS-entropy count, taken once for the release)."""
+        :data:`AHEAD_MAX` coordinates, where the step leaves a CPU core free (``spare_core``: a step on an
+        accelerator, or fewer intra-op threads than cores; else the release draws it, in two halves on two threads).
+        Its keys and scales σ_v·C_g are fixed before the step reads any example (the keys of this release: its ledger
+        position, or its OS-entropy count, taken once for the release)."""
         optimizer, sigmas = self.optimizer, self.optimizer._dp.sigmas
         if self.accumulation != 1 or getattr(optimizer, "bandmf_strategy", None) is not None:
+            return
+        if not self.variables or not torch_backend.spare_core(self.variables[0].value.device.type):
             return
         sizes = [math.prod(v.shape) for v in self.variables]
         noised = [v for v, n in enumerate(sizes) if sigmas[v] and n]

@@ -14,7 +14,14 @@ from typing import Any
 
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.backends.tensorflow.ops import make_local_state
-from keras_dpsgd.backends.torch._noise import EntropyKeys, NoiseAhead, add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.torch._noise import (
+    EntropyKeys,
+    NoiseAhead,
+    add_gaussian,
+    seeded_key,
+    spare_core,
+    standard_normal,
+)
 from keras_dpsgd.backends.torch._ops import TORCH_OPS
 from keras_dpsgd.backends.torch._ops import TORCH_OPS as OPS
 from keras_dpsgd.backends.torch._per_example import (
@@ -43,6 +50,7 @@ __all__ = [
     "per_example_grads",
     "perturbation_grads",
     "seeded_key",
+    "spare_core",
     "sq_norms",
     "standard_normal",
 ]

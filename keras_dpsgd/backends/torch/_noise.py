@@ -21,7 +21,7 @@ import torch
 from keras_dpsgd.backends.torch._ops import NOISE_OPS, WordReader, digest, stream_key
 from keras_dpsgd.dp.noise import noise_key, scaled_pairs
 
-__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys", "NoiseAhead"]
+__all__ = ["add_gaussian", "standard_normal", "seeded_key", "EntropyKeys", "NoiseAhead", "spare_core"]
 
 
 def seeded_key(seed: int, step, index: int) -> int:
@@ -119,6 +119,23 @@ def _normal(n: int, key: int, scale: float, halves: bool = True) -> torch.Tensor
     else:
         write(0, pairs)
     return buffer[:n]
+
+
+def spare_core(device: str = "cpu") -> bool:
+    """Whether a draw ahead has a CPU core to itself beside a step computing on `device` (a ``torch.device`` type).
+
+    On an accelerator the step's math runs there: the CPU is free. On the CPU, only where torch's intra-op threads
+    are fewer than the usable cores: with as many (torch's default), a second Python thread drawing noise shares the
+    cores with torch's pool, whose OpenMP workers spin between operations, and with the step's Python for the GIL,
+    and costs the step more than a draw at the release in two halves while the pool is idle.
+    """
+    if device != "cpu":
+        return True
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return torch.get_num_threads() < cores
 
 
 class NoiseAhead:

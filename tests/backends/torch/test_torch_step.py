@@ -7,6 +7,8 @@ The oracle is the behaviour suite's one-example loop (tests/_keras3_helpers.py: 
 of one, no vmap, clipped in numpy); σ = 0 makes the step exact.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -125,18 +127,41 @@ def test_dp_optimizers_take_kerass_fused_torch_update():
 
 
 def test_noise_drawn_ahead_releases_the_same_values(monkeypatch):
-    """A lot of one batch draws its noise on a second thread during the step (``TorchFront.draw_ahead``): a seeded
-    run gives the weights of the same run drawing at the release, bit for bit."""
+    """A lot of one batch draws its noise on a second thread during the step (``TorchFront.draw_ahead``) where
+    torch's intra-op threads leave a core free (``spare_core``): a seeded run gives the weights of the same run
+    drawing at the release (no spare core, or a release too large to draw ahead), bit for bit."""
+    from keras_dpsgd.backends import torch as torch_backend
     from keras_dpsgd.backends.torch import NoiseAhead
     from keras_dpsgd.keras3 import _torch_front
 
     taken, take = [], NoiseAhead.take
     monkeypatch.setattr(NoiseAhead, "take", lambda self, *args: taken.append(take(self, *args)) or taken[-1])
     runs = []
-    for limit in (_torch_front.AHEAD_MAX, 0):  # 0: every draw at the release
+    # (spare core, AHEAD_MAX): drawn ahead; no core free: at the release; 0: every draw at the release
+    for spare, limit in ((True, _torch_front.AHEAD_MAX), (False, _torch_front.AHEAD_MAX), (True, 0)):
+        monkeypatch.setattr(torch_backend, "spare_core", lambda device, spare=spare: spare)
         monkeypatch.setattr(_torch_front, "AHEAD_MAX", limit)
         model, x, y = noise_only(seed=5)
         runs.append(np.concatenate([update(model, x, y), update(model, x, y)]))
     assert len(taken) == 2 and all(t is not None for t in taken)  # the first run's two releases took their draws
     np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], runs[2])
     assert np.std(runs[0]) > 0.01  # noise was added
+
+
+def test_noise_is_drawn_ahead_only_beside_a_free_core():
+    """``spare_core``: a draw ahead only where torch's intra-op threads are fewer than the usable cores, or the step
+    computes on an accelerator."""
+    from keras_dpsgd.backends.torch import spare_core
+
+    threads = torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(cores)
+        assert not spare_core()
+        torch.set_num_threads(1)
+        assert spare_core() == (cores > 1)
+        torch.set_num_threads(cores)
+        assert spare_core("cuda")  # the step computes on the accelerator
+    finally:
+        torch.set_num_threads(threads)
