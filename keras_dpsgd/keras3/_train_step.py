@@ -37,6 +37,7 @@ from keras_dpsgd.keras3._loss import per_example_loss, weight_regularization
 from keras_dpsgd.keras3._optimizer import check_dp_optimizer
 from keras_dpsgd.keras3._refusals import refuse_adapted_preprocessing, refuse_example_mixing
 from keras_dpsgd.step.lots import is_lots_dataset
+from keras_dpsgd.step.prebuild import build_before_the_trace
 from keras_dpsgd.dp.refusals import refuse
 
 __all__ = [
@@ -214,26 +215,8 @@ def _fit(self: keras.Model, x: Any = None, *args, **kwargs):
             build_compiled_loss(self, x)  # Keras's own build would pair a [B] weight with a [B, T] loss's tokens
         with values_kept_on_refusal(self):
             return type(self).fit(self, x, *args, **kwargs)
-    _build_optimizer_before_the_trace(self)
+    build_before_the_trace(self, strategy=getattr(self, "_distribute_strategy", None))  # traced once
     return type(self).fit(self, x, *args, **kwargs)
-
-
-def _build_optimizer_before_the_trace(model: keras.Model) -> None:
-    """TensorFlow: builds the model's DP optimizer before ``fit`` traces the train step.
-
-    Without a distribution strategy Keras builds the optimizer inside the first trace of the train
-    function, and the step attaches the ledger there; the variables made in that trace (the DP optimizer's
-    ``clip_bounds``, a lot's accumulators, the model's copy of the ledger) make ``tf.function`` trace the
-    whole step a second time, doubling the first step's cost. Built here with the same variables (every
-    layer built, so the trace adds none), the step is traced once. Under a strategy Keras builds it before
-    the trace itself; an unbuilt layer leaves it to Keras.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    if not ledger.is_dp_optimizer(optimizer) or getattr(model, "_distribute_strategy", None) is not None:
-        return
-    ledger.ledger_state_holders(model, optimizer)  # the model's copy of the ledger (a variable), made once
-    if not optimizer.built and all(layer.built for layer in model._flatten_layers()):
-        optimizer.build(model.trainable_variables)
 
 
 def _train_on_batch(self: keras.Model, *args, **kwargs):

@@ -14,10 +14,15 @@ weight regularizers needs this call; other tf_keras models do not.
 Augmentation multiplicity (``make_private(model, augmentation=..., augmentation_multiplicity=K)``)
 also gives the model a ``train_step``: tf_keras's own, on the K views of each example
 (``keras_dpsgd.step.augment``), with the per-example loss the mean of the views' losses.
+
+Every tf_keras model's ``make_train_function`` (which ``fit`` calls before its first step) first builds a
+DP optimizer, so that the step is traced once (``keras_dpsgd.step.prebuild``): tf_keras gives a DP
+optimizer no other hook before the trace. Models with another optimizer are untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 
 import tensorflow as tf
@@ -26,9 +31,10 @@ import tf_keras
 from keras_dpsgd.step import display as _display, distribute as _distribute
 from keras_dpsgd.step.augment import Augmentation, check_augmentation
 from keras_dpsgd.step.loss import refuse_data_losses, regularization_sum
+from keras_dpsgd.step.prebuild import build_before_the_trace
 from keras_dpsgd.dp.refusals import refuse
 
-__all__ = ["make_private", "weight_regularization_terms"]
+__all__ = ["make_private", "weight_regularization_terms", "install_build_before_the_trace"]
 
 _AUGMENTATION_ATTR = "_keras_dpsgd_augmentation"
 
@@ -142,3 +148,23 @@ def make_private(model: tf_keras.Model, *, augmentation=None, augmentation_multi
             del vars(model)["train_step"]  # an earlier make_private's augmentation, undone
     model.train_function = None  # Retraced with the private compute_loss.
     return model
+
+
+def install_build_before_the_trace() -> None:
+    """``tf_keras.Model.make_train_function`` builds a DP optimizer first (module docstring); installed once."""
+    make = tf_keras.Model.make_train_function
+    if getattr(make, "_keras_dpsgd_builds_first", False):
+        return
+
+    @functools.wraps(make)
+    def make_train_function(self, force=False):
+        if force or self.train_function is None:  # the step is about to be traced
+            build_before_the_trace(
+                self,
+                strategy=self._distribution_strategy,
+                own_train_steps=(tf_keras.Model.train_step, _augmented_train_step),
+            )
+        return make(self, force)
+
+    make_train_function._keras_dpsgd_builds_first = True
+    tf_keras.Model.make_train_function = make_train_function

@@ -296,3 +296,45 @@ def test_a_custom_loop_with_a_poisson_rate_is_refused_unless_stated():
     assume_poisson(opt)
     step()(x, y)
     assert int(opt.noised_steps.numpy()) == 1
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda: DPSGDOptimizer(1.0, 1.1, learning_rate=LR),
+        lambda: DPAdamOptimizer([1.0] * 4, 1.1, gradient_accumulation_steps=2),
+        lambda: __import__("keras_dpsgd.tf_keras", fromlist=["x"]).AdaptiveDPSGDOptimizer([1.0] * 4, 1.1, 1.0),
+    ],
+    ids=["sgd", "adam-per-layer-accumulated", "adaptive"],
+)
+def test_the_private_step_is_traced_once(make_optimizer):
+    """``fit`` traces the DP step once: the DP optimizer and the model's copy of the ledger are built before the
+    trace (``keras_dpsgd.step.prebuild``; variables made in the first trace made ``tf.function`` trace it again)."""
+    model = _model("dense")
+    model.compile(optimizer=make_optimizer(), loss=_loss())
+    x, y = _data("dense", 8)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert model.train_tf_function.experimental_get_tracing_count() == 1
+    assert int(model.optimizer.noised_steps.numpy()) == (1 if model.optimizer.gradient_accumulation_steps == 2 else 2)
+
+
+def test_a_model_with_its_own_train_step_is_left_to_tf_keras():
+    """A train_step of the model's own class may train other variables: its optimizer is built by tf_keras, in
+    the trace, from the variables that step passes (traced twice, as tf_keras does for every optimizer)."""
+
+    class Own(keras.Sequential):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self.compiled_loss(y, self(x, training=True))
+            self.optimizer.minimize(loss, self.trainable_variables[2:], tape=tape)  # the last layer only
+            return {"loss": tf.reduce_mean(loss)}
+
+    keras.utils.set_random_seed(3)
+    model = Own([keras.layers.Dense(6, activation="relu", input_shape=(4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=DPSGDOptimizer(1.0, 0.0, learning_rate=LR), loss=_loss())
+    first = model.layers[0].kernel.numpy()
+    x, y = _data("dense", 4)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    np.testing.assert_array_equal(model.layers[0].kernel.numpy(), first)
+    assert int(model.optimizer.noised_steps.numpy()) == 1
