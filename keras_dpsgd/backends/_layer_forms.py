@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import string
 from typing import Any, Callable
 
 import keras
@@ -84,12 +86,17 @@ def _weighted(m: Arrays, norms, gram):
     return m.sum(norms * m.einsum("bts,bs->bt", abs(gram), norms), 1)
 
 
+def gram_cheaper(rows: int, d_in: int, d_out: int) -> bool:
+    """Whether the Gram form of T rows (B·T²·(i + j)) costs less than the direct product (B·T·i·j)."""
+    return rows * (d_in + d_out) < d_in * d_out
+
+
 def outer_sq_norms(m: Arrays, a, d):
     """Upper bounds of (||Σ_t a_tᵀ δ_t||², ||Σ_t δ_t||²) per example from rows a [B, T, i] and δ [B, T, j] (float32):
     a Dense kernel and bias (``keras_dpsgd.dp.rounding``: certified, whatever the rows' cancellation).
 
     ``||a||²·||δ||²`` for one row; else the Gram form ``Σ_{t,s}(a_t·a_s)(δ_t·δ_s)`` (B·T²·(i + j); Li et al. 2022's
-    ghost norm) or the direct product (B·T·i·j), whichever is cheaper.
+    ghost norm) or the direct product (B·T·i·j), whichever is cheaper (:func:`gram_cheaper`).
     """
     rows, d_in, d_out = a.shape[1], a.shape[2], d.shape[2]
     if rows == 1:  # the bias's gradient is δ itself (no sum over rows), the kernel's a δᵀ: one ‖δ‖² serves both
@@ -101,7 +108,7 @@ def outer_sq_norms(m: Arrays, a, d):
     bias = _rounding.linear_upper(m.sum(summed * summed, 1), d_out, m.sum(d_norms, 1), rows)
     a_norms = _row_norms(m, a)
     lengths = m.sum(a_norms * d_norms, 1)  # S = Σ_t ‖a_t‖ ‖δ_t‖
-    if rows * (d_in + d_out) < d_in * d_out:
+    if gram_cheaper(rows, d_in, d_out):
         aa, dd = _gram(m, a), _gram(m, d)
         terms = aa * dd
         gram, absolute = m.sum(terms, (1, 2)), m.sum(abs(terms), (1, 2))
@@ -176,13 +183,69 @@ class DenseForm(Rule):
         return {k: v for k, v in out.items() if k in keep}
 
 
+def einsum_rows(equation: str) -> tuple[str, str, str, str, str] | None:
+    """The letters (x, y, T, D, U) of ``y = einsum("x,w->y", x, w)`` whose kernel gradient is a sum of outer products
+    of rows: each example's ``Σ_t a_tᵀ δ_t`` (entries permuted) with rows a_t of x over the D letters and δ_t of its
+    output gradient over the U letters, t over the T letters; None where it is no such sum.
+
+    Each kernel letter must be contracted with x (a D letter: in x, not in y) or kept in y (a U letter: in y, not in
+    x), and every other letter be in both x and y (the rows T): the rows are then x and δ transposed, exact copies, as
+    certified as a Dense's (a letter summed first, of x or y alone, would round the rows: None). Written as in
+    ``keras.layers.EinsumDense``: two operands, each letter once, no ellipsis."""
+    spec = equation.replace(" ", "")
+    if "..." in spec or spec.count("->") != 1 or spec.count(",") != 1:
+        return None
+    inputs, y = spec.split("->")
+    x, w = inputs.split(",")
+    if not all(s.isalpha() and len(set(s)) == len(s) for s in (x, w, y)) or any((c in x) == (c in y) for c in w):
+        return None
+    if any(c not in w and c not in y for c in x) or any(c not in w and c not in x for c in y):
+        return None
+    rows = "".join(c for c in x if c in y)  # not in w: a kernel letter is in exactly one of x and y
+    return x, y, rows, "".join(c for c in w if c in x), "".join(c for c in w if c in y)
+
+
+def _einsum_rows(m: Arrays, spec: str, rows: str, columns: str, tensors):
+    """The calls' tensors ([B, 1, ...] each, the 1 the example's batch axis, letters `spec`) transposed to rows
+    [B, T, k] (T over the `rows` letters, k over the `columns`), concatenated over the calls, in float32."""
+    example = next(c for c in string.ascii_letters if c not in spec)
+    out = []
+    for x in tensors:
+        size = dict(zip(spec, x.shape[1:]))
+        r = m.einsum(f"{example}{spec}->{example}{rows}{columns}", m.float32(x))  # a transpose: exact
+        out.append(r.reshape(x.shape[0], math.prod(size[c] for c in rows), math.prod(size[c] for c in columns)))
+    return out[0] if len(out) == 1 else m.concat(out, 1)
+
+
 class EinsumDenseForm(DenseForm):
     def pre(self, layer, inputs):
         x = keras.ops.einsum(layer.equation, inputs, layer.kernel)
         return x if layer.bias is None else keras.ops.add(x, layer.bias)
 
     def sq_norms(self, layer, calls, trainable):
-        return None
+        """Where the kernel's gradient is a sum of outer products of rows (:func:`einsum_rows`) and the Gram form
+        costs less than the product (:func:`gram_cheaper`; one row: ``||a||²·||δ||²``), the kernel's norm from the
+        calls' rows (:func:`outer_sq_norms`), and a bias along the U axes takes ``||Σ_t δ_t||²``; else None (each
+        example's gradient materialized, which the release then sums). None under LoRA."""
+        letters = None if layer.lora_enabled or self.arrays is None else einsum_rows(layer.equation)
+        if letters is None or (layer.bias is not None and set(layer.bias_axes) != set(letters[4])):
+            return None  # (a bias along other axes: materialized with the kernel)
+        x, y, rows, d_letters, u_letters = letters
+        size = dict(zip(x, calls[0][0].shape[1:]))
+        size.update(zip(y, calls[0][1].shape[1:]))
+        count = sum(math.prod(a.shape[1:]) for a, _ in calls) // math.prod(size[c] for c in d_letters)
+        d_in, d_out = (math.prod(size[c] for c in group) for group in (d_letters, u_letters))
+        if count > 1 and not gram_cheaper(count, d_in, d_out):
+            return None
+        m = self.arrays
+        a = _einsum_rows(m, x, rows, d_letters, [a for a, _ in calls])
+        d = _einsum_rows(m, y, rows, u_letters, [g for _, g in calls])
+        kernel, bias = outer_sq_norms(m, a, d)
+        out = {id(layer._kernel): kernel}
+        if layer.bias is not None:
+            out[id(layer.bias)] = bias
+        keep = {id(t) for t in trainable}
+        return {k: v for k, v in out.items() if k in keep}
 
 
 class ConvForm(Rule):

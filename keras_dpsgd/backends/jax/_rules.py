@@ -6,10 +6,10 @@ whose output before its activation, ``pre(layer, inputs)``, is affine in its tra
 From each example's inputs ``a_i`` and output gradients ``δ_i`` (one pair per call, [B, 1, ...]: each example a
 batch of one), :func:`per_example_grads` gives this layer's gradient of one example (``jax.vmap`` of a
 vector-Jacobian product) and :func:`weighted_sums` the clipped sum ``Σ_i f_i g_i`` (one vector-Jacobian product over
-the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may replace the former by closed forms (Dense and Embedding:
-the shared ones; convolutions: Dense's forms on the input's patches, here), and ``Rule.grads`` by each example's
-gradient materialized in closed form (convolutions from the input's windows, ``_conv``: then the norm and the clipped
-sum read those values). ``RULES`` maps an exact layer type to its rule.
+the batch, cotangents ``f_i δ_i``). ``Rule.sq_norms`` may replace the former by closed forms (Dense, EinsumDense and
+Embedding: the shared ones; convolutions: Dense's forms on the input's patches, here), and ``Rule.grads`` by each
+example's gradient materialized in closed form (convolutions from the input's windows, ``_conv``: then the norm and
+the clipped sum read those values). ``RULES`` maps an exact layer type to its rule.
 
 A closed form is a certified upper bound of the squared norm, not its float32 value: the clipped sum is computed
 apart (one product over all rows), so rows that cancel must not round the norm to 0 (``keras_dpsgd.dp.rounding``,
@@ -106,7 +106,7 @@ class _PReLU(Rule):
 RULES: dict[type, Rule] = {
     **_forms.registry(
         _forms.DenseForm(ARRAYS),
-        _forms.EinsumDenseForm(),
+        _forms.EinsumDenseForm(ARRAYS),
         _Conv(),
         _forms.EmbeddingForm(ARRAYS),
         _forms.LayerNormForm(),

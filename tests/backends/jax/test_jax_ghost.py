@@ -7,7 +7,9 @@ jax.vmap). The models are the torch ghost tests' (tests/_ghost_models.py).
 
 import keras
 import numpy as np
+import pytest
 
+from keras_dpsgd.backends import _layer_forms
 from keras_dpsgd.backends.jax import ghost as _ghost
 from tests._behaviour import built
 from tests._ghost_models import ghost_model, per_layer_clip
@@ -109,8 +111,43 @@ def test_auto_equals_reference_with_accumulation():
     assert any(np.abs(u).max() > 1e-4 for u in updates[0])
 
 
-def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_example_still_counts():
-    """A Dense on a sequence in the Gram form (T = 2, 8 -> 16: T(i + j) < ij). Rows a_2 ≈ a_1 with output gradients
+def _attention_projections():
+    """keras_hub's attention projections on T = 6 rows (query "abc,cde->abde", bias "de"; output "abcd,cde->abe",
+    bias "e"), an EinsumDense whose bias runs along the rows (no row form: materialized), then a Dense head."""
+    rng = np.random.default_rng(3)
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(ids)
+    h = keras.layers.EinsumDense("abc,cde->abde", (6, 2, 4), bias_axes="de", activation="tanh", name="query")(h)
+    h = keras.layers.EinsumDense("abcd,cde->abe", (6, 8), bias_axes="e", name="output")(h)
+    h = keras.layers.EinsumDense("abc,cd->abd", (6, 4), bias_axes="bd", activation="tanh", name="rows_bias")(h)
+    model = keras.Model(ids, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    return model, rng.integers(0, 20, size=(5, 6)).astype("int32"), rng.integers(0, 3, size=5)
+
+
+@pytest.mark.parametrize("gram", [True, False], ids=["gram", "materialized"])
+def test_einsum_dense_on_a_sequence_matches_the_loop_in_either_form(gram, monkeypatch):
+    """Each EinsumDense kernel's norm by the Gram form of its rows (forced) or from each example's gradient
+    materialized (forced: the release sums those): the loop's per-layer clipped step either way."""
+    taken = {}
+    original = _layer_forms.EinsumDenseForm.sq_norms
+
+    def spy(self, layer, calls, trainable):
+        out = original(self, layer, calls, trainable)
+        taken[layer.name] = out is not None
+        return out
+
+    monkeypatch.setattr(_layer_forms, "gram_cheaper", lambda *_: gram)
+    monkeypatch.setattr(_layer_forms.EinsumDenseForm, "sq_norms", spy)
+    model, x, y = _attention_projections()
+    assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
+    assert taken == {"query": gram, "output": gram, "rows_bias": False}
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_example_still_counts(kind):
+    """A Dense on a sequence in the Gram form (T = 2, 8 -> 16: T(i + j) < ij), and an EinsumDense with its output
+    in two axes (``"abc,cde->abde"``, the rows as a Dense's). Rows a_2 ≈ a_1 with output gradients
     δ_2 = -δ_1 cancel: the kernel's gradient a_1ᵀδ_1 + a_2ᵀδ_2 is far below the float32 rounding of
     Σ_{t,s}(a_t·a_s)(δ_t·δ_s) (~u·S², S = Σ_t ‖a_t‖‖δ_t‖), which can round it to 0 or below on some machines.
     Whatever the machine, the rule returns an upper bound of the float64 norm, within its certified margin
@@ -135,10 +172,13 @@ def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_exam
     margin = _rounding.gamma(8 + 16 + 1) * lengths**2 + _rounding.gamma(4) * terms
     assert (true_sq < 1e-3 * margin).all()  # the case is real: the true norm is below float32's rounding
 
-    layer = keras.layers.Dense(16)
+    if kind == "dense":
+        layer, out_shape = keras.layers.Dense(16), (64, 1, 2, 16)
+    else:
+        layer, out_shape = keras.layers.EinsumDense("abc,cde->abde", (None, 4, 4), bias_axes="de"), (64, 1, 2, 4, 4)
     layer.build((None, 2, 8))
     rule = _rules.rule_for(layer)
-    calls = [(a[:, None], d[:, None])]  # [B, 1, T, ...]: each example a batch of one
+    calls = [(a[:, None], d.reshape(out_shape))]  # [B, 1, T, ...]: each example a batch of one
     sq = rule.sq_norms(layer, calls, layer.trainable_variables)
     kernel_sq, bias_sq = (np.asarray(sq[id(v)], np.float64) for v in (layer._kernel, layer.bias))
     assert (kernel_sq >= true_sq).all()  # certified
@@ -157,5 +197,6 @@ def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_exam
     f = np.asarray(factors, np.float64)[:, 0]
     expected = np.einsum("b,bij->ij", f, g)
     rounding = _rounding.gamma(64 * 2 + 2) * np.einsum("b,bti,btj->ij", f, np.abs(a64), np.abs(d64))
-    assert (np.abs(np.asarray(sums[id(layer._kernel)], np.float64) - expected) <= rounding).all()
+    kernel_sum = np.asarray(sums[id(layer._kernel)], np.float64).reshape(expected.shape)
+    assert (np.abs(kernel_sum - expected) <= rounding).all()
     np.testing.assert_array_equal(np.asarray(sums[id(layer.bias)]), 0.0)
