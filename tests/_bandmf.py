@@ -43,23 +43,21 @@ def _compile(model, optimizer, loss=None):
     return model
 
 
+@contextlib.contextmanager
 def _fixed_threads():
     """torch: one intra-op thread for both runs while the test runs (its parallel matmuls may split a sum
     differently from one run to the next on a loaded machine: a rounding difference this test is not about)."""
     if keras.backend.backend() != "torch":
-        return contextlib.nullcontext()
+        yield
+        return
     import torch
 
-    @contextlib.contextmanager
-    def one_thread():
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
-
-    return one_thread()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_one_band_is_dpsgd_bit_for_bit():
