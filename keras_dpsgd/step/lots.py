@@ -350,26 +350,22 @@ class PoissonLots(PoissonSampling):
         # while it is made, which the process's peak memory keeps).
         x = tf.nest.map_structure(tf.convert_to_tensor, self._x)
         y = tf.nest.map_structure(tf.convert_to_tensor, self._y)
-        signature = (
-            tf.TensorSpec(shape=(None,), dtype=tf.int64),
-            tf.TensorSpec(shape=(None,), dtype=tf.float32),
-            tf.TensorSpec(shape=(), dtype=tf.int64),
-        )
-        n = self._n
 
         def gather(idx, w, real):
-            del real  # padding rows have index N: read row 0, then zeroed (the finite padding example)
-            padding = idx >= n
-            safe = tf.where(padding, tf.zeros_like(idx), idx)
+            # The real rows come first (padding rows, index N, after them): gather those, then pad with zeros (the
+            # finite padding example). One copy of the batch, where gathering every row and masking the padding
+            # took three (benchmarks/padding.py).
+            padding = tf.shape(idx, out_type=tf.int64)[0] - real
 
             def take(a):
-                rows = tf.gather(a, safe)
-                where = tf.reshape(padding, tf.concat([[-1], tf.ones([tf.rank(a) - 1], tf.int32)], 0))
-                return tf.where(where, tf.zeros_like(rows), rows)
+                rows = tf.gather(a, idx[:real])
+                return tf.pad(
+                    rows, [[0, padding]] + [[0, 0]] * (a.shape.rank - 1), constant_values=tf.zeros([], a.dtype)
+                )
 
             return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), w
 
-        indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
+        indices = self._index_dataset(num_lots)
         return self._finished(indices, num_lots, gather)
 
     def _finished(self, batches: tf.data.Dataset, num_lots: Optional[int], fn: Any = None) -> tf.data.Dataset:
