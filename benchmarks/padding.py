@@ -8,7 +8,10 @@ Usage::
 What is measured, in one process, interleaved in rounds (``overhead.py``'s models and step timer):
 
 * ``nonprivate``: a Keras 3 ``fit`` on batches of exactly L rows;
-* ``equal_rows``: the DP step (``make_private``, ``DPSGDOptimizer``, the fast backend) on plain batches of L rows;
+* ``equal_rows``: the DP step (``make_private``, ``DPSGDOptimizer``, the fast backend) on plain batches of L rows
+  (Keras slices the arrays into full batches: the traced step knows the batch size, L);
+* ``equal_rows_dynamic``: the same DP step on batches of exactly L rows from a ``tf.data.Dataset`` whose batch
+  dimension is None, as a lot's is (a Poisson lot's size varies, so the step is traced for any batch size);
 * ``lots``: the same DP step fed ``PoissonLots(expected_lot_size=L)`` (configured on the optimizer), whose
   batches have the physical size ``lots.physical_batch_size`` (``rows`` in the JSON): padded to the capacity;
 * ``lots_multiple``: the same with ``pad_to_multiple_of=m``, m = ceil(√L) by default (``multiple``), each lot
@@ -22,7 +25,11 @@ the timed steps are those of sizes already seen, as in a long training, not the 
 
 Ratios: ``equal_rows_ratio`` = equal_rows / nonprivate, ``lots_ratio`` = lots / nonprivate, and
 ``padding_cost`` = lots / equal_rows (what the padding adds; issue 41 asks for at most 1.2 at L >= 64),
-``padding_cost_multiple`` = lots_multiple / equal_rows.
+``padding_cost_multiple`` = lots_multiple / equal_rows; ``dynamic_batch_cost`` = equal_rows_dynamic / equal_rows (what
+a step traced for any batch size costs over one traced for L rows: no padding in it), ``padding_cost_dynamic`` and
+``padding_cost_multiple_dynamic``: lots and lots_multiple over equal_rows_dynamic (the padding alone). ``*_cpu``: the
+same ratios of the steps' process CPU times (all threads; less sensitive to other processes on the machine than wall
+time, still not immune), ``median_step_cpu_s``.
 One JSON object on stdout.
 """
 
@@ -42,6 +49,14 @@ import overhead  # noqa: E402 (benchmarks/ is not a package)
 DATA_LOTS = 16  # the data set holds this many expected lots: N = 16·L
 
 
+def _batches_of_unknown_size(x, y, lot_size: int, n: int):
+    """`n` batches of exactly `lot_size` rows whose batch dimension is None in the element spec, as a lot's."""
+    import tensorflow as tf
+
+    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().take(n * lot_size)
+    return data.batch(lot_size).prefetch(tf.data.AUTOTUNE)  # no drop_remainder: the batch dimension stays None
+
+
 def run_padding(
     name: str, lot_size: int, steps: int, rounds: int, multiple: int | None = None, warmup_lots: int = 40
 ) -> dict:
@@ -56,7 +71,7 @@ def run_padding(
         "lots_multiple": PoissonLots(x, y, expected_lot_size=lot_size, pad_to_multiple_of=multiple, seed=0),
     }
     weights, models = None, {}
-    for config in ("nonprivate", "equal_rows", *samplers):
+    for config in ("nonprivate", "equal_rows", "equal_rows_dynamic", *samplers):
         model = overhead.build_model(name)
         weights = weights or model.get_weights()
         model.set_weights(weights)
@@ -65,20 +80,26 @@ def run_padding(
             samplers[config].configure(model.optimizer)
         models[config] = model
     times = {config: [] for config in models}
+    cpu = {config: [] for config in models}
 
     def fit(config: str, n: int) -> list:
-        if config in samplers:
+        if config in samplers or config == "equal_rows_dynamic":
             timer = overhead._BatchTimer()
-            models[config].fit(samplers[config].dataset(n), epochs=1, verbose=0, callbacks=[timer])
+            data = samplers[config].dataset(n) if config in samplers else _batches_of_unknown_size(x, y, lot_size, n)
+            models[config].fit(data, epochs=1, verbose=0, callbacks=[timer])
+            cpu[config] += timer.cpu_times
             return timer.times
-        return overhead.time_steps(models[config], x, y, lot_size, n)
+        return overhead.time_steps(models[config], x, y, lot_size, n, cpu[config])
 
     for config in models:  # warm-up: traces the train function; the sampled sizes' kernels (see the module doc)
         fit(config, warmup_lots if config in samplers else 2)
+    for config in models:
+        cpu[config].clear()
     for _ in range(rounds):
         for config in models:
             times[config] += fit(config, steps)
     med = {config: statistics.median(ts) for config, ts in times.items()}
+    med_cpu = {config: statistics.median(ts) for config, ts in cpu.items()}
     probe = PoissonLots(x, y, expected_lot_size=lot_size, pad_to_multiple_of=multiple, seed=1)
     return {
         "lot_size": lot_size,
@@ -92,6 +113,13 @@ def run_padding(
         "lots_ratio": med["lots"] / med["nonprivate"],
         "padding_cost": med["lots"] / med["equal_rows"],
         "padding_cost_multiple": med["lots_multiple"] / med["equal_rows"],
+        "dynamic_batch_cost": med["equal_rows_dynamic"] / med["equal_rows"],
+        "padding_cost_dynamic": med["lots"] / med["equal_rows_dynamic"],
+        "padding_cost_multiple_dynamic": med["lots_multiple"] / med["equal_rows_dynamic"],
+        "median_step_cpu_s": med_cpu,
+        "padding_cost_cpu": med_cpu["lots"] / med_cpu["equal_rows"],
+        "padding_cost_multiple_cpu": med_cpu["lots_multiple"] / med_cpu["equal_rows"],
+        "dynamic_batch_cost_cpu": med_cpu["equal_rows_dynamic"] / med_cpu["equal_rows"],
     }
 
 

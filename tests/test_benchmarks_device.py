@@ -65,6 +65,6 @@ def test_dry_run_writes_the_documented_json(tmp_path):
     lots = tf_run["padding"]["mlp/L=4"]
     assert all(field in lots for field in pad)
     assert lots["rows"] > lots["lot_size"] == 4  # the padded lot is bigger than L
-    assert set(lots["median_step_s"]) == {"nonprivate", "equal_rows", "lots", "lots_multiple"}
+    assert set(lots["median_step_s"]) == {"nonprivate", "equal_rows", "equal_rows_dynamic", "lots", "lots_multiple"}
     assert lots["multiple"] == 2 and lots["rows_multiple_mean"] >= 2  # m = ceil(sqrt(4))
     assert lots["padding_cost"] == lots["median_step_s"]["lots"] / lots["median_step_s"]["equal_rows"]

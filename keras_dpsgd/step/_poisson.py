@@ -11,6 +11,7 @@ docstring of :mod:`keras_dpsgd.step.lots`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from typing import Any, Iterator, Optional
@@ -26,6 +27,7 @@ from keras_dpsgd.dp.refusals import refuse
 __all__ = ["PoissonSampling", "check_num_lots", "check_workers", "strategy_workers"]
 
 _LOG = logging.getLogger("keras_dpsgd")
+_LOTS_PER_BLOCK = 16  # lots per element of the index generator (PoissonSampling._index_dataset)
 
 
 def _lot_capacity(num_examples: int, sampling_rate: float, overflow_probability: float) -> int:
@@ -273,6 +275,38 @@ class PoissonSampling:
             idx, w = self._padded(len(indices), indices, weights, self._n)
             yield from self._parts(len(indices), idx, w)
             drawn += 1
+
+    def _index_dataset(self, num_lots: Optional[int]) -> tf.data.Dataset:
+        """:meth:`_index_batches` as a ``tf.data.Dataset`` of (row indices, sample weights, real rows) per physical
+        batch, the same batches in the same order.
+
+        The generator hands ``tf.data`` up to ``_LOTS_PER_BLOCK`` lots at a time (their batches concatenated), cut
+        into batches by ``tf.data`` itself: each element that crosses from Python into ``tf.data`` costs a few
+        hundred microseconds of host time (``benchmarks/padding.py``), paid once per block instead of per batch.
+        A block never holds more lots than `num_lots` asks for; an endless stream draws at most a block ahead
+        (lots drawn and never trained on are never released: the lots used are still independent draws).
+        """
+        per_block = _LOTS_PER_BLOCK * self._accum
+
+        def blocks():  # each iteration of the dataset: a fresh pass
+            batches = self._index_batches(num_lots)
+            while block := list(itertools.islice(batches, per_block)):
+                idx, w, real = zip(*block)
+                yield np.concatenate(idx), np.concatenate(w), np.array([len(i) for i in idx], np.int64), np.array(real)
+
+        signature = (
+            tf.TensorSpec(shape=(None,), dtype=tf.int64),
+            tf.TensorSpec(shape=(None,), dtype=tf.float32),
+            tf.TensorSpec(shape=(None,), dtype=tf.int64),
+            tf.TensorSpec(shape=(None,), dtype=tf.int64),
+        )
+
+        def split(idx, w, sizes, real):
+            ends = tf.cumsum(sizes)
+            parts = tf.data.Dataset.from_tensor_slices((ends - sizes, ends, real))
+            return parts.map(lambda start, end, r: (idx[start:end], w[start:end], r))
+
+        return tf.data.Dataset.from_generator(blocks, output_signature=signature).flat_map(split)
 
     def _padded(self, n: int, rows: Any, weights: Any, fill: Any) -> tuple:
         """One lot of `n` examples, its `rows` (an array or a structure of arrays) and `weights`, padded to the

@@ -40,22 +40,38 @@ rows each (use the same number in the optimizer's
 
 What the timing reveals
 -----------------------
-Padded to the capacity, every step computes on the same number of rows
-whatever the lot's size, so the step's time and shapes say nothing about
-it (except in an overflow, probability ``overflow_probability`` per lot).
-That padding costs: about 6√L rows over L (L = 64: 117 rows, 1.8 times the
-rows of a non-private batch of L; L = 256: 1.4 times; ``benchmarks/padding.py``).
-``pad_to_multiple_of=m`` pads each lot only to the next multiple of m rows
-instead (about m/2 rows of padding): cheaper, but then the batch's size,
-and with it the step's time, reveals the lot's size to within m to anyone
-who sees the shapes or the timing of the steps. The lot's size depends on
-whether an example was sampled, so that is a release the ε does not count:
-the ε covers what the training releases (the noised updates, the model,
-its checkpoints and logs), not a side channel of the machine it runs on.
-Use it where nobody outside the training sees its step times or batch
-shapes (a machine of your own, timings not published); keep the default
-otherwise. Under JAX (or ``jit_compile=True``) each distinct size compiles
-the step once more (about 12√L/m sizes within 6 standard deviations).
+Two paddings, one choice:
+
+* ``pad_to_multiple_of=None`` (the default): every lot padded to the capacity
+  R (about L + 6√L rows). Every step computes on the same number of rows
+  whatever the lot's size, so the step's time and shapes say nothing about it
+  (except in an overflow, probability ``overflow_probability`` per lot). It
+  costs R/L in rows, falling as 6/√L: L = 64, 115 rows (1.8 times L); L = 256,
+  354 rows (1.4 times). Measured, the DP step on a lot over the DP step on L
+  rows (``benchmarks/padding.py``, quiet CPU): a small CNN 1.87 (L = 64) and
+  1.48 (L = 256), an MLP 1.24 and 1.26.
+* ``pad_to_multiple_of=m``: each lot padded to the next multiple of m rows
+  (about m/2 rows of padding; m = ceil(√L): 67.6 rows on average at L = 64,
+  264.4 at L = 256). Cheaper, but the batch's size, and with it the step's
+  time, reveals the lot's size to within m to anyone who sees the shapes or
+  the timing of the steps. The lot's size depends on whether an example was
+  sampled, so that is a release the ε does not count: the ε covers what the
+  training releases (the noised updates, the model, its checkpoints and logs),
+  not a side channel of the machine it runs on. Use it where nobody outside
+  the training sees its step times or batch shapes (a machine of your own,
+  timings not published); keep the default otherwise. Under JAX (or
+  ``jit_compile=True``) each distinct size compiles the step once more (about
+  12√L/m sizes within 6 standard deviations); on CPU each new size builds its
+  kernels once (oneDNN), so the first lots of a run cost more than the rest.
+
+Either way the lots, the ledger and ε are the same, and the step is traced for
+any batch size (the element spec's batch dimension is None): on CPU the DP step
+traced so costs 3-16% more than one traced for exactly L rows, which is part
+of what ``benchmarks/padding.py`` counts against the padding (its
+``dynamic_batch_cost``). The host's work per lot
+(drawing it, gathering and padding its rows in ``tf.data``) runs beside the
+step: about 0.5 ms of CPU per lot at L = 64 (32x32x3 images) and L = 256
+(784 features), the lot indices handed to ``tf.data`` a block of lots at a time.
 
 Memory
 ------
@@ -350,26 +366,22 @@ class PoissonLots(PoissonSampling):
         # while it is made, which the process's peak memory keeps).
         x = tf.nest.map_structure(tf.convert_to_tensor, self._x)
         y = tf.nest.map_structure(tf.convert_to_tensor, self._y)
-        signature = (
-            tf.TensorSpec(shape=(None,), dtype=tf.int64),
-            tf.TensorSpec(shape=(None,), dtype=tf.float32),
-            tf.TensorSpec(shape=(), dtype=tf.int64),
-        )
-        n = self._n
 
         def gather(idx, w, real):
-            del real  # padding rows have index N: read row 0, then zeroed (the finite padding example)
-            padding = idx >= n
-            safe = tf.where(padding, tf.zeros_like(idx), idx)
+            # The real rows come first (padding rows, index N, after them): gather those, then pad with zeros (the
+            # finite padding example). One copy of the batch, where gathering every row and masking the padding
+            # took three (benchmarks/padding.py).
+            padding = tf.shape(idx, out_type=tf.int64)[0] - real
 
             def take(a):
-                rows = tf.gather(a, safe)
-                where = tf.reshape(padding, tf.concat([[-1], tf.ones([tf.rank(a) - 1], tf.int32)], 0))
-                return tf.where(where, tf.zeros_like(rows), rows)
+                rows = tf.gather(a, idx[:real])
+                return tf.pad(
+                    rows, [[0, padding]] + [[0, 0]] * (a.shape.rank - 1), constant_values=tf.zeros([], a.dtype)
+                )
 
             return tf.nest.map_structure(take, x), tf.nest.map_structure(take, y), w
 
-        indices = tf.data.Dataset.from_generator(lambda: self._index_batches(num_lots), output_signature=signature)
+        indices = self._index_dataset(num_lots)
         return self._finished(indices, num_lots, gather)
 
     def _finished(self, batches: tf.data.Dataset, num_lots: Optional[int], fn: Any = None) -> tf.data.Dataset:

@@ -276,6 +276,29 @@ def test_dataset_yields_the_same_batches_as_lots():
         np.testing.assert_array_equal(wg.numpy(), we)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"pad_to_multiple_of": 3}, {"max_lot_size": 10, "physical_batch_size": 5}, {"max_physical_batch_size": 6}],
+)
+def test_dataset_draws_the_lots_of_lots_in_blocks_and_each_pass_continues_the_stream(kwargs):
+    # tf.data receives the lot indices in blocks of lots (several blocks here), cut into batches by tf.data: the same
+    # batches as lots(), padding and overflow (a capacity of 10 at L = 12) included; a second pass draws fresh lots.
+    x, y = _data(60)
+    weights = np.linspace(0.5, 2.0, 60).astype(np.float32)
+    reference = PoissonLots(x, y, expected_lot_size=12, sample_weight=weights, seed=4, **kwargs)
+    sampler = PoissonLots(x, y, expected_lot_size=12, sample_weight=weights, seed=4, **kwargs)
+    dataset = sampler.dataset(35)
+    for _ in range(2):
+        expected = list(reference.lots(35))
+        got = list(dataset)
+        assert len(got) == len(expected) == 35 * sampler.gradient_accumulation_steps
+        for e, g in zip(expected, got):
+            for want, have in zip(e, g):
+                np.testing.assert_array_equal(have.numpy(), want)
+                assert have.dtype == tf.as_dtype(want.dtype)
+    assert sampler.overflow_count == reference.overflow_count
+
+
 def test_num_lots_is_validated():
     sampler = PoissonLots(*_data(10), sampling_rate=0.5)
     with pytest.raises(ValueError, match="num_lots"):
