@@ -100,7 +100,7 @@ class JaxFront:
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:
-            noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+            noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, dp_release.each(gaussian))
         else:
             noised = self._correlated(clipped, gaussian, strategy.coefficients)
         if self.adaptive:  # post-processing: the step in units of the bound (C was released before this lot)
@@ -110,7 +110,7 @@ class JaxFront:
     def _correlated(self, clipped, gaussian: Callable, coefficients) -> list:
         """BandMF: DP-SGD's draw z_t under the same keys, through C⁻¹'s recursion on the saved history."""
         zeros = clipped.with_sums([jnp.zeros_like(s) for s in clipped.sums])
-        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussian)
+        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, dp_release.each(gaussian))
         rows = self.optimizer._bandmf_history
         history = [[self.opt[variable] for variable in row] for row in rows]
         noised, new = dp_bandmf.add_correlated_noise(clipped.sums, draws, history, coefficients)
