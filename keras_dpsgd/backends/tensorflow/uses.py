@@ -92,9 +92,10 @@ def with_rows(t: tf.Tensor, shape) -> tf.Tensor:
     Where `shape` is static with no zero, B is left to ``tf.reshape`` (-1): one op in the traced graph instead of
     four reading ``tf.shape(t)`` (a step builds this for every variable; the values are the same).
     """
-    dims = tf.TensorShape(shape)
-    if dims.is_fully_defined() and all(d > 0 for d in dims.as_list()):
-        return tf.reshape(t, [-1, *dims.as_list()])
+    if not tf.is_tensor(shape):
+        dims = tf.TensorShape(shape)
+        if dims.is_fully_defined() and all(d > 0 for d in dims.as_list()):
+            return tf.reshape(t, [-1, *dims.as_list()])
     return tf.reshape(t, tf.concat([tf.shape(t)[:1], shape], axis=0))
 
 
