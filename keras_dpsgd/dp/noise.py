@@ -27,8 +27,10 @@ ledger.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable
+import operator
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -42,6 +44,7 @@ __all__ = [
     "cos_by_quarter_turns",
     "noise_key",
     "scaled_normal",
+    "scaled_normals",
 ]
 
 _TWO_POW_MINUS_32 = 2.0**-32
@@ -52,10 +55,11 @@ def coarse_unit(w0: Any) -> Any:
     return (w0 + 0.5) * _TWO_POW_MINUS_32
 
 
-def refined_unit(w0: Any, w2: Any, w3: Any, where: Callable) -> Any:
-    """``u1`` from float32 words: ``(w2 + (w3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``w0 == 0``, else :func:`coarse_unit`."""
+def refined_unit(w0: Any, w2: Any, w3: Any, where: Callable, coarse: Any = None) -> Any:
+    """``u1`` from float32 words: ``(w2 + (w3 + ½)·2⁻³²)·2⁻⁶⁴`` where ``w0 == 0``, else :func:`coarse_unit`
+    (`coarse`: ``coarse_unit(w0)`` if already computed)."""
     fine = (w2 + coarse_unit(w3)) * _TWO_POW_MINUS_32**2
-    return where(w0 == 0.0, fine, coarse_unit(w0))
+    return where(w0 == 0.0, fine, coarse_unit(w0) if coarse is None else coarse)
 
 
 def radius(ops: ArrayOps, u1: Any, scale: Any) -> Any:
@@ -122,7 +126,7 @@ def circle_by_quarter_turns(round_: Callable, floor: Callable, where: Callable) 
 
 def _pairs(ops: ArrayOps, u1: Any, w1: Any, scale: Any) -> Any:
     """[2, P]: row 0 ``scale·r cos θ``, row 1 ``scale·r sin θ`` (one elementwise grid)."""
-    return radius(ops, u1, scale)[None, :] * ops.unit_circle(w1)
+    return ops.reshape(radius(ops, u1, scale), (1, -1)) * ops.unit_circle(w1)
 
 
 def scaled_pairs(ops: ArrayOps, x0: Any, x1: Any, scale: Any, x2: Any = None, x3: Any = None) -> Any:
@@ -149,17 +153,44 @@ def scaled_normal(ops: ArrayOps, n: Any, key: Any, scale: Any) -> Any:
 
     Computed in float32; the scale is folded into the radius (one pass fewer over n than ``scale * z``).
     """
-    pairs = (n + 1) // 2
-    words = ops.random_words(key, (2, pairs), 0)
-    w0 = ops.cast(words[0], "float32")  # Exact 0.0 iff x0 == 0.
+    return scaled_normals(ops, [n], [key], [scale])[0]
+
+
+def scaled_normals(
+    ops: ArrayOps, sizes: Sequence[Any], keys: Sequence[Any], scales: Sequence[Any], shapes: Sequence[Any] = None
+) -> list:
+    """:func:`scaled_normal` of each (n, key, scale), the same values, drawn together; each shaped like the
+    matching entry of `shapes` (n values) if given, else [n].
+
+    The rare refinement (a pair with ``x0 = 0``) is decided once for all the draws (one ``ops.cond``): a traced
+    step builds one pair of branches per release, not one per tensor; a draw's refined ``u1`` equals its coarse
+    one wherever its own ``x0 != 0``, so refining the others changes none of its values.
+    """
+    if not sizes:
+        return []
+    pairs = [(n + 1) // 2 for n in sizes]
+    words = [ops.random_words(key, (2, p), 0) for key, p in zip(keys, pairs)]
+    w0s = [ops.cast(w[0], "float32") for w in words]  # Exact 0.0 iff x0 == 0.
+    coarse = [coarse_unit(w0) for w0 in w0s]
 
     def refined():
-        extra = ops.cast(ops.random_words(key, (2, pairs), 1), "float32")
-        return refined_unit(w0, extra[0], extra[1], ops.where)
+        units = []
+        for w0, u1, key, p in zip(w0s, coarse, keys, pairs):
+            extra = ops.cast(ops.random_words(key, (2, p), 1), "float32")
+            units.append(refined_unit(w0, extra[0], extra[1], ops.where, u1))
+        return units
 
-    u1 = ops.cond(ops.reduce_all(w0 != 0.0, None, False), lambda: coarse_unit(w0), refined)
-    z = ops.reshape(_pairs(ops, u1, ops.cast(words[1], "float32"), ops.cast(scale, "float32")), (-1,))
-    return z[:n]
+    no_zero = functools.reduce(operator.and_, [ops.reduce_all(w0 != 0.0, None, False) for w0 in w0s])
+    units = ops.cond(no_zero, lambda: list(coarse), refined)
+    out = []
+    for k, (u1, w, scale, n) in enumerate(zip(units, words, scales, sizes)):
+        z = _pairs(ops, u1, ops.cast(w[1], "float32"), ops.cast(scale, "float32"))
+        shape = (n,) if shapes is None else tuple(shapes[k])
+        if isinstance(n, int) and n % 2 == 0:  # 2P = n values: no pair to cut
+            out.append(ops.reshape(z, shape))
+        else:
+            out.append(ops.reshape(ops.reshape(z, (-1,))[:n], shape))
+    return out
 
 
 def noise_key(ops: ArrayOps, seed: int, position: Any, index: int) -> Any:

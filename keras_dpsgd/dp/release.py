@@ -17,24 +17,39 @@ import operator
 from typing import Any, Callable, Sequence
 
 from keras_dpsgd.dp.clip import ClippedSum
-from keras_dpsgd.dp.noise import scaled_normal
+from keras_dpsgd.dp.noise import scaled_normals
 from keras_dpsgd.dp.ops import ArrayOps
 
-__all__ = ["add_gaussian", "add_noise", "lot_denominator", "normalize"]
+__all__ = ["add_gaussian", "add_gaussians", "add_noise", "each", "lot_denominator", "normalize"]
 
 
 def add_gaussian(ops: ArrayOps, x: Any, stddev: Any, key: Any) -> Any:
     """``x + N(0, stddev² I)`` of static shape, the noise of :func:`keras_dpsgd.dp.noise.scaled_normal`."""
-    n = math.prod(int(d) for d in x.shape)
-    if n == 0:
-        return x
-    return x + ops.cast(ops.reshape(scaled_normal(ops, n, key, stddev), tuple(x.shape)), x.dtype)
+    return add_gaussians(ops, [x], [stddev], [key])[0]
+
+
+def add_gaussians(ops: ArrayOps, xs: Sequence[Any], stddevs: Sequence[Any], keys: Sequence[Any]) -> list:
+    """:func:`add_gaussian` of each (x, stddev, key), the same values, drawn together
+    (:func:`keras_dpsgd.dp.noise.scaled_normals`: one refinement check, one branch pair in a traced step)."""
+    sizes = [math.prod(int(d) for d in x.shape) for x in xs]
+    drawn = [i for i, n in enumerate(sizes) if n]
+    noise = scaled_normals(
+        ops,
+        [sizes[i] for i in drawn],
+        [keys[i] for i in drawn],
+        [stddevs[i] for i in drawn],
+        [tuple(xs[i].shape) for i in drawn],
+    )
+    out = list(xs)
+    for i, z in zip(drawn, noise):
+        out[i] = xs[i] + ops.cast(z, xs[i].dtype)
+    return out
 
 
 def add_noise(
     clipped: ClippedSum,
     sigmas: Sequence[float],
-    gaussian: Callable[[Any, Any, int], Any],
+    gaussians: Callable[[list, list, list], list],
     scale: Any = 1.0,
 ) -> list:
     """Each variable's clipped sum plus ``N(0, (σ_v · S_v · scale)²)``, ``S_v = clipped.sensitivity[v]``.
@@ -42,14 +57,22 @@ def add_noise(
     Args:
       clipped: the lot's clipped sum and its sensitivity.
       sigmas: σ_v of each variable (a variable with σ_v = 0 is left as it is: no noise is drawn).
-      gaussian: ``gaussian(x, stddev, index)`` -> ``x + N(0, stddev²)`` under the key of tensor `index`
-        (the backend's sampler: :func:`add_gaussian` under the front end's keys).
+      gaussians: ``gaussians(xs, stddevs, indices)`` -> ``[x + N(0, stddev²)]``, each under the key of tensor
+        `index`, called once per release with the variables that get noise, in order (the backend's sampler:
+        :func:`add_gaussians` under the front end's keys; :func:`each` makes it from a one-tensor sampler).
       scale: 1, or ``1/√R`` for one replica's share of R.
     """
-    return [
-        s if sigmas[v] == 0 else gaussian(s, sigmas[v] * clipped.sensitivity[v] * scale, v)
-        for v, s in enumerate(clipped.sums)
-    ]
+    indices = [v for v in range(len(clipped.sums)) if sigmas[v] != 0]
+    stddevs = [sigmas[v] * clipped.sensitivity[v] * scale for v in indices]
+    out = list(clipped.sums)
+    for v, noised in zip(indices, gaussians([out[v] for v in indices], stddevs, indices)):
+        out[v] = noised
+    return out
+
+
+def each(gaussian: Callable[[Any, Any, int], Any]) -> Callable[[list, list, list], list]:
+    """The ``gaussians`` of :func:`add_noise` from a one-tensor ``gaussian(x, stddev, index)``, called in order."""
+    return lambda xs, stddevs, indices: [gaussian(x, s, i) for x, s, i in zip(xs, stddevs, indices)]
 
 
 def lot_denominator(ops: ArrayOps, num_examples: Any, expected_lot_size: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from keras_dpsgd.backends.jax import add_gaussian, seeded_key, standard_normal
+from keras_dpsgd.backends.jax import seeded_key, standard_normal
 from keras_dpsgd.backends.jax.ops import JAX_OPS, key_data
 from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
 from keras_dpsgd.keras3 import _adaptive_values as _adaptive
@@ -95,22 +95,22 @@ class JaxFront:
     def add_noise(self, clipped) -> list:
         self.key_for = self._keys()
 
-        def gaussian(x, stddev, index):
-            return add_gaussian(x, stddev, self.key_for(index))
+        def gaussians(xs, stddevs, indices):  # one draw for the release: one refinement check (a lax.cond)
+            return dp_release.add_gaussians(JAX_OPS, xs, stddevs, [self.key_for(index) for index in indices])
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:
-            noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+            noised = dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussians)
         else:
-            noised = self._correlated(clipped, gaussian, strategy.coefficients)
+            noised = self._correlated(clipped, gaussians, strategy.coefficients)
         if self.adaptive:  # post-processing: the step in units of the bound (C was released before this lot)
             noised = _adaptive.divide_by_bound(self.optimizer, JAX_OPS, noised, self.bounds)
         return noised
 
-    def _correlated(self, clipped, gaussian: Callable, coefficients) -> list:
+    def _correlated(self, clipped, gaussians: Callable, coefficients) -> list:
         """BandMF: DP-SGD's draw z_t under the same keys, through C⁻¹'s recursion on the saved history."""
         zeros = clipped.with_sums([jnp.zeros_like(s) for s in clipped.sums])
-        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussian)
+        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussians)
         rows = self.optimizer._bandmf_history
         history = [[self.opt[variable] for variable in row] for row in rows]
         noised, new = dp_bandmf.add_correlated_noise(clipped.sums, draws, history, coefficients)

@@ -153,10 +153,10 @@ class TorchFront:
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:
-            return dp_release.add_noise(clipped, self.optimizer._dp.sigmas, gaussian)
+            return dp_release.add_noise(clipped, self.optimizer._dp.sigmas, dp_release.each(gaussian))
         # BandMF: DP-SGD's draw z_t under the same keys, through C⁻¹'s recursion on the saved history.
         zeros = clipped.with_sums([torch.zeros_like(s) for s in clipped.sums])
-        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, gaussian)
+        draws = dp_release.add_noise(zeros, self.optimizer._dp.sigmas, dp_release.each(gaussian))
         rows = self.optimizer._bandmf_history
         history = [[variable.value.clone() for variable in row] for row in rows]
         noised, new = dp_bandmf.add_correlated_noise(clipped.sums, draws, history, strategy.coefficients)

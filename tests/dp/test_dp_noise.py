@@ -165,3 +165,36 @@ def test_seeded_draws_are_those_of_0_2_0(table):
     got = np.asarray(table.numpy(noise.scaled_normal(table.ops, 9, table.key(7, 11, 2), 1.0)), np.float32)
     want = np.array(SEEDED_0_2_0[table.ops.name], np.uint32).view(np.float32)
     np.testing.assert_array_max_ulp(got, want, maxulp=4)
+
+
+@pytest.mark.parametrize("zero_in", [None, 1])
+def test_draws_together_equal_draws_one_at_a_time(table, zero_in):
+    """``release.add_gaussians`` (one refinement check for the release's tensors) gives each tensor exactly the noise
+    ``release.add_gaussian`` gives it alone, with or without a pair refined in one of them (an x0 of 0 in tensor
+    `zero_in`), and one branch decision for all."""
+    target = []
+
+    def words(key, shape, stream):
+        w = table.ops.random_words(key, shape, stream)
+        if stream == 0 and target and shape[1] == target[0]:
+            w = table.numpy(w).copy()
+            w[0, 1] = 0
+            w = table.array(w)
+        return w
+
+    ops = dataclasses.replace(table.ops, random_words=words)
+    shapes = [(3, 2), (5,), (0,), (4, 3)]  # sizes 6, 5 (odd: a pair cut), 0 (nothing drawn), 12
+    xs = [table.array(np.full(s, 0.5, np.float32)) for s in shapes]
+    stddevs = [table.array(np.float32(s)) for s in (1.0, 2.5, 1.0, 0.25)]
+    keys = [table.key(5, 9, i) for i in range(len(shapes))]
+    if zero_in is not None:
+        target.append((int(np.prod(shapes[zero_in])) + 1) // 2)
+    together = release.add_gaussians(ops, xs, stddevs, keys)
+    alone = [release.add_gaussian(ops, x, s, k) for x, s, k in zip(xs, stddevs, keys)]
+    for got, want, shape in zip(together, alone, shapes):
+        assert tuple(got.shape) == shape
+        np.testing.assert_array_equal(table.numpy(got), table.numpy(want))
+    if zero_in is not None:  # the refined pair's radius passes sqrt(-2 ln 2⁻³²) in units of its stddev
+        z = (table.numpy(together[zero_in]).ravel() - 0.5) / 2.5
+        pairs = (z.size + 1) // 2
+        assert math.hypot(z[1], z[pairs + 1] if pairs + 1 < z.size else 0.0) > math.sqrt(-2 * math.log(2.0**-32))

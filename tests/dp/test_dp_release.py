@@ -21,7 +21,7 @@ def test_add_noise_reads_the_sensitivity_from_the_clipped_sum(table):
 
     sums = tuple(table.array(np.zeros(s, np.float32)) for s in [(2,), (3, 1), (1,)])
     clipped = ClippedSum(sums, 5.0, tuple(table.array(np.float32(c)) for c in (0.5, 2.0, 4.0)))
-    out = release.add_noise(clipped, [1.5, 0.0, 3.0], gaussian, scale=0.5)
+    out = release.add_noise(clipped, [1.5, 0.0, 3.0], release.each(gaussian), scale=0.5)
     np.testing.assert_allclose([c[1] for c in calls], [1.5 * 0.5 * 0.5, 3.0 * 4.0 * 0.5])
     assert [c[0] for c in calls] == [0, 2] and out[1] is sums[1]  # σ = 0: nothing drawn
 
@@ -80,7 +80,7 @@ class _Front:
             self.stddevs.append(float(self.table.numpy(stddev)))
             return x
 
-        return release.add_noise(clipped, self.sigmas, gaussian)
+        return release.add_noise(clipped, self.sigmas, release.each(gaussian))
 
     def normalize(self, noised, num_examples):
         return release.normalize(self.ops, noised, release.lot_denominator(self.ops, num_examples, self.expected))

@@ -222,11 +222,12 @@ class FastBackend:
         sq_norms = _checks.fail_closed(sq_norms)
         factors = tf.cast(clip_factors(sq_norms), tf.float32)
         summed = []
-        for v, (group, var) in enumerate(zip(groups, var_list)):
+        columns = tf.unstack(factors, num=len(var_list), axis=1)  # one op, not a slice per variable
+        for group, var, column in zip(groups, var_list, columns):
             if group is None:
                 summed.append(tf.zeros(var.shape, var.dtype))
             else:
-                summed.append(tf.cast(group.clipped_sum(factors[:, v]), var.dtype))
+                summed.append(tf.cast(group.clipped_sum(column), var.dtype))
         return _graph.with_checks(summed, checks), _graph.with_checks(sq_norms, checks)
 
     def _groups(self, loss, var_list, tape, clean, checks: list) -> list:

@@ -115,8 +115,7 @@ def group_rows(t: tf.Tensor, batch: tf.Tensor, rest: int) -> tf.Tensor:
 def _to_var_shape(p: tf.Tensor, var) -> tf.Tensor:
     """[B, *w'.shape] -> [B, *var.shape] (w' is a reshape of the variable; a stand-in whose static shape is not
     fully known, ``_weight_region``'s exits, gives its shape as ``dynamic_shape``)."""
-    shape = var.shape if var.shape.is_fully_defined() else var.dynamic_shape
-    return tf.reshape(p, tf.concat([tf.shape(p)[:1], shape], axis=0))
+    return _uses.with_rows(p, var.shape if var.shape.is_fully_defined() else var.dynamic_shape)
 
 
 def _f32(t: tf.Tensor) -> tf.Tensor:

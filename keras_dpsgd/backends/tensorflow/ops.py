@@ -22,7 +22,10 @@ __all__ = ["TF_OPS", "add_gaussian", "make_local_state", "seeded_key", "standard
 def _random_words(key, shape, stream: int):
     """uint32 words of `shape` (every value of 2³²), a function of (key, stream)."""
     seed = key if stream == 0 else tf.random.experimental.stateless_fold_in(key, stream)
-    return tf.random.stateless_uniform(tf.stack(shape), seed=seed, minval=None, maxval=None, dtype=tf.uint32)
+    static = all(isinstance(d, int) for d in shape)  # a constant shape: no op to build it in a traced step
+    return tf.random.stateless_uniform(
+        list(shape) if static else tf.stack(shape), seed=seed, minval=None, maxval=None, dtype=tf.uint32
+    )
 
 
 def _seed_key(seed: int, position):

@@ -73,8 +73,7 @@ class PiecesUse:
     parts: list
 
     def materialize(self, shape: tf.TensorShape) -> tf.Tensor:
-        flat = tf.concat([_flat_rows(q) for q in self.parts], axis=1)
-        return tf.reshape(flat, tf.concat([tf.shape(flat)[:1], shape], axis=0))
+        return with_rows(tf.concat([_flat_rows(q) for q in self.parts], axis=1), shape)
 
 
 @dataclasses.dataclass
@@ -87,8 +86,22 @@ class PermutedUse:
     perm: tuple
 
 
-def _row_shape(c: tf.Tensor, rank: int) -> tf.Tensor:
-    return tf.concat([tf.shape(c), tf.ones([rank - 1], tf.int32)], axis=0)
+def with_rows(t: tf.Tensor, shape) -> tf.Tensor:
+    """``t`` reshaped to [B, *shape], B its number of rows (the leading dimension, often known only at run time).
+
+    Where `shape` is static with no zero, B is left to ``tf.reshape`` (-1): one op in the traced graph instead of
+    four reading ``tf.shape(t)`` (a step builds this for every variable; the values are the same).
+    """
+    if not tf.is_tensor(shape):
+        dims = tf.TensorShape(shape)
+        if dims.is_fully_defined() and all(d > 0 for d in dims.as_list()):
+            return tf.reshape(t, [-1, *dims.as_list()])
+    return tf.reshape(t, tf.concat([tf.shape(t)[:1], shape], axis=0))
+
+
+def _row_shape(c: tf.Tensor, rank: int) -> list:
+    """[-1, 1, ..., 1] (`rank` entries): ``c`` [B] as one value per row of a rank-`rank` tensor."""
+    return [-1] + [1] * (rank - 1)
 
 
 def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
@@ -102,11 +115,15 @@ def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
 
 
 def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
-    """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf."""
-    return _mask_rows(t * tf.reshape(c, _row_shape(c, t.shape.rank)), c)
+    """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf
+    (``multiply_no_nan``: x·0 = 0 for every x; one pass, no branch)."""
+    return tf.math.multiply_no_nan(t, tf.reshape(tf.cast(c, t.dtype), _row_shape(c, t.shape.rank)))
 
 
 def _flat_rows(t: tf.Tensor) -> tf.Tensor:
+    rest = t.shape[1:]
+    if rest.is_fully_defined():
+        return with_rows(t, [rest.num_elements()])
     return tf.reshape(t, tf.stack([tf.shape(t)[0], -1]))
 
 
@@ -222,8 +239,7 @@ class OuterGroup:
         return tf.reshape(tf.matmul(a, g, transpose_a=True), self.shape)
 
     def materialize(self) -> tf.Tensor:
-        p = tf.einsum("btd,btu->bdu", self.a, self.g)
-        return tf.reshape(p, tf.concat([tf.shape(p)[:1], self.shape], axis=0))
+        return with_rows(tf.einsum("btd,btu->bdu", self.a, self.g), self.shape)
 
 
 def _ghost_sq_norms(a: tf.Tensor, g: tf.Tensor, rows) -> tf.Tensor:
@@ -357,6 +373,5 @@ def materialize(use, shape: tf.TensorShape) -> tf.Tensor:
     if isinstance(use, PiecesUse):
         return use.materialize(shape)
     if isinstance(use, PermutedUse):
-        p = tf.transpose(materialize(use.inner, use.inner_shape), [0] + [k + 1 for k in use.perm])
-        return tf.reshape(p, tf.concat([tf.shape(p)[:1], shape], axis=0))
+        return with_rows(tf.transpose(materialize(use.inner, use.inner_shape), [0] + [k + 1 for k in use.perm]), shape)
     return use.p
