@@ -170,21 +170,22 @@ def scaled_normals(
         return []
     pairs = [(n + 1) // 2 for n in sizes]
     words = [ops.random_words(key, (2, p), 0) for key, p in zip(keys, pairs)]
-    w0s = [ops.cast(w[0], "float32") for w in words]  # Exact 0.0 iff x0 == 0.
+    words = [ops.rows(ops.cast(w, "float32")) for w in words]  # (x0, x1) as floats; w0 is exactly 0.0 iff x0 == 0
+    w0s = [w[0] for w in words]
     coarse = [coarse_unit(w0) for w0 in w0s]
 
     def refined():
         units = []
         for w0, u1, key, p in zip(w0s, coarse, keys, pairs):
-            extra = ops.cast(ops.random_words(key, (2, p), 1), "float32")
-            units.append(refined_unit(w0, extra[0], extra[1], ops.where, u1))
+            w2, w3 = ops.rows(ops.cast(ops.random_words(key, (2, p), 1), "float32"))
+            units.append(refined_unit(w0, w2, w3, ops.where, u1))
         return units
 
     no_zero = functools.reduce(operator.and_, [ops.reduce_all(w0 != 0.0, None, False) for w0 in w0s])
     units = ops.cond(no_zero, lambda: list(coarse), refined)
     out = []
     for k, (u1, w, scale, n) in enumerate(zip(units, words, scales, sizes)):
-        z = _pairs(ops, u1, ops.cast(w[1], "float32"), ops.cast(scale, "float32"))
+        z = _pairs(ops, u1, w[1], ops.cast(scale, "float32"))
         shape = (n,) if shapes is None else tuple(shapes[k])
         if isinstance(n, int) and n % 2 == 0:  # 2P = n values: no pair to cut
             out.append(ops.reshape(z, shape))

@@ -78,5 +78,6 @@ NUMPY_OPS = ArrayOps(
     gather_columns=lambda x, index: x[:, list(index)],
     cond=lambda pred, true_fn, false_fn: true_fn() if bool(pred) else false_fn(),
     unit_circle=circle_by_trig(np.cos, np.sin, np.stack),
+    rows=list,
     **keyed_words(b"keras_dpsgd/numpy"),
 )

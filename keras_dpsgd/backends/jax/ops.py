@@ -76,6 +76,7 @@ JAX_OPS = ArrayOps(
     fold_in=jax.random.fold_in,
     seed_key=_seed_key,
     unit_circle=circle_by_quarter_turns(jnp.round, jnp.floor, jnp.where),
+    rows=list,
 )
 
 

@@ -58,6 +58,7 @@ TF_OPS = ArrayOps(
     fold_in=tf.random.experimental.stateless_fold_in,
     seed_key=_seed_key,
     unit_circle=circle_by_trig(tf.math.cos, tf.math.sin, tf.stack),
+    rows=tf.unstack,
 )
 
 

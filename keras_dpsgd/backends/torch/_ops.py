@@ -151,4 +151,5 @@ TORCH_OPS = ArrayOps(
     fold_in=_fold_in,
     seed_key=_seed_key,
     unit_circle=circle_by_trig(torch.cos, torch.sin, torch.stack),
+    rows=lambda x: list(x.unbind(0)),
 )
