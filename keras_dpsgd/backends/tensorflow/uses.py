@@ -318,7 +318,10 @@ class DenseGroup:
         """Upper bounds from the materialized gradients that the release sums (a relative margin)."""
         staged = [staged_sq_norms(q) for q in self.parts]
         terms = [n if n is not None else tf.reduce_prod(tf.shape(q)[1:]) for (_, n), q in zip(staged, self.parts)]
-        most = tf.cast(tf.reduce_max(tf.stack(terms)), tf.float32) + len(self.parts)
+        if all(isinstance(n, int) for n in terms):  # static: the bound's constant computed here, not in the graph
+            most = max(terms) + len(self.parts)
+        else:
+            most = tf.cast(tf.reduce_max(tf.stack(terms)), tf.float32) + len(self.parts)
         return _rounding.positive_upper(tf.add_n([sq for sq, _ in staged]), most, **unit_roundoff())
 
     def clipped_sum(self, c: tf.Tensor) -> tf.Tensor:
