@@ -191,7 +191,9 @@ def weighted_row_sum(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     """``Σ_i c_i t_i`` (shape ``t.shape[1:]``), one matrix-vector product; rows with
     ``c_i == 0`` add exactly 0 even if they hold NaN/Inf."""
     flat = _flat_rows(_mask_rows(t, c))
-    return tf.reshape(tf.matmul(c[None, :], flat), tf.shape(t)[1:])
+    rest = t.shape[1:]
+    summed = tf.matmul(tf.reshape(c, [1, -1]), flat)
+    return tf.reshape(summed, rest.as_list() if rest.is_fully_defined() else tf.shape(t)[1:])
 
 
 def ghost_preferred(t: int, d: int, u: int) -> bool:
