@@ -247,6 +247,33 @@ class EinsumDenseForm(DenseForm):
         keep = {id(t) for t in trainable}
         return {k: v for k, v in out.items() if k in keep}
 
+    def grads(self, layer, calls, variables):
+        """Each example's gradient in closed form where the kernel's is a sum of outer products of rows
+        (:func:`einsum_rows`): ``einsum("Zx,Zy->Zw")`` of the calls' inputs and output gradients (the vector-Jacobian
+        product of ``einsum("x,w->y")`` in w, each example Z apart), a bias the sum of the output gradient over the
+        letters it does not hold; None under LoRA or for another equation (the vector-Jacobian product of each
+        example). The norm and the clipped sum then read these values (self-consistent)."""
+        letters = None if layer.lora_enabled or self.arrays is None else einsum_rows(layer.equation)
+        if letters is None:
+            return None
+        x, y = letters[:2]
+        w = layer.equation.replace(" ", "").split("->")[0].split(",")[1]
+        z = next(c for c in string.ascii_letters if c not in x + y + w)
+        m = self.arrays
+
+        def kernel():
+            return sum(m.einsum(f"{z}{x},{z}{y}->{z}{w}", m.float32(a), m.float32(d)) for a, d in calls)
+
+        def bias():
+            kept = "".join(c for c in y if c in layer.bias_axes)
+            shape = (calls[0][1].shape[0],) + tuple(layer.bias.shape)
+            return sum(m.einsum(f"{z}{y}->{z}{kept}", m.float32(d)).reshape(shape) for _, d in calls)
+
+        found = {id(layer._kernel): kernel}
+        if layer.bias is not None:
+            found[id(layer.bias)] = bias
+        return [found[id(v)]() for v in variables] if all(id(v) in found for v in variables) else None
+
 
 class ConvForm(Rule):
     def pre(self, layer, inputs):

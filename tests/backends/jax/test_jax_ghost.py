@@ -200,3 +200,46 @@ def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_exam
     kernel_sum = np.asarray(sums[id(layer._kernel)], np.float64).reshape(expected.shape)
     assert (np.abs(kernel_sum - expected) <= rounding).all()
     np.testing.assert_array_equal(np.asarray(sums[id(layer.bias)]), 0.0)
+
+
+@pytest.mark.parametrize(
+    "equation, shape, bias_axes, in_shape",
+    [
+        ("abc,cde->abde", (6, 2, 4), "de", (6, 8)),
+        ("abcd,cde->abe", (6, 8), "e", (6, 2, 4)),
+        ("abc,cd->abd", (6, 4), "bd", (6, 8)),
+        ("ab,bc->ac", (4,), "c", (8,)),
+    ],
+)
+def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_product(
+    equation, shape, bias_axes, in_shape
+):
+    """``EinsumDenseForm.grads`` (``einsum("Zx,Zy->Zw")``, a bias the output gradient summed over its other letters)
+    gives each example's gradient, as the vector-Jacobian product of the layer alone on a batch of one does; two
+    calls add up."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_dpsgd.backends.jax import _rules
+
+    rng = np.random.default_rng(1)
+    layer = keras.layers.EinsumDense(equation, shape, bias_axes=bias_axes)
+    layer.build((None,) + in_shape)
+    rule, variables = _rules.rule_for(layer), layer.trainable_variables
+    out_shape = (1,) + tuple(layer.compute_output_shape((1,) + in_shape))[1:]
+    calls = [
+        (rng.normal(size=(5, 1) + in_shape).astype("float32"), rng.normal(size=(5,) + out_shape).astype("float32"))
+        for _ in range(2)
+    ]
+    got = rule.grads(layer, calls, variables)
+    assert got is not None
+    values = {id(v): v.value for v in layer.variables}
+
+    def one(a, d):
+        pre = lambda w: _layer_forms.pre_at(layer, rule, a, _layer_forms.with_values(values, variables, w))  # noqa: E731
+        return jax.vjp(pre, [values[id(v)] for v in variables])[1](d)[0]
+
+    want = [sum(jax.vmap(one)(jnp.asarray(a), jnp.asarray(d))[k] for a, d in calls) for k in range(len(variables))]
+    for g, w, v in zip(got, want, variables):
+        assert g.shape == (5,) + tuple(v.shape)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
