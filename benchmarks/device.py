@@ -76,11 +76,13 @@ def measure_memory(backend: str, name: str, mode: str, batch: int, steps: int) -
         overhead.time_steps(model, x, y, batch, steps)
         peak = gpus[0].memory_stats()["peak_bytes_in_use"]
         return {"what": "GPU peak bytes in use (JAX memory_stats)", "peak_mib": peak / 2**20}
-    before = _rss_mib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+    before = _rss_mib("VmRSS")  # after the reset: memory freed before it does not count
     overhead.time_steps(model, x, y, batch, steps)
-    return {"what": "CPU peak RSS added by fit (MiB)", "peak_mib": _rss_mib("VmHWM") - before}
+    # The kernel syncs each thread's RSS counter lazily (a few dozen pages), so a fit that adds nothing can read a
+    # hair below 0: that is 0 added.
+    return {"what": "CPU peak RSS added by fit (MiB)", "peak_mib": max(0.0, _rss_mib("VmHWM") - before)}
 
 
 def _memory(backend: str, name: str, batch: int, steps: int, fresh: bool) -> dict:
