@@ -99,8 +99,8 @@ def with_rows(t: tf.Tensor, shape) -> tf.Tensor:
     return tf.reshape(t, tf.concat([tf.shape(t)[:1], shape], axis=0))
 
 
-def _row_shape(c: tf.Tensor, rank: int) -> list:
-    """[-1, 1, ..., 1] (`rank` entries): ``c`` [B] as one value per row of a rank-`rank` tensor."""
+def _row_shape(rank: int) -> list:
+    """[-1, 1, ..., 1] (`rank` entries): the shape of a [B] vector as one value per row of a rank-`rank` tensor."""
     return [-1] + [1] * (rank - 1)
 
 
@@ -110,14 +110,14 @@ def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     Factors are 0 only for examples with a non-finite norm, so the masking ``tf.where`` (three
     passes over ``t``) runs only in steps that have one.
     """
-    keep = tf.reshape(c > 0, _row_shape(c, t.shape.rank))
+    keep = tf.reshape(c > 0, _row_shape(t.shape.rank))
     return tf.cond(tf.reduce_all(keep), lambda: t, lambda: tf.where(keep, t, tf.zeros_like(t)))
 
 
 def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
     """Row i of ``t`` times ``c_i``; rows with ``c_i == 0`` are exactly 0 even if they hold NaN/Inf
     (``multiply_no_nan``: x·0 = 0 for every x; one pass, no branch)."""
-    return tf.math.multiply_no_nan(t, tf.reshape(tf.cast(c, t.dtype), _row_shape(c, t.shape.rank)))
+    return tf.math.multiply_no_nan(t, tf.reshape(tf.cast(c, t.dtype), _row_shape(t.shape.rank)))
 
 
 def _flat_rows(t: tf.Tensor) -> tf.Tensor:
