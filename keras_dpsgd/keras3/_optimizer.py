@@ -184,6 +184,7 @@ class DPKeras3Mixin(LotReleaseMixin):
         return variable.value
 
     # ----------------------------------------------------------- sanitizer
+    @tf.autograph.experimental.do_not_convert
     def sanitize(
         self,
         per_example_loss: tf.Tensor,
@@ -235,6 +236,7 @@ class DPKeras3Mixin(LotReleaseMixin):
             per_example_loss, tf_vars, tape, ledger.saving_model(self), regularization_grads, variables
         )
 
+    @tf.autograph.experimental.do_not_convert
     def minimize(
         self,
         per_example_loss: tf.Tensor,
@@ -370,6 +372,7 @@ class DPKeras3Mixin(LotReleaseMixin):
                     "or OneDeviceStrategy)",
                 )
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):
         """Applies the descent rule to gradients that came out of ``sanitize`` only."""
         grads = list(grads)

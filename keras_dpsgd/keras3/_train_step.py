@@ -148,6 +148,7 @@ def private_update(
     optimizer.minimize(loss, variables, tape, reg_grads, model=model)
 
 
+@tf.autograph.experimental.do_not_convert
 def _private_train_step(self: keras.Model, data: Any) -> dict:
     """The DP train step installed by :func:`make_private` (module docstring, steps 1-4)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

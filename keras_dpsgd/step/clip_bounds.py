@@ -51,7 +51,7 @@ def _noise_sq_norms(model, num_classes, loss, batch_size, seed, per_example_back
 
     # Traced, as in training, with the batch as the step's arguments: the per-example backend's
     # graph checks run (they find the batch among the step's inputs).
-    @tf.function
+    @tf.function(autograph=False)
     def sq_norms(x, y):
         with tf.GradientTape(persistent=True) as tape:
             per_example = loss(y, model(x, training=True))

@@ -311,6 +311,7 @@ class DPSanitizerMixin(LotReleaseMixin):
         self._watch_lot_boundaries(model)  # lots never cross an epoch (nothing to do without accumulation)
         return var_list, self._private_step(loss, var_list, tape, model, reg_grads, var_list)
 
+    @tf.autograph.experimental.do_not_convert
     def compute_gradients(self, loss, var_list, tape=None):
         """Sanitized gradients of a per-example `loss` (one noised step).
 
@@ -344,6 +345,7 @@ class DPSanitizerMixin(LotReleaseMixin):
         var_list, grads = self._sanitized_step(loss, var_list, tape)
         return list(zip(grads, var_list))
 
+    @tf.autograph.experimental.do_not_convert
     def minimize(self, loss, var_list, tape=None):
         """One DP-SGD step, or one batch of a lot when accumulating.
 
@@ -390,6 +392,7 @@ class DPSanitizerMixin(LotReleaseMixin):
             distribution.extended.update(var, update, args=(grad,), group=False)
         return self.iterations.assign_add(tf.cast(self._lot_complete(), self.iterations.dtype))
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         """Applies gradients that came out of this optimizer's sanitizer only."""
         grads_and_vars = list(grads_and_vars)
