@@ -11,7 +11,7 @@ Mironov 2012, "On significance of the least significant bits for differential pr
 
 This sampler is Box–Muller (Box & Muller 1958) from the backend's random words (``ops.random_words``),
 except for the radius: ``u1 = (x0 + ½)·2⁻³²`` from a 32-bit word ``x0``, and in the rare pairs with
-``x0 = 0`` (probability 2⁻³²) two more words (stream 1) refine it to ``u1 = (x2 + (x3 + ½)·2⁻³²)·2⁻⁶⁴``.
+``x0 = 0`` (probability 2⁻³²) two more words (stream 1; one draw for a release's tensors, under its first tensor's key) refine it to ``u1 = (x2 + (x3 + ½)·2⁻³²)·2⁻⁶⁴``.
 The largest radius is then ``sqrt(2·97·ln 2) ≈ 11.6``: the probability that a shift by C/(σC) = 1/σ
 leaves the support is below ``exp(-(11.6 - 1/σ)²/2)`` per pair, under 1e-20 for σ >= 0.5. The refinement
 words are drawn only in the rare draws that have a pair with ``x0 = 0`` (``ops.cond``); shapes are static.
@@ -28,6 +28,7 @@ ledger.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from typing import Any, Callable, Sequence
@@ -164,7 +165,9 @@ def scaled_normals(
 
     The rare refinement (a pair with ``x0 = 0``) is decided once for all the draws (one ``ops.cond``): a traced
     step builds one pair of branches per release, not one per tensor; a draw's refined ``u1`` equals its coarse
-    one wherever its own ``x0 != 0``, so refining the others changes none of its values.
+    one wherever its own ``x0 != 0``, so refining the others changes none of its values. The refinement words are
+    one draw under the first key (stream 1), cut in order: the first draw's values are those it has alone, a later
+    draw's differ from its values alone only in its refined pairs (probability 2⁻³² each).
     """
     if not sizes:
         return []
@@ -175,11 +178,15 @@ def scaled_normals(
     coarse = [coarse_unit(w0) for w0 in w0s]
 
     def refined():
-        units = []
-        for w0, u1, key, p in zip(w0s, coarse, keys, pairs):
-            w2, w3 = ops.rows(ops.cast(ops.random_words(key, (2, p), 1), "float32"))
-            units.append(refined_unit(w0, w2, w3, ops.where, u1))
-        return units
+        # The release's refinement words are one draw, under the first key's stream 1, cut in the order of the
+        # tensors: a tensor drawn alone gets the words it always got (those of 0.2.0); only the words of pairs with
+        # x0 == 0 are read. One draw and one refined_unit for the release: a traced step builds this branch once,
+        # not once per tensor.
+        w2, w3 = ops.rows(ops.cast(ops.random_words(keys[0], (2, sum(pairs)), 1), "float32"))
+        if len(w0s) == 1:
+            return [refined_unit(w0s[0], w2, w3, ops.where, coarse[0])]
+        fine = refined_unit(ops.concat(w0s), w2, w3, ops.where, ops.concat(coarse))
+        return [fine[end - p : end] for end, p in zip(itertools.accumulate(pairs), pairs)]
 
     no_zero = functools.reduce(operator.and_, [ops.reduce_all(w0 != 0.0, None, False) for w0 in w0s])
     units = ops.cond(no_zero, lambda: list(coarse), refined)

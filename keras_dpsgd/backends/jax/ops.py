@@ -77,6 +77,7 @@ JAX_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_quarter_turns(jnp.round, jnp.floor, jnp.where),
     rows=list,
+    concat=jnp.concatenate,
 )
 
 

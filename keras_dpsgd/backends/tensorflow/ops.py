@@ -59,6 +59,7 @@ TF_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_trig(tf.math.cos, tf.math.sin, tf.stack),
     rows=tf.unstack,
+    concat=lambda xs: tf.concat(xs, 0),
 )
 
 
