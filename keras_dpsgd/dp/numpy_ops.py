@@ -80,5 +80,6 @@ NUMPY_OPS = ArrayOps(
     unit_circle=circle_by_trig(np.cos, np.sin, np.stack),
     rows=list,
     concat=np.concatenate,
+    split=lambda x, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
     **keyed_words(b"keras_dpsgd/numpy"),
 )
