@@ -20,16 +20,15 @@ The angle's (cos θ, sin θ) come from the table (``ops.unit_circle``): the libr
 (:func:`circle_by_trig`, TensorFlow) or polynomials on one eighth of the circle
 (:func:`circle_by_quarter_turns`, JAX: XLA's ``cos``/``sin`` on CPU cost ~6 ns an element).
 
-Keys: a seeded optimizer's noise on tensor `index` of the release at ledger position `position` is drawn
-under :func:`noise_key` (seed, position, index): reproducible, resumable and never repeated within a model's
-ledger.
+A release's tensors are one draw (:func:`scaled_normals`): P pairs of words under one key, the pairs of each
+tensor after those of the tensors before it. Keys: a seeded optimizer's release at ledger position `position`
+is drawn under :func:`noise_key` (seed, position, index of its first tensor): reproducible, resumable and never
+repeated within a model's ledger.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -153,44 +152,48 @@ def scaled_normal(ops: ArrayOps, n: Any, key: Any, scale: Any) -> Any:
 
     Computed in float32; the scale is folded into the radius (one pass fewer over n than ``scale * z``).
     """
-    return scaled_normals(ops, [n], [key], [scale])[0]
+    return scaled_normals(ops, [n], key, [scale])[0]
 
 
 def scaled_normals(
-    ops: ArrayOps, sizes: Sequence[Any], keys: Sequence[Any], scales: Sequence[Any], shapes: Sequence[Any] = None
+    ops: ArrayOps, sizes: Sequence[Any], key: Any, scales: Sequence[Any], shapes: Sequence[Any] = None
 ) -> list:
-    """:func:`scaled_normal` of each (n, key, scale), the same values, drawn together; each shaped like the
-    matching entry of `shapes` (n values) if given, else [n].
+    """``scale_k`` · N(0, I_{n_k}) for each (n_k, scale_k), one draw under `key`; each shaped like the matching
+    entry of `shapes` (n_k values) if given, else [n_k].
 
-    The rare refinement (a pair with ``x0 = 0``) is decided once for all the draws (one ``ops.cond``): a traced
-    step builds one pair of branches per release, not one per tensor; a draw's refined ``u1`` equals its coarse
-    one wherever its own ``x0 != 0``, so refining the others changes none of its values.
+    The draw has P = Σ_k ⌈n_k/2⌉ pairs of words (rows 0 and 1 of the [2, P] words of `key`'s stream 0); draw k takes
+    its pairs after those of the draws before it, as :func:`scaled_normal` takes its ⌈n/2⌉ (row 0 of the pairs,
+    then row 1, cut to n): one draw alone is :func:`scaled_normal`'s (0.2.0's values). A traced step builds the
+    sampler once per release, not once per tensor: one draw of words, one refinement check (``ops.cond``), one
+    radius and one unit circle, then one split. The scale is folded into the radius, per pair where the scales
+    differ (one scalar where they are all the same object).
     """
     if not sizes:
         return []
     pairs = [(n + 1) // 2 for n in sizes]
-    words = [ops.random_words(key, (2, p), 0) for key, p in zip(keys, pairs)]
-    words = [ops.rows(ops.cast(w, "float32")) for w in words]  # (x0, x1) as floats; w0 is exactly 0.0 iff x0 == 0
-    w0s = [w[0] for w in words]
-    coarse = [coarse_unit(w0) for w0 in w0s]
+    total = sum(pairs)
+    w0, w1 = ops.rows(ops.cast(ops.random_words(key, (2, total), 0), "float32"))  # w0 is 0.0 exactly iff x0 == 0
+    coarse = coarse_unit(w0)
 
     def refined():
-        units = []
-        for w0, u1, key, p in zip(w0s, coarse, keys, pairs):
-            w2, w3 = ops.rows(ops.cast(ops.random_words(key, (2, p), 1), "float32"))
-            units.append(refined_unit(w0, w2, w3, ops.where, u1))
-        return units
+        w2, w3 = ops.rows(ops.cast(ops.random_words(key, (2, total), 1), "float32"))
+        return refined_unit(w0, w2, w3, ops.where, coarse)
 
-    no_zero = functools.reduce(operator.and_, [ops.reduce_all(w0 != 0.0, None, False) for w0 in w0s])
-    units = ops.cond(no_zero, lambda: list(coarse), refined)
+    u1 = ops.cond(ops.reduce_all(w0 != 0.0, None, False), lambda: coarse, refined)
+    if all(scale is scales[0] for scale in scales):
+        scale = ops.cast(scales[0], "float32")
+    else:  # each pair's own: the values of a scalar scale, pair by pair
+        scale = ops.concat(
+            [ops.ones_like(part) * ops.cast(s, "float32") for part, s in zip(ops.split(w0, pairs, 0), scales)]
+        )
+    z = _pairs(ops, u1, w1, scale)
     out = []
-    for k, (u1, w, scale, n) in enumerate(zip(units, words, scales, sizes)):
-        z = _pairs(ops, u1, w[1], ops.cast(scale, "float32"))
+    for k, (part, n) in enumerate(zip([z] if len(sizes) == 1 else ops.split(z, pairs, 1), sizes)):
         shape = (n,) if shapes is None else tuple(shapes[k])
         if isinstance(n, int) and n % 2 == 0:  # 2P = n values: no pair to cut
-            out.append(ops.reshape(z, shape))
+            out.append(ops.reshape(part, shape))
         else:
-            out.append(ops.reshape(ops.reshape(z, (-1,))[:n], shape))
+            out.append(ops.reshape(ops.reshape(part, (-1,))[:n], shape))
     return out
 
 

@@ -79,5 +79,7 @@ NUMPY_OPS = ArrayOps(
     cond=lambda pred, true_fn, false_fn: true_fn() if bool(pred) else false_fn(),
     unit_circle=circle_by_trig(np.cos, np.sin, np.stack),
     rows=list,
+    concat=np.concatenate,
+    split=lambda x, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis),
     **keyed_words(b"keras_dpsgd/numpy"),
 )

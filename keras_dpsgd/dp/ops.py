@@ -29,7 +29,9 @@ class ArrayOps:
     Shapes and reductions: ``reshape(x, shape)``; ``reduce_all(x, axis, keepdims)``; ``group_sum(x,
     groups, num_groups)``: [B, G] with column g the sum of the columns v of x [B, V] whose ``groups[v] ==
     g`` (static ints); ``gather_columns(x, index)``: the columns ``index`` (static ints) of x [B, G];
-    ``rows(x)``: the list of x's rows along its first axis (a traced step builds one op, not a slice per row).
+    ``rows(x)``: the list of x's rows along its first axis (a traced step builds one op, not a slice per row);
+    ``concat(xs)``: the arrays of the list `xs` joined along their first axis; ``split(x, sizes, axis)``: the list
+    of consecutive parts of x along `axis` of the static lengths `sizes`.
 
     Control: ``cond(pred, true_fn, false_fn)``: the result of one of two functions of no argument, chosen
     by a scalar bool array (traced as a conditional: only the branch taken runs).
@@ -65,3 +67,5 @@ class ArrayOps:
     seed_key: Callable
     unit_circle: Callable
     rows: Callable
+    concat: Callable
+    split: Callable

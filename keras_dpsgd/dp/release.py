@@ -25,18 +25,19 @@ __all__ = ["add_gaussian", "add_gaussians", "add_noise", "each", "lot_denominato
 
 def add_gaussian(ops: ArrayOps, x: Any, stddev: Any, key: Any) -> Any:
     """``x + N(0, stddev² I)`` of static shape, the noise of :func:`keras_dpsgd.dp.noise.scaled_normal`."""
-    return add_gaussians(ops, [x], [stddev], [key])[0]
+    return add_gaussians(ops, [x], [stddev], key)[0]
 
 
-def add_gaussians(ops: ArrayOps, xs: Sequence[Any], stddevs: Sequence[Any], keys: Sequence[Any]) -> list:
-    """:func:`add_gaussian` of each (x, stddev, key), the same values, drawn together
-    (:func:`keras_dpsgd.dp.noise.scaled_normals`: one refinement check, one branch pair in a traced step)."""
+def add_gaussians(ops: ArrayOps, xs: Sequence[Any], stddevs: Sequence[Any], key: Any) -> list:
+    """``x + N(0, stddev² I)`` of each (x, stddev), independent, from one draw under `key`
+    (:func:`keras_dpsgd.dp.noise.scaled_normals`: the tensors' pairs of words in order; one sampler in a traced
+    step). One tensor alone gets :func:`add_gaussian`'s noise."""
     sizes = [math.prod(int(d) for d in x.shape) for x in xs]
     drawn = [i for i, n in enumerate(sizes) if n]
     noise = scaled_normals(
         ops,
         [sizes[i] for i in drawn],
-        [keys[i] for i in drawn],
+        key,
         [stddevs[i] for i in drawn],
         [tuple(xs[i].shape) for i in drawn],
     )
@@ -57,16 +58,21 @@ def add_noise(
     Args:
       clipped: the lot's clipped sum and its sensitivity.
       sigmas: σ_v of each variable (a variable with σ_v = 0 is left as it is: no noise is drawn).
-      gaussians: ``gaussians(xs, stddevs, indices)`` -> ``[x + N(0, stddev²)]``, each under the key of tensor
-        `index`, called once per release with the variables that get noise, in order (the backend's sampler:
-        :func:`add_gaussians` under the front end's keys; :func:`each` makes it from a one-tensor sampler).
+      gaussians: ``gaussians(xs, stddevs, indices)`` -> ``[x + N(0, stddev²)]``, independent, called once per
+        release with the variables that get noise and their indices, in order (the backend's sampler:
+        :func:`add_gaussians` under the key of the release's first index; :func:`each` makes it from a one-tensor
+        sampler, each tensor under its index's key).
       scale: 1, or ``1/√R`` for one replica's share of R.
     """
     indices = [v for v in range(len(clipped.sums)) if sigmas[v] != 0]
-    stddevs = [sigmas[v] * clipped.sensitivity[v] * scale for v in indices]
+    stddev = {}  # one array per distinct (σ_v, S_v): the sampler then folds one scalar scale into its radius
+    for v in indices:
+        stddev.setdefault((sigmas[v], id(clipped.sensitivity[v])), sigmas[v] * clipped.sensitivity[v] * scale)
+    stddevs = [stddev[sigmas[v], id(clipped.sensitivity[v])] for v in indices]
     out = list(clipped.sums)
-    for v, noised in zip(indices, gaussians([out[v] for v in indices], stddevs, indices)):
-        out[v] = noised
+    if indices:  # σ = 0 everywhere: nothing drawn
+        for v, noised in zip(indices, gaussians([out[v] for v in indices], stddevs, indices)):
+            out[v] = noised
     return out
 
 

@@ -95,8 +95,8 @@ class JaxFront:
     def add_noise(self, clipped) -> list:
         self.key_for = self._keys()
 
-        def gaussians(xs, stddevs, indices):  # one draw for the release: one refinement check (a lax.cond)
-            return dp_release.add_gaussians(JAX_OPS, xs, stddevs, [self.key_for(index) for index in indices])
+        def gaussians(xs, stddevs, indices):  # one draw for the release, under its first index's key
+            return dp_release.add_gaussians(JAX_OPS, xs, stddevs, self.key_for(indices[0]))
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:

@@ -359,7 +359,7 @@ class DPSettingsMixin:
             clipped = ClippedSum(tuple(summed), None, sensitivity(bounds, groups))
 
         def gaussians(xs, stddevs, indices):  # one draw for the release (``dp.release.add_gaussians``)
-            return dp_release.add_gaussians(self._dp.noise.OPS, xs, stddevs, self._noise_keys(indices))
+            return dp_release.add_gaussians(self._dp.noise.OPS, xs, stddevs, self._noise_key(indices[0]))
 
         scale = _distribute.replica_noise_scale()  # 1/√R per replica (1 for one replica)
         return dp_release.add_noise(clipped.with_sums(summed), self._dp.sigmas, gaussians, scale)
@@ -409,15 +409,10 @@ class DPSettingsMixin:
         return steps + tf.cast(tf.convert_to_tensor(self._dp.ledger_offset), tf.int64)
 
     def _noise_key(self, index: int) -> tf.Tensor:
-        """The [2] int64 key of one draw of noise (``index``: which tensor of the step), this
-        replica's own under a strategy (``_distribute.replica_key``)."""
-        return self._noise_keys([index])[0]
-
-    def _noise_keys(self, indices: list[int]) -> list[tf.Tensor]:
-        """:meth:`_noise_key` of each index, made together (one generator call, one read of the ledger position)."""
-        if self._dp.seed is None:  # Fresh Philox keys, one per draw.
-            keys = tf.unstack(self._dp.generator.make_seeds(len(indices)), axis=1)
+        """The [2] int64 key of one draw of noise (``index``: the release's first tensor, or a hook's own index),
+        this replica's own under a strategy (``_distribute.replica_key``)."""
+        if self._dp.seed is None:  # A fresh Philox key per draw.
+            key = self._dp.generator.make_seeds(1)[:, 0]
         else:  # Reproducible and resumable: a function of (seed, position in the model's ledger, tensor[, replica]).
-            position = self._ledger_position()
-            keys = [self._dp.noise.seeded_key(self._dp.seed, position, index) for index in indices]
-        return [_distribute.replica_key(key) for key in keys]
+            key = self._dp.noise.seeded_key(self._dp.seed, self._ledger_position(), index)
+        return _distribute.replica_key(key)

@@ -167,34 +167,39 @@ def test_seeded_draws_are_those_of_0_2_0(table):
     np.testing.assert_array_max_ulp(got, want, maxulp=4)
 
 
-@pytest.mark.parametrize("zero_in", [None, 1])
-def test_draws_together_equal_draws_one_at_a_time(table, zero_in):
-    """``release.add_gaussians`` (one refinement check for the release's tensors) gives each tensor exactly the noise
-    ``release.add_gaussian`` gives it alone, with or without a pair refined in one of them (an x0 of 0 in tensor
-    `zero_in`), and one branch decision for all."""
-    target = []
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("zero_in", [None, 0, 3])
+def test_a_release_is_one_draw_cut_in_order(table, zero_in, shared):
+    """``release.add_gaussians``: the tensors' noise is one draw of P = Σ_k ⌈n_k/2⌉ Box–Muller pairs under the key,
+    tensor k's pairs after those of the tensors before it (rows 0 then 1 of its pairs, cut to n_k), times its stddev
+    (one stddev object for all, or one each); with a pair refined (an x0 of 0 in tensor `zero_in`'s part) that pair
+    takes the refinement words at its place in the release and reaches past the coarse sampler's largest radius."""
+    shapes = [(2, 2), (5,), (0,), (4, 3)]  # sizes 4, 5 (odd: a pair cut), 0 (nothing drawn), 12: 2, 3, 0, 6 pairs
+    pairs = [(int(np.prod(s)) + 1) // 2 for s in shapes]
+    starts = np.cumsum([0] + pairs)
+    total = int(starts[-1])
 
     def words(key, shape, stream):
         w = table.ops.random_words(key, shape, stream)
-        if stream == 0 and target and shape[1] == target[0]:
+        if stream == 0 and zero_in is not None:
             w = table.numpy(w).copy()
-            w[0, 1] = 0
+            w[0, starts[zero_in] + 1] = 0
             w = table.array(w)
         return w
 
     ops = dataclasses.replace(table.ops, random_words=words)
-    shapes = [(3, 2), (5,), (0,), (4, 3)]  # sizes 6, 5 (odd: a pair cut), 0 (nothing drawn), 12
     xs = [table.array(np.full(s, 0.5, np.float32)) for s in shapes]
-    stddevs = [table.array(np.float32(s)) for s in (1.0, 2.5, 1.0, 0.25)]
-    keys = [table.key(5, 9, i) for i in range(len(shapes))]
-    if zero_in is not None:
-        target.append((int(np.prod(shapes[zero_in])) + 1) // 2)
-    together = release.add_gaussians(ops, xs, stddevs, keys)
-    alone = [release.add_gaussian(ops, x, s, k) for x, s, k in zip(xs, stddevs, keys)]
-    for got, want, shape in zip(together, alone, shapes):
+    one = table.array(np.float32(1.5))
+    stddevs = [one] * 4 if shared else [table.array(np.float32(s)) for s in (1.0, 2.5, 1.0, 0.25)]
+    key = table.key(5, 9, 0)
+    together = release.add_gaussians(ops, xs, stddevs, key)
+    w, fine = (table.numpy(words(key, (2, total), stream)) for stream in (0, 1))
+    z = table.numpy(noise.box_muller(table.ops, *(table.array(r) for r in (w[0], w[1], fine[0], fine[1]))))
+    for k, (got, shape) in enumerate(zip(together, shapes)):
         assert tuple(got.shape) == shape
-        np.testing.assert_array_equal(table.numpy(got), table.numpy(want))
+        want = z[:, starts[k] : starts[k + 1]].ravel()[: int(np.prod(shape))] * float(table.numpy(stddevs[k])) + 0.5
+        np.testing.assert_allclose(table.numpy(got).ravel(), want, rtol=1e-5, atol=1e-6)
     if zero_in is not None:  # the refined pair's radius passes sqrt(-2 ln 2⁻³²) in units of its stddev
-        z = (table.numpy(together[zero_in]).ravel() - 0.5) / 2.5
-        pairs = (z.size + 1) // 2
-        assert math.hypot(z[1], z[pairs + 1] if pairs + 1 < z.size else 0.0) > math.sqrt(-2 * math.log(2.0**-32))
+        got = (table.numpy(together[zero_in]).ravel() - 0.5) / float(table.numpy(stddevs[zero_in]))
+        p = pairs[zero_in]
+        assert math.hypot(got[1], got[p + 1]) > math.sqrt(-2 * math.log(2.0**-32))

@@ -56,10 +56,11 @@ def test_the_released_lot_has_noise_stddev_sigma_c_over_l_and_counts_once(run, c
 
 
 def test_seeded_lot_noise_is_the_sum_of_two_independent_replica_draws(run):
-    """-(n_0 + n_1)/L with n_r ~ N(0, σ²C²/2) under noise_key(seed, step 0, variable 0) with r folded in."""
+    """-(n_0 + n_1)/L with n_r ~ N(0, σ²C²/2) under noise_key(seed, step 0, variable 0) with r folded in (the release's first key)."""
     import tensorflow as tf
 
     from keras_dpsgd.backends.tensorflow import ops as _noise
+    from keras_dpsgd.dp import release
 
     out = run["noise_seeded"]
     lot, std = 16, out["expected"] * 16 / math.sqrt(2)
@@ -68,7 +69,8 @@ def test_seeded_lot_noise_is_the_sum_of_two_independent_replica_draws(run):
         key = tf.random.experimental.stateless_fold_in(
             _noise.seeded_key(4, tf.constant(0, tf.int64), 0), tf.constant(r, tf.int64)
         )
-        draws.append(_noise.add_gaussian(tf.zeros([100, 100]), std, key).numpy().ravel()[:8])
+        kernels = [tf.zeros([100, 100]), tf.zeros([100, 1])]  # the release: both kernels, one draw under the key
+        draws.append(release.add_gaussians(_noise.TF_OPS, kernels, [std, std], key)[0].numpy().ravel()[:8])
     np.testing.assert_allclose(out["first"], -(draws[0] + draws[1]) / lot, rtol=1e-5, atol=1e-7)
 
 

@@ -77,6 +77,8 @@ JAX_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_quarter_turns(jnp.round, jnp.floor, jnp.where),
     rows=list,
+    concat=jnp.concatenate,
+    split=lambda x, sizes, axis: jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis),
 )
 
 

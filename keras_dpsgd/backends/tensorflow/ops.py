@@ -4,8 +4,8 @@ the noise source over it (the core's sampler, :mod:`keras_dpsgd.dp.noise`) and t
 Why not ``tf.random.normal``: it clamps its uniform and has no sample past 5.68 (``keras_dpsgd.dp.noise``).
 
 Random words: ``tf.random.stateless_uniform`` (Philox) under a stateless [2] int64 key; stream 0 is the key
-itself, stream 1 the key folded with 1 (the layout of the sampler since 0.1: seeded runs reproduce). A
-seeded key is the pair (seed mod 2⁶³, the release's position in the model's ledger).
+itself, stream 1 the key folded with 1 (the layout of the sampler since 0.1: a one-tensor draw reproduces 0.2.0's;
+a release's tensors are one draw since 0.3). A seeded key is the pair (seed mod 2⁶³, the release's position in the model's ledger).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ TF_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_trig(tf.math.cos, tf.math.sin, tf.stack),
     rows=tf.unstack,
+    concat=lambda xs: tf.concat(xs, 0),
+    split=lambda x, sizes, axis: tf.split(x, list(sizes), axis),
 )
 
 

@@ -152,4 +152,6 @@ TORCH_OPS = ArrayOps(
     seed_key=_seed_key,
     unit_circle=circle_by_trig(torch.cos, torch.sin, torch.stack),
     rows=lambda x: list(x.unbind(0)),
+    concat=torch.cat,
+    split=lambda x, sizes, axis: list(torch.split(x, list(sizes), axis)),
 )
