@@ -67,7 +67,8 @@ def add_noise(
     indices = [v for v in range(len(clipped.sums)) if sigmas[v] != 0]
     stddev = {}  # one array per distinct (σ_v, S_v): the sampler then folds one scalar scale into its radius
     for v in indices:
-        stddev.setdefault((sigmas[v], id(clipped.sensitivity[v])), sigmas[v] * clipped.sensitivity[v] * scale)
+        if (sigmas[v], id(clipped.sensitivity[v])) not in stddev:
+            stddev[sigmas[v], id(clipped.sensitivity[v])] = sigmas[v] * clipped.sensitivity[v] * scale
     stddevs = [stddev[sigmas[v], id(clipped.sensitivity[v])] for v in indices]
     out = list(clipped.sums)
     if indices:  # σ = 0 everywhere: nothing drawn
