@@ -105,11 +105,13 @@ def _row_shape(rank: int) -> list:
 
 
 def _mask_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
-    """``t`` with the rows of ``c_i == 0`` set to exactly 0, even if they hold NaN/Inf, the others as they are
-    (``multiply_no_nan`` by 0 or 1: one pass, no branch; a ``tf.cond`` per use cost ~17 graph ops in every traced
-    step for a pass that only steps with a non-finite norm need)."""
-    keep = tf.cast(tf.reshape(c > 0, _row_shape(t.shape.rank)), t.dtype)
-    return tf.math.multiply_no_nan(t, keep)
+    """``t`` with the rows of ``c_i == 0`` set to exactly 0 (``t`` itself when there are none).
+
+    Factors are 0 only for examples with a non-finite norm, so the masking ``tf.where`` (three
+    passes over ``t``) runs only in steps that have one.
+    """
+    keep = tf.reshape(c > 0, _row_shape(t.shape.rank))
+    return tf.cond(tf.reduce_all(keep), lambda: t, lambda: tf.where(keep, t, tf.zeros_like(t)))
 
 
 def _scale_rows(t: tf.Tensor, c: tf.Tensor) -> tf.Tensor:
