@@ -35,6 +35,45 @@ import sys
 
 from keras_dpsgd.cli import import_tensorflow_quietly
 
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The checked options (a bad one exits 2 with one line; this needs no TensorFlow)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--weights", default=None, metavar="PATH", help="backbone weights file (no top), read locally")
+    p.add_argument("--alpha", type=float, default=0.35, help="MobileNetV2 width (must match --weights)")
+    p.add_argument(
+        "--image-size", type=int, default=None, help="inputs are resized to this (>= 32; default 64, smoke 32)"
+    )
+    p.add_argument(
+        "--pretrain-epochs", type=int, default=None, help="public pretraining (default 10; 0 with --weights)"
+    )
+    p.add_argument("--target-epsilon", type=float, default=3.0, help="ε of the DP head's training")
+    p.add_argument("--delta", type=float, default=1e-5)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--lot-size", type=int, default=64)
+    p.add_argument("--epochs", type=int, default=20, help="planned DP epochs (σ is calibrated to them)")
+    p.add_argument("--learning-rate", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
+    p.add_argument("--smoke", action="store_true", help="tiny run: 32x32, 3 pretraining epochs, 5 DP epochs")
+    args = p.parse_args(argv)
+    if args.weights is not None and not os.path.isfile(args.weights):
+        p.error(f"--weights must be an existing file, got {args.weights!r}")
+    if args.image_size is None:
+        args.image_size = 32 if args.smoke else 64
+    if args.image_size < 32:
+        p.error(f"--image-size must be >= 32 (MobileNetV2's smallest input), got {args.image_size}")
+    if args.pretrain_epochs is None:
+        args.pretrain_epochs = 0 if args.weights else 10
+    if args.pretrain_epochs < 0:
+        p.error(f"--pretrain-epochs must be >= 0, got {args.pretrain_epochs}")
+    if args.smoke:
+        args.pretrain_epochs, args.epochs = min(args.pretrain_epochs, 3), 5
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # a bad option exits 2 here, before TensorFlow is imported (below)
+
 import_tensorflow_quietly()  # TF_CPP_MIN_LOG_LEVEL=2 unless set; no start-up log lines
 
 import numpy as np  # noqa: E402
@@ -78,7 +117,10 @@ def pretrain_on_public(backbone: keras.Model, x: np.ndarray, y: np.ndarray, epoc
     """
     model = with_head(backbone, int(y.max()) + 1, training=True)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, metrics=["accuracy"])
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss)
+    # No compiled metric (the accuracy returned is the frozen model's, below) and Adam built before fit: Keras 3
+    # on TensorFlow creates such variables while tracing the step, then traces the step again (~10 s on a CPU).
+    model.optimizer.build(model.trainable_variables)
     model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=True)
     for layer in backbone.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
@@ -110,36 +152,7 @@ def split_by_class(data) -> tuple:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--weights", default=None, metavar="PATH", help="backbone weights file (no top), read locally")
-    p.add_argument("--alpha", type=float, default=0.35, help="MobileNetV2 width (must match --weights)")
-    p.add_argument(
-        "--image-size", type=int, default=None, help="inputs are resized to this (>= 32; default 64, smoke 32)"
-    )
-    p.add_argument(
-        "--pretrain-epochs", type=int, default=None, help="public pretraining (default 10; 0 with --weights)"
-    )
-    p.add_argument("--target-epsilon", type=float, default=3.0, help="ε of the DP head's training")
-    p.add_argument("--delta", type=float, default=1e-5)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--lot-size", type=int, default=64)
-    p.add_argument("--epochs", type=int, default=20, help="planned DP epochs (σ is calibrated to them)")
-    p.add_argument("--learning-rate", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=None, help="reproducible run (keep it secret; default OS entropy)")
-    p.add_argument("--smoke", action="store_true", help="tiny run: 32x32, 3 pretraining epochs, 5 DP epochs")
-    args = p.parse_args(argv)
-    if args.weights is not None and not os.path.isfile(args.weights):
-        p.error(f"--weights must be an existing file, got {args.weights!r}")
-    if args.image_size is None:
-        args.image_size = 32 if args.smoke else 64
-    if args.image_size < 32:
-        p.error(f"--image-size must be >= 32 (MobileNetV2's smallest input), got {args.image_size}")
-    if args.pretrain_epochs is None:
-        args.pretrain_epochs = 0 if args.weights else 10
-    if args.pretrain_epochs < 0:
-        p.error(f"--pretrain-epochs must be >= 0, got {args.pretrain_epochs}")
-    if args.smoke:
-        args.pretrain_epochs, args.epochs = min(args.pretrain_epochs, 3), 5
+    args = parse_args(argv)
 
     from keras_dpsgd import PrivacyLogger, make_private_with_epsilon, model_epsilon
     from keras_dpsgd.data.datasets import load_digits

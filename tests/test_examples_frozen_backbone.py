@@ -53,18 +53,20 @@ def test_split_by_class_keeps_public_and_private_digits_apart():
     np.testing.assert_array_equal(y_train, data.y_train[data.y_train >= 5] - 5)
 
 
-def test_frozen_backbone_refuses_a_missing_weights_file(tmp_path):
+def test_frozen_backbone_refuses_a_missing_weights_file_before_importing_tensorflow(tmp_path):
     import subprocess
     import sys
 
     from test_examples_main import EXAMPLES, ROOT
 
     missing = str(tmp_path / "nope.h5")
-    proc = subprocess.run(
-        [sys.executable, f"{EXAMPLES}/frozen_backbone.py", "--weights", missing],
+    proc = subprocess.run(  # -X importtime: every module the process imported, on stderr
+        [sys.executable, "-X", "importtime", f"{EXAMPLES}/frozen_backbone.py", "--weights", missing],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
     assert proc.returncode == 2 and "--weights must be an existing file" in proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "argparse" in imported and "tensorflow" not in imported  # refused before any work

@@ -1,4 +1,9 @@
-"""The examples' --smoke runs (subprocesses, offline: tfds mock data), so the examples never rot."""
+"""The examples' --smoke runs (subprocesses, offline: tfds mock data), so the examples never rot.
+
+The Keras 3 smokes of this module (mnist, cifar10, finetune_lora) run one after another in ONE fresh process
+(``tests/_one_process.py``: TensorFlow and Keras imported once); their random draws may differ from a run in a
+process of its own, and no assertion here reads them beyond chance level (the mock data's labels are random).
+"""
 
 import importlib.util
 import math
@@ -9,6 +14,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from tests._one_process import run_scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -32,6 +39,34 @@ def _run(script, *argv, timeout=240, **env_vars):
     return proc.stdout, acc, eps, delta, steps
 
 
+def _parsed(run):
+    """(stdout, accuracy, ε, δ, DP-SGD steps) of one script's run from :func:`run_scripts`."""
+    assert run["code"] == 0, run["stdout"][-2000:] + run["error"][-3000:]
+    match = _RESULT.search(run["stdout"])
+    assert match, run["stdout"][-2000:]
+    return run["stdout"], float(match[1]), float(match[2]), float(match[3]), int(match[4])
+
+
+@pytest.fixture(scope="module")
+def keras3_smokes(tmp_path_factory):
+    """This module's Keras 3 smokes in one process: name -> run; cifar10 starts from a saved public model."""
+    directory = tmp_path_factory.mktemp("smokes")
+    public = _load_example("cifar10_alexnet").small_alexnet()
+    public.save(str(directory / "public.keras"))
+    jobs = {
+        "mnist": ["mnist_dpsgd.py", "--preset", "medium"],
+        "cifar10": ["cifar10_alexnet.py", "--public-model", directory / "public.keras"]
+        + ["--save-model", directory / "trained.keras"],
+    }
+    if importlib.util.find_spec("keras_hub") is not None:
+        jobs["finetune_lora"] = ["finetune_lora.py"]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="0")
+    runs = run_scripts(
+        [[os.path.join(EXAMPLES, name), "--smoke", *argv] for name, *argv in jobs.values()], timeout=600, env=env
+    )
+    return dict(zip(jobs, runs)), directory, public
+
+
 def _load_example(name):
     spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
@@ -40,13 +75,18 @@ def _load_example(name):
 
 
 @pytest.mark.parametrize("legacy, front_end, paper", [("0", "Keras 3", False), ("1", "tf_keras", True)])
-def test_mnist_smoke_counts_pca_and_steps(legacy, front_end, paper):
+def test_mnist_smoke_counts_pca_and_steps(legacy, front_end, paper, request):
     from keras_dpsgd.accounting import GaussianEvent, PoissonSampledGaussianEvent, compute_epsilon
 
-    # Keras 3 by default, tf_keras with TF_USE_LEGACY_KERAS=1 (the Keras that tf.keras is).
-    out, acc, eps, delta, steps = _run(
-        "mnist_dpsgd.py", "--preset", "medium", *(["--paper"] if paper else []), TF_USE_LEGACY_KERAS=legacy
-    )
+    # Keras 3 by default (in this module's Keras 3 process), tf_keras with TF_USE_LEGACY_KERAS=1 (the Keras that
+    # tf.keras is) in a process of its own.
+    if legacy == "0":
+        assert not paper  # the module's Keras 3 process runs mnist without --paper
+        out, acc, eps, delta, steps = _parsed(request.getfixturevalue("keras3_smokes")[0]["mnist"])
+    else:
+        out, acc, eps, delta, steps = _run(
+            "mnist_dpsgd.py", "--preset", "medium", *(["--paper"] if paper else []), TF_USE_LEGACY_KERAS=legacy
+        )
     assert out.startswith(f"{front_end}; preset medium")
     assert "epsilon:" in out  # ε printed as it trains
     # 2 epochs of ceil(256 / 64) = 4 lots; ε composes the DP-PCA release (all data; the paper's or the
@@ -75,15 +115,11 @@ def _assert_chance_accuracy(accuracy, num_test, decimals=4):
     assert accuracy < 0.1 + 8 * math.sqrt(0.09 / num_test), accuracy
 
 
-def test_cifar10_smoke_with_frozen_public_layers(tmp_path):
+def test_cifar10_smoke_with_frozen_public_layers(keras3_smokes):
     example = _load_example("cifar10_alexnet")
-    public = example.small_alexnet()
-    public_path = str(tmp_path / "public.keras")
-    public.save(public_path)
-    trained_path = str(tmp_path / "trained.keras")
-    out, acc, eps, delta, steps = _run(
-        "cifar10_alexnet.py", "--public-model", public_path, "--save-model", trained_path
-    )
+    runs, directory, public = keras3_smokes
+    trained_path = str(directory / "trained.keras")
+    out, acc, eps, delta, steps = _parsed(runs["cifar10"])
     assert "frozen public conv layers, 6 DP-trained variables" in out
     assert steps == 4 and 0 < eps <= 8.0
     _assert_chance_accuracy(acc, num_test=64)  # mock data: 64 test examples, random labels
@@ -129,11 +165,11 @@ def test_small_alexnet_architecture():
     assert isinstance(model, keras.Model)
 
 
-def test_finetune_lora_smoke():
+def test_finetune_lora_smoke(keras3_smokes):
     """keras_hub BERT (random, tiny) with LoRA, DP-SGD on generated text: only the LoRA factors and
     the head train, and the run spends the calibrated ε."""
     pytest.importorskip("keras_hub")
-    out, acc, eps, delta, steps = _run("finetune_lora.py")
+    out, acc, eps, delta, steps = _parsed(keras3_smokes[0]["finetune_lora"])
     trained, total = (int(v) for v in re.search(r"LoRA rank 4: (\d+) trainable parameters of (\d+)", out).groups())
     assert 0 < trained < total / 20
     assert steps >= 3 and 2.5 < eps <= 3.0 + 1e-6 and 0 < delta < 1e-2

@@ -1,14 +1,17 @@
-"""The three tools' examples run offline with --smoke (subprocess, as a user would)."""
+"""The three tools' examples run offline with --smoke, as ``python examples/NAME.py`` runs them, one after another
+in ONE fresh process (``tests/_one_process.py``: TensorFlow and Keras imported once, not three times).
+
+Sharing the process, an example's random draws (initial weights, hence accuracies and clip bounds) can differ from
+those of a run in a process of its own with the same --seed; no assertion here reads them.
+"""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._parallel import run_jobs
+from tests._one_process import run_scripts
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # The examples run on Keras 3 unless TF_USE_LEGACY_KERAS=1 (inherited by the subprocess); their "keras"
@@ -29,26 +32,26 @@ def _keras_label():
 KERAS = _keras_label()
 
 
-def _run(name, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--smoke", "--json", "--seed", "0", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+class _Run:
+    """One example's outcome: ``result()`` is its last stdout line's JSON, or raises with its error."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def result(self):
+        assert self.run["code"] == 0, self.run["error"][-3000:] + self.run["stdout"][-2000:]
+        return json.loads(self.run["stdout"].strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def examples(tmp_path_factory):
-    """The three examples' --smoke runs (two at a time): each one's JSON, and the adaptive run's log dir."""
+    """The three examples' --smoke runs (one process): each one's outcome, and the adaptive run's log dir."""
     log_dir = tmp_path_factory.mktemp("adaptive_logs")
     jobs = {"memorization_test.py": (), "adaptive_clipping.py": ("--log-dir", str(log_dir)), "large_lots.py": ()}
-    runs = run_jobs({name: (lambda name=name, args=args: _run(name, *args)) for name, args in jobs.items()})
-    return runs, log_dir
+    runs = run_scripts(
+        [[EXAMPLES / name, "--smoke", "--json", "--seed", "0", *args] for name, args in jobs.items()], timeout=600
+    )
+    return dict(zip(jobs, map(_Run, runs))), log_dir
 
 
 def test_memorization_example(examples):
