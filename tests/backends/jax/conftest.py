@@ -26,5 +26,9 @@ if os.environ.get("KERAS_DPSGD_JAX_SUITE") == "1":
     names = tuple(f.split("=")[0] for f in ours)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(names)]
     os.environ["XLA_FLAGS"] = " ".join(flags + ours)
+    # Keras's random weights drawn once per size class, the same values (tests/_jax_initializers.py).
+    from tests._jax_initializers import install
+
+    install()
 else:
     collect_ignore_glob = ["test_*.py"]
