@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from keras_dpsgd.backends.jax import seeded_key, standard_normal
+from keras_dpsgd.backends.jax import add_gaussian, seeded_key, standard_normal
 from keras_dpsgd.backends.jax.ops import JAX_OPS, key_data
 from keras_dpsgd.dp import bandmf as dp_bandmf, lot as dp_lot, release as dp_release
 from keras_dpsgd.keras3 import _adaptive_values as _adaptive
@@ -95,8 +95,9 @@ class JaxFront:
     def add_noise(self, clipped) -> list:
         self.key_for = self._keys()
 
-        def gaussians(xs, stddevs, indices):  # one draw for the release, under its first index's key
-            return dp_release.add_gaussians(JAX_OPS, xs, stddevs, self.key_for(indices[0]))
+        # One draw per tensor under its index's key: XLA on CPU runs the release's one draw (dp.release.add_gaussians,
+        # TensorFlow's) 1.5-2x slower than the tensors' own draws (the MLP's DP step 7.4 -> 14.7 ms).
+        gaussians = dp_release.each(lambda x, stddev, index: add_gaussian(x, stddev, self.key_for(index)))
 
         strategy = getattr(self.optimizer, "bandmf_strategy", None)
         if strategy is None:
