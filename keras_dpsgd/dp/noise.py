@@ -20,10 +20,11 @@ The angle's (cos θ, sin θ) come from the table (``ops.unit_circle``): the libr
 (:func:`circle_by_trig`, TensorFlow) or polynomials on one eighth of the circle
 (:func:`circle_by_quarter_turns`, JAX: XLA's ``cos``/``sin`` on CPU cost ~6 ns an element).
 
-A release's tensors are one draw (:func:`scaled_normals`): P pairs of words under one key, the pairs of each
-tensor after those of the tensors before it. Keys: a seeded optimizer's release at ledger position `position`
-is drawn under :func:`noise_key` (seed, position, index of its first tensor): reproducible, resumable and never
-repeated within a model's ledger.
+Several tensors can be one draw (:func:`scaled_normals`): P pairs of words under one key, the pairs of each
+tensor after those of the tensors before it (TensorFlow's release; JAX and torch draw each tensor under its own
+key). Keys: a seeded optimizer's draw at ledger position `position` is made under :func:`noise_key` (seed,
+position, index of the tensor, or of the release's first tensor): reproducible, resumable and never repeated
+within a model's ledger.
 """
 
 from __future__ import annotations

@@ -65,11 +65,12 @@ def add_noise(
       scale: 1, or ``1/√R`` for one replica's share of R.
     """
     indices = [v for v in range(len(clipped.sums)) if sigmas[v] != 0]
-    stddev = {}  # one array per distinct (σ_v, S_v): the sampler then folds one scalar scale into its radius
+    stddevs, made = [], {}  # one array per distinct (σ_v, S_v): the sampler then folds one scalar into its radius
     for v in indices:
-        if (sigmas[v], id(clipped.sensitivity[v])) not in stddev:
-            stddev[sigmas[v], id(clipped.sensitivity[v])] = sigmas[v] * clipped.sensitivity[v] * scale
-    stddevs = [stddev[sigmas[v], id(clipped.sensitivity[v])] for v in indices]
+        pair = (sigmas[v], id(clipped.sensitivity[v]))
+        if pair not in made:
+            made[pair] = sigmas[v] * clipped.sensitivity[v] * scale
+        stddevs.append(made[pair])
     out = list(clipped.sums)
     if indices:  # σ = 0 everywhere: nothing drawn
         for v, noised in zip(indices, gaussians([out[v] for v in indices], stddevs, indices)):

@@ -6,7 +6,7 @@ normals do not serve the Gaussian mechanism is in :mod:`keras_dpsgd.dp.noise`) a
 is the backend's interface to them (``keras_dpsgd.backends.INTERFACE``) and its keys.
 
 Keys (:func:`seeded_key`, :func:`entropy_key`): a seeded optimizer's noise is a function of (seed, the
-release's position in the model's ledger, index of the release's first tensor: its tensors are one draw), so reproducible, resumable and never repeated within
+release's position in the model's ledger, tensor index), so reproducible, resumable and never repeated within
 a model's ledger; without a seed the key is drawn from OS entropy (``os.urandom``) and never saved
 (``keras_dpsgd.backends.jax.state``).
 """

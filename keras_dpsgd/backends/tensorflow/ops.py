@@ -5,7 +5,8 @@ Why not ``tf.random.normal``: it clamps its uniform and has no sample past 5.68 
 
 Random words: ``tf.random.stateless_uniform`` (Philox) under a stateless [2] int64 key; stream 0 is the key
 itself, stream 1 the key folded with 1 (the layout of the sampler since 0.1: a one-tensor draw reproduces 0.2.0's;
-a release's tensors are one draw since 0.3). A seeded key is the pair (seed mod 2⁶³, the release's position in the model's ledger).
+after 0.2.0 a release's tensors are one draw). A seeded key is the pair (seed mod 2⁶³, the release's position in
+the model's ledger).
 """
 
 from __future__ import annotations
