@@ -230,8 +230,8 @@ class DPKeras3Mixin(LotReleaseMixin):
 
             return self._pending(list(traced_step(self, "sanitize", self._checked_variables(variables), step)))
         tf_vars = self._checked_variables(variables)
-        # No local named `model` here: autograph, converting a user's tf.function, would hold it as an
-        # Undefined value that the ledger's walk of the stack (saving_model) then reads.
+        # No local named `model` here: the ledger's walk of the stack (saving_model) reads frames' locals, and a
+        # converted copy of this method (AutoGraph, before do_not_convert) held such a local as an Undefined value.
         return self._private_step(
             per_example_loss, tf_vars, tape, ledger.saving_model(self), regularization_grads, variables
         )
