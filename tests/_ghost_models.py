@@ -52,11 +52,56 @@ def _tied(rng):
     return keras.Model(inputs, _TiedOutput(dense)(h)), rng.normal(size=(5, 3)).astype("float32")
 
 
+LAYER_NORMS = (
+    {},  # gamma and beta
+    {"rms_scaling": True},  # gamma only, no centering
+    {"center": False},
+    {"scale": False},
+    {"axis": [1, 2]},  # not the last axis alone: the layer's own call, affine in gamma and beta given its input
+)
+
+
+def _layer_norm(rng):
+    """LayerNormalization in each form of LAYER_NORMS on rows [B, 4, 6] between Dense layers, gamma and beta drawn
+    (not 1 and 0), a row of one example large (its normalized rows are not its input)."""
+    inputs = keras.Input((4, 6))
+    h = keras.layers.Dense(6)(inputs)
+    for kwargs in LAYER_NORMS:
+        h = keras.layers.LayerNormalization(**kwargs)(keras.layers.Dense(6, activation="tanh")(h))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.LayerNormalization):
+            for v in layer.trainable_variables:
+                v.assign(rng.normal(1.0 if v is layer.gamma else 0.0, 0.5, size=v.shape).astype("float32"))
+    x = rng.normal(size=(5, 4, 6)).astype("float32")
+    x[2, 1] *= 40.0
+    return model, x
+
+
+def assert_layer_norm_taps(model, x):
+    """Each LayerNormalization of a "layer_norm" model: the rule's ``pre(tap(h))`` is the layer's own output on its
+    input h (float32 rounding), and the tap is the normalized rows except where the axis is not the last."""
+    from keras_dpsgd.backends._layer_forms import LayerNormForm
+
+    norms = [layer for layer in model.layers if isinstance(layer, keras.layers.LayerNormalization)]
+    inputs = keras.Model(model.inputs, [layer.input for layer in norms])(x)
+    rule = LayerNormForm()
+    for layer, h, kwargs in zip(norms, inputs, LAYER_NORMS):
+        tapped = rule.tap(layer, h)
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(rule.pre(layer, tapped)),
+            keras.ops.convert_to_numpy(layer(h)),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+        assert (tapped is h) == ("axis" in kwargs), kwargs
+
+
 def ghost_model(name: str):
-    """(model, x, y) of "sequence", "lora" or "tied", 3 classes."""
+    """(model, x, y) of "sequence", "lora", "tied" or "layer_norm", 3 classes."""
     rng = np.random.default_rng(1)
     keras.utils.set_random_seed(1)
-    model, x = {"sequence": _sequence, "lora": _lora, "tied": _tied}[name](rng)
+    model, x = {"sequence": _sequence, "lora": _lora, "tied": _tied, "layer_norm": _layer_norm}[name](rng)
     return model, x, rng.integers(0, 3, size=len(x))
 
 

@@ -126,7 +126,14 @@ class Rule:
     vector-Jacobian product of each example).
     """
 
+    def tap(self, layer, inputs):
+        """What a covered call hands ``pre`` and records for the norms and sums: its input, or a function of it that
+        reads none of the layer's variables, computed once in the forward pass (LayerNormalization: the normalized
+        rows, so each example's gradient needs no second normalization)."""
+        return inputs
+
     def pre(self, layer, inputs):
+        """The output before the activation from ``tap``'s value, affine in the layer's trainable variables."""
         raise NotImplementedError
 
     def post(self, layer, outputs):
@@ -366,8 +373,34 @@ class ReversibleEmbeddingForm(EmbeddingForm):
 
 
 class LayerNormForm(Rule):
+    """LayerNormalization over the last axis in float32 as ``x̂ · gamma + beta``: the tap is the normalized rows x̂ (no
+    variable read), so each example's gradient of gamma and beta is a sum over its rows of ``δ ⊙ x̂`` and ``δ``.
+    Elsewhere (other axes, other dtypes) the tap is the input and ``pre`` the layer's own call, affine in gamma and
+    beta given it."""
+
+    @staticmethod
+    def _normalized_first(layer, inputs) -> bool:
+        axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
+        last = len(inputs.shape) - 1
+        return (
+            len(axes) == 1
+            and axes[0] in (-1, last)
+            and keras.backend.standardize_dtype(inputs.dtype) == "float32"
+            and layer.compute_dtype == "float32"
+        )
+
+    def tap(self, layer, inputs):
+        if not self._normalized_first(layer, inputs):
+            return inputs
+        return keras.ops.layer_normalization(  # Keras's normalization with gamma 1 and beta 0: no variable read
+            inputs, None, None, axis=-1, epsilon=layer.epsilon, rms_scaling=layer.rms_scaling
+        )
+
     def pre(self, layer, inputs):
-        return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
+        if not self._normalized_first(layer, inputs):
+            return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
+        out = inputs if layer.gamma is None else keras.ops.multiply(inputs, layer.gamma)
+        return out if layer.beta is None or layer.rms_scaling else keras.ops.add(out, layer.beta)
 
 
 class ReadWatch:

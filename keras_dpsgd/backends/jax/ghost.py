@@ -101,9 +101,10 @@ def _wrapped_call(layer, rule, taps):
                     RuntimeError,
                 )
             taps.looped.add(layer)
-            return rule.post(layer, rule.pre(layer, inputs))
+            return rule.post(layer, rule.pre(layer, rule.tap(layer, inputs)))
         taps.inside.append(layer)
         try:
+            inputs = rule.tap(layer, inputs)
             pre = rule.pre(layer, inputs)
         finally:
             taps.inside.pop()

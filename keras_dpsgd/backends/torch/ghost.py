@@ -105,6 +105,7 @@ class Plan:
                 raise refuse("per-example-check", f"{layer.name}: a covered layer called with more than its input")
             values = self._raw or {id(v): v.value for v in layer.variables}
             with self.reads.own_call(layer):
+                inputs = rule.tap(layer, inputs)
                 pre = pre_at(layer, rule, inputs, values)
             if self._mode == "probe":
                 self.owners.append(layer)

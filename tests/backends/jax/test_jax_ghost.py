@@ -12,7 +12,7 @@ import pytest
 from keras_dpsgd.backends import _layer_forms
 from keras_dpsgd.backends.jax import ghost as _ghost
 from tests._behaviour import built
-from tests._ghost_models import ghost_model, per_layer_clip
+from tests._ghost_models import assert_layer_norm_taps, ghost_model, per_layer_clip
 from tests._keras3_helpers import example_grads
 from tests._step_checks import FRONT, LR, assert_clipped_step, assert_step, compiled
 
@@ -50,6 +50,15 @@ def test_sequence_model_per_layer_clipped_step_matches_loop():
     plan = _plan(model, x)
     assert {type(layer).__name__ for layer in plan.covered} == {"Embedding", "Conv1D", "Dense"}
     assert plan.uncovered == [] and len(plan.expected) == 6  # the shared Dense twice
+    assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
+
+
+def test_layer_normalization_in_each_form_per_layer_clipped_step_matches_loop():
+    """gamma and beta, RMS scaling, no centering, no scale (the normalized rows tapped once in the forward pass), and
+    an axis other than the last (the layer's own call): each variable clipped to its own bound, as the loop."""
+    model, x, y = ghost_model("layer_norm")
+    assert_layer_norm_taps(model, x)
+    assert _covered(model, x) == {"Dense", "LayerNormalization"}
     assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
 
 

@@ -13,7 +13,7 @@ import pytest
 from keras_dpsgd.backends.torch import ghost
 from keras_dpsgd.keras3 import _torch_train_step
 from tests._behaviour import built
-from tests._ghost_models import ghost_model, per_layer_clip
+from tests._ghost_models import assert_layer_norm_taps, ghost_model, per_layer_clip
 from tests._keras3_helpers import loop_clipped_mean, weight_reading_loss_case
 from tests._step_checks import FRONT, LR, assert_clipped_step, assert_step, compiled
 
@@ -38,6 +38,15 @@ def test_sequence_model_per_layer_clipped_step_matches_loop():
     assert _covered(model) == {"Embedding", "Conv1D", "Dense"}
     assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
     assert _covered(model) == {"Embedding", "Conv1D", "Dense"}  # the step's read watch uncovered none
+
+
+def test_layer_normalization_in_each_form_per_layer_clipped_step_matches_loop():
+    """gamma and beta, RMS scaling, no centering, no scale (the normalized rows tapped once in the forward pass), and
+    an axis other than the last (the layer's own call): each variable clipped to its own bound, as the loop."""
+    model, x, y = ghost_model("layer_norm")
+    assert_layer_norm_taps(model, x)
+    assert _covered(model) == {"Dense", "LayerNormalization"}
+    assert_clipped_step(model, x, y, per_layer_clip(model), per_layer=True)
 
 
 def test_lora_dense_and_einsum_dense_flat_clipped_step_matches_loop():
