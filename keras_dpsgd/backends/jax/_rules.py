@@ -84,6 +84,31 @@ class _DepthwiseConv(_forms.DepthwiseConvForm):
         return [found[id(v)]() for v in variables] if all(id(v) in found for v in variables) else None
 
 
+class _LayerNorm(_forms.LayerNormForm):
+    """Over the last axis, each example's gamma and beta gradients from the tapped rows (``LayerNormForm.tap``):
+    ``Σ_t δ_t ⊙ x̂_t`` and ``Σ_t δ_t`` over the rows [B, T, D]. (Each example's vector-Jacobian product leaves the
+    same sums as a reduction over the middle axis of [B, 1, T, D], which XLA on CPU runs about 20x slower: B = 64,
+    T = 32, D = 64, 0.77 ms against 0.03.)"""
+
+    def grads(self, layer, calls, variables):
+        if list(layer.axis) != [-1] or not all(self._normalized_first(layer, a) for a, _ in calls):
+            return None
+        found = {}
+        for a, d in calls:
+            rows = a.reshape(a.shape[0], -1, a.shape[-1])
+            deltas = d.astype(jnp.float32).reshape(rows.shape)
+            terms = {}
+            if layer.gamma is not None:
+                terms[id(layer.gamma)] = jnp.sum(deltas * rows, 1)
+            if layer.beta is not None:
+                terms[id(layer.beta)] = jnp.sum(deltas, 1)
+            for k, g in terms.items():
+                found[k] = g if k not in found else found[k] + g
+        if not all(id(v) in found for v in variables):
+            return None
+        return [found[id(v)] for v in variables]
+
+
 class _ReversibleEmbedding(_forms.ReversibleEmbeddingForm):
     def sq_norms(self, layer, calls, trainable):
         """Lookups only (a backbone without its tied output projection): the Embedding's Gram form, and an unused
@@ -109,7 +134,7 @@ RULES: dict[type, Rule] = {
         _forms.EinsumDenseForm(ARRAYS),
         _Conv(),
         _forms.EmbeddingForm(ARRAYS),
-        _forms.LayerNormForm(),
+        _LayerNorm(),
     ),
     keras.layers.PReLU: _PReLU(),
     keras.layers.DepthwiseConv1D: _DepthwiseConv(),

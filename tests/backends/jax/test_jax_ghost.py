@@ -252,3 +252,41 @@ def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_pr
     for g, w, v in zip(got, want, variables):
         assert g.shape == (5,) + tuple(v.shape)
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"rms_scaling": True}, {"center": False}, {"scale": False}, {"axis": [1, 2]}])
+def test_layer_normalization_closed_form_gradients_are_each_examples_vector_jacobian_product(kwargs):
+    """``_LayerNorm.grads`` (sums over an example's rows of δ ⊙ x̂ and δ, from the tapped rows x̂) gives each example's
+    gamma and beta gradients, as the vector-Jacobian product of the layer alone on a batch of one does; two calls add
+    up. Over axes other than the last alone it has no closed form (None: the vector-Jacobian product)."""
+    import jax
+    import jax.numpy as jnp
+
+    from keras_dpsgd.backends.jax import _rules
+
+    rng = np.random.default_rng(3)
+    layer = keras.layers.LayerNormalization(**kwargs)
+    layer.build((None, 4, 6))
+    for v in layer.trainable_variables:
+        v.assign(rng.normal(size=v.shape).astype("float32"))
+    rule, variables = _rules.rule_for(layer), layer.trainable_variables
+    raw = [rng.normal(size=(5, 1, 4, 6)).astype("float32") * 3.0 + 1.0 for _ in range(2)]
+    calls = [
+        (jax.vmap(lambda x: rule.tap(layer, x))(jnp.asarray(x)), rng.normal(size=x.shape).astype("float32"))
+        for x in raw
+    ]
+    got = rule.grads(layer, calls, variables)
+    if "axis" in kwargs:
+        assert got is None
+        return
+    assert got is not None
+    values = {id(v): v.value for v in layer.variables}
+
+    def one(a, d):
+        pre = lambda w: _layer_forms.pre_at(layer, rule, a, _layer_forms.with_values(values, variables, w))  # noqa: E731
+        return jax.vjp(pre, [values[id(v)] for v in variables])[1](d)[0]
+
+    want = [sum(jax.vmap(one)(jnp.asarray(a), jnp.asarray(d))[k] for a, d in calls) for k in range(len(variables))]
+    for g, w, v in zip(got, want, variables):
+        assert g.shape == (5,) + tuple(v.shape)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
