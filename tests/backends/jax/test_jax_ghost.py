@@ -211,6 +211,25 @@ def test_a_gram_norm_where_rows_cancel_is_a_certified_upper_bound_and_every_exam
     np.testing.assert_array_equal(np.asarray(sums[id(layer.bias)]), 0.0)
 
 
+def _assert_each_examples_vjp(layer, rule, calls, got):
+    """`got` (the rule's closed-form gradients, [B, *shape] per trainable variable) is each example's vector-Jacobian
+    product of the layer alone on a batch of one, summed over the `calls`."""
+    import jax
+    import jax.numpy as jnp
+
+    variables = layer.trainable_variables
+    values = {id(v): v.value for v in layer.variables}
+
+    def one(a, d):
+        pre = lambda w: _layer_forms.pre_at(layer, rule, a, _layer_forms.with_values(values, variables, w))  # noqa: E731
+        return jax.vjp(pre, [values[id(v)] for v in variables])[1](d)[0]
+
+    want = [sum(jax.vmap(one)(jnp.asarray(a), jnp.asarray(d))[k] for a, d in calls) for k in range(len(variables))]
+    for g, w, v in zip(got, want, variables):
+        assert g.shape == (len(calls[0][0]),) + tuple(v.shape)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "equation, shape, bias_axes, in_shape",
     [
@@ -226,8 +245,6 @@ def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_pr
     """``EinsumDenseForm.grads`` (``einsum("Zx,Zy->Zw")``, a bias the output gradient summed over its other letters)
     gives each example's gradient, as the vector-Jacobian product of the layer alone on a batch of one does; two
     calls add up."""
-    import jax
-    import jax.numpy as jnp
 
     from keras_dpsgd.backends.jax import _rules
 
@@ -242,16 +259,7 @@ def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_pr
     ]
     got = rule.grads(layer, calls, variables)
     assert got is not None
-    values = {id(v): v.value for v in layer.variables}
-
-    def one(a, d):
-        pre = lambda w: _layer_forms.pre_at(layer, rule, a, _layer_forms.with_values(values, variables, w))  # noqa: E731
-        return jax.vjp(pre, [values[id(v)] for v in variables])[1](d)[0]
-
-    want = [sum(jax.vmap(one)(jnp.asarray(a), jnp.asarray(d))[k] for a, d in calls) for k in range(len(variables))]
-    for g, w, v in zip(got, want, variables):
-        assert g.shape == (5,) + tuple(v.shape)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    _assert_each_examples_vjp(layer, rule, calls, got)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"rms_scaling": True}, {"center": False}, {"scale": False}, {"axis": [1, 2]}])
@@ -280,13 +288,4 @@ def test_layer_normalization_closed_form_gradients_are_each_examples_vector_jaco
         assert got is None
         return
     assert got is not None
-    values = {id(v): v.value for v in layer.variables}
-
-    def one(a, d):
-        pre = lambda w: _layer_forms.pre_at(layer, rule, a, _layer_forms.with_values(values, variables, w))  # noqa: E731
-        return jax.vjp(pre, [values[id(v)] for v in variables])[1](d)[0]
-
-    want = [sum(jax.vmap(one)(jnp.asarray(a), jnp.asarray(d))[k] for a, d in calls) for k in range(len(variables))]
-    for g, w, v in zip(got, want, variables):
-        assert g.shape == (5,) + tuple(v.shape)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    _assert_each_examples_vjp(layer, rule, calls, got)
