@@ -405,7 +405,7 @@ class LayerNormForm(Rule):
         if not self._normalized_first(layer, inputs):
             return keras.layers.LayerNormalization.call(layer, inputs)  # affine in gamma and beta
         out = inputs if layer.gamma is None else keras.ops.multiply(inputs, layer.gamma)
-        return out if layer.beta is None or layer.rms_scaling else keras.ops.add(out, layer.beta)
+        return out if layer.beta is None else keras.ops.add(out, layer.beta)  # Keras makes no beta with RMS
 
 
 class ReadWatch:

@@ -93,17 +93,13 @@ class _LayerNorm(_forms.LayerNormForm):
     def grads(self, layer, calls, variables):
         if list(layer.axis) != [-1] or not all(self._normalized_first(layer, a) for a, _ in calls):
             return None
+        rows = [a.reshape(a.shape[0], -1, a.shape[-1]) for a, _ in calls]
+        deltas = [d.astype(jnp.float32).reshape(r.shape) for r, (_, d) in zip(rows, calls)]
         found = {}
-        for a, d in calls:
-            rows = a.reshape(a.shape[0], -1, a.shape[-1])
-            deltas = d.astype(jnp.float32).reshape(rows.shape)
-            terms = {}
-            if layer.gamma is not None:
-                terms[id(layer.gamma)] = jnp.sum(deltas * rows, 1)
-            if layer.beta is not None:
-                terms[id(layer.beta)] = jnp.sum(deltas, 1)
-            for k, g in terms.items():
-                found[k] = g if k not in found else found[k] + g
+        if layer.gamma is not None:
+            found[id(layer.gamma)] = sum(jnp.sum(d * r, 1) for r, d in zip(rows, deltas))
+        if layer.beta is not None:
+            found[id(layer.beta)] = sum(jnp.sum(d, 1) for d in deltas)
         if not all(id(v) in found for v in variables):
             return None
         return [found[id(v)] for v in variables]

@@ -12,7 +12,7 @@ import pytest
 from keras_dpsgd.backends import _layer_forms
 from keras_dpsgd.backends.jax import ghost as _ghost
 from tests._behaviour import built
-from tests._ghost_models import assert_layer_norm_taps, ghost_model, per_layer_clip
+from tests._ghost_models import LAYER_NORMS, assert_layer_norm_taps, ghost_model, per_layer_clip
 from tests._keras3_helpers import example_grads
 from tests._step_checks import FRONT, LR, assert_clipped_step, assert_step, compiled
 
@@ -245,7 +245,6 @@ def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_pr
     """``EinsumDenseForm.grads`` (``einsum("Zx,Zy->Zw")``, a bias the output gradient summed over its other letters)
     gives each example's gradient, as the vector-Jacobian product of the layer alone on a batch of one does; two
     calls add up."""
-
     from keras_dpsgd.backends.jax import _rules
 
     rng = np.random.default_rng(1)
@@ -262,7 +261,7 @@ def test_einsum_dense_closed_form_gradients_are_each_examples_vector_jacobian_pr
     _assert_each_examples_vjp(layer, rule, calls, got)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"rms_scaling": True}, {"center": False}, {"scale": False}, {"axis": [1, 2]}])
+@pytest.mark.parametrize("kwargs", LAYER_NORMS, ids=str)
 def test_layer_normalization_closed_form_gradients_are_each_examples_vector_jacobian_product(kwargs):
     """``_LayerNorm.grads`` (sums over an example's rows of δ ⊙ x̂ and δ, from the tapped rows x̂) gives each example's
     gamma and beta gradients, as the vector-Jacobian product of the layer alone on a batch of one does; two calls add
